@@ -1,0 +1,1 @@
+"""streamllm: streaming market-data analytics on stateful transformer sessions."""

@@ -1,0 +1,58 @@
+"""`streamllm ...`: one entry point; each subcommand lives beside the code it drives.
+
+Subcommands delegate to a `cli_main(argv) -> int` in their own module, so each role
+owns its arguments and the dispatcher stays a table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("streamllm.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
+    "model": ("streamllm.model.loader", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
+    "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
+    "calibrate": ("streamllm.calibrate", "replay data and calibrate gate thresholds"),
+}
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "query": ("bench.query", "ask latency vs context, stateless baseline, prefill/decode vs transformers"),
+    "feeds": ("bench.feeds", "wire-parser throughput and rendering token counts"),
+    "prepos": ("bench.prepos", "fast / entry / cold path latency"),
+    "tenants": ("bench.tenants", "batched vs sequential, grouped prefill, interactive latency under load"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: streamllm COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {doc}" for name, (_, doc) in COMMANDS.items()]
+    lines += ["  bench      benchmarks:"]
+    lines += [f"    bench {name:<8} {doc}" for name, (_, doc) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def _dispatch(table: dict[str, tuple[str, str]], name: str, argv: list[str]) -> int:
+    if name not in table:
+        print(f"streamllm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    return int(module.cli_main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "bench":
+        if not rest or rest[0] in ("-h", "--help"):
+            print(_usage())
+            return 0 if rest else 2
+        return _dispatch(BENCHES, rest[0], rest[1:])
+    return _dispatch(COMMANDS, command, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
