@@ -1,0 +1,283 @@
+"""Paged KV store: one pool of fixed-size blocks, block tables, refcounts, forks.
+
+Bookkeeping (`BlockManager`) is separate from the tensors (`KVPool`), as in
+nano-vllm's block manager: the scheduler can ask `can_append` without touching a
+tensor, and tests run without a model.
+
+A session reserves its blocks when it opens (admission): its data then lands in
+one contiguous run of the pool whenever first-fit finds one, so attention reads the
+session as a view instead of gathering it. Branches (questions, entries) take
+blocks from the unreserved part of the pool.
+
+    session table:  [b7 b8 b9 b10 | b11 b12 (reserved, empty)]
+    branch fork:    [b7 b8 b9 | b40 (copy of b10's filled slots) | b41 ...]
+
+Invariant: a block shared by more than one table is always full, so nobody ever
+writes into a shared block (the partial tail is copied at fork time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCapacityError(RuntimeError):
+    """The pool cannot hold what was asked; nothing was allocated."""
+
+
+@dataclass(slots=True)
+class BlockTable:
+    """The blocks of one sequence, in order, and how many token slots are assigned."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    # Blocks set aside at admission, consumed by append before the free pool.
+    reserved: list[int] = field(default_factory=list)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.refcount = [0] * num_blocks
+        self._is_free = [True] * num_blocks
+        self._free: set[int] = set(range(num_blocks))
+        self.num_reserved = 0
+
+    # -- capacity ---------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, table: BlockTable, num_new_tokens: int) -> int:
+        """Blocks that append(table, n) would take from the free pool."""
+        have = len(table.blocks) * self.block_size - table.num_tokens
+        extra = self.blocks_for(max(0, num_new_tokens - have))
+        return max(0, extra - len(table.reserved))
+
+    def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
+        return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= self.num_free_blocks
+
+    # -- allocation -------------------------------------------------------
+    def _take(self, count: int, contiguous: bool) -> list[int]:
+        if count > len(self._free):
+            raise KVCapacityError(
+                f"KV pool exhausted: need {count} blocks of {self.block_size} cells, "
+                f"{len(self._free)} free of {self.num_blocks}; raise max_cells or close sessions"
+            )
+        ids = self._first_fit(count) if contiguous and count > 1 else None
+        if ids is None:
+            ids = sorted(self._free)[:count]
+        for b in ids:
+            self._free.discard(b)
+            self._is_free[b] = False
+            self.refcount[b] = 1
+        return ids
+
+    def _first_fit(self, count: int) -> list[int] | None:
+        run_start, run_len = 0, 0
+        for b in range(self.num_blocks):
+            if self._is_free[b]:
+                if run_len == 0:
+                    run_start = b
+                run_len += 1
+                if run_len == count:
+                    return list(range(run_start, run_start + count))
+            else:
+                run_len = 0
+        return None
+
+    def _release(self, block: int) -> None:
+        self.refcount[block] -= 1
+        if self.refcount[block] < 0:
+            raise AssertionError(f"block {block} released more often than taken")
+        if self.refcount[block] == 0:
+            self._is_free[block] = True
+            self._free.add(block)
+
+    def reserve(self, table: BlockTable, num_tokens: int) -> None:
+        """Set aside blocks so `table` can grow to num_tokens without touching the free pool."""
+        need = self.blocks_for(num_tokens) - len(table.blocks) - len(table.reserved)
+        if need <= 0:
+            return
+        table.reserved.extend(self._take(need, contiguous=True))
+        self.num_reserved += need
+
+    def append(self, table: BlockTable, num_new_tokens: int) -> torch.Tensor:
+        """Assign slots for num_new_tokens more tokens; returns their flat slot ids."""
+        if not self.can_append(table, num_new_tokens):
+            raise KVCapacityError(
+                f"KV pool exhausted: appending {num_new_tokens} tokens needs "
+                f"{self.blocks_needed(table, num_new_tokens)} blocks, {self.num_free_blocks} free; "
+                "raise max_cells or close sessions"
+            )
+        start = table.num_tokens
+        end = start + num_new_tokens
+        while len(table.blocks) * self.block_size < end:
+            if table.reserved:
+                table.blocks.append(table.reserved.pop(0))
+                self.num_reserved -= 1
+            else:
+                table.blocks.extend(self._take(1, contiguous=False))
+        table.num_tokens = end
+        return self.slots(table, start, end)
+
+    def fork(self, table: BlockTable, length: int | None = None) -> tuple[BlockTable, tuple[int, int, int] | None]:
+        """A new table seeing the first `length` tokens of `table`.
+
+        Full blocks are shared (refcount +1). A partial tail is copied: the returned
+        (src_block, dst_block, num_slots) tells the pool what to copy.
+        """
+        length = table.num_tokens if length is None else length
+        if not 0 <= length <= table.num_tokens:
+            raise ValueError(f"fork length {length} outside 0..{table.num_tokens}")
+        full, tail = divmod(length, self.block_size)
+        if tail and not self.num_free_blocks:
+            raise KVCapacityError("KV pool exhausted: no free block to copy a fork's partial tail")
+        shared = table.blocks[:full]
+        for b in shared:
+            self.refcount[b] += 1
+        child = BlockTable(blocks=list(shared), num_tokens=full * self.block_size)
+        copy = None
+        if tail:
+            (dst,) = self._take(1, contiguous=False)
+            child.blocks.append(dst)
+            child.num_tokens = length
+            copy = (table.blocks[full], dst, tail)
+        return child, copy
+
+    def free(self, table: BlockTable) -> None:
+        for b in table.blocks:
+            self._release(b)
+        for b in table.reserved:
+            self._release(b)
+        self.num_reserved -= len(table.reserved)
+        table.blocks.clear()
+        table.reserved.clear()
+        table.num_tokens = 0
+
+    # -- addressing -------------------------------------------------------
+    def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        blocks = torch.tensor(table.blocks, dtype=torch.long)[pos // self.block_size]
+        return blocks * self.block_size + pos % self.block_size
+
+    def runs(self, table: BlockTable, length: int | None = None) -> list[tuple[int, int, int]]:
+        """The first `length` tokens as runs of consecutive slots: (first_pos, first_slot, n)."""
+        length = table.num_tokens if length is None else length
+        out: list[tuple[int, int, int]] = []
+        bs = self.block_size
+        for i in range(self.blocks_for(length)):
+            n = min(bs, length - i * bs)
+            slot = table.blocks[i] * bs
+            if out and out[-1][1] + out[-1][2] == slot and out[-1][2] % bs == 0:
+                pos0, slot0, n0 = out[-1]
+                out[-1] = (pos0, slot0, n0 + n)
+            else:
+                out.append((i * bs, slot, n))
+        return out
+
+    # -- checking ---------------------------------------------------------
+    def check_integrity(self, tables: list[BlockTable]) -> None:
+        """Refcounts equal the references held by `tables` (all live tables), free list agrees."""
+        counts = [0] * self.num_blocks
+        reserved = 0
+        for t in tables:
+            if t.num_tokens > len(t.blocks) * self.block_size:
+                raise AssertionError(f"table holds {t.num_tokens} tokens in {len(t.blocks)} blocks")
+            for b in t.blocks + t.reserved:
+                counts[b] += 1
+            reserved += len(t.reserved)
+        for b in range(self.num_blocks):
+            if counts[b] != self.refcount[b]:
+                raise AssertionError(f"block {b}: refcount {self.refcount[b]}, referenced {counts[b]} times")
+            if (counts[b] == 0) != (b in self._free) or self._is_free[b] != (b in self._free):
+                raise AssertionError(f"block {b}: free-list disagrees with refcount {counts[b]}")
+        if reserved != self.num_reserved:
+            raise AssertionError(f"{self.num_reserved} blocks counted reserved, tables hold {reserved}")
+        for t in tables:
+            tail_full = t.num_tokens % self.block_size == 0
+            if t.blocks and not tail_full and self.refcount[t.blocks[t.num_tokens // self.block_size]] != 1:
+                raise AssertionError("a partially filled block is shared: writes would leak across tables")
+
+
+class KVPool:
+    """The tensors: per layer, keys and values as [num_kv_heads, num_slots, head_dim].
+
+    Heads first so that a run of slots is directly a [H, n, D] view for attention.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_kv_heads, num_slots, head_dim)
+        # torch.empty: pages are only touched as cells fill, so a large budget costs nothing up front.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.k.element_size()
+
+    def copy_slots(self, src_slot: int, dst_slot: int, n: int) -> None:
+        self.k[:, :, dst_slot : dst_slot + n] = self.k[:, :, src_slot : src_slot + n]
+        self.v[:, :, dst_slot : dst_slot + n] = self.v[:, :, src_slot : src_slot + n]
+
+
+class KVStore:
+    """Block manager + pool: the one object the engine and runner share."""
+
+    def __init__(self, manager: BlockManager, pool: KVPool) -> None:
+        self.manager = manager
+        self.pool = pool
+
+    @property
+    def block_size(self) -> int:
+        return self.manager.block_size
+
+    def fork(self, table: BlockTable, length: int | None = None) -> BlockTable:
+        child, copy = self.manager.fork(table, length)
+        if copy is not None:
+            src, dst, n = copy
+            bs = self.manager.block_size
+            self.pool.copy_slots(src * bs, dst * bs, n)
+        return child
+
+    def truncate(self, table: BlockTable, length: int) -> None:
+        """Drop tokens past `length` (their blocks return to the pool unless shared).
+
+        If the new tail block is partial and shared, it is copied first so that later
+        appends never write into another table's cells.
+        """
+        manager = self.manager
+        if not 0 <= length <= table.num_tokens:
+            raise ValueError(f"truncate length {length} outside 0..{table.num_tokens}")
+        keep = manager.blocks_for(length)
+        for b in table.blocks[keep:]:
+            manager._release(b)
+        del table.blocks[keep:]
+        table.num_tokens = length
+        tail = length % manager.block_size
+        if tail and manager.refcount[table.blocks[-1]] > 1:
+            src = table.blocks[-1]
+            (dst,) = manager._take(1, contiguous=False)
+            self.pool.copy_slots(src * manager.block_size, dst * manager.block_size, tail)
+            manager._release(src)
+            table.blocks[-1] = dst

@@ -1,0 +1,100 @@
+"""Attention over paged KV: each sequence's context is a few runs of consecutive slots.
+
+A run is read as a view of the pool (no gather). One run goes straight to SDPA; several
+runs (a branch: the session's blocks, then its own) are attended separately and merged
+by log-sum-exp, the same merge cascade attention uses for a shared prefix.
+
+Queries are laid out per kv head: [Hkv, g * n, D] (g query heads per kv head, n tokens),
+so GQA needs no repeat of K/V: every matmul is batched over kv heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SeqAttention:
+    """Where one sequence's new tokens sit in the flattened batch and what they attend to."""
+
+    q_start: int  # first row of this sequence in the batch
+    q_len: int  # number of new tokens
+    q_pos0: int  # position of the first new token
+    runs: list[tuple[int, int, int]]  # (first_pos, first_slot, n) covering positions 0..q_pos0+q_len
+
+
+def _causal_mask(q_pos0: int, q_len: int, k_pos0: int, k_len: int, groups: int, device) -> torch.Tensor | None:
+    """Boolean keep-mask [g*n, k_len], or None when no key lies after any query."""
+    if k_pos0 + k_len - 1 <= q_pos0:
+        return None
+    q_pos = torch.arange(q_pos0, q_pos0 + q_len, device=device).repeat(groups)
+    k_pos = torch.arange(k_pos0, k_pos0 + k_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def attend(
+    q: torch.Tensor,  # [Hkv, g*n, D]
+    k_layer: torch.Tensor,  # [Hkv, slots, D]
+    v_layer: torch.Tensor,
+    seq: SeqAttention,
+    groups: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention output [Hkv, g*n, D] for one sequence."""
+    if len(seq.runs) == 1:
+        pos0, slot0, n = seq.runs[0]
+        k = k_layer[:, slot0 : slot0 + n]
+        v = v_layer[:, slot0 : slot0 + n]
+        mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return attend_runs(q, k_layer, v_layer, seq.runs, seq.q_pos0, seq.q_len, groups, scale)
+
+
+def partial_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised-free partial attention: (output normalised within this part, its log-sum-exp)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # A row that sees no key here has lse = -inf; make its weights 0 instead of NaN.
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = torch.matmul(torch.exp(scores - safe_lse), v)
+    return out, lse
+
+
+def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Combine per-part (output, lse) into the attention over the union of the parts' keys."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, Hkv, rows, 1]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total)
+    weights = torch.nan_to_num(weights, nan=0.0)
+    out = parts[0][0] * weights[0]
+    for i in range(1, len(parts)):
+        out = out + parts[i][0] * weights[i]
+    return out
+
+
+def attend_runs(
+    q: torch.Tensor,
+    k_layer: torch.Tensor,
+    v_layer: torch.Tensor,
+    runs: list[tuple[int, int, int]],
+    q_pos0: int,
+    q_len: int,
+    groups: int,
+    scale: float,
+) -> torch.Tensor:
+    parts = []
+    for pos0, slot0, n in runs:
+        mask = _causal_mask(q_pos0, q_len, pos0, n, groups, q.device)
+        parts.append(
+            partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale)
+        )
+    return merge_partials(parts)

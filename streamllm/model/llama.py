@@ -1,0 +1,174 @@
+"""Our forward for the Llama family (Llama, SmolLM2, Qwen2, Mistral), on our KV pool.
+
+RMSNorm, RoPE (every scaling variant transformers knows, via its own rotary class),
+GQA, SwiGLU, tied embeddings, optional q/k/v biases (Qwen2). Weights are fused at
+load (q|k|v, gate|up) so each layer runs four matmuls over the whole ragged batch;
+only attention is per sequence. Parity with transformers' forward is the test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from streamllm.model.attention import SeqAttention, attend
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A ragged batch flattened to rows: every new token of every sequence, in order."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: where each row's K/V goes in the pool
+    seqs: list[SeqAttention]
+    logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaForward:
+    def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r} (SwiGLU with silu expected)")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.vocab_size = config.vocab_size
+        use_window = getattr(config, "use_sliding_window", True)
+        self.sliding_window = getattr(config, "sliding_window", None) if use_window else None
+
+        def w(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return state_dict[name].to(device=self.device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return w(name) if name in state_dict else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.final_norm = w("model.norm.weight")
+        self.lm_head = maybe("lm_head.weight")
+        if self.lm_head is None:
+            self.lm_head = self.embed  # tied embeddings
+        self.layers: list[LayerWeights] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            biases = [maybe(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                    qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.intermediate = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
+        self._init_rope()
+
+    # -- rope ---------------------------------------------------------------
+    def _init_rope(self) -> None:
+        # transformers' own rotary class computes inv_freq and the attention factor for
+        # every rope_type in the config (default, linear, llama3, yarn, longrope, ...).
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        rotary = LlamaRotaryEmbedding(self.config)
+        self.rope_type = rotary.rope_type
+        self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
+        self.rope_scaling = float(rotary.attention_scaling)
+        self._cos = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
+        self._sin = self._cos
+        self._ensure_rope(4096)
+
+    def _ensure_rope(self, max_pos: int) -> None:
+        if max_pos <= self._cos.shape[0]:
+            return
+        n = max(max_pos, 2 * self._cos.shape[0])
+        t = torch.arange(n, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self._cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        self._sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    # -- forward ------------------------------------------------------------
+    def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return weight * (x * torch.rsqrt(var + self.eps))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Run the batch, writing its K/V into the caches; returns logits [R, vocab] for logit_rows.
+
+        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors).
+        """
+        positions = batch.positions
+        max_pos = int(positions.max()) + 1 if positions.numel() else 0
+        if self.sliding_window and max_pos > self.sliding_window:
+            raise ValueError(
+                f"context {max_pos} exceeds the model's sliding window {self.sliding_window}; "
+                "set the session's max_context at or below it"
+            )
+        self._ensure_rope(max_pos)
+        cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self._sin[positions].unsqueeze(1)
+        num_rows = batch.input_ids.shape[0]
+        h = self.embed[batch.input_ids]
+        nh, nkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
+        q_size, kv_size = nh * d, nkv * d
+        slots = batch.slot_mapping
+        for li, layer in enumerate(self.layers):
+            x = self._rmsnorm(h, layer.input_norm)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_size].view(num_rows, nh, d)
+            k = qkv[:, q_size : q_size + kv_size].view(num_rows, nkv, d)
+            v = qkv[:, q_size + kv_size :].view(num_rows, nkv, d)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            k_layer, v_layer = k_cache[li], v_cache[li]
+            k_layer[:, slots] = k.transpose(0, 1)
+            v_layer[:, slots] = v.transpose(0, 1)
+            attn = torch.empty(num_rows, nh, d, device=h.device, dtype=h.dtype)
+            for seq in batch.seqs:
+                rows = slice(seq.q_start, seq.q_start + seq.q_len)
+                n = seq.q_len
+                # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
+                qs = q[rows].view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * n, d)
+                out = attend(qs, k_layer, v_layer, seq, g, self.scale)
+                attn[rows] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
+            h = h + F.linear(attn.view(num_rows, q_size), layer.o)
+            x = self._rmsnorm(h, layer.post_norm)
+            gate_up = F.linear(x, layer.gate_up)
+            h = h + F.linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], layer.down)
+        last = h[batch.logit_rows]
+        return F.linear(self._rmsnorm(last, self.final_norm), self.lm_head)

@@ -1,0 +1,87 @@
+"""Executes a plan: one forward over a ragged batch of sequences. Never decides who runs.
+
+Each `Work` names a block table whose slots for the new tokens are already assigned
+(the engine appends before it plans), the new token ids, and which logits it wants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamllm.kv import BlockTable, KVStore
+from streamllm.model.attention import SeqAttention
+from streamllm.model.llama import ForwardBatch, LlamaForward
+
+
+@dataclass(slots=True)
+class Work:
+    table: BlockTable
+    token_ids: list[int]  # tokens computed in this step
+    start_pos: int  # position of token_ids[0]; table holds slots up to start_pos + len
+    want_logits: str = "last"  # "last" | "all" | "none"
+
+
+class Runner:
+    def __init__(self, model: LlamaForward, store: KVStore) -> None:
+        self.model = model
+        self.store = store
+        self.forward_calls = 0
+        self.tokens_computed = 0
+
+    def build_batch(self, works: list[Work]) -> tuple[ForwardBatch, list[slice | None]]:
+        manager = self.store.manager
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        seqs: list[SeqAttention] = []
+        logit_rows: list[int] = []
+        logit_slices: list[slice | None] = []
+        for w in works:
+            n = len(w.token_ids)
+            if n == 0:
+                raise ValueError("a work item must compute at least one token")
+            end = w.start_pos + n
+            if w.table.num_tokens < end:
+                raise ValueError(f"table holds {w.table.num_tokens} slots, work needs {end}")
+            row0 = len(ids)
+            ids.extend(w.token_ids)
+            positions.append(torch.arange(w.start_pos, end))
+            slots.append(manager.slots(w.table, w.start_pos, end))
+            seqs.append(SeqAttention(row0, n, w.start_pos, manager.runs(w.table, end)))
+            if w.want_logits == "last":
+                logit_slices.append(slice(len(logit_rows), len(logit_rows) + 1))
+                logit_rows.append(row0 + n - 1)
+            elif w.want_logits == "all":
+                logit_slices.append(slice(len(logit_rows), len(logit_rows) + n))
+                logit_rows.extend(range(row0, row0 + n))
+            else:
+                logit_slices.append(None)
+        device = self.model.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.cat(positions).to(device),
+            slot_mapping=torch.cat(slots).to(device),
+            seqs=seqs,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+        return batch, logit_slices
+
+    def execute(self, works: list[Work]) -> list[torch.Tensor | None]:
+        """Logits per work: [vocab] for "last", [n, vocab] for "all", None for "none"."""
+        if not works:
+            return []
+        batch, logit_slices = self.build_batch(works)
+        logits = self.model.forward(batch, self.store.pool.k, self.store.pool.v)
+        self.forward_calls += 1
+        self.tokens_computed += int(batch.input_ids.shape[0])
+        out: list[torch.Tensor | None] = []
+        for w, sl in zip(works, logit_slices, strict=True):
+            if sl is None:
+                out.append(None)
+            elif w.want_logits == "last":
+                out.append(logits[sl.start])
+            else:
+                out.append(logits[sl])
+        return out
