@@ -105,16 +105,17 @@ def test_ragged_batch_equals_solo():
     seqs = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (13, 29, 8)]
     tables = [BlockTable() for _ in seqs]
     # first parts solo, then all remaining parts in one batched forward
-    heads = [5, 17, 8]
-    for t, s, h in zip(tables, seqs, heads):
+    heads = [5, 17, 8]  # the third is complete: it sits this batch out
+    for t, s, h in zip(tables, seqs, heads, strict=True):
         prefill(runner, s[:h], table=t)
+    pending = [(t, s, h) for t, s, h in zip(tables, seqs, heads, strict=True) if h < len(s)]
     works = []
-    for t, s, h in zip(tables, seqs, heads):
-        if h < len(s):
-            runner.store.manager.append(t, len(s) - h)
-            works.append(Work(t, s[h:], h, "all"))
+    for t, s, h in pending:
+        runner.store.manager.append(t, len(s) - h)
+        works.append(Work(t, s[h:], h, "all"))
     outs = runner.execute(works)
-    for out, s, h in zip(outs, [s for s, h in zip(seqs, heads) if h < len(s)], [h for s, h in zip(seqs, heads) if h < len(s)]):
+    assert len(outs) == 2
+    for out, (_, s, h) in zip(outs, pending, strict=True):
         assert (out - hf_logits(model, s)[h:]).abs().max().item() <= TOL
 
 
