@@ -1,0 +1,132 @@
+"""Shared wire-parsing pieces: JSON loader choice, parse statistics, RFC 3339 times.
+
+Every venue parser follows one contract (`WireParser`): `parse(raw, ts_recv)` returns the
+normalized events in one message and never raises on bad input; a malformed message is
+counted in `stats` with a sample of what and why, so an adapter keeps running.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+# orjson parses exchange messages ~2-3x faster than the stdlib (bench feeds measures it).
+Loads = Callable[[str | bytes], Any]
+fast_loads: Loads = orjson.loads
+stdlib_loads: Loads = json.loads
+
+MAX_SAMPLES = 20
+
+
+class AuthError(RuntimeError):
+    """The venue refused our credentials; reconnecting will not help."""
+
+
+class VenueError(RuntimeError):
+    """The venue reported an error that ends the session (bad subscription, limits)."""
+
+
+@dataclass(slots=True)
+class ParseStats:
+    messages: int = 0
+    events: int = 0
+    control: int = 0
+    errors: int = 0
+    gaps: int = 0
+    error_samples: list[str] = field(default_factory=list)
+    gap_samples: list[str] = field(default_factory=list)
+
+    def error(self, reason: str, raw: str | bytes) -> None:
+        self.errors += 1
+        if len(self.error_samples) < MAX_SAMPLES:
+            head = raw[:120].decode("utf-8", "replace") if isinstance(raw, bytes) else raw[:120]
+            self.error_samples.append(f"{reason}: {head!r}")
+
+    def gap(self, where: str, expected: int, got: int) -> None:
+        self.gaps += 1
+        if len(self.gap_samples) < MAX_SAMPLES:
+            self.gap_samples.append(f"{where}: expected {expected}, got {got}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "messages": self.messages,
+            "events": self.events,
+            "control": self.control,
+            "errors": self.errors,
+            "gaps": self.gaps,
+            "error_samples": list(self.error_samples),
+            "gap_samples": list(self.gap_samples),
+        }
+
+
+class WireParser(Protocol):
+    venue: str
+    stats: ParseStats
+
+    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]: ...
+
+
+class SeqTracker:
+    """Per-key contiguous sequence check: reports a gap when next != last + 1."""
+
+    __slots__ = ("last", "stats")
+
+    def __init__(self, stats: ParseStats) -> None:
+        self.last: dict[str, int] = {}
+        self.stats = stats
+
+    def check(self, key: str, first: int, last: int | None = None) -> bool:
+        prev = self.last.get(key)
+        end = first if last is None else last
+        if prev is not None and end <= prev:
+            return True  # stale or already covered (e.g. by a snapshot): nothing missing
+        self.last[key] = end
+        # A range update may overlap what we have (Binance: U <= prev+1 <= u after a snapshot).
+        if prev is not None and first > prev + 1:
+            self.stats.gap(key, prev + 1, first)
+            return False
+        return True
+
+    def reset(self) -> None:
+        self.last.clear()
+
+
+_SECONDS_CACHE: dict[str, int] = {}
+
+
+def rfc3339_ns(text: str) -> int:
+    """'2023-02-09T20:19:35.39625135Z' -> ns since epoch, keeping all nine digits.
+
+    datetime.fromisoformat drops below microseconds; venues send nanoseconds.
+    """
+    if len(text) < 20 or text[10] not in "T ":
+        raise ValueError(f"not an RFC 3339 time: {text!r}")
+    head = text[:19]
+    secs = _SECONDS_CACHE.get(head)
+    if secs is None:
+        secs = calendar.timegm(
+            (int(head[0:4]), int(head[5:7]), int(head[8:10]), int(head[11:13]), int(head[14:16]), int(head[17:19]))
+        )
+        if len(_SECONDS_CACHE) > 100_000:
+            _SECONDS_CACHE.clear()
+        _SECONDS_CACHE[head] = secs
+    rest = text[19:]
+    frac_ns = 0
+    if rest.startswith("."):
+        end = 1
+        while end < len(rest) and rest[end].isdigit():
+            end += 1
+        digits = rest[1:end][:9]
+        frac_ns = int(digits.ljust(9, "0")) if digits else 0
+        rest = rest[end:]
+    offset = 0
+    if rest and rest not in ("Z", "z"):
+        sign = 1 if rest[0] == "+" else -1
+        hh, _, mm = rest[1:].partition(":")
+        offset = sign * (int(hh) * 3600 + int(mm or 0) * 60)
+    return (secs - offset) * 1_000_000_000 + frac_ns
