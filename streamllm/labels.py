@@ -246,7 +246,7 @@ LABELS: dict[str, LabelDef] = {
 
 def _did_you_mean(word: str, options: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(options), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_label(text: str) -> LabelSpec:
@@ -277,7 +277,7 @@ def parse_label(text: str) -> LabelSpec:
             raise LabelError(f"label {text!r}: '**' is not allowed")
         param = known.get(keyword.arg)
         if param is None:
-            hint = _did_you_mean(keyword.arg, known) or f"; {name} takes {', '.join(known) or 'none'}"
+            hint = _did_you_mean(keyword.arg, known) or f" ({name} takes {', '.join(known) or 'none'})"
             raise LabelError(f"label {text!r}: unknown parameter {keyword.arg!r}{hint}")
         if keyword.arg in values:
             raise LabelError(f"label {text!r}: parameter {keyword.arg} given twice")

@@ -40,7 +40,7 @@ def test_parse_fills_defaults_and_canonical_text():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("trend_upp(n=3)", "unknown label 'trend_upp'; did you mean 'trend_up'?"),
+        ("trend_upp(n=3)", "unknown label 'trend_upp' (did you mean 'trend_up'?)"),
         ("trend_up(m=3)", "unknown parameter 'm'"),
         ("trend_up(n=3, n=4)", "given twice"),
         ("trend_up(3)", "pass parameters by name"),
