@@ -1,0 +1,357 @@
+"""Standing-question specs and the `queries/*.toml` loader.
+
+A config file lists sessions (instrument, feed, rendering, system prompt, context
+budget) and each session's standing questions. Loading validates everything up
+front; a mistake raises `ConfigError` naming the file, the key path
+(`sessions[1].questions[0].choices`) and what is wrong. See docs/questions.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import tomllib
+import unicodedata
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamllm.labels import LabelError, LabelSpec, parse_label
+
+DEFAULT_THRESHOLD = 2.0  # logit gap; e^2 ~ 7x odds between the top two answers
+DEFAULT_MAX_TOKENS_CHOICES = 4
+DEFAULT_MAX_TOKENS_FREE = 48
+DEFAULT_MAX_CONTEXT_TOKENS = 4096
+MIN_CONTEXT_TOKENS = 128
+DEFAULT_BAR_SECONDS = 5
+DEFAULT_SYSTEM_PROMPT = (
+    "You watch live market data for {instrument}. Each line is one bar, oldest first. "
+    "Answer each question briefly."
+)
+FEED_KINDS = ("synthetic", "binance", "replay", "csv")
+FEEDS_WITH_PATH = ("replay", "csv")
+RENDER_MODES = ("bars", "events")
+MAX_CHOICES = 16
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+# Labels yield True -> choices[0]; these words in the wrong slot mean the pair is inverted.
+_POSITIVE_WORDS = {"yes", "true", "up", "above", "rising", "higher", "high", "spike", "y"}
+_NEGATIVE_WORDS = {"no", "false", "down", "below", "falling", "lower", "low", "normal", "n"}
+
+
+class ConfigError(ValueError):
+    """A config mistake: `source` (file), `key_path` (e.g. `sessions[0].feed`), `problem`."""
+
+    def __init__(self, source: str, key_path: str, problem: str) -> None:
+        self.source, self.key_path, self.problem = source, key_path, problem
+        super().__init__(f"{source}: {key_path}: {problem}" if key_path else f"{source}: {problem}")
+
+
+@dataclass(frozen=True, slots=True)
+class FeedSpec:
+    kind: str  # one of FEED_KINDS
+    path: Path | None = None  # replay / csv: resolved against the config file's folder
+    symbols: tuple[str, ...] = ()  # binance: stream symbols, lower case
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.path}" if self.path is not None else self.kind
+
+
+@dataclass(frozen=True, slots=True)
+class RenderSpec:
+    mode: str = "bars"  # "bars": one line per bar; "events": one line per raw event
+    bar_seconds: int | None = DEFAULT_BAR_SECONDS  # None in events mode
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionSpec:
+    id: str
+    text: str
+    choices: tuple[str, ...] = ()  # empty: free answer, gate over the whole vocabulary
+    threshold: float = DEFAULT_THRESHOLD
+    max_tokens: int = DEFAULT_MAX_TOKENS_FREE
+    label: LabelSpec | None = None  # True -> choices[0], False -> choices[1]
+    push: bool = True
+
+    @property
+    def normalized_text(self) -> str:
+        return normalize_question(self.text)
+
+    def expected_answer(self, bars: Any) -> str | None:
+        """Ground truth from the label on `bars`; None without a label or with too few bars."""
+        return None if self.label is None else self.label.answer(bars, self.choices)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    name: str
+    instrument: str
+    feed: FeedSpec = field(default_factory=lambda: FeedSpec("synthetic"))
+    render: RenderSpec = field(default_factory=RenderSpec)
+    system_prompt: str = ""
+    max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
+    questions: tuple[QuestionSpec, ...] = ()
+
+    def find_question(self, query: str) -> QuestionSpec | None:
+        """The standing question with this id, or with this text up to whitespace and case."""
+        for question in self.questions:
+            if question.id == query:
+                return question
+        normalized = normalize_question(query)
+        for question in self.questions:
+            if question.normalized_text == normalized:
+                return question
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class QueryConfig:
+    source: str
+    sessions: tuple[SessionSpec, ...]
+
+    def session(self, name: str) -> SessionSpec:
+        for session in self.sessions:
+            if session.name == name:
+                return session
+        raise KeyError(f"{self.source}: no session {name!r}; have {[s.name for s in self.sessions]}")
+
+
+def normalize_question(text: str) -> str:
+    """Unicode-compatible, case-folded, whitespace collapsed: how ad-hoc asks match standing ones."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+# -- loading ---------------------------------------------------------------------------
+
+
+def load_config(path: str | Path) -> QueryConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc}") from None
+    return parse_config(text, source=str(path), base_dir=path.parent)
+
+
+def parse_config(
+    text_or_dict: str | Mapping[str, Any], source: str = "<string>", base_dir: str | Path | None = None
+) -> QueryConfig:
+    """Validate a config given as TOML text or an already-parsed dict.
+
+    Relative feed paths resolve against `base_dir` (the config file's folder when
+    loaded from a file); without one they stay relative to the working directory.
+    """
+    reader = _Reader(source, Path(base_dir) if base_dir is not None else None)
+    if isinstance(text_or_dict, str):
+        try:
+            data: Any = tomllib.loads(text_or_dict)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(source, "", f"invalid TOML: {exc}") from None
+    else:
+        data = text_or_dict
+    table = reader.table(data, "")
+    reader.keys(table, "", ("sessions",))
+    sessions_data = reader.array_of_tables(table, "", "sessions", required=True)
+    if not sessions_data:
+        raise ConfigError(source, "sessions", "needs at least one session")
+    sessions: list[SessionSpec] = []
+    for index, session_data in enumerate(sessions_data):
+        session = reader.session(session_data, f"sessions[{index}]")
+        if any(s.name == session.name for s in sessions):
+            raise ConfigError(source, f"sessions[{index}].name", f"duplicate session name {session.name!r}")
+        sessions.append(session)
+    return QueryConfig(source, tuple(sessions))
+
+
+def parse_question(data: Mapping[str, Any], source: str = "<question>", key_path: str = "question") -> QuestionSpec:
+    """Validate one question table (also used for questions registered at run time)."""
+    return _Reader(source, None).question(data, key_path)
+
+
+_MISSING: Any = object()
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+@dataclass(slots=True)
+class _Reader:
+    """Typed access to parsed TOML that knows where it is, so every error names its key."""
+
+    source: str
+    base_dir: Path | None
+
+    def fail(self, path: str, problem: str) -> ConfigError:
+        return ConfigError(self.source, path, problem)
+
+    def table(self, value: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            raise self.fail(path, f"expected a table, got {_kind(value)}")
+        return value
+
+    def keys(self, table: Mapping[str, Any], path: str, allowed: tuple[str, ...]) -> None:
+        for key in table:
+            if key not in allowed:
+                close = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(allowed)}"
+                raise self.fail(_join(path, str(key)), f"unknown key; {hint}")
+
+    def get(self, table: Mapping[str, Any], path: str, key: str, kinds: tuple[type, ...], what: str,
+            default: Any = _MISSING) -> Any:
+        if key not in table:
+            if default is _MISSING:
+                raise self.fail(_join(path, key), f"missing (required: {what})")
+            return default
+        value = table[key]
+        # TOML booleans are ints to Python; never accept one where a number is meant.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise self.fail(_join(path, key), f"expected {what}, got {_kind(value)} {value!r}")
+        return value
+
+    def text(self, table: Mapping[str, Any], path: str, key: str, default: Any = _MISSING) -> str:
+        value = self.get(table, path, key, (str,), "a string", default)
+        if isinstance(value, str) and not value.strip():
+            raise self.fail(_join(path, key), "must not be empty")
+        return value
+
+    def name(self, table: Mapping[str, Any], path: str, key: str) -> str:
+        value = self.text(table, path, key)
+        if not _NAME.match(value):
+            raise self.fail(_join(path, key), f"{value!r}: use letters, digits, '_', '.', '-' (no spaces)")
+        return value
+
+    def integer(self, table: Mapping[str, Any], path: str, key: str, default: int, minimum: int) -> int:
+        value = self.get(table, path, key, (int,), "an integer", default)
+        if value < minimum:
+            raise self.fail(_join(path, key), f"must be >= {minimum}, got {value}")
+        return value
+
+    def array_of_tables(self, table: Mapping[str, Any], path: str, key: str, required: bool = False) -> list:
+        value = self.get(table, path, key, (list,), "an array of tables", _MISSING if required else [])
+        for index, item in enumerate(value):
+            self.table(item, f"{_join(path, key)}[{index}]")
+        return value
+
+    def session(self, data: Any, path: str) -> SessionSpec:
+        table = self.table(data, path)
+        self.keys(table, path, ("name", "instrument", "feed", "symbols", "render", "system_prompt",
+                                "max_context_tokens", "questions"))
+        name = self.name(table, path, "name")
+        instrument = self.text(table, path, "instrument")
+        feed = self.feed(table, path, instrument)
+        render = self.render(table.get("render", {}), _join(path, "render"))
+        system_prompt = self.text(table, path, "system_prompt", DEFAULT_SYSTEM_PROMPT)
+        max_context = self.integer(table, path, "max_context_tokens", DEFAULT_MAX_CONTEXT_TOKENS,
+                                   MIN_CONTEXT_TOKENS)
+        questions: list[QuestionSpec] = []
+        for index, question_data in enumerate(self.array_of_tables(table, path, "questions")):
+            question_path = f"{_join(path, 'questions')}[{index}]"
+            question = self.question(question_data, question_path)
+            for other in questions:
+                if other.id == question.id:
+                    raise self.fail(f"{question_path}.id", f"duplicate question id {question.id!r}")
+                if other.normalized_text == question.normalized_text:
+                    raise self.fail(f"{question_path}.text",
+                                    f"same text as question {other.id!r} (up to case and spaces)")
+            questions.append(question)
+        return SessionSpec(name, instrument, feed, render,
+                           system_prompt.replace("{instrument}", instrument), max_context,
+                           tuple(questions))
+
+    def feed(self, table: Mapping[str, Any], path: str, instrument: str) -> FeedSpec:
+        text = self.text(table, path, "feed", "synthetic")
+        key = _join(path, "feed")
+        kind, _, location = text.partition(":")
+        if kind not in FEED_KINDS:
+            close = difflib.get_close_matches(kind, FEED_KINDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise self.fail(key, f"unknown feed {kind!r}{hint}; use 'binance', 'synthetic', "
+                                 "'replay:PATH' or 'csv:PATH'")
+        if kind in FEEDS_WITH_PATH and not location.strip():
+            raise self.fail(key, f"{kind!r} needs a path: '{kind}:PATH'")
+        if kind not in FEEDS_WITH_PATH and location:
+            raise self.fail(key, f"{kind!r} takes no path (got {location!r})")
+        if "symbols" in table and kind != "binance":
+            raise self.fail(_join(path, "symbols"), f"only for feed 'binance', not {kind!r}")
+        if kind == "binance":
+            default = [re.sub(r"[^a-z0-9]", "", instrument.lower())]
+            symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)
+            if not symbols or not all(isinstance(s, str) and s.strip() for s in symbols):
+                raise self.fail(_join(path, "symbols"), f"expected non-empty strings, got {symbols!r}")
+            return FeedSpec(kind, None, tuple(s.strip().lower() for s in symbols))
+        if kind in FEEDS_WITH_PATH:
+            file = Path(location.strip()).expanduser()
+            if self.base_dir is not None and not file.is_absolute():
+                file = Path(os.path.normpath(self.base_dir.absolute() / file))
+            return FeedSpec(kind, file)
+        return FeedSpec(kind)
+
+    def render(self, data: Any, path: str) -> RenderSpec:
+        table = self.table(data, path)
+        self.keys(table, path, ("mode", "bar_seconds"))
+        mode = self.text(table, path, "mode", "bars")
+        if mode not in RENDER_MODES:
+            raise self.fail(_join(path, "mode"), f"unknown mode {mode!r}; use 'bars' or 'events'")
+        if mode == "events":
+            if "bar_seconds" in table:
+                raise self.fail(_join(path, "bar_seconds"), "only with mode = 'bars'")
+            return RenderSpec("events", None)
+        return RenderSpec("bars", self.integer(table, path, "bar_seconds", DEFAULT_BAR_SECONDS, 1))
+
+    def question(self, data: Any, path: str) -> QuestionSpec:
+        table = self.table(data, path)
+        self.keys(table, path, ("id", "text", "choices", "threshold", "max_tokens", "label", "push"))
+        question_id = self.name(table, path, "id")
+        text = self.text(table, path, "text")
+        choices = self.choices(table, path)
+        threshold = float(self.get(table, path, "threshold", (int, float), "a number", DEFAULT_THRESHOLD))
+        if not math.isfinite(threshold) or threshold < 0:
+            raise self.fail(_join(path, "threshold"), f"must be a finite logit gap >= 0, got {threshold}")
+        default_tokens = DEFAULT_MAX_TOKENS_CHOICES if choices else DEFAULT_MAX_TOKENS_FREE
+        max_tokens = self.integer(table, path, "max_tokens", default_tokens, 1)
+        label = self.label(table, path, choices)
+        push = self.get(table, path, "push", (bool,), "true or false", True)
+        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push)
+
+    def choices(self, table: Mapping[str, Any], path: str) -> tuple[str, ...]:
+        key = _join(path, "choices")
+        choices = self.get(table, path, "choices", (list,), "a list of strings", [])
+        if "choices" in table and not 2 <= len(choices) <= MAX_CHOICES:
+            raise self.fail(key, f"needs 2 to {MAX_CHOICES} choices, got {len(choices)}")
+        seen: dict[str, int] = {}
+        for index, choice in enumerate(choices):
+            if not isinstance(choice, str) or not choice.strip() or choice != choice.strip():
+                raise self.fail(f"{key}[{index}]", f"expected a non-empty string without surrounding "
+                                                   f"spaces, got {choice!r}")
+            folded = choice.casefold()
+            if folded in seen:
+                raise self.fail(f"{key}[{index}]", f"{choice!r} repeats choices[{seen[folded]}] "
+                                                   "(choices are matched regardless of case)")
+            seen[folded] = index
+        return tuple(choices)
+
+    def label(self, table: Mapping[str, Any], path: str, choices: tuple[str, ...]) -> LabelSpec | None:
+        if "label" not in table:
+            return None
+        key = _join(path, "label")
+        try:
+            label = parse_label(self.text(table, path, "label"))
+        except LabelError as exc:
+            raise self.fail(key, str(exc)) from None
+        if len(choices) != 2:
+            raise self.fail(key, f"label {label.name!r} is a yes/no predicate: the question needs "
+                                 f"exactly 2 choices (the answer when true first), got {len(choices)}")
+        first, second = (c.casefold() for c in choices)
+        if first in _NEGATIVE_WORDS or second in _POSITIVE_WORDS:
+            raise self.fail(key, f"choices {list(choices)} look inverted: label {label.name!r} "
+                                 "answers choices[0] when true, so put the answer for true first")
+        return label
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
