@@ -1,0 +1,185 @@
+"""Sessions and questions on the tiny model: incremental ingest, branches, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from streamllm.engine import AdmissionError, Engine, SessionError
+from streamllm.kv import KVCapacityError
+from streamllm.model import load_model
+
+LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.fixture()
+def engine(tiny):
+    # small blocks and chunks so every path crosses block and chunk boundaries
+    eng = Engine(tiny, max_cells=16384, block_size=8, max_context=2048, chunk_tokens=24, step_tokens=64)
+    yield eng
+    eng.shutdown()
+
+
+def reference_logits(tiny, ids):
+    hf = LlamaForCausalLM(tiny.config)
+    hf.load_state_dict(tiny.state_dict, strict=False)
+    hf.tie_weights()
+    hf.eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1]
+
+
+def test_chunked_pushes_equal_one_prefill_and_transformers(engine, tiny):
+    engine.open_session("chunked")
+    engine.open_session("oneshot")
+    v = 0
+    for chunk in ([LINES[0]], LINES[1:4], LINES[4:5], LINES[5:17], LINES[17:30]):
+        v = engine.push("chunked", chunk).data_version
+    engine.push("oneshot", LINES[:30])
+    a = engine.ask("chunked", "Trend?", max_tokens=1, min_version=v, return_logits=True)
+    b = engine.ask("oneshot", "Trend?", max_tokens=1, min_version=1, return_logits=True)
+    assert a.data_version == 5 and b.data_version == 1
+    assert engine.sessions["chunked"].token_ids == engine.sessions["oneshot"].token_ids
+    assert (a.logits - b.logits).abs().max().item() <= 1e-4
+    ids = engine.sessions["oneshot"].token_ids + engine.layout.question_ids("Trend?")
+    assert (a.logits - reference_logits(tiny, ids)).abs().max().item() <= 1e-4
+
+
+def test_lines_are_tokenized_once_and_appended(engine):
+    engine.open_session("s")
+    before = list(engine.sessions["s"].token_ids)
+    engine.push("s", LINES[:2])
+    per_line = engine.layout.lines_ids(LINES[:2])
+    assert engine.sessions["s"].token_ids == before + per_line[0] + per_line[1]
+
+
+def test_ask_never_mutates_the_session(engine):
+    engine.open_session("s")
+    engine.push("s", LINES[:20])
+    engine.wait_idle()
+    s = engine.sessions["s"]
+    snapshot = (list(s.table.blocks), s.table.num_tokens, list(s.token_ids), s.num_computed, s.data_version)
+    first = engine.ask("s", "What was the last close?", max_tokens=6)
+    second = engine.ask("s", "What was the last close?", max_tokens=6)
+    assert (first.text, first.tokens) == (second.text, second.tokens)
+    assert snapshot == (list(s.table.blocks), s.table.num_tokens, list(s.token_ids), s.num_computed, s.data_version)
+    assert first.tokens_computed == len(engine.layout.question_ids("What was the last close?")) + 5
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_answer_equals_greedy_decode_of_transformers(engine, tiny):
+    engine.open_session("s")
+    ack = engine.push("s", LINES[:8])
+    ans = engine.ask("s", "Up or down?", max_tokens=5, min_version=ack.data_version)
+    ids = engine.sessions["s"].token_ids + engine.layout.question_ids("Up or down?")
+    hf = LlamaForCausalLM(tiny.config)
+    hf.load_state_dict(tiny.state_dict, strict=False)
+    hf.tie_weights()
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)[0, len(ids):].tolist()
+    assert ans.tokens == out[: len(ans.tokens)]
+
+
+def test_concurrent_questions_on_many_sessions_equal_solo(engine):
+    names = [f"s{i}" for i in range(4)]
+    for i, n in enumerate(names):
+        engine.open_session(n)
+        engine.push(n, LINES[i : i + 10 + 3 * i])
+    engine.wait_idle()
+    solo = {n: engine.ask(n, "Trend?", max_tokens=4, return_logits=True) for n in names}
+    futures = {n: engine.submit_ask(n, "Trend?", max_tokens=4, return_logits=True) for n in names}
+    for n, fut in futures.items():
+        together = fut.result(30)
+        assert together.tokens == solo[n].tokens
+        assert (together.logits - solo[n].logits).abs().max().item() <= 1e-4
+
+
+def test_data_version_counts_batches_and_ack_reports_backlog(engine):
+    engine.open_session("s")
+    acks = [engine.push("s", LINES[i : i + 3]) for i in range(0, 9, 3)]
+    assert [a.data_version for a in acks] == [1, 2, 3]
+    assert acks[-1].queue_depth <= 9
+    engine.wait_idle()
+    info = engine.session_info("s")
+    assert info.data_version == 3 and info.lines_ingested == 9 and engine.backlog("s") == 0
+
+
+def test_ask_from_threads_and_asyncio(engine):
+    engine.open_session("s")
+    engine.push("s", LINES[:5])
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(engine.ask("s", "Trend?", max_tokens=3, min_version=1)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    async def main():
+        return await asyncio.gather(*(engine.ask_async("s", "Trend?", max_tokens=3) for _ in range(3)))
+
+    results += asyncio.run(main())
+    assert len({tuple(r.tokens) for r in results}) == 1
+
+
+def test_stop_string_cuts_the_answer(engine):
+    engine.open_session("s")
+    engine.push("s", LINES[:5])
+    free = engine.ask("s", "Trend?", max_tokens=8, min_version=1)
+    assert len(free.text) > 1
+    stopped = engine.ask("s", "Trend?", max_tokens=8, stop=[free.text[1:3]])
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[:1].strip()
+
+
+def test_errors_are_clear_and_lose_nothing(engine):
+    with pytest.raises(SessionError, match="no session named 'nope'"):
+        engine.push("nope", ["x"])
+    engine.open_session("s")
+    with pytest.raises(SessionError, match="already open"):
+        engine.open_session("s")
+    engine.push("s", LINES[:2])
+    with pytest.raises(ValueError, match=r"lines\[1\] contains a line break"):
+        engine.push("s", ["ok", "two\nlines"])
+    with pytest.raises(TypeError, match=r"lines\[0\] must be a string"):
+        engine.push("s", [3])
+    with pytest.raises(KVCapacityError, match="max_context"):
+        engine.push("s", LINES * 40)
+    assert engine.session_info("s").pushed_version == 1  # the bad batches left no trace
+    with pytest.raises(ValueError, match="ahead"):
+        engine.ask("s", "Trend?", min_version=7)
+
+
+def test_admission_refuses_when_the_pool_cannot_reserve(tiny):
+    with Engine(tiny, max_cells=1024, block_size=8, max_context=400, branch_cells=128) as eng:
+        eng.open_session("a")
+        eng.open_session("b")
+        with pytest.raises(AdmissionError, match="cannot open session 'c'"):
+            eng.open_session("c")
+        eng.close_session("b")
+        eng.wait_idle()
+        eng.open_session("c")
+        eng.check_integrity()
+
+
+def test_close_frees_everything(engine):
+    free_before = engine.store.manager.num_free_blocks
+    engine.open_session("s")
+    engine.push("s", LINES[:10])
+    engine.ask("s", "Trend?", max_tokens=2, min_version=1)
+    engine.close_session("s")
+    engine.wait_idle()
+    engine.push  # noqa: B018 - engine still alive
+    assert engine.store.manager.num_free_blocks == free_before
+    engine.check_integrity()
+    with pytest.raises(SessionError):
+        engine.ask("s", "Trend?")
