@@ -116,6 +116,16 @@ def test_hf_checkpoint_dir_round_trip(tiny_model, tmp_path, shards):
     assert load_tokenizer(str(directory)).encode(BAR) == tiny_model.tokenizer.encode(BAR)
 
 
+def test_hf_checkpoint_dir_with_pytorch_bin(tiny_model, tmp_path):
+    directory = tmp_path / "ckpt"
+    tiny_model.config.save_pretrained(directory)
+    tiny_model.tokenizer.save_pretrained(directory)
+    torch.save(tiny_model.state_dict, directory / "pytorch_model.bin")
+    loaded = load_model(str(directory), progress=False)
+    assert_same_weights(loaded.state_dict, tiny_model.state_dict)
+    assert "*.bin" in loaded.source
+
+
 def test_checkpoint_with_explicit_tied_head_and_bf16_is_normalized(tiny_model, tmp_path):
     directory = tmp_path / "ckpt"
     directory.mkdir()
