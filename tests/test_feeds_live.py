@@ -142,3 +142,42 @@ def test_alpaca_flow_delivers_batched_events() -> None:
 
     t, q = asyncio.run(run())
     assert t.price == 126.55 and q.ask == 126.6
+
+
+def test_record_cli_from_replay_server(tmp_path: Path) -> None:
+    import threading
+
+    from feeds.events import Quote, Trade, read_parquet
+    from feeds.recorder import cli_main
+
+    src = tmp_path / "btcusdt_src.gz"
+    trade = {"e": "trade", "E": 1, "s": "BTCUSDT", "t": 7, "p": "2.50", "q": "1", "T": 1, "m": False, "M": True}
+    _write_capture(src, [_book_ticker(1), json.dumps({"stream": "btcusdt@trade", "data": trade}), _book_ticker(2)])
+    ready, url = threading.Event(), []
+    loop = asyncio.new_event_loop()
+    server = ReplayServer([src])
+
+    def serve_forever() -> None:
+        asyncio.set_event_loop(loop)
+        url.append(loop.run_until_complete(server.start()))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve_forever, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        out = tmp_path / "rec"
+        rc = cli_main(["--venue", "binance", "--symbols", "btcusdt", "--channels", "trade,bookTicker",
+                       "--out", str(out), "--url", url[0] + "/stream", "--once", "--duration", "20"])
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert rc == 0
+    (raw,) = (out / "raw").glob("btcusdt_*.gz")
+    replayed = list(CaptureSource(raw))
+    assert [type(e) for e in replayed] == [Quote, Trade, Quote]
+    (qfile,) = (out / "parquet" / "quote").glob("*.parquet")
+    (tfile,) = (out / "parquet" / "trade").glob("*.parquet")
+    assert len(read_parquet(qfile, Quote)) == 2 and read_parquet(tfile, Trade)[0].price == 2.5
