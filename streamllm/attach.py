@@ -1,0 +1,259 @@
+"""Attach a market feed to engine sessions: events -> lines -> `engine.push`.
+
+Each attachment feeds one session with either raw events (one line each) or time bars of
+N seconds. Lines wait in a pending list until the session's ingest backlog is below
+`max_backlog`; while ingest lags, the pending list is coalesced into summary lines once it
+exceeds `max_pending`:
+
+    bars    consecutive bars of an instrument merge into one bar (OHLCV combined) with
+            `(N bars to HH:MM)`; a run of empty bars stays a `no trades` gap line
+    events  per instrument: `HH:MM:SS-HH:MM:SS summary 812 trades 61830.1-61850 last 61845
+            v12.3 b55; 344 quotes last bid 61844.99 ask 61845; 90 book updates`
+
+Nothing is dropped silently: `stats` counts every event in, and
+`in == as_lines + in_summaries + held_in_open_bars + ignored + late + pending`, where pending
+events are still waiting to be pushed (see `Attachment.accounted`).
+
+The sink is the engine (`push(session, lines) -> PushAck`, `backlog(session) -> int`);
+anything with those two methods works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from feeds.bars import BarAggregator
+from feeds.events import BUY, Bar, BookDelta, Quote, Trade
+from streamllm.render import Renderer, fixed, hhmm, hhmmss, quantity
+
+
+class Sink(Protocol):
+    def push(self, session: str, lines: list[str]) -> Any: ...
+
+    def backlog(self, session: str) -> int: ...
+
+
+@dataclass
+class AttachSpec:
+    session: str
+    mode: str = "bars"  # "bars" or "events"
+    bar_s: float = 60.0
+    instruments: frozenset[str] | None = None  # None: every instrument of the feed
+    max_backlog: int = 256  # session lines not yet ingested before we hold back
+    max_pending: int = 64  # held lines before they are coalesced
+    with_symbol: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bars", "events"):
+            raise ValueError(f"attach {self.session!r}: mode must be 'bars' or 'events', got {self.mode!r}")
+        if self.bar_s <= 0:
+            raise ValueError(f"attach {self.session!r}: bar_s must be positive, got {self.bar_s}")
+
+
+@dataclass(slots=True)
+class AttachStats:
+    events_in: int = 0
+    ignored: int = 0  # other instruments or, in bars mode, events that are not trades
+    lines_pushed: int = 0
+    pushes: int = 0
+    held: int = 0  # flushes skipped because ingest lagged
+    summaries: int = 0  # summary lines made
+    events_summarized: int = 0  # events represented by summary lines
+    events_as_lines: int = 0  # events represented one line each (bars: trades inside pushed bars)
+    late: int = 0  # trades for bar intervals already closed
+
+
+@dataclass(slots=True)
+class _Item:
+    """A pending line's source: one event or bar, or a coalesced group."""
+
+    events: int  # feed events it represents
+    bar: Bar | None = None
+    event: Any = None
+    line: str | None = None  # set for summaries (already rendered)
+
+
+@dataclass
+class Attachment:
+    sink: Sink
+    spec: AttachSpec
+    renderer: Renderer | None = None
+    stats: AttachStats = field(default_factory=AttachStats)
+    last_ack: Any = None
+    _pending: list[_Item] = field(default_factory=list)
+    _agg: BarAggregator | None = None
+    _bar_events: dict[str, int] = field(default_factory=dict)  # trades inside each open bar
+
+    def __post_init__(self) -> None:
+        if self.renderer is None:
+            self.renderer = Renderer(with_symbol=self.spec.with_symbol)
+        if self.spec.mode == "bars":
+            self._agg = BarAggregator(self.spec.bar_s)
+
+    # --- in ---
+    def offer(self, ev: Any) -> None:
+        self.stats.events_in += 1
+        inst = self.spec.instruments
+        if inst is not None and ev.instrument not in inst:
+            self.stats.ignored += 1
+            return
+        if self._agg is None:
+            self._pending.append(_Item(1, event=ev))
+            return
+        if type(ev) is not Trade:
+            self.stats.ignored += 1
+            return
+        closed = self._agg.update(ev)
+        self._take_bars(closed)
+        if self._agg.late:  # a trade for an interval already closed: counted, not in any bar
+            self.stats.late += self._agg.late
+            self._agg.late = 0
+        else:
+            self._bar_events[ev.instrument] = self._bar_events.get(ev.instrument, 0) + 1
+
+    def tick(self, now_ns: int) -> None:
+        """Close bars whose interval ended (a quiet market still produces bar lines)."""
+        if self._agg is not None:
+            self._take_bars(self._agg.advance(now_ns))
+
+    def _take_bars(self, closed: list[Bar]) -> None:
+        for bar in closed:
+            n = bar.trades if bar.trades > 0 else 0
+            self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
+            self._pending.append(_Item(n, bar=bar))
+
+    # --- out ---
+    def flush(self) -> Any:
+        """Push pending lines if ingest keeps up; coalesce them if it does not."""
+        if not self._pending:
+            return None
+        if self.sink.backlog(self.spec.session) >= self.spec.max_backlog:
+            self.stats.held += 1
+            if len(self._pending) > self.spec.max_pending:
+                self._coalesce()
+            return None
+        lines = [self._line(item) for item in self._pending]
+        ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+        for item in self._pending:
+            if item.line is None:
+                self.stats.events_as_lines += item.events
+        self.stats.lines_pushed += len(lines)
+        self.stats.pushes += 1
+        self._pending.clear()
+        self.last_ack = ack
+        return ack
+
+    def _line(self, item: _Item) -> str:
+        if item.line is not None:
+            return item.line
+        assert self.renderer is not None
+        return self.renderer.render(item.bar if item.bar is not None else item.event)
+
+    @property
+    def pending_events(self) -> int:
+        return sum(item.events for item in self._pending)
+
+    def accounted(self) -> int:
+        """Events accounted for so far; equals `stats.events_in` at every moment."""
+        s = self.stats
+        open_bars = sum(self._bar_events.values())
+        pending = sum(i.events for i in self._pending if i.line is None)
+        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending
+
+    def _coalesce(self) -> None:
+        groups: dict[str, list[_Item]] = {}
+        done: list[_Item] = []
+        for item in self._pending:
+            if item.line is not None:
+                done.append(item)  # already a summary
+                continue
+            src = item.bar if item.bar is not None else item.event
+            groups.setdefault(src.instrument, []).append(item)
+        for inst, items in groups.items():
+            line = self._bar_summary(items) if items[0].bar is not None else self._event_summary(inst, items)
+            n = sum(i.events for i in items)
+            done.append(_Item(n, line=line))
+            self.stats.summaries += 1
+            self.stats.events_summarized += n
+        self._pending = done
+
+    def _bar_summary(self, items: list[_Item]) -> str:
+        bs = [i.bar for i in items if i.bar is not None]
+        first, last = bs[0], bs[-1]
+        vol = sum(b.volume for b in bs)
+        merged = replace(
+            last, ts_open=first.ts_open, interval_ns=last.ts_event - first.ts_open, open=first.open,
+            high=max(b.high for b in bs), low=min(b.low for b in bs), volume=vol,
+            trades=sum(max(b.trades, 0) for b in bs) if any(b.trades > 0 for b in bs) else min(b.trades for b in bs),
+            buy_volume=sum(b.buy_volume for b in bs), sell_volume=sum(b.sell_volume for b in bs),
+            vwap=sum(b.vwap * b.volume for b in bs) / vol if vol else last.close,
+        )
+        assert self.renderer is not None
+        line = self.renderer.bar(merged)
+        minute = 60 * 1_000_000_000
+        clock = hhmm if last.ts_event % minute == 0 and first.interval_ns % minute == 0 else hhmmss
+        return line if merged.trades == 0 else f"{line} ({len(bs)} bars to {clock(last.ts_event)})"
+
+    def _event_summary(self, inst: str, items: list[_Item]) -> str:
+        evs = [i.event for i in items]
+        trades = [e for e in evs if type(e) is Trade]
+        quotes = [e for e in evs if type(e) is Quote]
+        books = sum(1 for e in evs if type(e) is BookDelta)
+        bars_ = [e for e in evs if type(e) is Bar]
+        assert self.renderer is not None
+        head = f"{hhmmss(evs[0].ts_event)}-{hhmmss(evs[-1].ts_event)}"
+        if self.renderer.with_symbol:
+            head += f" {inst}"
+        parts = []
+        if trades:
+            dp = max(t.px_dp for t in trades)
+            vol = sum(t.size for t in trades)
+            buy = sum(t.size for t in trades if t.side == BUY)
+            lo, hi = min(t.price for t in trades), max(t.price for t in trades)
+            parts.append(f"{len(trades)} trades {fixed(lo, dp)}-{fixed(hi, dp)} last {fixed(trades[-1].price, dp)}"
+                         f" v{quantity(vol)}" + (f" b{round(100 * buy / vol)}" if vol > 0 else ""))
+        if quotes:
+            q = quotes[-1]
+            parts.append(f"{len(quotes)} quotes last bid {fixed(q.bid, q.px_dp)} ask {fixed(q.ask, q.px_dp)}")
+        if books:
+            parts.append(f"{books} book updates")
+        if bars_:
+            parts.append(f"{len(bars_)} bars last close {fixed(bars_[-1].close, bars_[-1].px_dp)}")
+        return f"{head} summary " + "; ".join(parts)
+
+
+async def attach(
+    feed: AsyncIterable[Any] | Iterable[Any],
+    attachments: list[Attachment],
+    flush_every: int = 64,
+    flush_s: float = 0.05,
+) -> None:
+    """Drive attachments from a feed until it ends; flushes every `flush_every` events or
+    `flush_s` seconds of wall time, and closes bars on the feed's clock."""
+    loop = asyncio.get_running_loop()
+    last_flush, n = loop.time(), 0
+
+    def step(ev: Any) -> None:
+        nonlocal last_flush, n
+        n += 1
+        for a in attachments:
+            a.offer(ev)
+        if n % flush_every == 0 or loop.time() - last_flush >= flush_s:
+            for a in attachments:
+                a.tick(ev.ts_recv)
+                a.flush()
+            last_flush = loop.time()
+
+    if isinstance(feed, AsyncIterable):
+        async for ev in feed:
+            step(ev)
+    else:
+        for ev in feed:
+            step(ev)
+            if n % flush_every == 0:
+                await asyncio.sleep(0)
+    for a in attachments:
+        a.flush()
