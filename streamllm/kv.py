@@ -73,15 +73,23 @@ class BlockManager:
         return self.blocks_for(num_tokens) <= self.num_free_blocks
 
     # -- allocation -------------------------------------------------------
-    def _take(self, count: int, contiguous: bool) -> list[int]:
+    def _take(self, count: int, contiguous: bool, after: int | None = None) -> list[int]:
+        """Take `count` free blocks: right after block `after` if free (the table's run goes
+        on), else a contiguous run if asked, else any."""
         if count > len(self._free):
             raise KVCapacityError(
                 f"KV pool exhausted: need {count} blocks of {self.block_size} cells, "
                 f"{len(self._free)} free of {self.num_blocks}; raise max_cells or close sessions"
             )
-        ids = self._first_fit(count) if contiguous and count > 1 else None
+        ids = None
+        if after is not None and after + count < self.num_blocks and all(
+            self._is_free[b] for b in range(after + 1, after + 1 + count)
+        ):
+            ids = list(range(after + 1, after + 1 + count))
+        if ids is None and contiguous and count > 1:
+            ids = self._first_fit(count)
         if ids is None:
-            ids = sorted(self._free)[:count]
+            ids = sorted(self._free)[:count] if count > 1 else [next(iter(self._free))]
         for b in ids:
             self._free.discard(b)
             self._is_free[b] = False
@@ -127,12 +135,13 @@ class BlockManager:
             )
         start = table.num_tokens
         end = start + num_new_tokens
-        while len(table.blocks) * self.block_size < end:
-            if table.reserved:
-                table.blocks.append(table.reserved.pop(0))
-                self.num_reserved -= 1
-            else:
-                table.blocks.extend(self._take(1, contiguous=False))
+        while len(table.blocks) * self.block_size < end and table.reserved:
+            table.blocks.append(table.reserved.pop(0))
+            self.num_reserved -= 1
+        missing = self.blocks_for(end) - len(table.blocks)
+        if missing > 0:
+            last = table.blocks[-1] if table.blocks else None
+            table.blocks.extend(self._take(missing, contiguous=True, after=last))
         table.num_tokens = end
         return self.slots(table, start, end)
 

@@ -129,7 +129,7 @@ def test_ask_from_threads_and_asyncio(engine):
         return await asyncio.gather(*(engine.ask_async("s", "Trend?", max_tokens=3) for _ in range(3)))
 
     results += asyncio.run(main())
-    assert len({tuple(r.tokens) for r in results}) == 1
+    assert len({(tuple(r.tokens), r.data_version) for r in results}) == 1, [(r.tokens, r.data_version) for r in results]
 
 
 def test_stop_string_cuts_the_answer(engine):

@@ -134,3 +134,32 @@ def test_fork_branch_attends_across_runs():
     ref = hf_logits(model, base + question)[len(base):]
     assert (out - ref).abs().max().item() <= TOL
     runner.store.manager.check_integrity([table, branch])
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize(
+    "runs",
+    [
+        [(0, 0, 12)],  # one contiguous run
+        [(0, 40, 8), (8, 8, 4)],  # session blocks + branch tail
+        [(0, 40, 8), (8, 8, 2), (10, 64, 2)],  # new tokens scattered over two runs
+        [(0, 64, 4), (4, 16, 4), (8, 100, 4)],
+    ],
+)
+def test_paged_attention_equals_dense(runs, q_len):
+    """Every way of cutting a context into runs gives dense causal attention's result."""
+    from streamllm.model.attention import SeqAttention, attend
+
+    gen = torch.Generator().manual_seed(5)
+    hkv, g, d, slots = 2, 3, 8, 128
+    k_layer, v_layer = torch.randn(hkv, slots, d, generator=gen), torch.randn(hkv, slots, d, generator=gen)
+    total = sum(n for _, _, n in runs)
+    q_pos0 = total - q_len
+    q = torch.randn(hkv, g * q_len, d, generator=gen)
+    out = attend(q, k_layer, v_layer, SeqAttention(0, q_len, q_pos0, runs), g, 0.3)
+    keys = torch.cat([k_layer[:, s : s + n] for _, s, n in runs], dim=1)
+    vals = torch.cat([v_layer[:, s : s + n] for _, s, n in runs], dim=1)
+    q_pos = torch.arange(q_pos0, total).repeat(g)
+    mask = torch.arange(total)[None, :] <= q_pos[:, None]
+    ref = torch.softmax((q @ keys.transpose(1, 2) * 0.3).masked_fill(~mask, float("-inf")), -1) @ vals
+    assert (out - ref).abs().max().item() <= 1e-5

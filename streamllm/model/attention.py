@@ -37,6 +37,17 @@ def _causal_mask(q_pos0: int, q_len: int, k_pos0: int, k_len: int, groups: int, 
     return k_pos[None, :] <= q_pos[:, None]
 
 
+# CPU flash kernel that also returns the log-sum-exp we need to merge parts.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _unmasked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(q[None], k[None], v[None], 0.0, False, scale=scale)
+        return out[0], lse[0].unsqueeze(-1)
+    return partial_attention(q, k, v, None, scale)
+
+
 def attend(
     q: torch.Tensor,  # [Hkv, g*n, D]
     k_layer: torch.Tensor,  # [Hkv, slots, D]
@@ -45,14 +56,38 @@ def attend(
     groups: int,
     scale: float,
 ) -> torch.Tensor:
-    """Attention output [Hkv, g*n, D] for one sequence."""
-    if len(seq.runs) == 1:
-        pos0, slot0, n = seq.runs[0]
-        k = k_layer[:, slot0 : slot0 + n]
-        v = v_layer[:, slot0 : slot0 + n]
+    """Attention output [Hkv, g*n, D] for one sequence.
+
+    Keys before the first new token need no mask (every query comes after them): they
+    go to the fast kernel. Keys of the new tokens themselves need the causal mask; they
+    are few (one chunk). With one part there is nothing to merge.
+    """
+    old: list[tuple[int, int]] = []  # (slot0, n): no mask needed
+    new: list[tuple[int, int, int]] = []  # (pos0, slot0, n): causal among the new tokens
+    split = seq.q_pos0 if seq.q_len > 1 else seq.q_pos0 + 1
+    for pos0, slot0, n in seq.runs:
+        if pos0 + n <= split:
+            old.append((slot0, n))
+        elif pos0 >= split:
+            new.append((pos0, slot0, n))
+        else:
+            head = split - pos0
+            old.append((slot0, head))
+            new.append((split, slot0 + head, n - head))
+    if len(old) + len(new) == 1:
+        if old:
+            slot0, n = old[0]
+            return F.scaled_dot_product_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], scale=scale)
+        pos0, slot0, n = new[0]
         mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return attend_runs(q, k_layer, v_layer, seq.runs, seq.q_pos0, seq.q_len, groups, scale)
+        return F.scaled_dot_product_attention(
+            q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], attn_mask=mask, scale=scale
+        )
+    parts = [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in old]
+    for pos0, slot0, n in new:
+        mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
+        parts.append(partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale))
+    return merge_partials(parts)
 
 
 def partial_attention(
