@@ -1,0 +1,48 @@
+"""Prometheus metrics of one server: its own CollectorRegistry, never the global one.
+
+Service counters are updated as messages flow; engine figures are read from
+`engine.stats()` at scrape time, so the engine carries no metrics code of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Round trips on the fast path are sub-millisecond; cold answers on a CPU take seconds.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for key, value in self._stats().items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(f"streamllm_engine_{key}", f"engine.stats()[{key!r}]", value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.connections = Gauge("streamllm_connections", "open websocket connections", registry=r)
+        self.subscriptions = Gauge("streamllm_subscriptions", "active session subscriptions", registry=r)
+        self.messages = Counter("streamllm_messages", "client messages by type", ["type"], registry=r)
+        self.errors = Counter("streamllm_errors", "error replies by code", ["code"], registry=r)
+        self.answers = Counter("streamllm_answers", "answers sent by path", ["path"], registry=r)
+        self.ask_seconds = Histogram("streamllm_ask_seconds", "server-side ask time, request to answer",
+                                     ["path"], buckets=LATENCY_BUCKETS, registry=r)
+        self.events = Counter("streamllm_events", "standing/data events queued to clients", ["type"], registry=r)
+        self.slow_disconnects = Counter("streamllm_slow_disconnects",
+                                        "connections cut because their outgoing queue filled", registry=r)
+        self.lines_pushed = Counter("streamllm_lines_pushed", "data lines accepted by push", registry=r)
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,136 @@
+"""The service's wire protocol: message decoding, field validation and error codes.
+
+Every message is one JSON object `{"type": ..., "id": ..., ...}`. Validation raises
+`ProtocolError(code, message)`; the server turns it into an `error` reply that echoes
+the request's `id`, and the connection carries on. See docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# Stable error codes: clients may branch on these, so never rename one.
+BAD_JSON = "bad_json"
+UNKNOWN_TYPE = "unknown_type"
+BAD_FIELD = "bad_field"
+TOO_LARGE = "too_large"
+UNKNOWN_SESSION = "unknown_session"
+SESSION_EXISTS = "session_exists"
+UNKNOWN_QUESTION = "unknown_question"
+UNAUTHORIZED = "unauthorized"
+FORBIDDEN = "forbidden"
+CAPACITY = "capacity"
+BUSY = "busy"
+CONFIG_ERROR = "config_error"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_JSON, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, UNKNOWN_SESSION, SESSION_EXISTS,
+               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, CONFIG_ERROR, INTERNAL)
+
+CLIENT_TYPES = ("hello", "open", "close", "push", "register", "unregister", "ask", "subscribe",
+                "unsubscribe", "stats")
+# Types that change a session: a read-only tenant gets `forbidden` for these.
+WRITE_TYPES = frozenset({"open", "close", "push", "register", "unregister"})
+
+SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+MAX_ID_CHARS = 128
+MAX_LINES_PER_PUSH = 10_000
+MAX_ASK_TOKENS = 512
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; `code` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str, request_id: str | int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id  # set when the id was readable before the message failed
+
+
+@dataclass(slots=True)
+class Request:
+    type: str
+    id: str | int | None
+    body: dict[str, Any]
+
+    def field(self, key: str, kinds: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
+        """`body[key]`, type-checked; a missing or mistyped field names itself in the error."""
+        if key not in self.body:
+            if default is ...:
+                raise ProtocolError(BAD_FIELD, f"{self.type}: missing field {key!r} ({what})")
+            return default
+        value = self.body[key]
+        # JSON booleans are ints to Python: never accept one where a number is meant.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and not _allows_bool(kinds)):
+            raise ProtocolError(BAD_FIELD, f"{self.type}: field {key!r} must be {what}, got {_kind(value)}")
+        return value
+
+    def session(self) -> str:
+        name = self.field("session", str, "a session name")
+        if not SESSION_NAME.match(name):
+            raise ProtocolError(BAD_FIELD, f"{self.type}: session name {name!r} must be 1-64 letters, "
+                                           "digits, '_', '.' or '-', starting with a letter or digit")
+        return name
+
+    def text(self, key: str, what: str) -> str:
+        value = self.field(key, str, what)
+        if not value.strip():
+            raise ProtocolError(BAD_FIELD, f"{self.type}: field {key!r} must not be empty")
+        return value
+
+    def integer(self, key: str, default: int | None, low: int, high: int) -> int | None:
+        value = self.field(key, int, f"an integer in [{low}, {high}]", default)
+        if value is not None and not low <= value <= high:
+            raise ProtocolError(BAD_FIELD, f"{self.type}: field {key!r} must be in [{low}, {high}], got {value}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        return self.field(key, bool, "true or false", default)
+
+
+def decode(raw: str | bytes, max_bytes: int) -> Request:
+    """Parse one incoming frame; ProtocolError for anything but a typed JSON object."""
+    size = len(raw.encode() if isinstance(raw, str) else raw)
+    if size > max_bytes:
+        raise ProtocolError(TOO_LARGE, f"message is {size} bytes, over the limit of {max_bytes}")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(BAD_JSON, f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError(BAD_JSON, f"a message must be a JSON object, got {_kind(data)}")
+    req_id = data.get("id")
+    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, str | int)
+                               or (isinstance(req_id, str) and len(req_id) > MAX_ID_CHARS)):
+        raise ProtocolError(BAD_FIELD, f"field 'id' must be a string (up to {MAX_ID_CHARS} chars) or an integer")
+    kind = data.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError(BAD_FIELD, "missing field 'type' (a string: " + ", ".join(CLIENT_TYPES) + ")", req_id)
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; use one of " + ", ".join(CLIENT_TYPES),
+                            req_id)
+    return Request(kind, req_id, data)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return orjson.dumps(message, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error(code: str, message: str, req_id: str | int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if req_id is not None:
+        out["id"] = req_id
+    return out
+
+
+def _allows_bool(kinds: type | tuple[type, ...]) -> bool:
+    return bool in (kinds if isinstance(kinds, tuple) else (kinds,))
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
