@@ -80,6 +80,9 @@ class Scheduler:
                 ids = s.token_ids[s.num_computed :]
                 budget -= self._take(plan, INGEST, s, s.table, ids, s.num_computed, "none", budget)
             self._ingest_cursor += 1
+        # Idle work never rides along with a question: it would lengthen the question's step.
+        if any(item.kind == INTERACTIVE for item in plan.items):
+            return plan
         for job in idle_jobs or []:
             if budget <= 0:
                 break

@@ -172,14 +172,19 @@ class Answer:
 
 @dataclass(slots=True, eq=False)
 class Branch:
-    """A question forked off a session at a data version; decodes greedily on its own blocks."""
+    """A sequence forked off a session at a data version, on its own blocks.
+
+    purpose: "ask" (a question someone waits for), "entry" (a standing question's
+    pre-paid prefill, kept after it completes) or "decode" (a standing answer decoded
+    from an entry as idle work).
+    """
 
     session: Session
     question: str
     prompt_ids: list[int]
     max_tokens: int
     stop: list[str]
-    future: Future
+    future: Future | None
     min_version: int = 0
     t_start: float = field(default_factory=time.perf_counter)
     table: BlockTable | None = None
@@ -187,10 +192,16 @@ class Branch:
     data_version: int = 0
     generated: list[int] = field(default_factory=list)
     num_computed: int = 0  # of prompt_ids + generated
+    prepaid: int = 0  # tokens whose KV came with the entry (not computed for this answer)
     finish_reason: str = "length"
     text: str = ""
     keep_logits: bool = False
     first_logits: object = None
+    purpose: str = "ask"
+    path: str = "cold"
+    confidence: float | None = None
+    stale: bool = False
+    standing: object = None  # the Standing this branch serves, if any
 
     @property
     def ids(self) -> list[int]:

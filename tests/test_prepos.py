@@ -1,0 +1,200 @@
+"""Standing questions: entries, the gate's three paths, invalidation, standing answers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from streamllm.engine import Engine
+from streamllm.gate import GateError
+from streamllm.questions import QuestionSpec
+
+LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
+ALWAYS, NEVER = 0.0, 1e9  # gate thresholds
+
+
+@pytest.fixture()
+def engine(tiny_model):
+    eng = Engine(tiny_model, max_cells=16384, block_size=8, max_context=2048, chunk_tokens=24, step_tokens=64)
+    yield eng
+    eng.shutdown()
+
+
+def ready(engine, name="s", lines=LINES[:6], questions=()):
+    engine.open_session(name)
+    for q in questions:
+        engine.register(name, q)
+    ack = engine.push(name, list(lines))
+    engine.wait_idle()
+    return ack.data_version
+
+
+def cold_twin(engine, lines=LINES[:6], name="cold"):
+    """A session with the same data and no standing questions: asks there take the cold path."""
+    return ready(engine, name, lines)
+
+
+def test_fast_path_is_the_cold_paths_first_token_without_a_model_call(engine):
+    v = ready(engine, questions=[QuestionSpec("q", "What comes next?", threshold=ALWAYS, max_tokens=1)])
+    calls = engine.runner.forward_calls
+    fast = engine.ask("s", "q")
+    assert engine.runner.forward_calls == calls  # no model call at all
+    assert fast.path == "fast" and fast.tokens_computed == 0 and fast.data_version == v
+    cold_twin(engine)
+    cold = engine.ask("cold", "What comes next?", max_tokens=3)
+    assert cold.path == "cold" and cold.data_version == v
+    assert engine.tokenizer.decode(cold.tokens[:1], skip_special_tokens=True) == fast.text
+
+
+def test_fast_path_choice_is_the_cold_distributions_best_choice(engine):
+    spec = QuestionSpec("dir", "Up or down?", choices=("up", "down"), threshold=ALWAYS, max_tokens=2)
+    ready(engine, questions=[spec])
+    calls = engine.runner.forward_calls
+    fast = engine.ask("s", "  up OR down? ")  # matched by normalized text
+    assert engine.runner.forward_calls == calls
+    assert fast.path == "fast" and fast.text in ("up", "down")
+    cold_twin(engine)
+    cold = engine.ask("cold", "Up or down?", max_tokens=1, return_logits=True)
+    assert cold.path == "cold"
+    gate = engine.prepos.find("s", "dir").gate
+    decision = gate.decide(cold.logits)
+    assert decision.answer == fast.text
+    assert decision.gap == pytest.approx(fast.confidence, abs=1e-4)
+
+
+def test_entry_path_equals_cold_path(engine):
+    ready(engine, questions=[QuestionSpec("q", "Describe the last bar.", threshold=NEVER, max_tokens=6)])
+    entry = engine.ask("s", "q")
+    cold_spec = "Describe the last bar."
+    cold_twin(engine)
+    cold = engine.ask("cold", cold_spec, max_tokens=6)
+    assert entry.path == "entry" and cold.path == "cold"
+    assert entry.tokens == cold.tokens and entry.text == cold.text
+    # the entry paid the question's prefill: only decode steps were computed for this answer
+    assert entry.tokens_computed == len(entry.tokens) - 1 if entry.finish_reason == "length" else True
+    assert cold.tokens_computed > entry.tokens_computed + len(engine.layout.question_ids(cold_spec)) - 2
+
+
+def test_new_data_invalidates_entries(engine):
+    ready(engine, questions=[QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1)])
+    st = engine.prepos.find("s", "q")
+    first_entry = st.ready
+    assert first_entry.data_version == 1
+    ack = engine.push("s", LINES[6:9])
+    engine.wait_idle()
+    assert st.ready is not first_entry and st.ready.data_version == ack.data_version == 2
+    answer = engine.ask("s", "q")
+    assert answer.data_version == 2 and answer.path == "fast"
+    assert first_entry.table is None  # the stale entry's cells went back to the pool
+    engine.check_integrity()
+
+
+def asked_at_ingest(engine, name="s"):
+    """Submit the standing ask from the data callback: the batch is ingested, its entry not yet."""
+    futures = []
+    engine.subscribe_data(name, lambda _s, version: futures.append((version, engine.submit_ask(name, "q"))))
+    return futures
+
+
+def test_ask_while_stale_waits_for_the_fresh_entry_by_default(engine):
+    ready(engine, questions=[QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1)])
+    futures = asked_at_ingest(engine)
+    engine.push("s", LINES[6:9])
+    engine.wait_idle()
+    (version, future), = futures
+    answer = future.result(30)
+    assert version == 2 and answer.data_version == 2 and not answer.stale and answer.path == "fast"
+
+
+def test_stale_policy_answers_from_the_previous_version_flagged(tiny_model):
+    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=2048, stale_policy="stale") as eng:
+        ready(eng, questions=[QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1)])
+        futures = asked_at_ingest(eng)
+        eng.push("s", LINES[6:9])
+        eng.wait_idle()
+        (version, future), = futures
+        answer = future.result(30)
+        assert version == 2 and answer.data_version == 1 and answer.stale
+        fresh = eng.ask("s", "q")
+        assert fresh.data_version == 2 and not fresh.stale
+
+
+def test_subscribers_hear_only_changes(engine):
+    heard = []
+    engine.open_session("s")
+    engine.subscribe("s", heard.append)
+    data = []
+    engine.subscribe_data("s", lambda name, version: data.append(version))
+    engine.register("s", QuestionSpec("q", "Next?", choices=("up", "down"), threshold=ALWAYS, max_tokens=1))
+    for i in range(4):
+        engine.push("s", LINES[i : i + 1])
+        engine.wait_idle()
+    answers = engine.standing("s")
+    assert len(answers) == 1 and answers[0].data_version == 4
+    texts = [a.text for a in heard]
+    assert all(a != b for a, b in zip(texts, texts[1:], strict=False))  # consecutive events differ
+    assert heard and heard[-1].text == answers[0].text
+    assert data == [1, 2, 3, 4]
+
+
+def test_push_question_without_gate_is_decoded_as_idle_work(engine):
+    heard = []
+    engine.open_session("s")
+    engine.subscribe("s", heard.append)
+    engine.register("s", QuestionSpec("q", "Describe.", threshold=NEVER, max_tokens=3, push=True))
+    engine.push("s", LINES[:3])
+    engine.wait_idle()
+    (answer,) = engine.standing("s")
+    assert answer.path == "entry" and answer.data_version == 1
+    assert answer.text == engine.ask("s", "Describe.", max_tokens=3).text
+
+
+def test_watch_is_an_async_iterator(engine):
+    engine.open_session("s")
+    engine.register("s", QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1))
+
+    async def first_change():
+        async for change in engine.watch("s"):
+            return change
+
+    async def main():
+        task = asyncio.create_task(first_change())
+        await asyncio.sleep(0.05)
+        engine.push("s", LINES[:2])
+        return await asyncio.wait_for(task, 30)
+
+    change = asyncio.run(main())
+    assert change.question_id == "q"
+
+
+def test_register_errors_and_unregister_frees_cells(engine):
+    engine.open_session("s")
+    engine.register("s", QuestionSpec("q", "Next?", max_tokens=1))
+    with pytest.raises(ValueError, match="already has a standing question 'q'"):
+        engine.register("s", QuestionSpec("q", "Other?"))
+    with pytest.raises(GateError):
+        engine.register("s", QuestionSpec("c", "Pick.", choices=("up", "UP!")))
+    engine.push("s", LINES[:3])
+    engine.wait_idle()
+    free = engine.store.manager.num_free_blocks
+    engine.unregister("s", "q")
+    assert engine.store.manager.num_free_blocks > free
+    with pytest.raises(KeyError):
+        engine.unregister("s", "q")
+    engine.check_integrity()
+
+
+def test_entries_of_many_questions_and_sessions_stay_consistent(engine):
+    specs = [QuestionSpec(f"q{i}", f"Question number {i}?", threshold=NEVER, max_tokens=2) for i in range(4)]
+    for n in ("a", "b"):
+        ready(engine, n, LINES[:4], specs)
+    cold_twin(engine, LINES[:4])
+    for n in ("a", "b"):
+        for spec in specs:
+            via_entry = engine.ask(n, spec.id, return_logits=True)
+            cold = engine.ask("cold", spec.text, max_tokens=2, return_logits=True)
+            assert via_entry.path == "entry" and cold.path == "cold" and via_entry.tokens == cold.tokens
+            assert torch.allclose(via_entry.logits, cold.logits, atol=1e-4)
+    engine.check_integrity()
