@@ -1,0 +1,265 @@
+"""The engine thread: plan -> execute -> update, and how results become answers.
+
+`EngineLoop` is the half of `Engine` that runs on the background thread (and the
+answer-from-entry logic that callers also use for the fast path). It shares the
+engine's state and lock; `engine.py` holds the public API.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from streamllm.kv import KVCapacityError
+from streamllm.prepos import Standing
+from streamllm.runner import Work
+from streamllm.scheduler import INGEST, Plan
+from streamllm.session import Answer, Branch, Session
+
+log = logging.getLogger("streamllm.engine")
+
+
+class EngineLoop:
+    """Mixin of Engine: everything that runs between two steps of the model."""
+
+    def _ask_standing(self, st: Standing, br: Branch) -> None:
+        """Under the lock: answer from the entry if it is current, else wait for it (or go stale)."""
+        if st.ready is not None and st.ready.data_version >= br.min_version:
+            self._answer_from_entry(st, br)
+        elif st.ready is not None and self.stale_policy == "stale":
+            br.stale = True
+            self._answer_from_entry(st, br)
+        else:
+            st.waiters.append(br)
+            self._cv.notify_all()
+
+    def _answer_from_entry(self, st: Standing, br: Branch) -> None:
+        """Fast path when the gate fires and the answer is one decision; else decode from the entry."""
+        decision = self.prepos.decide(st)
+        br.confidence = decision.gap
+        br.path = "fast" if decision.fired else "entry"
+        if decision.fired and (st.spec.choices or br.max_tokens == 1 or decision.token_id in self.layout.eos_ids):
+            br.data_version = st.ready.data_version
+            br.first_logits = st.ready_logits if br.keep_logits else None
+            br.finish_reason = "stop"
+            self.fast_answers += 1
+            br.future.set_result(self._answer(br, st.spec.choices and decision.answer or
+                                              self.tokenizer.decode([decision.token_id], skip_special_tokens=True), 0))
+            return
+        self.prepos.fork_from_entry(st, br)
+        br.prepaid = br.num_computed
+        if not br.keep_logits:
+            br.first_logits = None
+        first = decision.token_id if decision.fired else int(torch.argmax(st.ready_logits))
+        self._running.append(br)
+        self._on_token(br, first)
+        self._cv.notify_all()
+
+    def _has_work(self) -> bool:
+        return bool(self._running or any(self._can_start(b) for b in self._waiting)
+                    or any(s.pending_tokens for s in self.sessions.values())
+                    or any(st.session.ready and (not st.fresh() or st.computing or st.decoding)
+                           for st in self.prepos.all()))
+
+    def _waiters_without_entries(self) -> None:
+        """Asks waiting on an entry that cannot be computed (no cells) go the cold way."""
+        for st in self.prepos.all():
+            if st.waiters and st.computing is None and not st.fresh():
+                for br in st.waiters:
+                    br.standing = None
+                self._waiting.extend(st.waiters)
+                st.waiters.clear()
+
+    def _can_start(self, br: Branch) -> bool:
+        s = br.session
+        return s.ready and s.data_version >= br.min_version
+
+    def _start_waiting(self) -> None:
+        for br in [b for b in self._waiting if self._can_start(b)]:
+            s = br.session
+            try:
+                br.table = self.store.fork(s.table, s.version_length(s.data_version))
+            except KVCapacityError as exc:
+                if not self._running:  # nothing will free cells: fail instead of waiting forever
+                    self._waiting.remove(br)
+                    br.future.set_exception(exc)
+                continue
+            br.base_len = s.version_length(s.data_version)
+            br.data_version = s.data_version
+            self._waiting.remove(br)
+            self._running.append(br)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._release_closed()
+                while not self._stopped and not self._has_work():
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait()
+                    self._release_closed()
+                if self._stopped:
+                    self._fail_all(RuntimeError("engine shut down"))
+                    return
+                self._busy = True
+                self._start_waiting()
+                self.prepos.refresh()
+                self._waiters_without_entries()
+                urgent, idle = self.prepos.entry_jobs()
+                plan = self.scheduler.schedule(self._running + urgent, list(self.sessions.values()), idle)
+                self._in_step = bool(plan)
+            if not plan:
+                with self._cv:  # blocked on memory: wait for a close or a finished branch
+                    self._cv.wait(0.05)
+                continue
+            try:
+                logits = self.runner.execute(
+                    [Work(i.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
+                )
+            except Exception as exc:  # a failed step fails its questions, never the engine
+                log.exception("forward failed")
+                with self._cv:
+                    self._in_step = False
+                    self._fail_plan(plan, exc)
+                continue
+            with self._cv:
+                self._in_step = False
+                self._update(plan, logits)
+                self.steps += 1
+                events, self._events = self._events, []
+            for session, kind, *payload in events:
+                self.hub.publish(session, kind, *payload)
+
+    def _update(self, plan: Plan, logits: list) -> None:
+        for item, lg in zip(plan.items, logits, strict=True):
+            if item.kind == INGEST:
+                session: Session = item.owner
+                before = session.data_version
+                session.advance(len(item.token_ids))
+                if session.data_version != before:
+                    self._events.append((session.name, "data", session.name, session.data_version))
+                continue
+            br: Branch = item.owner
+            br.num_computed += len(item.token_ids)
+            if lg is None:
+                continue
+            if br.purpose == "entry":
+                self._on_entry_ready(br, lg.clone())
+                continue
+            if br.keep_logits and br.first_logits is None:
+                br.first_logits = lg.clone()
+            self._on_token(br, int(torch.argmax(lg)))
+        self._cv.notify_all()
+
+    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> None:
+        st = self.prepos.on_entry_ready(entry, logits)
+        if st is None:
+            return
+        waiters, st.waiters = st.waiters, []
+        for br in waiters:
+            if entry.data_version >= br.min_version:
+                self._answer_from_entry(st, br)
+            else:
+                st.waiters.append(br)
+        decision = self.prepos.decide(st)
+        if decision.fired and st.spec.choices:
+            self._standing_changed(st, decision.answer, "fast", decision.gap, entry.data_version)
+        elif st.spec.push:
+            self.prepos.release(st.decoding)  # an older decode is superseded by this fresher entry
+            dec = Branch(st.session, st.spec.text, st.prompt_ids, st.spec.max_tokens, [], None,
+                         purpose="decode", standing=st, confidence=decision.gap, path="entry")
+            try:
+                self.prepos.fork_from_entry(st, dec)
+            except KVCapacityError:
+                st.decoding = None
+                return
+            dec.prepaid = dec.num_computed
+            st.decoding = dec
+            self._on_token(dec, decision.token_id if decision.fired else int(torch.argmax(logits)))
+        else:  # nobody is pushed this answer: keep the gate's view for snapshots
+            text = decision.answer or ""
+            self._standing_changed(st, text, "fast" if decision.fired else "gate", decision.gap, entry.data_version)
+
+    def _standing_changed(self, st: Standing, text: str, path: str, confidence: float, version: int) -> None:
+        changed = self.prepos.set_answer(st, text.strip(), path, confidence, version)
+        if changed is not None:
+            self._events.append((st.session.name, "standing", changed))
+
+    def _on_token(self, br: Branch, token: int) -> None:
+        if token in self.layout.eos_ids:
+            br.finish_reason = "stop"
+            return self._finish(br)
+        br.generated.append(token)
+        text = self.tokenizer.decode(br.generated, skip_special_tokens=True)
+        for s in br.stop:
+            cut = text.find(s)
+            if cut >= 0:
+                br.finish_reason, text = "stop", text[:cut]
+                br.text = text
+                return self._finish(br)
+        br.text = text
+        if len(br.generated) >= br.max_tokens:
+            br.finish_reason = "length"
+            self._finish(br)
+
+    def _finish(self, br: Branch) -> None:
+        if br.table is not None:
+            self.store.manager.free(br.table)
+            br.table = None
+        if br.purpose == "decode":
+            st: Standing = br.standing
+            if st.decoding is br:
+                st.decoding = None
+                self._standing_changed(st, br.text, "entry", br.confidence, br.data_version)
+            return
+        if br in self._running:
+            self._running.remove(br)
+        self.questions_answered += 1
+        br.future.set_result(self._answer(br, br.text.strip(), br.num_computed - br.prepaid))
+
+    def _answer(self, br: Branch, text: str, tokens_computed: int) -> Answer:
+        latency = (time.perf_counter() - br.t_start) * 1000
+        return Answer(br.session.name, br.question, text, list(br.generated), br.data_version, tokens_computed,
+                      latency, path=br.path, confidence=br.confidence, stale=br.stale,
+                      finish_reason=br.finish_reason, logits=br.first_logits)
+
+    def _fail_plan(self, plan: Plan, exc: Exception) -> None:
+        for item in plan.items:
+            if item.kind == INGEST:  # give back the slots; the tokens stay pending and are retried
+                self.store.truncate(item.table, item.owner.num_computed)
+                continue
+            br: Branch = item.owner
+            if br.table is not None:
+                self.store.manager.free(br.table)
+                br.table = None
+            if br.purpose == "ask" and br in self._running:
+                self._running.remove(br)
+                br.future.set_exception(exc)
+            elif br.standing is not None:  # entries and decodes are recomputed on the next refresh
+                st: Standing = br.standing if br.purpose == "decode" else None
+                for owner in self.prepos.all():
+                    if owner.computing is br:
+                        owner.computing = None
+                if st is not None and st.decoding is br:
+                    st.decoding = None
+        self._cv.notify_all()
+
+    def _fail_all(self, exc: Exception) -> None:
+        for st in self.prepos.all():
+            self._waiting.extend(st.waiters)
+            st.waiters.clear()
+        for br in self._waiting + self._running:
+            if not br.future.done():
+                br.future.set_exception(exc)
+        self._waiting.clear()
+        self._running.clear()
+        self._busy = False
+        self._cv.notify_all()
+
+    def _release_closed(self) -> None:
+        for session in self._closed:
+            self.store.manager.free(session.table)
+        self._closed.clear()
+
