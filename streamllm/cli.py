@@ -14,6 +14,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("streamllm.model.loader", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
     "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
     "calibrate": ("streamllm.calibrate", "replay data and calibrate gate thresholds"),
+    "serve": ("streamllm.server", "websocket service: engine + feeds + standing questions from a config"),
+    "ask": ("streamllm.client", "ask a question on a running server's session"),
+    "watch": ("streamllm.watch", "live table of a session's standing answers on a running server"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -21,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "feeds": ("bench.feeds", "wire-parser throughput and rendering token counts"),
     "prepos": ("bench.prepos", "fast / entry / cold path latency"),
     "tenants": ("bench.tenants", "batched vs sequential, grouped prefill, interactive latency under load"),
+    "server": ("bench.server", "ask round trip over loopback websockets, 1 and 50 clients"),
 }
 
 

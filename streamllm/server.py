@@ -74,7 +74,7 @@ class _Conn:
         self.ws = ws
         self.tenant = tenant
         self.metrics = metrics
-        self.out: asyncio.Queue[bytes] = asyncio.Queue(max_queue)
+        self.out: asyncio.Queue[bytes | tuple[int, str]] = asyncio.Queue(max_queue)
         self.subs: dict[str, _Subscription] = {}
         self.asks: set[asyncio.Task] = set()
         self.cut_reason: str | None = None
@@ -99,10 +99,23 @@ class _Conn:
         self.writer.cancel()
         self._closer = asyncio.create_task(self.ws.close(code, reason[:120]))
 
+    def finish(self, code: int, reason: str) -> None:
+        """Close once what is queued is sent (the error reply to a bad token must reach the client)."""
+        if self.cut_reason is None:
+            try:
+                self.out.put_nowait((code, reason))
+            except asyncio.QueueFull:
+                return self.cut(code, reason)
+            self.cut_reason = reason
+
     async def _write(self) -> None:
         with contextlib.suppress(ConnectionClosed):
             while True:
-                await self.ws.send(await self.out.get(), text=True)
+                item = await self.out.get()
+                if isinstance(item, tuple):  # queued by finish(): everything before it is sent
+                    await self.ws.close(item[0], item[1][:120])
+                    return
+                await self.ws.send(item, text=True)
 
     def teardown(self) -> None:
         for sub in self.subs.values():
@@ -228,7 +241,7 @@ class StreamServer:
             tenant = self.tenants.authenticate(token or "")
             if tenant is None:
                 conn.send(p.error(p.UNAUTHORIZED, "unknown token", req.id))
-                conn.cut(CLOSE_POLICY, "unknown token")
+                conn.finish(CLOSE_POLICY, "unknown token")
                 self.metrics.errors.labels(p.UNAUTHORIZED).inc()
                 return None
             if conn.tenant is not None and conn.tenant != tenant:
@@ -291,7 +304,7 @@ class StreamServer:
     async def _ask(self, conn: _Conn, req: Request) -> None:
         session = req.session()
         question = req.text("question", "the question text, or a standing question's id")
-        max_tokens = req.integer("max_tokens", 16, 1, p.MAX_ASK_TOKENS)
+        max_tokens = req.integer("max_tokens", None, 1, p.MAX_ASK_TOKENS)  # None: the standing spec's, or 16
         min_version = req.integer("min_version", None, 0, 1 << 62)
         stop = req.field("stop", list, "an array of strings", None)
         if stop is not None and not all(isinstance(s, str) and s for s in stop):
@@ -301,14 +314,19 @@ class StreamServer:
             raise ProtocolError(p.BUSY, f"ask: {len(conn.asks)} questions already in flight on this connection "
                                         f"(limit {self.config.max_inflight_asks}); wait for answers")
         t0 = time.perf_counter()
-        future = self.engine.submit_ask(_ename(conn, session), question, max_tokens=max_tokens, stop=stop,
-                                        min_version=min_version)
-        task = asyncio.create_task(self._answer(conn, req.id, session, future, t0))
+        kw: dict[str, Any] = {"stop": stop, "min_version": min_version}
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        future = self.engine.submit_ask(_ename(conn, session), question, **kw)
+        if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
+            self._send_answer(conn, req.id, session, future.result(), t0)
+            return None
+        task = asyncio.create_task(self._await_answer(conn, req.id, session, future, t0))
         conn.asks.add(task)
         task.add_done_callback(conn.asks.discard)
         return None
 
-    async def _answer(self, conn: _Conn, req_id: Any, session: str, future: Future, t0: float) -> None:
+    async def _await_answer(self, conn: _Conn, req_id: Any, session: str, future: Future, t0: float) -> None:
         try:
             answer = await bridge(future)
         except asyncio.CancelledError:
@@ -316,6 +334,9 @@ class StreamServer:
         except Exception as exc:
             self._error(conn, *engine_error(exc, "ask"), req_id)
             return
+        self._send_answer(conn, req_id, session, answer, t0)
+
+    def _send_answer(self, conn: _Conn, req_id: Any, session: str, answer: Any, t0: float) -> None:
         data = answer.to_dict()
         data.pop("tokens", None)  # token ids mean nothing to a client
         data["session"] = session

@@ -1,0 +1,229 @@
+"""`streamllm serve`: engine, feeds and websocket server started from one config file.
+
+    streamllm serve --config queries/crypto.toml [--feed synthetic|binance|replay:FILE[,FILE]]
+                    [--host 127.0.0.1] [--port 8765] [--model smollm2-135m] [--tokens tokens.toml]
+
+Each config session is opened in the engine under the owner tenant (`--owner`, default
+the first tenant of the token file, or `local` without tokens), its standing questions
+are registered, and its feed is attached (sessions sharing a feed share one source).
+SIGINT/SIGTERM stop the feeds, close connections and shut the engine down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamllm.questions import ConfigError, FeedSpec, QueryConfig, SessionSpec, load_config
+from streamllm.server import ServerConfig, StreamServer, is_loopback
+from streamllm.tenants import LOCAL, Tenant, Tenants, TokenConfigError
+
+log = logging.getLogger("streamllm.serve")
+
+
+@dataclass(slots=True)
+class FeedGroup:
+    """Sessions fed from one source (one synthetic market, one Binance connection, one replay)."""
+
+    feed: FeedSpec
+    sessions: list[SessionSpec] = field(default_factory=list)
+
+
+def parse_feed_override(text: str) -> FeedSpec:
+    kind, _, rest = text.partition(":")
+    if kind == "synthetic" and not rest:
+        return FeedSpec("synthetic")
+    if kind == "binance" and not rest:
+        return FeedSpec("binance")
+    if kind in ("replay", "csv") and rest.strip():
+        return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
+    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...] or csv:FILE")
+
+
+def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGroup]:
+    groups: dict[str, FeedGroup] = {}
+    for spec in config.sessions:
+        feed = override or spec.feed
+        key = feed.kind if feed.kind in ("synthetic", "binance") else str(feed)
+        groups.setdefault(key, FeedGroup(feed)).sessions.append(spec)
+    return list(groups.values())
+
+
+def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterator[Any]:
+    """The group's events as an async stream, in receive order and paced."""
+    from feeds.replay import apaced, merge
+
+    feed = group.feed
+    if feed.kind == "synthetic":
+        from feeds.synthetic import SyntheticFeed
+
+        return SyntheticFeed(seed=seed).aevents(speed=speed)
+    if feed.kind == "binance":
+        from feeds.adapters import FeedAdapter
+
+        symbols: list[str] = []
+        for spec in group.sessions:
+            symbols += [s for s in (spec.feed.symbols or (spec.instrument.lower(),)) if s not in symbols]
+        return FeedAdapter("binance", symbols).events()
+    from feeds.sources import CaptureSource, TableSource
+
+    assert feed.path is not None
+    sources: list[Any] = []
+    for name in str(feed.path).split(","):
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"feed {feed.kind}: no file {path}")
+        if path.name.endswith(".gz"):
+            sources.append(CaptureSource(path))
+        else:
+            kind = next((k for k in ("trade", "quote") if k in path.name.lower()), "bar")
+            sources.append(TableSource(path, kind=kind).events())
+    return apaced(merge(*sources), speed)
+
+
+def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
+    from streamllm.attach import Attachment, AttachSpec
+
+    out = []
+    for spec in group.sessions:
+        # Files of ready-made bars are already bars: render them one line each.
+        is_bar_file = group.feed.kind in ("replay", "csv") and not str(group.feed.path).endswith(".gz") and \
+            not any(k in str(group.feed.path).lower() for k in ("trade", "quote"))
+        mode = "events" if is_bar_file else spec.render.mode
+        out.append(Attachment(engine, AttachSpec(
+            session=owner.engine_name(spec.name), mode=mode, bar_s=float(spec.render.bar_seconds or 60),
+            instruments=frozenset({spec.instrument}))))
+    return out
+
+
+async def run_feed(group: FeedGroup, attachments: list[Any], speed: float | None, seed: int) -> None:
+    from streamllm.attach import attach
+
+    names = ", ".join(s.name for s in group.sessions)
+    try:
+        await attach(feed_events(group, speed, seed), attachments)
+        log.warning("feed %s for %s ended; sessions stay open and keep answering", group.feed, names)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("feed %s for %s failed; the server keeps running", group.feed, names)
+
+
+def open_sessions(engine: Any, owner: Tenant, config: QueryConfig) -> int:
+    registered = 0
+    for spec in config.sessions:
+        engine.open_session(owner.engine_name(spec.name), system=spec.system_prompt,
+                            max_context=spec.max_context_tokens)
+        if hasattr(engine, "register"):
+            for question in spec.questions:
+                engine.register(owner.engine_name(spec.name), question)
+                registered += 1
+    return registered
+
+
+def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: QueryConfig | None,
+            groups: list[FeedGroup], registered: int) -> str:
+    http = server.url.replace("ws://", "http://", 1)
+    lines = [f"streamllm serving {server.engine.model_name} on {server.engine.device} at {server.url}"]
+    if tenants.auth:
+        lines.append(f"  auth: {len(tenants.tokens)} tokens, tenants {', '.join(tenants.names)}; "
+                     f"config sessions belong to {owner.name!r}")
+    else:
+        lines.append("  auth: none (no tokens configured): listening on loopback only")
+    if config is not None:
+        for group in groups:
+            for spec in group.sessions:
+                lines.append(f"  session {spec.name:<12} {spec.instrument:<10} feed {group.feed}  "
+                             f"{len(spec.questions)} standing questions, max_context {spec.max_context_tokens}")
+        if not hasattr(server.engine, "register"):
+            lines.append("  note: this engine has no register(); standing questions are not served yet")
+        else:
+            lines.append(f"  {registered} standing questions registered")
+    else:
+        lines.append("  no --config: clients open their own sessions")
+    lines.append(f"  health {http}/health   metrics {http}/metrics   protocol docs/protocol.md")
+    if config is not None and config.sessions:
+        lines.append(f"  try: streamllm watch {config.sessions[0].name} --url {server.url}")
+    return "\n".join(lines)
+
+
+async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: QueryConfig | None,
+                        groups: list[FeedGroup]) -> int:
+    from streamllm.engine import Engine
+
+    owner = tenants.tenant(args.owner) if args.owner else (
+        next((t for t in tenants.tokens.values() if not t.read_only), LOCAL) if tenants.auth else LOCAL)
+    engine = Engine(args.model, device=args.device, max_cells=args.max_cells, progress=True)
+    feed_tasks: list[asyncio.Task] = []
+    server = StreamServer(engine, tenants, ServerConfig(
+        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue))
+    try:
+        registered = open_sessions(engine, owner, config) if config is not None else 0
+        try:
+            await server.start()
+        except OSError as exc:
+            print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 1
+        for group in groups:
+            feed_tasks.append(asyncio.create_task(
+                run_feed(group, build_attachments(engine, owner, group), args.speed, args.seed)))
+        print(summary(server, tenants, owner, config, groups, registered), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("streamllm serve: stopping (signal received)", file=sys.stderr, flush=True)
+    finally:
+        for task in feed_tasks:
+            task.cancel()
+        for task in feed_tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await server.close()
+        await asyncio.to_thread(engine.shutdown)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="streamllm serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="queries/*.toml: sessions, feeds and standing questions")
+    parser.add_argument("--feed", help="override every session's feed: synthetic | binance | replay:FILE[,FILE]")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, HF dir or .gguf")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--max-cells", type=int, default=65536, help="KV cells in the shared pool")
+    parser.add_argument("--tokens", help="TOML token file ([tokens] \"token\" = \"tenant\"); also $STREAMLLM_TOKENS")
+    parser.add_argument("--owner", help="tenant owning the config's sessions (default: first tenant)")
+    parser.add_argument("--speed", type=float, default=1.0, help="replay/synthetic pace, x real time (0: max)")
+    parser.add_argument("--seed", type=int, default=0, help="synthetic feed seed")
+    parser.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    parser.add_argument("--max-queue", type=int, default=1024, help="outgoing messages per connection")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        tenants = Tenants.load(args.tokens)
+        if not tenants.auth and not is_loopback(args.host):
+            print(f"streamllm serve: refusing --host {args.host} without tokens: anyone reaching it could read "
+                  "and write every session. Pass --tokens FILE or set STREAMLLM_TOKENS=token=tenant, or "
+                  "bind 127.0.0.1.", file=sys.stderr)
+            return 2
+        if args.owner:
+            tenants.tenant(args.owner)
+        config = load_config(args.config) if args.config else None
+        override = parse_feed_override(args.feed) if args.feed else None
+        groups = group_feeds(config, override) if config is not None else []
+    except (TokenConfigError, ConfigError, ValueError) as exc:
+        print(f"streamllm serve: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve_forever(args, tenants, config, groups))

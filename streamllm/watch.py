@@ -1,0 +1,101 @@
+"""`streamllm watch SESSION`: a live table of a session's standing answers.
+
+Subscribes, shows the snapshot, then updates rows as `standing` events arrive; the
+header follows `data` events. Age counts from each answer's `updated_at`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from typing import Any
+
+from rich.live import Live
+from rich.table import Table
+
+from streamllm.client import AsyncClient, ServiceError, add_connection_args
+
+
+class WatchState:
+    """What the table shows; fed with the subscribe reply and the events after it."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.data_version = 0
+        self.answers: dict[str, dict[str, Any]] = {}
+        self.events = 0
+
+    def snapshot(self, reply: dict[str, Any]) -> None:
+        self.data_version = reply.get("data_version", 0)
+        for answer in reply.get("standing", []):
+            self.answers[answer["question_id"]] = answer
+
+    def apply(self, event: dict[str, Any]) -> None:
+        self.events += 1
+        if event.get("type") == "standing":
+            self.answers[event["question_id"]] = event
+            self.data_version = max(self.data_version, event.get("data_version", 0))
+        elif event.get("type") == "data":
+            self.data_version = max(self.data_version, event.get("data_version", 0))
+
+    def table(self, now: float | None = None) -> Table:
+        now = time.time() if now is None else now
+        table = Table(title=f"{self.session}  data_version {self.data_version}  ({self.events} events)",
+                      title_justify="left")
+        for column, justify in (("question", "left"), ("answer", "left"), ("path", "left"),
+                                ("confidence", "right"), ("data_version", "right"), ("age", "right")):
+            table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        for qid in sorted(self.answers):
+            a = self.answers[qid]
+            confidence = a.get("confidence")
+            updated = a.get("updated_at")
+            age = f"{max(0.0, now - updated):.1f}s" if isinstance(updated, int | float) else "-"
+            behind = a.get("data_version", 0) < self.data_version
+            table.add_row(qid, str(a.get("text", "")), str(a.get("path", "")),
+                          f"{confidence:.2f}" if isinstance(confidence, int | float) else "-",
+                          f"{a.get('data_version', '-')}" + (" (behind)" if behind else ""), age)
+        return table
+
+
+async def watch(url: str, token: str | None, session: str, duration_s: float | None = None) -> int:
+    state = WatchState(session)
+    async with await AsyncClient.connect(url, token) as client:
+        state.snapshot(await client.subscribe(session))
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        events = client.events()
+        drawn = 0.0
+        with Live(state.table(), refresh_per_second=4, auto_refresh=False) as live:
+            while deadline is None or time.monotonic() < deadline:
+                try:
+                    # Wake at least every 0.25 s so ages keep counting in a quiet market.
+                    event = await asyncio.wait_for(events.__anext__(), 0.25)
+                    state.apply(event)
+                except TimeoutError:
+                    pass
+                except StopAsyncIteration:
+                    print(f"streamllm watch: {client.close_reason}", file=sys.stderr)
+                    return 1
+                if time.monotonic() - drawn >= 0.2:  # a burst of events redraws once
+                    live.update(state.table(), refresh=True)
+                    drawn = time.monotonic()
+    return 0
+
+
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="streamllm watch", description="Live table of a session's standing answers.")
+    parser.add_argument("session")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    add_connection_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return asyncio.run(watch(args.url, args.token, args.session, args.duration))
+    except ServiceError as exc:
+        print(f"streamllm watch: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"streamllm watch: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
