@@ -99,7 +99,10 @@ class AsyncClient:
         return await self.request("open", session=session, **_some(system=system, max_context=max_context))
 
     async def close(self, session: str) -> dict:
+        """Close a session (the connection closes with `aclose()`)."""
         return await self.request("close", session=session)
+
+    close_session = close  # the name the blocking Client uses, where close() ends the connection
 
     async def push(self, session: str, lines: list[str]) -> dict:
         return await self.request("push", session=session, lines=lines)
@@ -165,7 +168,11 @@ class AsyncClient:
 
 
 class Client:
-    """Blocking wrapper: the async client runs on a private event loop in a daemon thread."""
+    """Blocking wrapper: the async client runs on a private event loop in a daemon thread.
+
+    Same methods as AsyncClient, except `close_session(name)` closes a session and `close()`
+    ends the connection (as context managers expect).
+    """
 
     def __init__(self, url: str = DEFAULT_URL, token: str | None = None, timeout: float | None = 60.0,
                  **kw: Any) -> None:

@@ -1,0 +1,166 @@
+"""The Python client, `streamllm ask` / `watch`, and `streamllm serve` end to end on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from streamllm import client as client_cli
+from streamllm.client import AsyncClient, Client, ServiceError
+from streamllm.engine import Engine
+from streamllm.server import ServerConfig, StreamServer
+from streamllm.tenants import Tenant, Tenants
+from streamllm.watch import WatchState
+
+ROOT = Path(__file__).resolve().parents[1]
+LINES = [f"12:00:{i:02d} 640{i:02d}.5 +1.5 v{i}.2" for i in range(20)]
+needs_standing = pytest.mark.skipif(not hasattr(Engine, "register"), reason="engine has no register() yet")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model):
+    """A server on its own loop in a thread, so blocking clients can run in the test thread."""
+    engine = Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=64)
+    tenants = Tenants({"tok-a": Tenant("alice")})
+    loop = asyncio.new_event_loop()
+    server = StreamServer(engine, tenants, ServerConfig(port=0))
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    yield server
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    engine.shutdown()
+
+
+@needs_standing
+def test_async_client_requests_and_events(served):
+    async def scenario():
+        async with await AsyncClient.connect(served.url, token="tok-a") as c:
+            assert c.welcome["tenant"] == "alice"
+            await c.open("ac")
+            assert (await c.push("ac", LINES[:3]))["data_version"] == 1
+            snapshot = await c.subscribe("ac")
+            assert snapshot["standing"] == []
+            await c.register("ac", {"id": "dir", "text": "Up or down?", "choices": ["up", "down"], "threshold": 0})
+            events = c.events()
+            event = await asyncio.wait_for(anext(events), 10)
+            while event["type"] != "standing":
+                event = await asyncio.wait_for(anext(events), 10)
+            assert event["question_id"] == "dir" and event["session"] == "ac"
+            # concurrent requests on one connection are matched to their replies by id
+            answers = await asyncio.gather(c.ask("ac", "dir"), c.ask("ac", "Anything?", max_tokens=2), c.stats())
+            assert answers[0]["path"] == "fast" and answers[1]["path"] == "cold" and answers[2]["type"] == "stats"
+            with pytest.raises(ServiceError) as err:
+                await c.ask("nope", "q")
+            assert err.value.code == "unknown_session"
+            await c.unsubscribe("ac")
+            await c.unregister("ac", "dir")
+            await c.close("ac")
+
+    asyncio.run(scenario())
+
+
+def test_async_client_auth_failure_and_close(served):
+    async def scenario():
+        with pytest.raises(ServiceError) as err:
+            await AsyncClient.connect(served.url, token="wrong")
+        assert err.value.code == "unauthorized"
+        c = await AsyncClient.connect(served.url, token="tok-a")
+        await c.aclose()
+        with pytest.raises(ServiceError) as err:
+            await c.stats()
+        assert err.value.code == "closed"
+        assert [e async for e in c.events()] == []  # the event stream ends with the connection
+
+    asyncio.run(scenario())
+
+
+def test_sync_client_and_ask_cli(served, capsys):
+    with Client(served.url, token="tok-a") as c:
+        c.open("sync")
+        ack = c.push("sync", LINES[:4])
+        answer = c.ask("sync", "Up?", max_tokens=2, min_version=ack["data_version"])
+        assert answer["path"] == "cold" and answer["data_version"] == 1
+        assert c.welcome["tenant"] == "alice"
+        with pytest.raises(ServiceError, match="unknown_session"):
+            c.push("other", ["x"])
+        code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
+        out = capsys.readouterr()
+        assert code == 0 and "cold path" in out.err and "data_version 1" in out.err
+        code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "nope"])
+        assert code == 1 and "unauthorized" in capsys.readouterr().err
+        c.close_session("sync")
+
+
+def test_watch_state_table():
+    state = WatchState("btc")
+    state.snapshot({"data_version": 3, "standing": [
+        {"question_id": "trend", "text": "up", "path": "fast", "confidence": 2.5, "data_version": 3,
+         "updated_at": 100.0}]})
+    state.apply({"type": "data", "session": "btc", "data_version": 4})
+    state.apply({"type": "standing", "question_id": "vol", "text": "no", "path": "entry", "confidence": 0.4,
+                 "data_version": 4, "updated_at": 101.0})
+    table = state.table(now=102.0)
+    cells = {col.header: list(col._cells) for col in table.columns}
+    assert cells["question"] == ["trend", "vol"] and cells["answer"] == ["up", "no"]
+    assert cells["path"] == ["fast", "entry"] and cells["confidence"] == ["2.50", "0.40"]
+    assert cells["data_version"] == ["3 (behind)", "4"] and cells["age"] == ["2.0s", "1.0s"]
+    assert "data_version 4" in str(table.title)
+
+
+def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path):
+    config = tmp_path / "demo.toml"
+    config.write_text('[[sessions]]\nname = "btc"\ninstrument = "BTCUSDT"\nfeed = "synthetic"\n'
+                      '[sessions.render]\nbar_seconds = 1\n'
+                      '[[sessions.questions]]\nid = "trend"\ntext = "Up or down?"\nchoices = ["up", "down"]\n')
+    env = {**os.environ, "STREAMLLM_TOKENS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "streamllm.cli", "serve", "--config", str(config), "--model",
+                             "tiny", "--port", "0", "--speed", "20", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        assert proc.stdout is not None
+        head = proc.stdout.readline()
+        assert head.startswith("streamllm serving tiny"), head + proc.stderr.read()
+        url = head.rsplit(" at ", 1)[1].strip()
+        summary = "".join(proc.stdout.readline() for _ in range(4))
+        assert "loopback only" in summary and "session btc" in summary and "feed synthetic" in summary
+
+        async def ask() -> dict:
+            async with await AsyncClient.connect(url) as c:
+                while (await c.stats())["sessions"][0]["data_version"] < 2:  # the feed is attached
+                    await asyncio.sleep(0.1)
+                return await c.ask("btc", "trend")
+
+        answer = asyncio.run(asyncio.wait_for(ask(), 60))
+        assert answer["session"] == "btc" and answer["data_version"] >= 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "stopping" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_refuses_public_host_without_tokens(capsys, monkeypatch):
+    from streamllm.server import cli_main
+
+    monkeypatch.delenv("STREAMLLM_TOKENS", raising=False)
+    assert cli_main(["--host", "0.0.0.0", "--model", "tiny"]) == 2
+    assert "refusing --host 0.0.0.0 without tokens" in capsys.readouterr().err
