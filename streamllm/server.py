@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import orjson
@@ -32,19 +32,19 @@ from websockets.http11 import Request as HttpRequest
 from websockets.http11 import Response as HttpResponse
 
 from streamllm import protocol as p
+from streamllm.connection import Conn, Subscription, bridge, close_handles, threadsafe
 from streamllm.engine import AdmissionError, Engine, SessionError
 from streamllm.kv import KVCapacityError
 from streamllm.metrics import ServerMetrics
 from streamllm.protocol import ProtocolError, Request
 from streamllm.questions import ConfigError, parse_question
-from streamllm.tenants import LOCAL, Tenant, Tenants
+from streamllm.tenants import LOCAL, Tenants
 
 log = logging.getLogger("streamllm.server")
 _ENGINE_NAME = re.compile(r"'[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})'")
 
 PROTOCOL_VERSION = 1
 CLOSE_POLICY = 1008  # bad token, no hello in time
-CLOSE_TRY_AGAIN_LATER = 1013  # outgoing queue full: the client reads too slowly
 # Tokenizing costs ~0.04 ms a line (tiny tokenizer: 1 line 0.04 ms, 64 lines 1.2 ms) and a thread hop
 # ~0.05 ms: from this many lines the loop hands the push to a thread and keeps serving others.
 PUSH_THREAD_LINES = 32
@@ -62,72 +62,6 @@ class ServerConfig:
     close_timeout_s: float = 5.0
 
 
-@dataclass(slots=True, eq=False)
-class _Subscription:
-    session: str  # the client's name
-    handles: list[Any] = field(default_factory=list)
-    last: dict[str, dict] = field(default_factory=dict)  # question_id -> last sent, to drop repeats
-
-
-class _Conn:
-    """One client: its tenant, outgoing queue, subscriptions and questions in flight."""
-
-    def __init__(self, ws: ServerConnection, tenant: Tenant | None, max_queue: int, metrics: ServerMetrics) -> None:
-        self.ws = ws
-        self.tenant = tenant
-        self.metrics = metrics
-        self.out: asyncio.Queue[bytes | tuple[int, str]] = asyncio.Queue(max_queue)
-        self.subs: dict[str, _Subscription] = {}
-        self.asks: set[asyncio.Task] = set()
-        self.cut_reason: str | None = None
-        self.writer = asyncio.create_task(self._write())
-        self._closer: asyncio.Task | None = None
-
-    def send(self, message: dict[str, Any]) -> None:
-        """Queue a message; never waits. A full queue means the client is too slow: cut it."""
-        if self.cut_reason is not None:
-            return
-        try:
-            self.out.put_nowait(p.encode(message))
-        except asyncio.QueueFull:
-            self.metrics.slow_disconnects.inc()
-            self.cut(CLOSE_TRY_AGAIN_LATER, f"outgoing queue full ({self.out.maxsize} messages): reading too slowly")
-
-    def cut(self, code: int, reason: str) -> None:
-        if self.cut_reason is not None:
-            return
-        self.cut_reason = reason
-        log.info("closing %s: %s", self.ws.remote_address, reason)
-        self.writer.cancel()
-        self._closer = asyncio.create_task(self.ws.close(code, reason[:120]))
-
-    def finish(self, code: int, reason: str) -> None:
-        """Close once what is queued is sent (the error reply to a bad token must reach the client)."""
-        if self.cut_reason is None:
-            try:
-                self.out.put_nowait((code, reason))
-            except asyncio.QueueFull:
-                return self.cut(code, reason)
-            self.cut_reason = reason
-
-    async def _write(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                item = await self.out.get()
-                if isinstance(item, tuple):  # queued by finish(): everything before it is sent
-                    await self.ws.close(item[0], item[1][:120])
-                    return
-                await self.ws.send(item, text=True)
-
-    def teardown(self) -> None:
-        for sub in self.subs.values():
-            _close_handles(sub)
-        self.subs.clear()
-        for task in self.asks:
-            task.cancel()
-        self.writer.cancel()
-
-
 class StreamServer:
     """Serve `engine` over websockets. `await start()`, then `port`; `await close()` to stop."""
 
@@ -136,11 +70,11 @@ class StreamServer:
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
         self.metrics = ServerMetrics(engine.stats)
-        self.conns: set[_Conn] = set()
+        self.conns: set[Conn] = set()
         self.started_at = time.time()
         self._ws: WsServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._handlers: dict[str, Callable[[_Conn, Request], Awaitable[dict | None]]] = {
+        self._handlers: dict[str, Callable[[Conn, Request], Awaitable[dict | None]]] = {
             "hello": self._hello, "open": self._open, "close": self._close, "push": self._push,
             "register": self._register, "unregister": self._unregister, "ask": self._ask,
             "subscribe": self._subscribe, "unsubscribe": self._unsubscribe, "stats": self._stats,
@@ -185,7 +119,7 @@ class StreamServer:
 
     # -- connections ------------------------------------------------------
     async def _handle(self, ws: ServerConnection) -> None:
-        conn = _Conn(ws, None if self.tenants.auth else LOCAL, self.config.max_queue, self.metrics)
+        conn = Conn(ws, None if self.tenants.auth else LOCAL, self.config.max_queue, self.metrics)
         self.conns.add(conn)
         self.metrics.connections.inc()
         hello_timer = None
@@ -205,11 +139,11 @@ class StreamServer:
             conn.teardown()
             self.conns.discard(conn)
             self.metrics.connections.dec()
-            if conn._closer is not None:
+            if conn.closer is not None:
                 with contextlib.suppress(Exception):
-                    await conn._closer
+                    await conn.closer
 
-    async def _dispatch(self, conn: _Conn, raw: str | bytes) -> None:
+    async def _dispatch(self, conn: Conn, raw: str | bytes) -> None:
         req_id = None
         kind = "?"
         try:
@@ -232,12 +166,12 @@ class StreamServer:
                 reply["id"] = req_id
             conn.send(reply)
 
-    def _error(self, conn: _Conn, code: str, message: str, req_id: Any) -> None:
+    def _error(self, conn: Conn, code: str, message: str, req_id: Any) -> None:
         self.metrics.errors.labels(code).inc()
         conn.send(p.error(code, message, req_id))
 
     # -- handlers ---------------------------------------------------------
-    async def _hello(self, conn: _Conn, req: Request) -> dict | None:
+    async def _hello(self, conn: Conn, req: Request) -> dict | None:
         token = req.field("token", str, "a token string", None)
         if self.tenants.auth:
             tenant = self.tenants.authenticate(token or "")
@@ -254,7 +188,7 @@ class StreamServer:
                 "read_only": conn.tenant.read_only, "auth": self.tenants.auth, "model": self.engine.model_name,
                 "max_message_bytes": self.config.max_message_bytes, "max_queue": self.config.max_queue}
 
-    async def _open(self, conn: _Conn, req: Request) -> dict:
+    async def _open(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         kw: dict[str, Any] = {"max_context": req.integer("max_context", None, 1, 1 << 24)}
         system = req.field("system", str, "a system prompt string", None)
@@ -266,16 +200,16 @@ class StreamServer:
             raise ProtocolError(p.SESSION_EXISTS, f"session {session!r} is already open") from None
         return {"type": "ok", "session": session, "info": _info(info, session)}
 
-    async def _close(self, conn: _Conn, req: Request) -> dict:
+    async def _close(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         self.engine.close_session(_ename(conn, session))
         sub = conn.subs.pop(session, None)
         if sub is not None:
-            _close_handles(sub)
+            close_handles(sub)
             self.metrics.subscriptions.dec()
         return {"type": "ok", "session": session}
 
-    async def _push(self, conn: _Conn, req: Request) -> dict:
+    async def _push(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         lines = req.field("lines", list, "an array of strings")
         if len(lines) > p.MAX_LINES_PER_PUSH:
@@ -290,20 +224,20 @@ class StreamServer:
         return {"type": "ok", "session": session, "data_version": ack.data_version,
                 "queue_depth": ack.queue_depth, "lines": ack.lines}
 
-    async def _register(self, conn: _Conn, req: Request) -> dict:
+    async def _register(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         spec = parse_question(req.field("question", dict, "a question object (id, text, choices, ...)"),
                               source="register", key_path="question")
         self._require("register")(_ename(conn, session), spec)
         return {"type": "ok", "session": session, "question_id": spec.id}
 
-    async def _unregister(self, conn: _Conn, req: Request) -> dict:
+    async def _unregister(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         question_id = req.text("question_id", "a standing question id")
         self._require("unregister")(_ename(conn, session), question_id)
         return {"type": "ok", "session": session, "question_id": question_id}
 
-    async def _ask(self, conn: _Conn, req: Request) -> None:
+    async def _ask(self, conn: Conn, req: Request) -> None:
         session = req.session()
         question = req.text("question", "the question text, or a standing question's id")
         max_tokens = req.integer("max_tokens", None, 1, p.MAX_ASK_TOKENS)  # None: the standing spec's, or 16
@@ -328,7 +262,7 @@ class StreamServer:
         task.add_done_callback(conn.asks.discard)
         return None
 
-    async def _await_answer(self, conn: _Conn, req_id: Any, session: str, future: Future, t0: float) -> None:
+    async def _await_answer(self, conn: Conn, req_id: Any, session: str, future: Future, t0: float) -> None:
         try:
             answer = await bridge(future)
         except asyncio.CancelledError:
@@ -338,7 +272,7 @@ class StreamServer:
             return
         self._send_answer(conn, req_id, session, answer, t0)
 
-    def _send_answer(self, conn: _Conn, req_id: Any, session: str, answer: Any, t0: float) -> None:
+    def _send_answer(self, conn: Conn, req_id: Any, session: str, answer: Any, t0: float) -> None:
         data = answer.to_dict()
         data.pop("tokens", None)  # token ids mean nothing to a client
         data["session"] = session
@@ -349,20 +283,20 @@ class StreamServer:
         self.metrics.ask_seconds.labels(answer.path).observe(time.perf_counter() - t0)
         conn.send(message)
 
-    async def _subscribe(self, conn: _Conn, req: Request) -> dict:
+    async def _subscribe(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         want_data = req.flag("data", True)
         name = _ename(conn, session)
         info = self.engine.session_info(name)  # unknown session -> error before any handle exists
         sub = conn.subs.get(session)
         if sub is None:
-            sub = _Subscription(session)
+            sub = Subscription(session)
             loop = asyncio.get_running_loop()
             on_standing = self._require("subscribe")
-            sub.handles.append(on_standing(name, _threadsafe(loop, lambda a: self._on_standing(conn, sub, a))))
+            sub.handles.append(on_standing(name, threadsafe(loop, lambda a: self._on_standing(conn, sub, a))))
             if want_data and hasattr(self.engine, "subscribe_data"):
                 sub.handles.append(self.engine.subscribe_data(  # type: ignore[attr-defined]
-                    name, _threadsafe(loop, lambda _s, v: self._on_data(conn, sub, v))))
+                    name, threadsafe(loop, lambda _s, v: self._on_data(conn, sub, v))))
             conn.subs[session] = sub
             self.metrics.subscriptions.inc()
         # Subscribed before the snapshot is read: a change in between arrives after it as an event,
@@ -374,17 +308,17 @@ class StreamServer:
             snapshot.append(data)
         return {"type": "ok", "session": session, "data_version": info.data_version, "standing": snapshot}
 
-    async def _unsubscribe(self, conn: _Conn, req: Request) -> dict:
+    async def _unsubscribe(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         sub = conn.subs.pop(session, None)
         if sub is None:
             self.engine.session_info(_ename(conn, session))  # unknown_session rather than a silent ok
         else:
-            _close_handles(sub)
+            close_handles(sub)
             self.metrics.subscriptions.dec()
         return {"type": "ok", "session": session, "subscribed": sub is not None}
 
-    async def _stats(self, conn: _Conn, req: Request) -> dict:
+    async def _stats(self, conn: Conn, req: Request) -> dict:
         assert conn.tenant is not None
         mine = []
         for info in self.engine.list_sessions():
@@ -395,7 +329,7 @@ class StreamServer:
                 "server": {"connections": len(self.conns), "outgoing_queued": conn.out.qsize()}}
 
     # -- engine events (on the loop, scheduled from the engine thread) -----
-    def _on_standing(self, conn: _Conn, sub: _Subscription, answer: Any) -> None:
+    def _on_standing(self, conn: Conn, sub: Subscription, answer: Any) -> None:
         if conn.subs.get(sub.session) is not sub:
             return  # unsubscribed while the event was in flight
         data = _standing(answer, sub.session)
@@ -405,7 +339,7 @@ class StreamServer:
         self.metrics.events.labels("standing").inc()
         conn.send({"type": "standing", **data})
 
-    def _on_data(self, conn: _Conn, sub: _Subscription, data_version: int) -> None:
+    def _on_data(self, conn: Conn, sub: Subscription, data_version: int) -> None:
         if conn.subs.get(sub.session) is sub:
             self.metrics.events.labels("data").inc()
             conn.send({"type": "data", "session": sub.session, "data_version": data_version})
@@ -445,35 +379,6 @@ class StreamServer:
 # -- helpers ------------------------------------------------------------------
 
 
-def bridge(future: Future) -> asyncio.Future:
-    """Await an engine future without ever cancelling it: `asyncio.wrap_future` would, when the
-    client goes away, and the engine thread would then fail on `set_result` of a cancelled future."""
-    loop = asyncio.get_running_loop()
-    out = loop.create_future()
-
-    def copy(done: Future) -> None:
-        if out.cancelled():
-            return
-        exc = done.exception()
-        if exc is not None:
-            out.set_exception(exc)
-        else:
-            out.set_result(done.result())
-
-    future.add_done_callback(_threadsafe(loop, copy))
-    return out
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:
-    """A callback for the engine thread: hands the call to the loop and returns at once."""
-
-    def call(*args: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
-            loop.call_soon_threadsafe(fn, *args)
-
-    return call
-
-
 def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
     """(code, message) for an exception raised by the engine or by validation."""
     if isinstance(exc, SessionError):
@@ -495,7 +400,7 @@ def _client_text(text: str) -> str:
     return _ENGINE_NAME.sub(r"'\1'", text)
 
 
-def _ename(conn: _Conn, session: str) -> str:
+def _ename(conn: Conn, session: str) -> str:
     assert conn.tenant is not None
     return conn.tenant.engine_name(session)
 
@@ -510,13 +415,6 @@ def _standing(answer: Any, local: str) -> dict[str, Any]:
     data = answer.to_dict()
     data["session"] = local
     return data
-
-
-def _close_handles(sub: _Subscription) -> None:
-    for handle in sub.handles:
-        with contextlib.suppress(Exception):
-            handle.close()
-    sub.handles.clear()
 
 
 def _respond(connection: ServerConnection, body: bytes, content_type: str) -> HttpResponse:
