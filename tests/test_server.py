@@ -249,6 +249,11 @@ def test_auth_and_tenant_isolation(engine):
             await anon.reply()
         assert closed.value.rcvd.code == 1008
 
+        silent = await Wire.connect(server)  # never says hello: closed once hello_timeout_s passes
+        with pytest.raises(ConnectionClosed) as closed:
+            await silent.reply()
+        assert closed.value.rcvd.code == 1008 and "no hello" in closed.value.rcvd.reason
+
         alice, bob, audit = [await Wire.connect(server) for _ in range(3)]
         assert (await alice.ok("hello", token="tok-a"))["tenant"] == "alice"
         assert (await bob.ok("hello", token="tok-b"))["tenant"] == "bob"
@@ -279,7 +284,7 @@ def test_auth_and_tenant_isolation(engine):
         for w in (alice, bob, audit):
             await w.close()
 
-    run(scenario, engine, TENANTS)
+    run(scenario, engine, TENANTS, hello_timeout_s=0.3)
 
 
 def test_no_tokens_means_loopback_only(engine):
