@@ -75,14 +75,15 @@ def attend(
             old.append((slot0, head))
             new.append((split, slot0 + head, n - head))
     if len(old) + len(new) == 1:
+        # 4-D inputs: SDPA's CPU flash kernel only takes batched input (3-D falls back to math).
         if old:
             slot0, n = old[0]
-            return F.scaled_dot_product_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], scale=scale)
-        pos0, slot0, n = new[0]
-        mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
-        return F.scaled_dot_product_attention(
-            q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], attn_mask=mask, scale=scale
-        )
+            k, v, mask = k_layer[None, :, slot0 : slot0 + n], v_layer[None, :, slot0 : slot0 + n], None
+        else:
+            pos0, slot0, n = new[0]
+            k, v = k_layer[None, :, slot0 : slot0 + n], v_layer[None, :, slot0 : slot0 + n]
+            mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
+        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
     parts = [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in old]
     for pos0, slot0, n in new:
         mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)

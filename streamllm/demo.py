@@ -1,0 +1,173 @@
+"""`streamllm demo`: the whole loop on the embedded default, no network, no recorded data.
+
+synthetic feed -> 5 s bars -> sessions (one per instrument) -> standing questions,
+pre-positioned after every bar -> standing answers shown live as they change, plus a
+question asked now and then on each path (fast, entry, cold) with its latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from streamllm.engine import Engine
+from streamllm.questions import QueryConfig, load_config
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "queries" / "demo.toml"
+
+
+def open_from_config(engine: Engine, config: QueryConfig) -> None:
+    for s in config.sessions:
+        system = s.system_prompt.format(instrument=s.instrument) if s.system_prompt else None
+        kw = {"system": system} if system else {}
+        engine.open_session(s.name, max_context=s.max_context_tokens, **kw)
+        for q in s.questions:
+            engine.register(s.name, q)
+
+
+async def _feed(engine: Engine, config: QueryConfig, speed: float, duration_s: float, seed: int):
+    from feeds.synthetic import SyntheticFeed
+    from streamllm.attach import Attachment, AttachSpec, attach
+
+    attachments = [
+        Attachment(engine, AttachSpec(s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 5),
+                                      instruments=frozenset({s.instrument})))
+        for s in config.sessions
+    ]
+    feed = SyntheticFeed(seed=seed)
+    await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
+    return attachments
+
+
+class Display:
+    """Live table on a terminal; one line per change otherwise (logs, CI)."""
+
+    def __init__(self, engine: Engine, config: QueryConfig, live: bool) -> None:
+        self.engine = engine
+        self.config = config
+        self.t0 = time.monotonic()
+        self.asks: list[tuple[str, str, str, float, int]] = []  # session, question, path, ms, version
+        self.live = None
+        if live:
+            from rich.live import Live
+
+            self.live = Live(self.table(), refresh_per_second=2, transient=False)
+
+    def table(self):
+        from rich.table import Table
+
+        t = Table(title=f"streamllm demo: standing answers ({self.engine.model_name})", expand=False)
+        for col in ("session", "question", "answer", "path", "gap", "version", "age s"):
+            t.add_column(col)
+        now = time.time()
+        for s in self.config.sessions:
+            for a in self.engine.standing(s.name):
+                t.add_row(s.name, a.question_id, a.text[:40], a.path, f"{a.confidence:.2f}", str(a.data_version),
+                          f"{now - a.updated_at:.1f}")
+        for session, question, path, ms, version in self.asks[-6:]:
+            t.add_row(session, f"ask: {question[:30]}", "", path, "", str(version), f"{ms:.2f} ms")
+        return t
+
+    def on_change(self, answer) -> None:
+        if self.live is None:
+            print(f"[{time.monotonic() - self.t0:6.1f}s] {answer.session}/{answer.question_id} -> "
+                  f"{answer.text!r} ({answer.path}, gap {answer.confidence:.2f}, v{answer.data_version})", flush=True)
+
+    def on_ask(self, session: str, question: str, answer) -> None:
+        self.asks.append((session, question, answer.path, answer.latency_ms, answer.data_version))
+        if self.live is None:
+            print(f"[{time.monotonic() - self.t0:6.1f}s] ask {session}: {question!r} -> {answer.text!r} "
+                  f"[{answer.path}, {answer.latency_ms:.2f} ms, {answer.tokens_computed} tokens computed, "
+                  f"v{answer.data_version}]", flush=True)
+
+    def refresh(self) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+
+
+async def _asker(engine: Engine, config: QueryConfig, display: Display, every_s: float) -> None:
+    """Now and then ask each session a standing question and an ad-hoc one."""
+    adhoc = "What was the highest close so far? Answer with the number only."
+    i = 0
+    while True:
+        await asyncio.sleep(every_s)
+        for s in config.sessions:
+            if engine.session_info(s.name).data_version == 0 or not s.questions:
+                continue
+            q = s.questions[i % len(s.questions)]
+            display.on_ask(s.name, q.id, await engine.ask_async(s.name, q.id))
+            display.on_ask(s.name, adhoc, await engine.ask_async(s.name, adhoc, max_tokens=12))
+        i += 1
+
+
+async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) -> Display:
+    display = Display(engine, config, live=args.live)
+    for s in config.sessions:
+        engine.subscribe(s.name, display.on_change)
+    if display.live is not None:
+        display.live.start()
+    asker = asyncio.create_task(_asker(engine, config, display, args.ask_every))
+    try:
+        feed = asyncio.create_task(_feed(engine, config, args.speed, args.duration, args.seed))
+        while not feed.done():
+            display.refresh()
+            await asyncio.sleep(0.5)
+        attachments = feed.result()
+        await asyncio.to_thread(engine.wait_idle, 60)
+        display.refresh()
+    finally:
+        asker.cancel()
+        if display.live is not None:
+            display.live.stop()
+    for a in attachments:
+        st = a.stats
+        print(f"{a.spec.session}: {st.events_in} events in, {st.lines_pushed} lines pushed "
+              f"({st.ignored} other instruments/quotes, {a.pending_events} pending); every event accounted: "
+              f"{a.accounted() == st.events_in}")
+    return display
+
+
+def _summary(engine: Engine, display: Display) -> None:
+    by_path: dict[str, list[float]] = {}
+    for _, _, path, ms, _ in display.asks:
+        by_path.setdefault(path, []).append(ms)
+    print("\nasks by path: " + ", ".join(
+        f"{p}: {len(v)} asks, median {statistics.median(v):.2f} ms" for p, v in sorted(by_path.items())))
+    stats = engine.stats()
+    print(f"engine: {stats['forward_calls']} forward calls, {stats['tokens_computed']} tokens computed, "
+          f"{engine.prepos.entry_tokens} of them pre-positioning entries; {engine.fast_answers} fast answers")
+    for name in engine.sessions:
+        info = engine.session_info(name)
+        print(f"  {name}: data_version {info.data_version}, {info.num_tokens} tokens, "
+              f"{info.lines_ingested} lines ingested")
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamllm demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="standing-question config (TOML)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--duration", type=float, default=60.0, help="wall seconds to run")
+    p.add_argument("--speed", type=float, default=2.5, help="simulated market seconds per wall second")
+    p.add_argument("--ask-every", type=float, default=6.0, help="seconds between demo questions")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--live", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty(),
+                   help="live table (default on a terminal) or one line per change")
+    args = p.parse_args(argv)
+    config = load_config(args.config)
+    print(f"loading {args.model} ...", flush=True)
+    t0 = time.monotonic()
+    engine = Engine(args.model, max_cells=65536, progress=True)
+    print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}; sessions: "
+          + ", ".join(f"{s.name} ({s.instrument}, {len(s.questions)} standing questions)" for s in config.sessions))
+    try:
+        open_from_config(engine, config)
+        display = asyncio.run(_run(engine, config, args))
+        _summary(engine, display)
+    finally:
+        engine.shutdown()
+    return 0
