@@ -67,7 +67,8 @@ def our_prefill_and_decode(engine: Engine, prompt: list[int], steps: int) -> tup
         decode = []
         for i in range(steps):
             pos = len(prompt) + i
-            decode += timed_ms(lambda pos=pos: runner.execute([Work(table, [prompt[i % len(prompt)]], pos, "last")]),
+            token = prompt[i % len(prompt)]
+            decode += timed_ms(lambda pos=pos, token=token: runner.execute([Work(table, [token], pos, "last")]),
                                reps=1, warmup=0)
         assert table.num_tokens == table_len
     finally:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from streamllm.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
-from streamllm.loop import EngineLoop
+from streamllm.loop import EngineLoop, settle
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 from streamllm.prepos import Prepositioner, StandingAnswer
@@ -150,7 +150,7 @@ class Engine(EngineLoop):
                 self._waiting.extend(st.waiters)
             for br in [b for b in self._waiting if b.session is session]:
                 self._waiting.remove(br)
-                br.future.set_exception(SessionError(f"session {name!r} was closed"))
+                settle(br.future, error=SessionError(f"session {name!r} was closed"))
             self.hub.drop_session(name)
             self._cv.notify_all()
             # An in-flight forward may still write the session's blocks: then the loop frees them after it.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -19,6 +20,16 @@ from streamllm.scheduler import INGEST, Plan
 from streamllm.session import Answer, Branch, Session
 
 log = logging.getLogger("streamllm.engine")
+
+
+def settle(future: Future, *, result=None, error: BaseException | None = None) -> None:
+    """Resolve a caller's future unless the caller gave up on it (a cancelled asyncio task)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class EngineLoop:
@@ -45,8 +56,9 @@ class EngineLoop:
             br.first_logits = st.ready_logits if br.keep_logits else None
             br.finish_reason = "stop"
             self.fast_answers += 1
-            br.future.set_result(self._answer(br, st.spec.choices and decision.answer or
-                                              self.tokenizer.decode([decision.token_id], skip_special_tokens=True), 0))
+            text = decision.answer if st.spec.choices else self.tokenizer.decode([decision.token_id],
+                                                                                 skip_special_tokens=True)
+            settle(br.future, result=self._answer(br, text, 0))
             return
         self.prepos.fork_from_entry(st, br)
         br.prepaid = br.num_computed
@@ -66,7 +78,7 @@ class EngineLoop:
     def _waiters_without_entries(self) -> None:
         """Asks waiting on an entry that cannot be computed (no cells) go the cold way."""
         for st in self.prepos.all():
-            if st.waiters and st.computing is None and not st.fresh():
+            if st.waiters and st.session.ready and st.computing is None and not st.fresh():
                 for br in st.waiters:
                     br.standing = None
                 self._waiting.extend(st.waiters)
@@ -84,7 +96,7 @@ class EngineLoop:
             except KVCapacityError as exc:
                 if not self._running:  # nothing will free cells: fail instead of waiting forever
                     self._waiting.remove(br)
-                    br.future.set_exception(exc)
+                    settle(br.future, error=exc)
                 continue
             br.base_len = s.version_length(s.data_version)
             br.data_version = s.data_version
@@ -217,7 +229,7 @@ class EngineLoop:
         if br in self._running:
             self._running.remove(br)
         self.questions_answered += 1
-        br.future.set_result(self._answer(br, br.text.strip(), br.num_computed - br.prepaid))
+        settle(br.future, result=self._answer(br, br.text.strip(), br.num_computed - br.prepaid))
 
     def _answer(self, br: Branch, text: str, tokens_computed: int) -> Answer:
         latency = (time.perf_counter() - br.t_start) * 1000
@@ -236,7 +248,7 @@ class EngineLoop:
                 br.table = None
             if br.purpose == "ask" and br in self._running:
                 self._running.remove(br)
-                br.future.set_exception(exc)
+                settle(br.future, error=exc)
             elif br.standing is not None:  # entries and decodes are recomputed on the next refresh
                 st: Standing = br.standing if br.purpose == "decode" else None
                 for owner in self.prepos.all():
@@ -252,7 +264,7 @@ class EngineLoop:
             st.waiters.clear()
         for br in self._waiting + self._running:
             if not br.future.done():
-                br.future.set_exception(exc)
+                settle(br.future, error=exc)
         self._waiting.clear()
         self._running.clear()
         self._busy = False

@@ -183,3 +183,20 @@ def test_close_frees_everything(engine):
     engine.check_integrity()
     with pytest.raises(SessionError):
         engine.ask("s", "Trend?")
+
+
+def test_a_cancelled_async_ask_leaves_the_engine_working(engine):
+    engine.open_session("s")
+    engine.push("s", LINES[:5])
+
+    async def main():
+        task = asyncio.create_task(engine.ask_async("s", "Trend?", max_tokens=6, min_version=1))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await engine.ask_async("s", "Trend?", max_tokens=2)
+
+    assert asyncio.run(main()).data_version == 1
+    engine.wait_idle()
+    engine.check_integrity()
