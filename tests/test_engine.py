@@ -195,7 +195,7 @@ def test_a_cancelled_async_ask_leaves_the_engine_working(engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return await engine.ask_async("s", "Trend?", max_tokens=2)
+        return await engine.ask_async("s", "Trend?", max_tokens=2, min_version=1)
 
     assert asyncio.run(main()).data_version == 1
     engine.wait_idle()
