@@ -111,6 +111,9 @@ class Engine(EngineLoop):
         self._busy = False
         self._in_step = False  # a plan is executing outside the lock
         self.steps = 0
+        self.step_ms_total = self.step_ms_last = 0.0
+        self.step_tokens_last = 0
+        self.admissions_refused = 0
         self.questions_answered = 0
         self._thread = threading.Thread(target=self._loop, name="streamllm-engine", daemon=True)
         self._thread.start()
@@ -129,6 +132,7 @@ class Engine(EngineLoop):
                 raise SessionError(f"session {name!r} is already open")
             spare_blocks = manager.num_free_blocks - manager.blocks_for(max_context)
             if spare_blocks < manager.blocks_for(self.branch_cells):
+                self.admissions_refused += 1
                 raise AdmissionError(
                     f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "
                     f"{manager.num_free_blocks * manager.block_size} free and keeps {self.branch_cells} for "
@@ -300,19 +304,38 @@ class Engine(EngineLoop):
         self.shutdown()
 
     def stats(self) -> dict:
+        """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device)."""
         m = self.store.manager
+        sched = self.scheduler.stats
         with self._cv:
+            urgent, idle = self.prepos.entry_jobs()
             return {
                 "model": self.model_name,
                 "device": str(self.device),
                 "sessions": len(self.sessions),
-                "questions_waiting": len(self._waiting),
+                "standing_questions": len(self.prepos.all()),
+                "questions_waiting": len(self._waiting) + sum(len(st.waiters) for st in self.prepos.all()),
                 "questions_running": len(self._running),
+                "queue_interactive": len(self._running) + len(urgent),
+                "queue_ingest_tokens": sum(s.pending_tokens for s in self.sessions.values()),
+                "queue_idle": len(idle),
                 "ingest_backlog_tokens": sum(s.pending_tokens for s in self.sessions.values()),
                 "steps": self.steps,
+                "step_ms_avg": self.step_ms_total / self.steps if self.steps else 0.0,
+                "step_ms_last": self.step_ms_last,
+                "step_tokens_last": self.step_tokens_last,
+                "tokens_interactive": sched.tokens["interactive"],
+                "tokens_ingest": sched.tokens["ingest"],
+                "tokens_idle": sched.tokens["idle"],
+                "idle_preempted": sched.idle_preempted,
+                "blocked_for_cells": sched.blocked,
                 "forward_calls": self.runner.forward_calls,
                 "tokens_computed": self.runner.tokens_computed,
                 "questions_answered": self.questions_answered,
+                "fast_answers": self.fast_answers,
+                "entries_computed": sum(st.entries_computed for st in self.prepos.all()),
+                "entries_evicted": self.prepos.entries_evicted,
+                "admissions_refused": self.admissions_refused,
                 "cells_total": m.num_blocks * m.block_size,
                 "cells_free": m.num_free_blocks * m.block_size,
                 "kv_bytes_per_token": self.store.pool.bytes_per_token,

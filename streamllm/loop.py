@@ -92,7 +92,7 @@ class EngineLoop:
         for br in [b for b in self._waiting if self._can_start(b)]:
             s = br.session
             try:
-                br.table = self.store.fork(s.table, s.version_length(s.data_version))
+                br.table = self._fork_evicting(s, s.version_length(s.data_version))
             except KVCapacityError as exc:
                 if not self._running:  # nothing will free cells: fail instead of waiting forever
                     self._waiting.remove(br)
@@ -102,6 +102,16 @@ class EngineLoop:
             br.data_version = s.data_version
             self._waiting.remove(br)
             self._running.append(br)
+
+    def _fork_evicting(self, session: Session, length: int):
+        """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
+        try:
+            return self.store.fork(session.table, length)
+        except KVCapacityError:
+            busy = {b.session.name for b in self._running} | {session.name}
+            if not self.prepos.evict_idle_entries(busy):
+                raise
+            return self.store.fork(session.table, length)
 
     def _loop(self) -> None:
         while True:
@@ -126,6 +136,7 @@ class EngineLoop:
                 with self._cv:  # blocked on memory: wait for a close or a finished branch
                     self._cv.wait(0.05)
                 continue
+            t_step = time.perf_counter()
             try:
                 logits = self.runner.execute(
                     [Work(i.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
@@ -136,10 +147,14 @@ class EngineLoop:
                     self._in_step = False
                     self._fail_plan(plan, exc)
                 continue
+            step_ms = (time.perf_counter() - t_step) * 1000
             with self._cv:
                 self._in_step = False
                 self._update(plan, logits)
                 self.steps += 1
+                self.step_ms_total += step_ms
+                self.step_ms_last = step_ms
+                self.step_tokens_last = plan.num_tokens
                 events, self._events = self._events, []
             for session, kind, *payload in events:
                 self.hub.publish(session, kind, *payload)
