@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from streamllm.kv import BlockManager, BlockTable
-from streamllm.scheduler import IDLE, INGEST, INTERACTIVE, Plan, Scheduler, SchedulerConfig, fair_order
+from streamllm.scheduler import (
+    IDLE,
+    INGEST,
+    INTERACTIVE,
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    fair_order,
+)
 from streamllm.session import Branch, Session
 
 
