@@ -1,0 +1,401 @@
+"""`streamllm calibrate`: replay recorded bars, measure each labelled question's gate.
+
+For every bar pushed into the session (one update each), once the standing entries
+are fresh, every labelled question contributes one sample: the gate's gap and fast
+answer from the entry's ready distribution, and the truth of its label on the bars
+so far (unknown while the label lacks history: skipped). Per question that yields
+the risk-coverage curve and the smallest threshold whose fired answers reach the
+target precision, or none: a small model may never get there, and then it says so.
+
+    warmup bars (one batch) | bar | bar | ...  each bar: push -> wait_idle -> read gates
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamllm.gate import GateError, RiskCoveragePoint, risk_coverage, threshold_for_precision
+from streamllm.kv import KVCapacityError
+from streamllm.questions import ConfigError, QuestionSpec, SessionSpec, load_config
+
+DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
+ESTIMATE_AFTER = 5  # updates timed before the run-time estimate is printed
+ENTRY_SLACK_BLOCKS = 2  # an entry copies its fork's partial tail block and may end in a new one
+
+
+class CalibrationError(ValueError):
+    """A run that cannot start or go on: bad config, data, budget or arguments."""
+
+
+@dataclass(slots=True)
+class QuestionRecord:
+    """The samples of one labelled question, in replay order."""
+
+    spec: QuestionSpec
+    gaps: list[float] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    truths: list[str] = field(default_factory=list)
+    unknown: int = 0  # updates whose label had too few bars
+
+    @property
+    def correct(self) -> list[bool]:
+        return [a == t for a, t in zip(self.answers, self.truths, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionReport:
+    id: str
+    samples: int
+    unknown: int
+    threshold: float | None  # None: no threshold reaches the target precision
+    coverage: float  # at `threshold` (0.0 when there is none)
+    precision: float | None
+    fired: int  # samples the gate fires on at `threshold`
+    best_precision: float | None  # the highest precision anywhere on the curve
+    accuracy: float | None  # the fast answer on every sample (threshold 0)
+    majority: str | None
+    top_answer: str | None  # the model's most frequent fast answer
+    top_answer_share: float | None  # 1.0: it always says the same thing, whatever the bars
+    base_rate: float | None  # share of the majority answer among the truths
+    majority_precision: float | None  # always answering the majority: its precision at coverage 1
+    config_threshold: float
+    config_coverage: float
+    config_precision: float | None
+    curve: list[RiskCoveragePoint]
+
+
+@dataclass(slots=True)
+class CalibrationRun:
+    session: str
+    model: str
+    bars: int  # replayed, warmup included
+    warmup: int
+    updates: int
+    context_tokens: int
+    seconds: float
+    records: list[QuestionRecord]
+    stopped: str | None = None  # why the replay ended early, if it did
+
+
+def gate_at(gaps: Sequence[float], correct: Sequence[bool], threshold: float) -> tuple[float, float | None, int]:
+    """(coverage, precision, fired) of a gate firing when gap >= threshold."""
+    fired = [c for g, c in zip(gaps, correct, strict=True) if g >= threshold]
+    coverage = len(fired) / len(gaps) if gaps else 0.0
+    return coverage, (sum(fired) / len(fired) if fired else None), len(fired)
+
+
+def summarize(record: QuestionRecord, target: float) -> QuestionReport:
+    gaps, correct = record.gaps, record.correct
+    curve = risk_coverage(gaps, correct)
+    point = threshold_for_precision(curve, target)
+    threshold = None if point is None else point.threshold
+    coverage, precision, fired = gate_at(gaps, correct, threshold) if point is not None else (0.0, None, 0)
+    counts = Counter(record.truths)
+    majority, majority_n = counts.most_common(1)[0] if counts else (None, 0)
+    base_rate = majority_n / len(record.truths) if record.truths else None
+    config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
+    top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
+    return QuestionReport(
+        record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
+        max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
+        majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate, record.spec.threshold, config_coverage, config_precision, curve,
+    )
+
+
+# -- replay ----------------------------------------------------------------------------
+
+
+def labelled_questions(spec: SessionSpec) -> list[QuestionSpec]:
+    return [q for q in spec.questions if q.label is not None]
+
+
+def bars_that_fit(prefix_tokens: int, line_tokens: Sequence[int], max_context: int) -> int:
+    used, fit = prefix_tokens, 0
+    for n in line_tokens:
+        if used + n > max_context:
+            break
+        used, fit = used + n, fit + 1
+    return fit
+
+
+def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[str], *, warmup: int,
+           progress: bool = True, log=print) -> CalibrationRun:
+    """Push `lines` (one per bar of `bars`) into a fresh session and record every labelled gate."""
+    from tqdm import tqdm
+
+    questions = labelled_questions(spec)
+    engine.open_session(spec.name, system=spec.system_prompt, max_context=spec.max_context_tokens)
+    for q in questions:
+        # push=False: calibration reads the gate alone; no standing-answer decodes to pay for.
+        engine.register(spec.name, dataclasses.replace(q, push=False))
+    records = [QuestionRecord(q) for q in questions]
+    history = max(q.label.bars_needed for q in questions)
+    run = CalibrationRun(spec.name, engine.model_name, warmup, warmup, 0, 0, 0.0, records)
+    start = time.perf_counter()
+    if warmup:
+        engine.push(spec.name, list(lines[:warmup]))  # one batch: the entries are computed once for it
+        engine.wait_idle()
+    bar = tqdm(total=len(bars) - warmup, desc="replay", unit="bar", disable=not progress, leave=False)
+    t_first = time.perf_counter()
+    try:
+        for i in range(warmup, len(bars)):
+            try:
+                ack = engine.push(spec.name, [lines[i]])
+            except KVCapacityError as exc:
+                run.stopped = f"stopped after {i} bars: {exc}"
+                break
+            engine.wait_idle()
+            window = bars[max(0, i + 1 - history): i + 1]
+            for record in records:
+                st = engine.prepos.find(spec.name, record.spec.id)
+                if st is None or st.ready is None or st.ready.data_version != ack.data_version:
+                    raise RuntimeError(f"question {record.spec.id!r} has no entry at data version "
+                                       f"{ack.data_version} after wait_idle (entries evicted for lack of cells?)")
+                truth = record.spec.expected_answer(window)
+                if truth is None:
+                    record.unknown += 1
+                    continue
+                decision = st.gate.decide(st.ready_logits)
+                record.gaps.append(decision.gap)
+                record.answers.append(decision.answer)
+                record.truths.append(truth)
+            run.bars, run.updates = i + 1, run.updates + 1
+            if run.updates == ESTIMATE_AFTER and len(bars) - i > 1:
+                each = (time.perf_counter() - t_first) / ESTIMATE_AFTER
+                bar.write(f"the first {ESTIMATE_AFTER} updates took {each:.2f}s each: ~{each * (len(bars) - i - 1) / 60:.1f}"
+                          f" min for the remaining {len(bars) - i - 1} bars at that rate (later updates read a "
+                          "longer context and take longer; the progress bar shows the live ETA)")
+            bar.update()
+    finally:
+        bar.close()
+        run.seconds = time.perf_counter() - start
+        run.context_tokens = engine.session_info(spec.name).num_tokens
+    return run
+
+
+# -- reporting -------------------------------------------------------------------------
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 6)
+
+
+def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, Any]) -> dict[str, Any]:
+    """Flat `question.metric` pairs plus the curves under `curves` (null where undefined)."""
+    out: dict[str, Any] = dict(meta)
+    out.update(session=run.session, model=run.model, bars=run.bars, warmup=run.warmup, updates=run.updates,
+               context_tokens=run.context_tokens, seconds=round(run.seconds, 2), stopped=run.stopped)
+    curves: dict[str, dict[str, list[float]]] = {}
+    for r in reports:
+        for key in ("samples", "unknown", "fired", "majority", "top_answer"):
+            out[f"{r.id}.{key}"] = getattr(r, key)
+        for key in ("threshold", "coverage", "precision", "best_precision", "accuracy", "base_rate", "top_answer_share",
+                    "majority_precision", "config_threshold", "config_coverage", "config_precision"):
+            out[f"{r.id}.{key}"] = _num(getattr(r, key))
+        curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
+                        for name in ("threshold", "coverage", "precision")}
+    out["curves"] = curves
+    return out
+
+
+def plot(reports: list[QuestionReport], target: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in reports:
+        if not r.curve:
+            continue
+        xs, ys = [p.coverage for p in r.curve], [p.precision for p in r.curve]
+        (line,) = ax.plot(xs, ys, drawstyle="steps-post", label=f"{r.id} (n={r.samples})")
+        if r.base_rate is not None:  # the always-majority baseline, same colour
+            ax.axhline(r.base_rate, color=line.get_color(), linestyle=":", linewidth=1)
+        if r.threshold is not None:
+            ax.plot([r.coverage], [r.precision], "o", color=line.get_color())
+    ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
+    ax.set(xlabel="coverage (share of updates the gate fires on)", ylabel="precision of fired answers",
+           xlim=(0, 1.02), ylim=(0, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.plot([], [], color="gray", linestyle=":", linewidth=1, label="always-majority precision")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(reports: list[QuestionReport], target: float) -> str:
+    head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'precision':>9} " \
+           f"{'acc@all':>7} {'base rate':>14}"
+    rows = [head, "-" * len(head)]
+    for r in reports:
+        base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
+        rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
+                    f"{_fmt(r.precision):>9} {_fmt(r.accuracy):>7} {base:>14}")
+    for r in reports:
+        if r.samples == 0:
+            rows.append(f"{r.id}: no samples (its label never had enough bars)")
+        elif r.threshold is None:
+            rows.append(f"{r.id}: the gate never reaches precision {target:g} (best "
+                        f"{_fmt(r.best_precision)}); keep threshold {r.config_threshold:g} or drop its fast path")
+        elif r.fired < 10:
+            rows.append(f"{r.id}: threshold {r.threshold:.2f} rests on {r.fired} fired samples; too few to trust")
+        elif r.precision is not None and r.base_rate is not None and r.precision <= r.base_rate:
+            rows.append(f"{r.id}: precision {r.precision:.2f} is no better than always answering "
+                        f"{r.majority!r} ({r.base_rate:.2f}); the model says {r.top_answer!r} "
+                        f"{r.top_answer_share:.0%} of the time")
+        if r.samples and r.config_coverage == 0.0:
+            rows.append(f"{r.id}: its configured threshold {r.config_threshold:g} never fires on these bars")
+    return "\n".join(rows)
+
+
+# -- command line ------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="streamllm calibrate", description=__doc__.split("\n")[0])
+    p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
+    p.add_argument("--data", help="bars CSV/Parquet (default: the session's csv: feed)")
+    p.add_argument("--target-precision", type=float, default=0.9)
+    p.add_argument("--json", type=Path, help="write the report here")
+    p.add_argument("--plot", type=Path, help="write the risk-coverage plot here (PNG)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--bars", type=int, help=f"bars to replay, warmup included (default {DEFAULT_BARS}, "
+                                             "fewer when the session's context cannot hold them)")
+    p.add_argument("--session", help="session of the config (default: the first with labelled questions)")
+    p.add_argument("--warmup", type=int, help="bars pushed as one batch before recording "
+                                              "(default: the longest label history minus one)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def _pick_session(config: Any, name: str | None) -> SessionSpec:
+    if name is not None:
+        try:
+            spec = config.session(name)
+        except KeyError as exc:
+            raise CalibrationError(str(exc.args[0])) from None
+    else:
+        spec = next((s for s in config.sessions if labelled_questions(s)), config.sessions[0])
+    if not labelled_questions(spec):
+        raise CalibrationError(f"{config.source}: session {spec.name!r} has no labelled questions; add "
+                               "`label = \"trend_up(n=10)\"` (see docs/questions.md) to calibrate")
+    return spec
+
+
+def _data_path(spec: SessionSpec, data: str | None) -> Path:
+    if data is not None:
+        path = Path(data)
+    elif spec.feed.path is not None and spec.feed.kind == "csv":
+        path = spec.feed.path
+    else:
+        raise CalibrationError(f"session {spec.name!r} has feed {spec.feed}; pass --data BARS.csv")
+    if not path.is_file():
+        raise CalibrationError(f"data file {path} does not exist")
+    return path
+
+
+def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
+    """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
+    from feeds.sources import TableSource
+    from streamllm.engine import Engine
+    from streamllm.model.loader import load_model
+    from streamllm.render import Renderer
+    from streamllm.session import PromptLayout
+
+    if not 0 < args.target_precision <= 1:
+        raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")
+    config = load_config(args.questions)
+    spec = _pick_session(config, args.session)
+    path = _data_path(spec, args.data)
+    if spec.render.mode != "bars":
+        raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
+    try:
+        bars = TableSource(path, "bar", instrument=spec.instrument,
+                           bar_interval_s=float(spec.render.bar_seconds or 60)).events()
+    except Exception as exc:  # polars/IO errors: name the file, keep the cause
+        raise CalibrationError(f"cannot read bars from {path}: {exc}") from exc
+    questions = labelled_questions(spec)
+    history = max(q.label.bars_needed for q in questions)
+    warmup = history - 1 if args.warmup is None else args.warmup
+    if args.bars is not None and args.bars < 1:
+        raise CalibrationError(f"--bars must be at least 1, got {args.bars}")
+    if not 0 <= warmup < min(len(bars), args.bars or len(bars)):
+        raise CalibrationError(f"--warmup {warmup} leaves no bars to record (of {min(len(bars), args.bars or len(bars))})")
+
+    loaded = model if model is not None else load_model(args.model, progress=True)
+    layout = PromptLayout(loaded.tokenizer)
+    renderer = Renderer()
+    # Nothing beyond max_context lines can fit (a line is at least one token): render no more.
+    candidates = bars[: min(len(bars), spec.max_context_tokens, args.bars or len(bars))]
+    lines = [renderer.render(b) for b in candidates]
+    line_tokens = [len(ids) for ids in layout.lines_ids(lines)]
+    prefix = len(layout.prefix_ids(spec.system_prompt))
+    fit = bars_that_fit(prefix, line_tokens, spec.max_context_tokens)
+    if args.bars is None:
+        count = min(DEFAULT_BARS, fit, len(bars))
+        print(f"replaying the first {count} of {len(bars)} bars (default; --bars N to change, "
+              f"the session's max_context_tokens {spec.max_context_tokens} holds about {fit})")
+    elif min(args.bars, len(bars)) > fit:
+        need = prefix + sum(line_tokens[: args.bars])
+        raise CalibrationError(
+            f"--bars {args.bars} needs {need if args.bars <= len(line_tokens) else 'more than ' + str(need)} "
+            f"context tokens; session {spec.name!r} has max_context_tokens {spec.max_context_tokens} "
+            f"(fits {fit} bars): lower --bars or raise max_context_tokens in {config.source}")
+    else:
+        count = min(args.bars, len(bars))
+    entry_tokens = [len(layout.question_ids(q.text)) for q in questions]
+    per_bar = sum(line_tokens[:count]) / count
+    print(f"session {spec.name!r}: {len(questions)} labelled questions, {count} bars x ~{per_bar:.0f} tokens "
+          f"= {prefix + sum(line_tokens[:count])} of {spec.max_context_tokens} context tokens; each update "
+          f"prefills ~{per_bar:.0f} + {sum(entry_tokens)} entry tokens; warmup {warmup} bars")
+
+    block = 16
+    # Each question holds up to two entries (ready + computing), each its question plus copied tail
+    # blocks; doubled, since an entry that cannot get cells is retried and wait_idle would never return.
+    branch_cells = 2 * block * sum(2 * (-(-n // block) + ENTRY_SLACK_BLOCKS) for n in entry_tokens)
+    engine = Engine(loaded, max_cells=spec.max_context_tokens + branch_cells + block, block_size=block,
+                    max_context=spec.max_context_tokens, branch_cells=branch_cells)
+    try:
+        run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
+    finally:
+        engine.shutdown()
+    meta = {"config": str(args.questions), "data": str(path), "target_precision": args.target_precision}
+    return run, [summarize(r, args.target_precision) for r in run.records], meta
+
+
+def cli_main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        run, reports, meta = calibrate(args)
+    except (CalibrationError, ConfigError, GateError) as exc:
+        print(f"streamllm calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    if run.stopped:
+        print(run.stopped, file=sys.stderr)
+    print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup) in {run.seconds:.0f}s, "
+          f"model {run.model}, target precision {args.target_precision:g}")
+    print(table(reports, args.target_precision))
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(run, reports, meta), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(reports, args.target_precision, args.plot,
+             f"{run.session}: {run.model}, {run.updates} updates")
+        print(f"wrote {args.plot}")
+    return 0

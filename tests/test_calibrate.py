@@ -1,0 +1,192 @@
+"""`streamllm calibrate` on the tiny model: report keys, sample counts, the plot, clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from feeds.sources import TableSource
+from streamllm.calibrate import (
+    QuestionRecord,
+    _parser,
+    calibrate,
+    cli_main,
+    gate_at,
+    summarize,
+    table,
+)
+from streamllm.questions import load_config
+
+SHARED_BARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
+
+CONFIG = """
+[[sessions]]
+name = "{name}"
+instrument = "TEST"
+max_context_tokens = {max_context}
+
+[[sessions.questions]]
+id = "trend"
+text = "Is the price going up or down over the last 5 bars?"
+choices = ["up", "down"]
+label = "trend_up(n=5)"
+
+[[sessions.questions]]
+id = "sma"
+text = "Is the last close above the average close of the last 10 bars?"
+choices = ["yes", "no"]
+label = "above_sma(n=10)"
+
+[[sessions.questions]]
+id = "free"
+text = "What is the last close?"
+"""
+
+
+def write_bars(path: Path, rows: int = 60) -> Path:
+    lines = ["timestamp,open,high,low,close,volume"]
+    close = 100.0
+    for i in range(rows):
+        # A deterministic zig-zag with drift, so both answers of each label occur.
+        step = (3.0 if (i // 4) % 2 == 0 else -2.0) + (i % 3 - 1) * 0.5
+        open_, close = close, close + step
+        lines.append(f"2024-01-02 10:{i:02d}:00,{open_:.1f},{max(open_, close) + 0.5:.1f},"
+                     f"{min(open_, close) - 0.5:.1f},{close:.1f},{1000 + 37 * (i % 7)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> dict[str, Path]:
+    config = tmp_path / "calib.toml"
+    config.write_text(CONFIG.format(name="test", max_context=4096))
+    return {"config": config, "data": write_bars(tmp_path / "bars.csv"), "dir": tmp_path}
+
+
+def args_for(setup: dict[str, Path], *extra: str) -> list[str]:
+    return ["--questions", str(setup["config"]), "--data", str(setup["data"]), "--model", "tiny",
+            "--no-progress", *extra]
+
+
+def test_calibration_report_and_plot(setup, tiny_model, capsys):
+    out_json, out_png = setup["dir"] / "out.json", setup["dir"] / "out.png"
+    args = _parser().parse_args(args_for(setup, "--warmup", "0", "--target-precision", "0.8"))
+    run, reports, _ = calibrate(args, model=tiny_model)
+    assert run.updates == 60 and run.stopped is None
+    assert [r.id for r in reports] == ["trend", "sma"]  # the unlabelled question is not calibrated
+
+    # One sample per update whose label is known: trend_up(n=5) from bar 5, above_sma(n=10) from bar 10.
+    bars = TableSource(setup["data"], "bar").events()
+    spec = load_config(setup["config"]).session("test")
+    for report, question in zip(reports, spec.questions[:2], strict=True):
+        known = sum(question.expected_answer(bars[: i + 1]) is not None for i in range(60))
+        assert report.samples == known
+        assert report.unknown == 60 - known
+    assert [r.samples for r in reports] == [56, 51]
+
+    record = run.records[0]
+    assert gate_at(record.gaps, record.correct, 0.0)[0] == 1.0
+    assert reports[0].curve[0].coverage == 1.0
+
+    # The same run from the command line writes the JSON and the PNG.
+    assert cli_main(args_for(setup, "--warmup", "0", "--target-precision", "0.8",
+                             "--json", str(out_json), "--plot", str(out_png))) == 0
+    printed = capsys.readouterr().out
+    assert "question" in printed and "trend" in printed and "sma" in printed
+    report = json.loads(out_json.read_text())
+    for q in ("trend", "sma"):
+        for key in ("threshold", "coverage", "precision", "samples", "base_rate", "majority_precision",
+                    "accuracy", "config_threshold", "config_coverage"):
+            assert f"{q}.{key}" in report
+        curve = report["curves"][q]
+        assert len(curve["threshold"]) == len(curve["coverage"]) == len(curve["precision"]) > 0
+        assert curve["coverage"][0] == 1.0
+        assert curve["threshold"] == sorted(curve["threshold"])
+        if report[f"{q}.threshold"] is None:  # unreachable: said plainly, nothing made up
+            assert report[f"{q}.coverage"] == 0.0 and report[f"{q}.precision"] is None
+            assert f"{q}: the gate never reaches precision 0.8" in printed
+        else:
+            assert report[f"{q}.precision"] >= 0.8
+    assert report["trend.samples"] == 56 and report["sma.samples"] == 51
+    assert report["updates"] == 60 and report["bars"] == 60
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_warmup_records_only_known_labels(setup, tiny_model):
+    args = _parser().parse_args(args_for(setup, "--bars", "30"))
+    run, reports, _ = calibrate(args, model=tiny_model)
+    # Longest history is above_sma(n=10): 9 warmup bars in one batch, then every label is known.
+    assert run.warmup == 9 and run.updates == 21 and run.bars == 30
+    assert [r.samples for r in reports] == [21, 21] and all(r.unknown == 0 for r in reports)
+
+
+def test_summary_unreachable_target_and_base_rate():
+    from streamllm.questions import parse_question
+
+    spec = parse_question({"id": "q", "text": "up?", "choices": ["up", "down"], "label": "trend_up(n=2)",
+                           "threshold": 1.5})
+    record = QuestionRecord(spec, gaps=[0.5, 1.0, 2.0, 3.0], answers=["up", "down", "up", "down"],
+                            truths=["up", "up", "down", "up"])
+    report = summarize(record, target=0.9)
+    assert report.threshold is None and report.coverage == 0.0 and report.precision is None
+    assert report.majority == "up" and report.base_rate == report.majority_precision == 0.75
+    assert report.accuracy == 0.25 and report.config_coverage == 0.5 and report.config_precision == 0.0
+    reachable = summarize(record, target=0.25)
+    assert reachable.threshold == 0.5 and reachable.coverage == 1.0 and reachable.fired == 4
+    assert math.isclose(summarize(record, target=0.2).precision, 0.25)
+    text = table([report], 0.9)
+    assert "q: the gate never reaches precision 0.9 (best 0.25)" in text
+    assert "q: its configured threshold 1.5" not in text  # it fires on 2 of 4
+
+    # A model that always gives the majority answer reaches the target, and the table says what that is worth.
+    lazy = QuestionRecord(spec, gaps=[1.0] * 10, answers=["down"] * 10, truths=["down"] * 9 + ["up"])
+    lazy_report = summarize(lazy, target=0.9)
+    assert lazy_report.precision == 0.9 and lazy_report.top_answer_share == 1.0
+    text = table([lazy_report], 0.9)
+    assert "no better than always answering 'down' (0.90)" in text
+    assert "configured threshold 1.5 never fires" in text
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert cli_main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_clear_errors(setup, capsys):
+    unlabelled = setup["dir"] / "plain.toml"
+    unlabelled.write_text('[[sessions]]\nname = "plain"\ninstrument = "X"\n'
+                          '[[sessions.questions]]\nid = "q"\ntext = "What is the last close?"\n')
+    err = _error(capsys, args_for({**setup, "config": unlabelled}))
+    assert "no labelled questions" in err and "plain" in err
+
+    err = _error(capsys, args_for({**setup, "data": setup["dir"] / "missing.csv"}))
+    assert "missing.csv" in err and "does not exist" in err
+
+    err = _error(capsys, args_for(setup, "--session", "nope"))
+    assert "no session 'nope'" in err and "test" in err
+
+    small = setup["dir"] / "small.toml"
+    small.write_text(CONFIG.format(name="small", max_context=256))
+    err = _error(capsys, args_for({**setup, "config": small}, "--bars", "60"))
+    assert "max_context_tokens 256" in err and "lower --bars" in err
+
+    err = _error(capsys, args_for(setup, "--warmup", "60"))
+    assert "--warmup 60" in err
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not SHARED_BARS.is_file(), reason="../shared/data is absent")
+def test_real_model_on_30_bars(tmp_path):
+    out = tmp_path / "calib.json"
+    root = Path(__file__).resolve().parents[1]
+    assert cli_main(["--questions", str(root / "queries" / "bars.toml"), "--data", str(SHARED_BARS),
+                     "--bars", "30", "--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    # volatility_rising(n=10) needs 21 bars: a 20-bar warmup, then 10 samples for every question.
+    assert report["updates"] == 10
+    for q in ("trend_10m", "above_sma", "volatility", "volume_spike"):
+        assert report[f"{q}.samples"] == 10
+        assert report["curves"][q]["coverage"][0] == 1.0
