@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamllm.compaction import Compaction
 from streamllm.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
 from streamllm.loop import EngineLoop, settle
 from streamllm.model.llama import LlamaForward
@@ -76,11 +77,16 @@ class Engine(EngineLoop):
         chunk_tokens: int = 128,
         branch_cells: int | None = None,
         stale_policy: str = "wait",
+        compact_at: float = 0.75,
+        retain: float = 0.5,
         progress: bool = False,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
         self.stale_policy = stale_policy
+        if not 0 < retain < compact_at <= 1:
+            raise ValueError(f"need 0 < retain < compact_at <= 1, got retain={retain}, compact_at={compact_at}")
+        self.compact_at, self.retain = compact_at, retain
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self.model_name = loaded.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -106,6 +112,8 @@ class Engine(EngineLoop):
         self._waiting: list[Branch] = []
         self._running: list[Branch] = []
         self._closed: list[Session] = []  # freed by the loop between steps
+        self._compactions: dict[str, Compaction] = {}
+        self._closed_tables: list[BlockTable] = []
         self._cv = threading.Condition()
         self._stopped = False
         self._busy = False
@@ -156,9 +164,12 @@ class Engine(EngineLoop):
                 self._waiting.remove(br)
                 settle(br.future, error=SessionError(f"session {name!r} was closed"))
             self.hub.drop_session(name)
+            job = self._compactions.pop(name, None)
             self._cv.notify_all()
             # An in-flight forward may still write the session's blocks: then the loop frees them after it.
             self._closed.append(session)
+            if job is not None:
+                self._closed_tables.append(job.table)
             if not self._in_step:
                 self._release_closed()
 
@@ -169,11 +180,14 @@ class Engine(EngineLoop):
         with self._cv:
             session = self._session(name)
             if session.num_tokens + new_tokens > session.max_context:
+                state = "compaction has not caught up yet" if name in self._compactions else (
+                    "the batch alone is larger than the session's budget")
                 raise KVCapacityError(
                     f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
-                    f"max_context {session.max_context}; the batch was not accepted"
+                    f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
                 )
             version = session.append_batch(ids_per_line)
+            self._maybe_compact(session)
             self._cv.notify_all()
             return PushAck(name, version, session.backlog_lines, len(lines))
 
@@ -336,6 +350,8 @@ class Engine(EngineLoop):
                 "entries_computed": sum(st.entries_computed for st in self.prepos.all()),
                 "entries_evicted": self.prepos.entries_evicted,
                 "admissions_refused": self.admissions_refused,
+                "compactions": sum(x.compactions for x in self.sessions.values()),
+                "compactions_running": len(self._compactions),
                 "cells_total": m.num_blocks * m.block_size,
                 "cells_free": m.num_free_blocks * m.block_size,
                 "kv_bytes_per_token": self.store.pool.bytes_per_token,
@@ -345,6 +361,7 @@ class Engine(EngineLoop):
         with self._cv:
             tables = [s.table for s in self.sessions.values()]
             tables += [b.table for b in self._running if b.table is not None]
+            tables += [job.table for job in self._compactions.values()]
             for st in self.prepos.all():
                 tables += [b.table for b in (st.computing, st.ready, st.decoding) if b is not None and b.table]
             self.store.manager.check_integrity(tables)

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
+from streamllm.compaction import Compaction
 from streamllm.kv import KVCapacityError
 from streamllm.prepos import Standing
 from streamllm.runner import Work
@@ -70,7 +71,7 @@ class EngineLoop:
         self._cv.notify_all()
 
     def _has_work(self) -> bool:
-        return bool(self._running or any(self._can_start(b) for b in self._waiting)
+        return bool(self._running or self._compactions or any(self._can_start(b) for b in self._waiting)
                     or any(s.pending_tokens for s in self.sessions.values())
                     or any(st.session.ready and (not st.fresh() or st.computing or st.decoding)
                            for st in self.prepos.all()))
@@ -130,6 +131,7 @@ class EngineLoop:
                 self.prepos.refresh()
                 self._waiters_without_entries()
                 urgent, idle = self.prepos.entry_jobs()
+                idle = list(self._compactions.values()) + idle
                 plan = self.scheduler.schedule(self._running + urgent, list(self.sessions.values()), idle)
                 self._in_step = bool(plan)
             if not plan:
@@ -151,6 +153,7 @@ class EngineLoop:
             with self._cv:
                 self._in_step = False
                 self._update(plan, logits)
+                self._swap_compactions()
                 self.steps += 1
                 self.step_ms_total += step_ms
                 self.step_ms_last = step_ms
@@ -168,6 +171,9 @@ class EngineLoop:
                 if session.data_version != before:
                     self._events.append((session.name, "data", session.name, session.data_version))
                 continue
+            if isinstance(item.owner, Compaction):
+                item.owner.num_computed += len(item.token_ids)
+                continue
             br: Branch = item.owner
             br.num_computed += len(item.token_ids)
             if lg is None:
@@ -179,6 +185,31 @@ class EngineLoop:
                 br.first_logits = lg.clone()
             self._on_token(br, int(torch.argmax(lg)))
         self._cv.notify_all()
+
+    def _maybe_compact(self, session: Session) -> None:
+        """Under the lock, after a push: start a compacted copy once the session passes compact_at."""
+        if session.name in self._compactions or session.num_tokens < self.compact_at * session.max_context:
+            return
+        keep = int(self.retain * session.max_context) - session.prefix_len
+        cut = session.compaction_cut(keep)
+        if cut is not None:
+            self._compactions[session.name] = Compaction(session, cut)
+
+    def _swap_compactions(self) -> None:
+        """Under the lock, between steps: swap in every copy that has caught up."""
+        for name, job in list(self._compactions.items()):
+            if not job.caught_up():
+                continue
+            session = job.session
+            del self._compactions[name]
+            old = session.table
+            session.apply_compaction(job.cut, job.table, job.num_computed)
+            self.store.manager.free(old)  # branches forked from it hold their own references
+            try:
+                self.store.manager.reserve(session.table, session.max_context)
+            except KVCapacityError:
+                log.warning("session %s: compacted, but could not re-reserve its full budget", name)
+            self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
 
     def _on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> None:
         st = self.prepos.on_entry_ready(entry, logits)
@@ -254,7 +285,8 @@ class EngineLoop:
 
     def _fail_plan(self, plan: Plan, exc: Exception) -> None:
         for item in plan.items:
-            if item.kind == INGEST:  # give back the slots; the tokens stay pending and are retried
+            if item.kind == INGEST or isinstance(item.owner, Compaction):
+                # give back the slots; the tokens stay pending and are retried
                 self.store.truncate(item.table, item.owner.num_computed)
                 continue
             br: Branch = item.owner
@@ -288,5 +320,8 @@ class EngineLoop:
     def _release_closed(self) -> None:
         for session in self._closed:
             self.store.manager.free(session.table)
+        for table in self._closed_tables:
+            self.store.manager.free(table)
         self._closed.clear()
+        self._closed_tables.clear()
 

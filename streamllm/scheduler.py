@@ -141,7 +141,8 @@ class Scheduler:
             for job in fair_order(idle, lambda b: b.session.name, turn):
                 if budget <= 0:
                     break
-                budget -= self._take(plan, IDLE, job, job.table, job.pending_ids, job.next_pos, "last", budget)
+                want = getattr(job, "want_logits", "last")  # a compaction copy needs no logits
+                budget -= self._take(plan, IDLE, job, job.table, job.pending_ids, job.next_pos, want, budget)
         if plan:
             self.stats.steps += 1
             for item in plan.items:

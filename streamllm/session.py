@@ -110,6 +110,9 @@ class Session:
         self.version_lines = [0]
         self.data_version = 0
         self.lines_ingested = 0
+        self.line_ends: list[int] = []  # token index after each data line (compaction cuts there)
+        self.compactions = 0
+        self.tokens_dropped = 0  # data tokens compacted away (their lines were ingested and answered on)
         self.closing = False
         self.opened_at = time.time()
 
@@ -137,6 +140,7 @@ class Session:
     def append_batch(self, ids_per_line: list[list[int]]) -> int:
         for ids in ids_per_line:
             self.token_ids.extend(ids)
+            self.line_ends.append(len(self.token_ids))
         self.version_ends.append(len(self.token_ids))
         self.version_lines.append(len(ids_per_line))
         return self.pushed_version
@@ -149,6 +153,29 @@ class Session:
 
     def version_length(self, version: int) -> int:
         return self.version_ends[version]
+
+    # -- compaction ---------------------------------------------------------
+    def compaction_cut(self, keep_tokens: int) -> int | None:
+        """The line boundary after which at most keep_tokens data tokens remain (None: nothing to cut)."""
+        for end in self.line_ends:
+            if self.num_tokens - end <= keep_tokens:
+                return end if end > self.prefix_len else None
+        return None
+
+    def retained_ids(self, cut: int) -> list[int]:
+        """The token ids after compacting at `cut`: frozen prefix, then the data after the cut."""
+        return self.token_ids[: self.prefix_len] + self.token_ids[cut:]
+
+    def apply_compaction(self, cut: int, table: BlockTable, num_computed: int) -> None:
+        """Swap in the compacted copy (its table holds the first num_computed retained tokens)."""
+        shift = cut - self.prefix_len
+        self.token_ids = self.retained_ids(cut)
+        self.version_ends = [max(self.prefix_len, end - shift) for end in self.version_ends]
+        self.line_ends = [end - shift for end in self.line_ends if end > cut]
+        self.table = table
+        self.num_computed = num_computed
+        self.tokens_dropped += shift
+        self.compactions += 1
 
 
 @dataclass(slots=True, eq=False)
