@@ -114,6 +114,9 @@ class Engine(EngineLoop):
         self._closed: list[Session] = []  # freed by the loop between steps
         self._compactions: dict[str, Compaction] = {}
         self._closed_tables: list[BlockTable] = []
+        # Frozen prefixes by their full blocks' token ids -> those blocks (one reference held here).
+        self._prefix_blocks: dict[tuple[int, ...], list[int]] = {}
+        self.prefix_hits = 0
         self._cv = threading.Condition()
         self._stopped = False
         self._busy = False
@@ -147,8 +150,14 @@ class Engine(EngineLoop):
                     "questions; close a session, lower max_context or raise max_cells"
                 )
             table = BlockTable()
+            shared = self._shared_prefix_blocks(prefix)
+            if shared:  # an identical frozen prefix is already computed: share its full blocks
+                manager.share(shared)
+                table.blocks, table.num_tokens = list(shared), len(shared) * manager.block_size
             manager.reserve(table, max_context)
             session = Session(name, system, prefix, max_context, table)
+            session.num_computed = table.num_tokens
+            self.prefix_hits += bool(shared)
             self.sessions[name] = session
             self._cv.notify_all()
             return self._info(session)
@@ -352,6 +361,7 @@ class Engine(EngineLoop):
                 "admissions_refused": self.admissions_refused,
                 "compactions": sum(x.compactions for x in self.sessions.values()),
                 "compactions_running": len(self._compactions),
+                "prefix_cache_hits": self.prefix_hits,
                 "cells_total": m.num_blocks * m.block_size,
                 "cells_free": m.num_free_blocks * m.block_size,
                 "kv_bytes_per_token": self.store.pool.bytes_per_token,
@@ -362,6 +372,8 @@ class Engine(EngineLoop):
             tables = [s.table for s in self.sessions.values()]
             tables += [b.table for b in self._running if b.table is not None]
             tables += [job.table for job in self._compactions.values()]
+            tables += [BlockTable(blocks=list(b), num_tokens=len(b) * self.store.block_size)
+                       for b in self._prefix_blocks.values()]
             for st in self.prepos.all():
                 tables += [b.table for b in (st.computing, st.ready, st.decoding) if b is not None and b.table]
             self.store.manager.check_integrity(tables)

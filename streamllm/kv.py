@@ -109,6 +109,17 @@ class BlockManager:
                 run_len = 0
         return None
 
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference on blocks already in use (a shared prefix, a fork)."""
+        for b in blocks:
+            if self._is_free[b]:
+                raise AssertionError(f"cannot share free block {b}")
+            self.refcount[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._release(b)
+
     def _release(self, block: int) -> None:
         self.refcount[block] -= 1
         if self.refcount[block] < 0:
@@ -158,8 +169,7 @@ class BlockManager:
         if tail and not self.num_free_blocks:
             raise KVCapacityError("KV pool exhausted: no free block to copy a fork's partial tail")
         shared = table.blocks[:full]
-        for b in shared:
-            self.refcount[b] += 1
+        self.share(shared)
         child = BlockTable(blocks=list(shared), num_tokens=full * self.block_size)
         copy = None
         if tail:

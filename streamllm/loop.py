@@ -167,7 +167,10 @@ class EngineLoop:
             if item.kind == INGEST:
                 session: Session = item.owner
                 before = session.data_version
+                had_prefix = session.ready
                 session.advance(len(item.token_ids))
+                if session.ready and not had_prefix:
+                    self._remember_prefix(session)
                 if session.data_version != before:
                     self._events.append((session.name, "data", session.name, session.data_version))
                 continue
@@ -185,6 +188,30 @@ class EngineLoop:
                 br.first_logits = lg.clone()
             self._on_token(br, int(torch.argmax(lg)))
         self._cv.notify_all()
+
+    def _prefix_key(self, prefix: list[int]) -> tuple[int, ...]:
+        full = len(prefix) // self.store.block_size * self.store.block_size
+        return tuple(prefix[:full])
+
+    def _shared_prefix_blocks(self, prefix: list[int]) -> list[int]:
+        key = self._prefix_key(prefix)
+        return self._prefix_blocks.get(key, []) if key else []
+
+    def _remember_prefix(self, session: Session) -> None:
+        """Once a frozen prefix is computed, later sessions with the same one share its full blocks."""
+        key = self._prefix_key(session.token_ids[: session.prefix_len])
+        if not key or key in self._prefix_blocks:
+            return
+        blocks = session.table.blocks[: len(key) // self.store.block_size]
+        self.store.manager.share(blocks)
+        self._prefix_blocks[key] = blocks
+
+    def _forget_unused_prefixes(self) -> None:
+        """Drop cached prefixes no session holds any more (only the cache's reference is left)."""
+        for key, blocks in list(self._prefix_blocks.items()):
+            if all(self.store.manager.refcount[b] == 1 for b in blocks):
+                self.store.manager.release(blocks)
+                del self._prefix_blocks[key]
 
     def _maybe_compact(self, session: Session) -> None:
         """Under the lock, after a push: start a compacted copy once the session passes compact_at."""
@@ -322,6 +349,8 @@ class EngineLoop:
             self.store.manager.free(session.table)
         for table in self._closed_tables:
             self.store.manager.free(table)
+        if self._closed:
+            self._forget_unused_prefixes()
         self._closed.clear()
         self._closed_tables.clear()
 

@@ -200,3 +200,28 @@ def test_a_cancelled_async_ask_leaves_the_engine_working(engine):
     assert asyncio.run(main()).data_version == 1
     engine.wait_idle()
     engine.check_integrity()
+
+
+def test_sessions_with_the_same_frozen_prefix_share_its_blocks(engine):
+    engine.open_session("a", "Same system prompt for every instrument.")
+    engine.push("a", LINES[:3])
+    engine.wait_idle()
+    computed_before = engine.runner.tokens_computed
+    engine.open_session("b", "Same system prompt for every instrument.")
+    a, b = engine.sessions["a"], engine.sessions["b"]
+    shared = b.num_computed
+    assert shared > 0 and shared == a.prefix_len // 8 * 8
+    assert b.table.blocks[: shared // 8] == a.table.blocks[: shared // 8]
+    engine.push("b", LINES[:3])
+    x = engine.ask("a", "Trend?", max_tokens=2, return_logits=True)
+    y = engine.ask("b", "Trend?", max_tokens=2, min_version=1, return_logits=True)
+    assert (x.logits - y.logits).abs().max().item() <= 1e-4
+    # b computed only its unshared prefix tail, its data and the two questions' tokens
+    q = len(engine.layout.question_ids("Trend?"))
+    assert engine.runner.tokens_computed - computed_before == (b.num_tokens - shared) + 2 * (q + 1)
+    assert engine.stats()["prefix_cache_hits"] == 1
+    engine.close_session("a")
+    engine.close_session("b")
+    engine.wait_idle()
+    engine.check_integrity()
+    assert engine.store.manager.num_used_blocks == 0  # the cached prefix went with its last session
