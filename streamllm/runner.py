@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from streamllm.kv import BlockTable, KVStore
-from streamllm.model.attention import SeqAttention
+from streamllm.model.attention import SeqAttention, shared_prefix_groups
 from streamllm.model.llama import ForwardBatch, LlamaForward
 
 
@@ -24,9 +24,10 @@ class Work:
 
 
 class Runner:
-    def __init__(self, model: LlamaForward, store: KVStore) -> None:
+    def __init__(self, model: LlamaForward, store: KVStore, grouped: bool = True) -> None:
         self.model = model
         self.store = store
+        self.grouped = grouped  # read a prefix shared by several sequences once per layer
         self.forward_calls = 0
         self.tokens_computed = 0
 
@@ -65,6 +66,7 @@ class Runner:
             slot_mapping=torch.cat(slots).to(device),
             seqs=seqs,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
+            groups=shared_prefix_groups(seqs) if self.grouped else [],
         )
         return batch, logit_slices
 

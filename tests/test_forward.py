@@ -163,3 +163,25 @@ def test_paged_attention_equals_dense(runs, q_len):
     mask = torch.arange(total)[None, :] <= q_pos[:, None]
     ref = torch.softmax((q @ keys.transpose(1, 2) * 0.3).masked_fill(~mask, float("-inf")), -1) @ vals
     assert (out - ref).abs().max().item() <= 1e-5
+
+
+def test_grouped_prefill_of_entries_equals_each_alone():
+    """Entries forked at one point read the shared prefix once (cascade): same logits as solo."""
+    model = build("llama")
+    runner = make_runner(model, num_blocks=128)
+    gen = torch.Generator().manual_seed(6)
+    base = torch.randint(0, 300, (45,), generator=gen).tolist()
+    questions = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (7, 3, 12, 5)]
+    table, _ = prefill(runner, base)
+    branches = []
+    for q in questions:
+        br = runner.store.fork(table)
+        runner.store.manager.append(br, len(q))
+        branches.append(br)
+    works = [Work(br, q, len(base), "all") for br, q in zip(branches, questions, strict=True)]
+    batch, _ = runner.build_batch(works)
+    assert len(batch.groups) == 1 and len(batch.groups[0][1]) == 4  # one shared run, four members
+    grouped = runner.execute(works)
+    for out, q in zip(grouped, questions, strict=True):
+        ref = hf_logits(model, base + q)[len(base):]
+        assert (out - ref).abs().max().item() <= TOL

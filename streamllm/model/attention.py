@@ -55,17 +55,20 @@ def attend(
     seq: SeqAttention,
     groups: int,
     scale: float,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention output [Hkv, g*n, D] for one sequence.
 
     Keys before the first new token need no mask (every query comes after them): they
     go to the fast kernel. Keys of the new tokens themselves need the causal mask; they
-    are few (one chunk). With one part there is nothing to merge.
+    are few (one chunk). With one part there is nothing to merge. `shared` is this
+    sequence's (output, lse) over its first run, already computed together with other
+    sequences that share that run (grouped prefill).
     """
     old: list[tuple[int, int]] = []  # (slot0, n): no mask needed
     new: list[tuple[int, int, int]] = []  # (pos0, slot0, n): causal among the new tokens
     split = seq.q_pos0 if seq.q_len > 1 else seq.q_pos0 + 1
-    for pos0, slot0, n in seq.runs:
+    for pos0, slot0, n in seq.runs[1:] if shared is not None else seq.runs:
         if pos0 + n <= split:
             old.append((slot0, n))
         elif pos0 >= split:
@@ -74,7 +77,7 @@ def attend(
             head = split - pos0
             old.append((slot0, head))
             new.append((split, slot0 + head, n - head))
-    if len(old) + len(new) == 1:
+    if shared is None and len(old) + len(new) == 1:
         # 4-D inputs: SDPA's CPU flash kernel only takes batched input (3-D falls back to math).
         if old:
             slot0, n = old[0]
@@ -84,11 +87,43 @@ def attend(
             k, v = k_layer[None, :, slot0 : slot0 + n], v_layer[None, :, slot0 : slot0 + n]
             mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
         return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
-    parts = [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in old]
+    parts = [shared] if shared is not None else []
+    parts += [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in old]
     for pos0, slot0, n in new:
         mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
         parts.append(partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale))
     return merge_partials(parts)
+
+
+def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int, int], list[int]]]:
+    """Sequences whose first run is the same, wholly before their new tokens: they can read it once.
+
+    That is the case of a session's entries (and branches) forked at the same point.
+    """
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, seq in enumerate(seqs):
+        if seq.runs:
+            pos0, slot0, n = seq.runs[0]
+            if pos0 + n <= seq.q_pos0:
+                groups.setdefault(seq.runs[0], []).append(i)
+    return [(run, members) for run, members in groups.items() if len(members) > 1]
+
+
+def grouped_partials(
+    qs: list[torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
+    groups: list[tuple[tuple[int, int, int], list[int]]], scale: float,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Cascade attention's shared half: every member's queries against the shared run in one call."""
+    out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for (_, slot0, n), members in groups:
+        q = torch.cat([qs[i] for i in members], dim=1)
+        o, lse = _unmasked_partial(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], scale)
+        row = 0
+        for i in members:
+            rows = qs[i].shape[1]
+            out[i] = (o[:, row : row + rows], lse[:, row : row + rows])
+            row += rows
+    return out
 
 
 def partial_attention(

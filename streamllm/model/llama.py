@@ -8,12 +8,12 @@ only attention is per sequence. Parity with transformers' forward is the test.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from streamllm.model.attention import SeqAttention, attend
+from streamllm.model.attention import SeqAttention, attend, grouped_partials
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -27,6 +27,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long: where each row's K/V goes in the pool
     seqs: list[SeqAttention]
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
+    # (shared first run, member seq indices): read once for all members (cascade attention)
+    groups: list = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -159,13 +161,14 @@ class LlamaForward:
             k_layer[:, slots] = k.transpose(0, 1)
             v_layer[:, slots] = v.transpose(0, 1)
             attn = torch.empty(num_rows, nh, d, device=h.device, dtype=h.dtype)
-            for seq in batch.seqs:
-                rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
+            qs = [q[seq.q_start : seq.q_start + seq.q_len].view(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
+                  .reshape(nkv, g * seq.q_len, d) for seq in batch.seqs]
+            shared = grouped_partials(qs, k_layer, v_layer, batch.groups, self.scale) if batch.groups else {}
+            for i, seq in enumerate(batch.seqs):
                 n = seq.q_len
-                # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
-                qs = q[rows].view(n, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * n, d)
-                out = attend(qs, k_layer, v_layer, seq, g, self.scale)
-                attn[rows] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
+                out = attend(qs[i], k_layer, v_layer, seq, g, self.scale, shared.get(i))
+                attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             h = h + F.linear(attn.view(num_rows, q_size), layer.o)
             x = self._rmsnorm(h, layer.post_norm)
             gate_up = F.linear(x, layer.gate_up)
