@@ -9,6 +9,7 @@ engine is usable from threads and from asyncio alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -80,6 +81,7 @@ class Engine(EngineLoop):
         compact_at: float = 0.75,
         retain: float = 0.5,
         progress: bool = False,
+        ingest_log=None,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
@@ -126,6 +128,9 @@ class Engine(EngineLoop):
         self.step_tokens_last = 0
         self.admissions_refused = 0
         self.questions_answered = 0
+        # streamllm.ingestlog.IngestLog: accepted batches are on disk before their ack (None: memory only).
+        self.ingest_log = ingest_log
+        self._evicted: dict[str, str] = {}  # session -> snapshot path, restored on its next use
         self._thread = threading.Thread(target=self._loop, name="streamllm-engine", daemon=True)
         self._thread.start()
 
@@ -139,7 +144,7 @@ class Engine(EngineLoop):
             raise ValueError(f"system prompt is {len(prefix)} tokens, more than max_context {max_context}")
         manager = self.store.manager
         with self._cv:
-            if name in self.sessions:
+            if name in self.sessions or name in self._evicted:
                 raise SessionError(f"session {name!r} is already open")
             spare_blocks = manager.num_free_blocks - manager.blocks_for(max_context)
             if spare_blocks < manager.blocks_for(self.branch_cells):
@@ -160,9 +165,22 @@ class Engine(EngineLoop):
             self.prefix_hits += bool(shared)
             self.sessions[name] = session
             self._cv.notify_all()
-            return self._info(session)
+            info = self._info(session)
+        if self.ingest_log is not None:
+            self.ingest_log.record_open(name, system, max_context)
+        return info
 
     def close_session(self, name: str) -> None:
+        if self._evicted.pop(name, None) is not None:  # its snapshot stays on disk; the session is gone
+            if self.ingest_log is not None:
+                self.ingest_log.record_close(name)
+            return
+        self._drop_session(name)
+        if self.ingest_log is not None:
+            self.ingest_log.record_close(name)
+
+    def _drop_session(self, name: str, *, evicting: bool = False) -> None:
+        """Take the session out of the engine and free its cells (an evicted one keeps its subscribers)."""
         with self._cv:
             session = self._session(name)
             session.closing = True
@@ -172,7 +190,8 @@ class Engine(EngineLoop):
             for br in [b for b in self._waiting if b.session is session]:
                 self._waiting.remove(br)
                 settle(br.future, error=SessionError(f"session {name!r} was closed"))
-            self.hub.drop_session(name)
+            if not evicting:
+                self.hub.drop_session(name)
             job = self._compactions.pop(name, None)
             self._cv.notify_all()
             # An in-flight forward may still write the session's blocks: then the loop frees them after it.
@@ -186,19 +205,27 @@ class Engine(EngineLoop):
         lines = validate_lines(lines)
         ids_per_line = self.layout.lines_ids(lines)  # tokenized outside the lock
         new_tokens = sum(len(ids) for ids in ids_per_line)
-        with self._cv:
-            session = self._session(name)
-            if session.num_tokens + new_tokens > session.max_context:
-                state = "compaction has not caught up yet" if name in self._compactions else (
-                    "the batch alone is larger than the session's budget")
-                raise KVCapacityError(
-                    f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
-                    f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
-                )
-            version = session.append_batch(ids_per_line)
-            self._maybe_compact(session)
-            self._cv.notify_all()
-            return PushAck(name, version, session.backlog_lines, len(lines))
+        self._ensure_resident(name)
+        # With a log, the session's log lock spans version assignment and append: the log is in
+        # version order, and the ack leaves only once the batch is on disk.
+        ordered = self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
+        with ordered:
+            with self._cv:
+                session = self._session(name)
+                if session.num_tokens + new_tokens > session.max_context:
+                    state = "compaction has not caught up yet" if name in self._compactions else (
+                        "the batch alone is larger than the session's budget")
+                    raise KVCapacityError(
+                        f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
+                        f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
+                    )
+                version = session.append_batch(ids_per_line)
+                self._maybe_compact(session)
+                self._cv.notify_all()
+                ack = PushAck(name, version, session.backlog_lines, len(lines))
+            if self.ingest_log is not None:  # outside the engine lock: its thread never waits for our fsync
+                self.ingest_log.record_push(name, version, lines)
+        return ack
 
     def backlog(self, name: str) -> int:
         with self._cv:
@@ -218,6 +245,10 @@ class Engine(EngineLoop):
         with self._cv:
             self.prepos.register(self._session(name), spec)
             self._cv.notify_all()
+        if self.ingest_log is not None:
+            from streamllm.snapshot import question_dict
+
+            self.ingest_log.record_register(name, question_dict(spec))
 
     def unregister(self, name: str, question_id: str) -> None:
         with self._cv:
@@ -228,6 +259,8 @@ class Engine(EngineLoop):
                 self._waiting.extend(st.waiters)
                 st.waiters.clear()
             self._cv.notify_all()
+        if self.ingest_log is not None:
+            self.ingest_log.record_unregister(name, question_id)
 
     def standing(self, name: str) -> list[StandingAnswer]:
         """The current standing answers of a session (those computed so far)."""
@@ -275,6 +308,7 @@ class Engine(EngineLoop):
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         future: Future = Future()
+        self._ensure_resident(name)
         with self._cv:
             session = self._session(name)
             if min_version is not None and min_version > session.pushed_version:
@@ -301,6 +335,35 @@ class Engine(EngineLoop):
 
     async def ask_async(self, name: str, question: str, **kw) -> Answer:
         return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
+
+    # -- snapshots (streamllm.snapshot) --------------------------------------
+    def snapshot_session(self, name: str, path):
+        """Save the session's cells and bookkeeping to `path` (atomic); it keeps running."""
+        from streamllm.snapshot import save_session
+
+        self._ensure_resident(name)
+        return save_session(self, name, path)
+
+    def restore_session(self, path, name: str | None = None):
+        """Open a session from a snapshot (validated first: model, checksum, counts, versions)."""
+        from streamllm.snapshot import restore_session
+
+        info = restore_session(self, path, name)
+        if self.ingest_log is not None:
+            self.ingest_log.record_restore(info.session, path, info.data_version)
+        return info
+
+    def evict_session(self, name: str, directory) -> str:
+        """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
+        from streamllm.snapshot import evict_session
+
+        return evict_session(self, name, directory)
+
+    def _ensure_resident(self, name: str) -> None:
+        if name in self._evicted:
+            from streamllm.snapshot import restore_evicted
+
+            restore_evicted(self, name)
 
     # -- lifecycle --------------------------------------------------------
     def wait_idle(self, timeout: float | None = None) -> bool:

@@ -120,11 +120,16 @@ async def run_feed(group: FeedGroup, attachments: list[Any], speed: float | None
 def open_sessions(engine: Any, owner: Tenant, config: QueryConfig) -> int:
     registered = 0
     for spec in config.sessions:
-        engine.open_session(owner.engine_name(spec.name), system=spec.system_prompt,
-                            max_context=spec.max_context_tokens)
+        name = owner.engine_name(spec.name)
+        have: set[str] = set()
+        if name in getattr(engine, "sessions", {}):  # recovered from the ingest log: keep it
+            have = {q.id for q in engine.standing_questions(name)}
+        else:
+            engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens)
         if hasattr(engine, "register"):
             for question in spec.questions:
-                engine.register(owner.engine_name(spec.name), question)
+                if question.id not in have:
+                    engine.register(name, question)
                 registered += 1
     return registered
 
@@ -162,6 +167,12 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     owner = tenants.tenant(args.owner) if args.owner else (
         next((t for t in tenants.tokens.values() if not t.read_only), LOCAL) if tenants.auth else LOCAL)
     engine = Engine(args.model, device=args.device, max_cells=args.max_cells, progress=True)
+    recovered = None
+    if args.log_dir:  # rebuild sessions from the ingest log before anyone can connect
+        from streamllm.ingestlog import IngestLog
+        from streamllm.recovery import recover
+
+        recovered = recover(engine, IngestLog(args.log_dir, flush=args.log_flush), progress=True)
     feed_tasks: list[asyncio.Task] = []
     server = StreamServer(engine, tenants, ServerConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue))
@@ -176,6 +187,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
             feed_tasks.append(asyncio.create_task(
                 run_feed(group, build_attachments(engine, owner, group), args.speed, args.seed)))
         print(summary(server, tenants, owner, config, groups, registered), flush=True)
+        if recovered is not None:
+            print(f"  ingest log {args.log_dir} ({args.log_flush}): {recovered.summary()}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -190,6 +203,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
                 await task
         await server.close()
         await asyncio.to_thread(engine.shutdown)
+        if engine.ingest_log is not None:
+            engine.ingest_log.close()
     return 0
 
 
@@ -208,6 +223,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="synthetic feed seed")
     parser.add_argument("--max-message-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-queue", type=int, default=1024, help="outgoing messages per connection")
+    parser.add_argument("--log-dir", help="durable ingest log: acked batches survive a crash; recovered at start")
+    parser.add_argument("--log-flush", default="batch", choices=("batch", "interval"),
+                        help="batch: fsync before each ack; interval: flush before each ack, fsync every 50 ms")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
