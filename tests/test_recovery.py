@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from streamllm.client import AsyncClient, ServiceError
+from streamllm.client import AsyncClient
 from streamllm.ingestlog import read_session, session_folders
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ async def push_until_killed(url: str, proc: subprocess.Popen, sessions: list[str
             lines = [f"{s} w{k} b{i} l{j} C 640{i % 90:02d}.{j}" for j in range(3)]
             try:
                 ack = await c.push(s, lines)
-            except (ServiceError, ConnectionError, OSError, Exception):
+            except Exception:
                 return  # the server died under us: this batch was never acknowledged
             acked[s][ack["data_version"]] = lines
             i += 1
@@ -63,10 +64,8 @@ async def push_until_killed(url: str, proc: subprocess.Popen, sessions: list[str
     tasks = [pusher(c, s, k) for c, s in zip(clients, sessions, strict=True) for k in range(2)]
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     for c in clients:
-        try:
+        with contextlib.suppress(Exception):  # the server is gone
             await c.aclose()
-        except Exception:  # noqa: S110 - the server is gone
-            pass
     return acked
 
 
