@@ -108,14 +108,14 @@ def _apply(engine: Any, name: str, rec: Record, report: RecoveryReport) -> None:
         engine.unregister(name, rec.meta["id"])
         report.questions -= 1
     elif rec.kind == "push":
-        ack = _push_when_room(engine, name, rec.lines)
+        ack = push_when_room(engine, name, rec.lines)
         report.batches += 1
         report.lines += len(rec.lines)
         if ack.data_version != rec.data_version:
             report.version_mismatches += 1
 
 
-def _push_when_room(engine: Any, name: str, lines: list[str]) -> Any:
+def push_when_room(engine: Any, name: str, lines: list[str]) -> Any:
     """Replay pushes faster than compaction: past the budget, let the engine catch up and retry."""
     for _ in range(CAPACITY_RETRIES):
         try:
