@@ -25,6 +25,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "prepos": ("bench.prepos", "fast / entry / cold path latency"),
     "tenants": ("bench.tenants", "batched vs sequential, grouped prefill, interactive latency under load"),
     "server": ("bench.server", "ask round trip over loopback websockets, 1 and 50 clients"),
+    "faults": ("bench.faults", "SIGKILL + log recovery, snapshot restore vs replay, fuzzing, websocket load"),
 }
 
 

@@ -1,0 +1,452 @@
+"""`streamllm bench faults`: crash recovery, snapshots, fuzzing and a websocket load run.
+
+    streamllm bench faults [--json out.json] [--model tiny] [--load-s 20] [--fuzz-cases 3000]
+
+1. crash: a `streamllm serve --log-dir` subprocess takes concurrent pushes and is SIGKILLed
+   mid-flight; it is restarted on the same log and every acked batch is looked up (by
+   version and content) in what the restarted server holds.
+2. restore vs replay: one session rebuilt from its log, and the same session restored
+   from a snapshot (wall time of each, session fully computed).
+3. fuzz: seeded random and mutated inputs into the wire parsers, the protocol decoder and
+   the config parser; anything but the documented error types is an uncaught error.
+4. load: clients pushing, asking and subscribing over loopback for `--load-s`, then
+   acked lines vs the sessions and the log; server RSS growth over the run.
+
+Also the seed corpora and mutators the fuzz tests share (`SAMPLES`, `mutate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.common import machine, print_table, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTION = {"id": "trend", "text": "Up or down?", "choices": ["up", "down"]}
+
+# Real-shaped messages per venue (from each parser's documented formats): mutation seeds.
+SAMPLES: dict[str, list[bytes]] = {
+    "binance": [
+        b'{"stream":"btcusdt@trade","data":{"e":"trade","E":1723161255208,"s":"BTCUSDT","t":1,"p":"61737.63",'
+        b'"q":"0.01","T":1723161255207,"m":true,"M":true}}',
+        b'{"stream":"btcusdt@bookTicker","data":{"u":50093239212,"s":"BTCUSDT","b":"61837.63","B":"3.7",'
+        b'"a":"61837.64","A":"1.5"}}',
+        b'{"stream":"btcusdt@depth@100ms","data":{"e":"depthUpdate","E":1723161255208,"s":"BTCUSDT",'
+        b'"U":50093239189,"u":50093239202,"b":[["61737.63","0.0"]],"a":[["61837.64","1.5"]]}}',
+        b'{"lastUpdateId":5,"bids":[["1.0","2.0"]],"asks":[["1.1","3.0"]]}',
+        b'{"e":"kline","E":1,"s":"BTCUSDT","k":{"t":0,"T":59999,"s":"BTCUSDT","i":"1m","o":"1","c":"2","h":"3",'
+        b'"l":"0.5","v":"10","n":4,"x":true,"q":"20","V":"5","Q":"10"}}',
+        b'{"result":null,"id":1}',
+    ],
+    "coinbase": [
+        b'{"channel":"market_trades","client_id":"","timestamp":"2023-02-09T20:19:35.39625135Z","sequence_num":0,'
+        b'"events":[{"type":"update","trades":[{"trade_id":"1","product_id":"BTC-USD","price":"1.5","size":"2",'
+        b'"side":"BUY","time":"2023-02-09T20:19:35.39625135Z"}]}]}',
+        b'{"channel":"l2_data","timestamp":"2023-02-09T20:19:35Z","sequence_num":1,"events":[{"type":"update",'
+        b'"product_id":"BTC-USD","updates":[{"side":"bid","event_time":"2023-02-09T20:19:35Z",'
+        b'"price_level":"1.0","new_quantity":"0"}]}]}',
+        b'{"type":"error","message":"bad"}',
+    ],
+    "kraken": [
+        b'{"channel":"trade","type":"update","data":[{"symbol":"BTC/USD","side":"sell","price":0.5,"qty":40.0,'
+        b'"ord_type":"market","trade_id":4665906,"timestamp":"2023-09-25T07:49:37.708706Z"}]}',
+        b'{"channel":"ticker","type":"snapshot","data":[{"symbol":"BTC/USD","bid":1.0,"bid_qty":2.0,"ask":1.1,'
+        b'"ask_qty":3.0,"last":1.05,"volume":10.0,"vwap":1.0,"low":0.9,"high":1.2,"change":0.1,"change_pct":1.0}]}',
+        b'{"channel":"heartbeat"}',
+    ],
+    "alpaca": [
+        b'[{"T":"success","msg":"connected"}]',
+        b'[{"T":"t","i":96921,"S":"AAPL","x":"D","p":126.55,"s":1,"t":"2021-02-22T15:51:44.208Z","c":["@"],"z":"C"}]',
+        b'[{"T":"q","S":"AMD","bx":"U","bp":87.66,"bs":1,"ax":"Q","ap":87.68,"as":4,'
+        b'"t":"2021-02-22T15:51:45.335689322Z","c":["R"],"z":"C"}]',
+    ],
+}
+CONFIG_SAMPLE = '''[[sessions]]
+name = "btc"
+instrument = "BTCUSDT"
+feed = "synthetic"
+max_context_tokens = 4096
+system_prompt = "You watch {instrument}."
+[sessions.render]
+mode = "bars"
+bar_seconds = 5
+[[sessions.questions]]
+id = "trend"
+text = "Up or down?"
+choices = ["up", "down"]
+threshold = 2.0
+label = "trend_up(n=10)"
+'''
+_ODD_VALUES: list[Any] = [None, True, 0, -1, 2**63, 1e308, float("nan"), "", "x" * 300, [], {}, [[]], "1e999",
+                          "-0", "NaN", "\u0000", "\ud7ff", {"a": None}]
+
+
+def mutate_value(rng: random.Random, value: Any, depth: int = 0) -> Any:
+    """Structural mutation of parsed JSON: drop, retype or replace one thing, recursively."""
+    if isinstance(value, dict) and value and rng.random() < 0.7 and depth < 6:
+        key = rng.choice(list(value))
+        out = dict(value)
+        action = rng.random()
+        if action < 0.25:
+            del out[key]
+        elif action < 0.5:
+            out[key] = rng.choice(_ODD_VALUES)
+        else:
+            out[key] = mutate_value(rng, value[key], depth + 1)
+        return out
+    if isinstance(value, list) and value and rng.random() < 0.7 and depth < 6:
+        out = list(value)
+        i = rng.randrange(len(out))
+        out[i] = mutate_value(rng, out[i], depth + 1) if rng.random() < 0.6 else rng.choice(_ODD_VALUES)
+        return out
+    return rng.choice(_ODD_VALUES)
+
+
+def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
+    data = bytearray(raw)
+    for _ in range(rng.randint(1, 4)):
+        if not data:
+            break
+        op, i = rng.random(), rng.randrange(len(data))
+        if op < 0.3:
+            data[i] = rng.randrange(256)
+        elif op < 0.5:
+            del data[i:]
+        elif op < 0.7:
+            data.insert(i, rng.choice(b'{}[]",:0\\'))
+        else:
+            del data[i]
+    return bytes(data)
+
+
+def mutate(rng: random.Random, raw: bytes) -> bytes:
+    """A mutated message: structural (still JSON) or byte-level (usually not)."""
+    if rng.random() < 0.6:
+        try:
+            return orjson.dumps(mutate_value(rng, orjson.loads(raw)))
+        except (orjson.JSONDecodeError, TypeError):
+            pass
+    return mutate_bytes(rng, raw)
+
+
+# -- 1. crash and recover ---------------------------------------------------------
+
+
+def start_server(model: str, log_dir: Path, extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "STREAMLLM_TOKENS": ""}
+    proc = subprocess.Popen([sys.executable, "-m", "streamllm.cli", "serve", "--model", model, "--port", "0",
+                             "--log-dir", str(log_dir), "--log-level", "WARNING", *(extra or [])],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    assert proc.stdout is not None
+    head = proc.stdout.readline()
+    if not head.startswith("streamllm serving"):
+        proc.kill()
+        raise RuntimeError(f"server did not start: {head!r}")
+    return proc, head.rsplit(" at ", 1)[1].strip()
+
+
+async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], kill_after: int) -> dict:
+    from streamllm.client import AsyncClient
+
+    acked: dict[str, dict[int, list[str]]] = {s: {} for s in sessions}
+    async with await AsyncClient.connect(url) as c:
+        for s in sessions:
+            await c.open(s)
+            await c.register(s, QUESTION)
+    clients = [await AsyncClient.connect(url) for _ in sessions for _ in range(2)]
+    killed = asyncio.Event()
+
+    async def pusher(c: Any, s: str, k: int) -> None:
+        i = 0
+        while not killed.is_set():
+            lines = [f"{s} w{k} b{i} l{j} C 640{i % 90:02d}.{j}" for j in range(4)]
+            try:
+                ack = await c.push(s, lines)
+            except Exception:
+                return
+            acked[s][ack["data_version"]] = lines
+            i += 1
+            if sum(len(v) for v in acked.values()) >= kill_after and not killed.is_set():
+                proc.send_signal(signal.SIGKILL)
+                killed.set()
+
+    await asyncio.gather(*(pusher(c, sessions[i // 2], i % 2) for i, c in enumerate(clients)))
+    for c in clients:
+        with contextlib.suppress(Exception):
+            await c.aclose()
+    return acked
+
+
+def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
+    from streamllm.client import AsyncClient
+    from streamllm.ingestlog import read_session, session_folders
+
+    log_dir = work / "crash-log"
+    sessions = ["btc", "eth", "sol"]
+    proc, url = start_server(model, log_dir)
+    try:
+        acked = asyncio.run(_push_and_kill(url, proc, sessions, kill_after))
+        proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+    t0 = time.perf_counter()
+    proc, url = start_server(model, log_dir)
+    startup_s = time.perf_counter() - t0
+    try:
+        report = next((ln for ln in iter(proc.stdout.readline, "") if "ingest log" in ln), "")  # type: ignore[union-attr]
+
+        async def stats() -> dict:
+            async with await AsyncClient.connect(url) as c:
+                return {s["name"]: s for s in (await c.stats())["sessions"]}
+
+        held = asyncio.run(stats())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    logged = {read_session(f).name: read_session(f) for f in session_folders(log_dir)}
+    acked_events = recovered = 0
+    for s in sessions:
+        batches = {r.data_version: r.lines for r in logged[f"local/{s}"].records if r.kind == "push"}
+        pushed = held[s]["pushed_version"]
+        for version, lines in acked[s].items():
+            acked_events += len(lines)
+            if version <= pushed and batches.get(version) == lines:
+                recovered += len(lines)
+    replay_s = float(report.split(" in ")[1].split("s")[0]) if " in " in report else float("nan")
+    return {"events_acked": acked_events, "events_recovered": recovered, "crash_restart_s": startup_s,
+            "crash_log_replay_s": replay_s}
+
+
+# -- 2. restore vs replay ------------------------------------------------------------
+
+
+def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
+    from bench.common import market_lines
+    from streamllm.engine import Engine
+    from streamllm.ingestlog import IngestLog
+    from streamllm.model import load_model
+    from streamllm.questions import parse_question
+    from streamllm.recovery import push_when_room, recover
+
+    loaded = load_model(model, progress=False)
+    log_dir, snap = work / "rr-log", work / "rr.safetensors"
+    kw = {"max_cells": 32768, "max_context": 8192}
+    eng = Engine(loaded, ingest_log=IngestLog(log_dir), **kw)
+    eng.open_session("s")
+    eng.register("s", parse_question(QUESTION))
+    source = market_lines()
+    pushed = 0
+    while pushed < lines:
+        batch = [next(source) for _ in range(8)]
+        push_when_room(eng, "s", batch)
+        pushed += len(batch)
+    eng.wait_idle()
+    tokens = eng.session_info("s").num_tokens
+    eng.snapshot_session("s", snap)
+    eng.shutdown()
+    eng.ingest_log.close()
+
+    eng = Engine(loaded, **kw)
+    report = recover(eng, IngestLog(log_dir))
+    replay_s = report.replay_s + report.ingest_s
+    eng.shutdown()
+    eng = Engine(loaded, **kw)
+    t0 = time.perf_counter()
+    eng.restore_session(snap)
+    restore_s = time.perf_counter() - t0
+    eng.shutdown()
+    return {"recovery_replay_s": replay_s, "snapshot_restore_s": restore_s, "restore_speedup": replay_s / restore_s,
+            "rr_lines": lines, "rr_tokens": tokens, "snapshot_mb": snap.stat().st_size / 1e6}
+
+
+# -- 3. fuzz ---------------------------------------------------------------------------
+
+
+def fuzz(cases: int, seed: int = 0) -> dict[str, Any]:
+    from feeds.sources import parser_for
+    from feeds.wire import AuthError
+    from streamllm import protocol as p
+    from streamllm.questions import ConfigError, parse_config
+
+    rng = random.Random(seed)
+    uncaught: list[str] = []
+    rejected = counted = 0
+    venues = list(SAMPLES)
+    per_target = max(1, cases // 3)
+    for i in range(per_target):  # wire parsers
+        venue = venues[i % len(venues)]
+        parser = parser_for(venue)
+        raw = mutate(rng, rng.choice(SAMPLES[venue])) if rng.random() < 0.85 else rng.randbytes(rng.randint(0, 64))
+        before = parser.stats.errors
+        try:
+            out = parser.parse(raw, 0)
+        except AuthError:
+            continue  # documented: a credential refusal ends the connection on purpose
+        except Exception as exc:
+            uncaught.append(f"{venue} parser: {type(exc).__name__}: {exc} on {raw[:80]!r}")
+            continue
+        if not isinstance(out, list):
+            uncaught.append(f"{venue} parser returned {type(out).__name__}")
+        if parser.stats.errors > before:
+            rejected += 1
+            counted += bool(parser.stats.error_samples)
+    for _ in range(per_target):  # protocol decoder
+        base = {"type": rng.choice(p.CLIENT_TYPES), "id": rng.randint(0, 9), "session": "btc", "lines": ["x"]}
+        raw = mutate(rng, orjson.dumps(base))
+        try:
+            p.decode(raw, 4096)
+        except p.ProtocolError as exc:
+            rejected += 1
+            counted += exc.code in p.ERROR_CODES and bool(exc.message)
+        except Exception as exc:
+            uncaught.append(f"protocol: {type(exc).__name__}: {exc} on {raw[:80]!r}")
+    for _ in range(per_target):  # config files
+        text = CONFIG_SAMPLE
+        lines = text.splitlines()
+        for _ in range(rng.randint(1, 3)):
+            j = rng.randrange(len(lines))
+            lines[j] = mutate_bytes(rng, lines[j].encode()).decode("utf-8", "replace")
+        try:
+            parse_config("\n".join(lines), source="fuzz.toml")
+        except ConfigError as exc:
+            rejected += 1
+            counted += bool(str(exc))
+        except Exception as exc:
+            uncaught.append(f"config: {type(exc).__name__}: {exc}")
+    return {"fuzz_cases": 3 * per_target, "fuzz_rejected": rejected, "fuzz_rejected_counted": counted,
+            "uncaught_errors": len(uncaught), "uncaught_samples": uncaught[:10]}
+
+
+# -- 4. load ------------------------------------------------------------------------------
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def load_run(url: str, seconds: float, clients: int, pid: int | None = None) -> dict[str, Any]:
+    """`clients` connections: each owns a session, pushes, asks and subscribes; a watcher reads all."""
+    from streamllm.client import AsyncClient
+
+    sent = {"push": 0, "ask": 0, "replies": 0, "errors": 0, "events": 0}
+    acked: dict[str, int] = {}
+    deadline = time.monotonic() + seconds
+    rss: list[float] = []
+
+    async def worker(k: int) -> None:
+        name = f"load{k}"
+        async with await AsyncClient.connect(url) as c:
+            await c.open(name, max_context=2048)
+            await c.register(name, QUESTION)
+            await c.subscribe(name)
+            acked[name] = 0
+            i = 0
+            while time.monotonic() < deadline:
+                lines = [f"{name} b{i} l{j} C 640{i % 90:02d}.{j}" for j in range(4)]
+                try:
+                    ack = await c.push(name, lines)
+                    acked[name] += ack["lines"]
+                    sent["push"] += 1
+                    sent["replies"] += 1
+                    if i % 5 == 0:
+                        await c.ask(name, "trend" if i % 10 == 0 else "Last close?", max_tokens=2)
+                        sent["ask"] += 1
+                        sent["replies"] += 1
+                except Exception as exc:  # capacity while compaction catches up: a counted error reply
+                    sent["errors"] += 1
+                    if "capacity" not in str(exc):
+                        raise
+                    await asyncio.sleep(0.05)
+                i += 1
+            while True:  # drain our subscription's events that arrived meanwhile
+                try:
+                    await asyncio.wait_for(c.events().__anext__(), 0.01)
+                    sent["events"] += 1
+                except (TimeoutError, StopAsyncIteration):
+                    break
+
+    async def sampler() -> None:
+        while pid is not None and time.monotonic() < deadline:
+            rss.append(_rss_mb(pid))
+            await asyncio.sleep(0.5)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(sampler(), *(worker(k) for k in range(clients)))
+    elapsed = time.perf_counter() - t0
+    async with await AsyncClient.connect(url) as c:
+        stats = {s["name"]: s for s in (await c.stats())["sessions"]}
+    held = {name: stats[name]["lines_ingested"] + stats[name]["backlog_lines"] for name in acked}
+    lost = sum(max(0, acked[n] - held[n]) for n in acked)
+    return {"load_msgs_per_s": sent["replies"] / elapsed, "load_pushes": sent["push"], "load_asks": sent["ask"],
+            "load_error_replies": sent["errors"], "load_lines_acked": sum(acked.values()), "load_lost": lost,
+            "acked": acked, "rss": rss}
+
+
+def load(model: str, work: Path, seconds: float, clients: int) -> dict[str, float]:
+    from streamllm.ingestlog import pushed_lines
+
+    log_dir = work / "load-log"
+    proc, url = start_server(model, log_dir, ["--log-flush", "interval"])
+    try:
+        time.sleep(0.5)
+        rss0 = _rss_mb(proc.pid)
+        out = asyncio.run(load_run(url, seconds, clients, proc.pid))
+        rss1 = _rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    logged = pushed_lines(log_dir)
+    log_lost = sum(max(0, n - len(logged.get(f"local/{name}", []))) for name, n in out["acked"].items())
+    return {k: v for k, v in out.items() if k not in ("acked", "rss")} | {
+        "load_lost": out["load_lost"] + log_lost, "load_log_lost": log_lost, "rss_growth_mb": rss1 - rss0,
+        "rss_start_mb": rss0, "load_s": seconds, "load_clients": clients}
+
+
+def cli_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="streamllm bench faults", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--json", help="write the metrics here")
+    parser.add_argument("--load-s", type=float, default=30.0)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--fuzz-cases", type=int, default=6000)
+    parser.add_argument("--kill-after", type=int, default=600, help="acked events before SIGKILL")
+    parser.add_argument("--replay-lines", type=int, default=240)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="streamllm-faults-"))
+    metrics: dict[str, Any] = {}
+    try:
+        t0 = time.perf_counter()
+        metrics |= crash_and_recover(args.model, work, args.kill_after)
+        metrics |= restore_vs_replay(args.model, work, args.replay_lines)
+        metrics |= fuzz(args.fuzz_cases)
+        metrics |= load(args.model, work, args.load_s, args.clients)
+        metrics["total_s"] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    samples = metrics.pop("uncaught_samples", [])
+    rows = [[k, v] for k, v in metrics.items()]
+    print_table(f"bench faults ({args.model})", ["metric", "value"], rows)
+    for s in samples:
+        print("uncaught:", s)
+    write_json(args.json, metrics, {"model": args.model, "machine": machine(), "args": vars(args)})
+    ok = metrics["events_acked"] == metrics["events_recovered"] and metrics["uncaught_errors"] == 0 \
+        and metrics["load_lost"] == 0
+    return 0 if ok else 1
