@@ -114,6 +114,28 @@ class EngineLoop:
                 raise
             return self.store.fork(session.table, length)
 
+    def _make_room_for_questions(self) -> None:
+        """A question whose next chunk does not fit evicts idle entries; if even that cannot
+        make room, it fails with a clear error instead of waiting forever."""
+        manager, chunk = self.store.manager, self.scheduler.config.chunk_tokens
+        for br in list(self._running):
+            need = min(len(br.pending_ids), chunk)
+            if need == 0 or manager.can_append(br.table, need):
+                continue
+            busy = {b.session.name for b in self._running}
+            self.prepos.evict_idle_entries(busy)  # idle sessions' entries first, then anyone's
+            if not manager.can_append(br.table, need):
+                self.prepos.evict_idle_entries(set())
+            if manager.can_append(br.table, need) or len(self._running) > 1:
+                continue  # room made, or another question will finish and free its cells
+            self._running.remove(br)
+            manager.free(br.table)
+            br.table = None
+            settle(br.future, error=KVCapacityError(
+                f"question on {br.session.name!r} needs {need} more cells and the pool has "
+                f"{manager.num_free_blocks * manager.block_size} free after evicting idle entries; "
+                "raise max_cells or ask a shorter question"))
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -128,6 +150,7 @@ class EngineLoop:
                     return
                 self._busy = True
                 self._start_waiting()
+                self._make_room_for_questions()
                 self.prepos.refresh()
                 self._waiters_without_entries()
                 urgent, idle = self.prepos.entry_jobs()

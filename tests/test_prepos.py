@@ -198,3 +198,37 @@ def test_entries_of_many_questions_and_sessions_stay_consistent(engine):
             assert via_entry.path == "entry" and cold.path == "cold" and via_entry.tokens == cold.tokens
             assert torch.allclose(via_entry.logits, cold.logits, atol=1e-4)
     engine.check_integrity()
+
+
+def test_under_pressure_idle_sessions_entries_are_evicted_first(tiny_model):
+    specs = [QuestionSpec(f"q{i}", f"Standing question number {i}?", threshold=NEVER, max_tokens=1, push=False)
+             for i in range(4)]
+    with Engine(tiny_model, max_cells=1152, block_size=8, max_context=256, branch_cells=640) as eng:
+        for name in ("a", "b"):
+            eng.open_session(name)
+            for spec in specs:
+                eng.register(name, spec)
+            eng.push(name, LINES[:2])
+        eng.wait_idle()
+        assert all(st.ready is not None for st in eng.prepos.all())
+        free_before = eng.store.manager.num_free_blocks
+        question = "A long ad-hoc question that needs more cells than are free right now, " * 5
+        assert len(eng.layout.question_ids(question)) > free_before * 8  # it cannot fit without evicting
+        answer = eng.ask("a", question, max_tokens=1)
+        assert answer.path == "cold"
+        assert eng.prepos.entries_evicted >= 4
+        # session data is never evicted: both sessions still hold all their tokens
+        for name in ("a", "b"):
+            assert eng.session_info(name).num_computed == eng.session_info(name).num_tokens
+        eng.wait_idle()
+        eng.check_integrity()
+
+
+def test_a_question_too_big_for_the_pool_fails_clearly(tiny_model):
+    with Engine(tiny_model, max_cells=1024, block_size=8, max_context=256, branch_cells=256) as eng:
+        eng.open_session("a")
+        eng.push("a", LINES[:2])
+        with pytest.raises(Exception, match="needs .* more cells"):
+            eng.ask("a", "far too long a question for this pool " * 40, max_tokens=1, timeout=30)
+        assert eng.ask("a", "Short?", max_tokens=1, timeout=30).path == "cold"  # and the engine goes on
+        eng.check_integrity()
