@@ -121,6 +121,7 @@ class Engine(EngineLoop):
         self.prefix_hits = 0
         self._cv = threading.Condition()
         self._stopped = False
+        self.failure: BaseException | None = None  # set if the loop ever dies
         self._busy = False
         self._in_step = False  # a plan is executing outside the lock
         self.steps = 0
@@ -203,6 +204,8 @@ class Engine(EngineLoop):
 
     def push(self, name: str, lines: list[str]) -> PushAck:
         lines = validate_lines(lines)
+        if not lines:
+            raise ValueError("push at least one line")
         ids_per_line = self.layout.lines_ids(lines)  # tokenized outside the lock
         new_tokens = sum(len(ids) for ids in ids_per_line)
         self._ensure_resident(name)
@@ -442,7 +445,13 @@ class Engine(EngineLoop):
             self.store.manager.check_integrity(tables)
 
     # -- internals --------------------------------------------------------
+    def _check_running(self) -> None:
+        if self._stopped:
+            reason = f"after an internal error: {self.failure!r}" if self.failure else "(shut down)"
+            raise RuntimeError(f"the engine is stopped {reason}")
+
     def _session(self, name: str) -> Session:
+        self._check_running()
         session = self.sessions.get(name)
         if session is None:
             raise SessionError(f"no session named {name!r}; open it first")

@@ -137,6 +137,16 @@ class EngineLoop:
                 "raise max_cells or ask a shorter question"))
 
     def _loop(self) -> None:
+        try:
+            self._run_steps()
+        except BaseException as exc:  # a bug in bookkeeping: stop loudly, never hang callers
+            log.exception("engine loop stopped")
+            with self._cv:
+                self.failure = exc
+                self._stopped = True
+                self._fail_all(RuntimeError(f"engine stopped after an internal error: {exc!r}"))
+
+    def _run_steps(self) -> None:
         while True:
             with self._cv:
                 self._release_closed()

@@ -225,3 +225,15 @@ def test_sessions_with_the_same_frozen_prefix_share_its_blocks(engine):
     engine.wait_idle()
     engine.check_integrity()
     assert engine.store.manager.num_used_blocks == 0  # the cached prefix went with its last session
+
+
+def test_empty_push_is_refused_and_a_stopped_engine_says_so(tiny):
+    eng = Engine(tiny, max_cells=4096, max_context=512)
+    eng.open_session("s")
+    with pytest.raises(ValueError, match="at least one line"):
+        eng.push("s", [])
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="stopped"):
+        eng.push("s", ["x"])
+    with pytest.raises(RuntimeError, match="stopped"):
+        eng.open_session("t")
