@@ -145,6 +145,7 @@ class Engine(EngineLoop):
             raise ValueError(f"system prompt is {len(prefix)} tokens, more than max_context {max_context}")
         manager = self.store.manager
         with self._cv:
+            self._check_running()
             if name in self.sessions or name in self._evicted:
                 raise SessionError(f"session {name!r} is already open")
             spare_blocks = manager.num_free_blocks - manager.blocks_for(max_context)
