@@ -9,7 +9,6 @@ engine is usable from threads and from asyncio alike.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -210,26 +209,40 @@ class Engine(EngineLoop):
         ids_per_line = self.layout.lines_ids(lines)  # tokenized outside the lock
         new_tokens = sum(len(ids) for ids in ids_per_line)
         self._ensure_resident(name)
-        # With a log, the session's log lock spans version assignment and append: the log is in
-        # version order, and the ack leaves only once the batch is on disk.
-        ordered = self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
-        with ordered:
+        if self.ingest_log is None:
             with self._cv:
-                session = self._session(name)
-                if session.num_tokens + new_tokens > session.max_context:
-                    state = "compaction has not caught up yet" if name in self._compactions else (
-                        "the batch alone is larger than the session's budget")
-                    raise KVCapacityError(
-                        f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
-                        f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
-                    )
-                version = session.append_batch(ids_per_line)
-                self._maybe_compact(session)
-                self._cv.notify_all()
-                ack = PushAck(name, version, session.backlog_lines, len(lines))
-            if self.ingest_log is not None:  # outside the engine lock: its thread never waits for our fsync
-                self.ingest_log.record_push(name, version, lines)
+                self._admit_push(name, new_tokens)
+                return self._append(name, ids_per_line, len(lines))
+        # With a log, the session's log lock spans version assignment, the log write and the append:
+        # the log is in version order, and a batch enters the session only once it is on disk, so a
+        # failed write leaves neither an ack nor an unlogged batch behind.
+        with self.ingest_log.session_lock(name):
+            with self._cv:
+                version = self._admit_push(name, new_tokens)
+            self.ingest_log.record_push(name, version, lines)  # outside the engine lock: no fsync waits there
+            with self._cv:
+                ack = self._append(name, ids_per_line, len(lines))
+        assert ack.data_version == version, (ack, version)  # pushes to one session are serialized by its log lock
         return ack
+
+    def _append(self, name: str, ids_per_line: list[list[int]], num_lines: int) -> PushAck:
+        session = self._session(name)
+        version = session.append_batch(ids_per_line)
+        self._maybe_compact(session)
+        self._cv.notify_all()
+        return PushAck(name, version, session.backlog_lines, num_lines)
+
+    def _admit_push(self, name: str, new_tokens: int) -> int:
+        """Under the lock: the version a batch of new_tokens will get, or a clear refusal."""
+        session = self._session(name)
+        if session.num_tokens + new_tokens > session.max_context:
+            state = "compaction has not caught up yet" if name in self._compactions else (
+                "the batch alone is larger than the session's budget")
+            raise KVCapacityError(
+                f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
+                f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
+            )
+        return session.pushed_version + 1
 
     def backlog(self, name: str) -> int:
         with self._cv:
