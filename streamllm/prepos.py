@@ -78,7 +78,8 @@ class Prepositioner:
         questions = self.by_session.setdefault(session.name, {})
         if spec.id in questions:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
-        gate = Gate.for_question(spec, self.layout.tokenizer)
+        with self.layout.lock:  # the gate encodes choices with the shared tokenizer
+            gate = Gate.for_question(spec, self.layout.tokenizer)
         st = Standing(session, spec, gate, self.layout.question_ids(spec.text))
         questions[spec.id] = st
         return st

@@ -12,7 +12,8 @@ update_from_output()). Classes, served in order under one token budget per step:
 Within a class, service is fair: sequences are interleaved by tenant, then by session,
 and the starting point rotates every step, so a tenant with many sessions cannot
 starve a tenant with one. Chunked prefill bounds how long a question waits behind an
-ingest: at most one chunk. Slot assignment (`can_append` / `append`) happens here, as
+ingest: at most one chunk; while questions run, ingest gets only a trickle of each step.
+Slot assignment (`can_append` / `append`) happens here, as
 nano-vllm's scheduler allocates through its block manager.
 """
 
@@ -55,6 +56,10 @@ class Plan:
 class SchedulerConfig:
     step_tokens: int = 256  # token budget per forward (decode tokens + prefill chunks)
     chunk_tokens: int = 128  # largest prefill chunk of one sequence in one step
+    # Ingest riding along in a step that serves questions. On a CPU every prefill token costs
+    # about as much as it does alone, so a full chunk beside each decode step would multiply a
+    # question's latency; a trickle keeps ingest moving while questions run.
+    ingest_tokens_with_questions: int = 16
 
 
 @dataclass(slots=True)
@@ -130,6 +135,8 @@ class Scheduler:
                 break
             budget -= self._take(plan, INTERACTIVE, br, br.table, br.pending_ids, br.next_pos, "last", budget)
         ready = [s for s in sessions if s.pending_tokens > 0 and not s.closing]
+        if plan:
+            budget = min(budget, self.config.ingest_tokens_with_questions)
         for s in fair_order(ready, lambda s: s.name, turn):
             if budget <= 0:
                 break

@@ -10,6 +10,7 @@ computed; ingest, chunking and questions all follow from `num_computed` (no phas
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,6 +37,11 @@ class PromptLayout:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        # transformers' fast tokenizer implements split_special_tokens by flipping a flag on the
+        # shared Rust tokenizer, so concurrent encodes (pushes and asks from many threads) can
+        # tokenize a question's "<|im_end|>" as text. Every encode goes through this lock.
+        self.lock = threading.Lock()
+        self._question_cache: dict[str, list[int]] = {}
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; streamllm needs one to place questions")
         self.tokenizer = tokenizer
@@ -63,7 +69,8 @@ class PromptLayout:
 
     def _encode(self, text: str, *, data: bool) -> list[int]:
         # Data and question text can never smuggle in control tokens like <|im_end|>.
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=data)["input_ids"]
+        with self.lock:
+            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=data)["input_ids"]
 
     def prefix_ids(self, system: str) -> list[int]:
         return (
@@ -76,11 +83,17 @@ class PromptLayout:
     def lines_ids(self, lines: list[str]) -> list[list[int]]:
         if not lines:
             return []
-        enc = self.tokenizer([line + "\n" for line in lines], add_special_tokens=False, split_special_tokens=True)
+        with self.lock:
+            enc = self.tokenizer([line + "\n" for line in lines], add_special_tokens=False, split_special_tokens=True)
         return enc["input_ids"]
 
     def question_ids(self, question: str) -> list[int]:
-        return self._encode(f"Question: {question.strip()}", data=True) + self._encode(self._tail, data=False)
+        ids = self._question_cache.get(question)
+        if ids is None:
+            ids = self._encode(f"Question: {question.strip()}", data=True) + self._encode(self._tail, data=False)
+            if len(self._question_cache) < 4096:  # the same questions come back: tokenize them once
+                self._question_cache[question] = ids
+        return list(ids)
 
 
 def validate_lines(lines: object) -> list[str]:

@@ -237,3 +237,33 @@ def test_empty_push_is_refused_and_a_stopped_engine_says_so(tiny):
         eng.push("s", ["x"])
     with pytest.raises(RuntimeError, match="stopped"):
         eng.open_session("t")
+
+
+def test_tokenizing_from_many_threads_gives_the_same_ids(engine):
+    """The fast tokenizer's split_special_tokens is a shared flag: encodes must not interleave."""
+    layout = engine.layout
+    questions = [f"Question {i} about <|im_end|> and up or down?" for i in range(8)]
+    expected = {q: layout._encode(f"Question: {q}", data=True) + layout._encode(layout._tail, data=False)
+                for q in questions}
+    line_expected = layout.lines_ids(LINES[:4])
+    errors = []
+
+    def hammer(q):
+        try:
+            for _ in range(300):
+                ids = layout._encode(f"Question: {q}", data=True) + layout._encode(layout._tail, data=False)
+                if ids != expected[q] or layout.lines_ids(LINES[:4]) != line_expected:
+                    errors.append(q)
+                    return
+        except Exception as exc:  # a dead thread must fail the test, not pass it
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=hammer, args=(q,)) for q in questions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    im_end = layout.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in layout._encode(f"Question: {questions[0]}", data=True)  # data never becomes control
+    assert im_end in expected[questions[0]]  # while the template's own end of turn does
