@@ -204,8 +204,9 @@ def test_under_pressure_idle_sessions_entries_are_evicted_first(tiny_model):
     specs = [QuestionSpec(f"q{i}", f"Standing question number {i}?", threshold=NEVER, max_tokens=1, push=False)
              for i in range(4)]
     with Engine(tiny_model, max_cells=1152, block_size=8, max_context=256, branch_cells=640) as eng:
-        for name in ("a", "b"):
+        for name in ("a", "b"):  # both admitted before any entry takes cells
             eng.open_session(name)
+        for name in ("a", "b"):
             for spec in specs:
                 eng.register(name, spec)
             eng.push(name, LINES[:2])
