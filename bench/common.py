@@ -105,7 +105,15 @@ def fill_session(engine, name: str, target_tokens: int, lines: Iterator[str], ba
             chunk.append(line)
         engine.push(name, chunk)
         engine.wait_idle()
+        if engine.sessions[name].compactions:  # it would never reach the target: say so, not spin
+            raise RuntimeError(f"session {name!r} was compacted while filling to {target_tokens} tokens; "
+                               "open it with max_context=budget_for(target)")
     return engine.session_info(name).num_tokens
+
+
+def budget_for(tokens: int, slack: int = 512) -> int:
+    """A session max_context that holds `tokens` without triggering compaction (at 75%)."""
+    return int(tokens / 0.75) + slack
 
 
 def parse_ints(text: str) -> list[int]:

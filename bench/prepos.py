@@ -15,6 +15,7 @@ import argparse
 import time
 
 from bench.common import (
+    budget_for,
     fill_session,
     market_lines,
     median,
@@ -43,7 +44,7 @@ def wall_ms(fn) -> float:
 def run(args: argparse.Namespace) -> dict[str, float]:
     contexts = parse_ints(args.contexts)
     loaded = load_model(args.model)
-    max_context = max(contexts) + 512
+    max_context = budget_for(max(contexts))
     engine = Engine(loaded, max_cells=max_context + 8192, max_context=max_context)
     metrics: dict[str, float] = {}
     rows = []

@@ -17,6 +17,7 @@ import argparse
 import torch
 
 from bench.common import (
+    budget_for,
     fill_session,
     market_lines,
     median,
@@ -99,7 +100,7 @@ def hf_prefill_and_decode(loaded, prompt: list[int], steps: int) -> tuple[float,
 def run(args: argparse.Namespace) -> dict[str, float]:
     contexts = parse_ints(args.contexts)
     loaded = load_model(args.model)
-    max_context = max(contexts) + 256
+    max_context = budget_for(max(contexts))
     engine = Engine(loaded, max_cells=max_context * 2 + 4096, max_context=max_context, chunk_tokens=args.chunk,
                     step_tokens=args.chunk)
     metrics: dict[str, float] = {}

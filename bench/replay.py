@@ -147,21 +147,11 @@ class RecordingAttachment(Attachment):
 def feed_events(data: list[str], seed: int, duration_s: float | None) -> Iterator[Any]:
     """Recorded captures/tables merged by receive time (or the synthetic feed), cut at duration_s."""
     from feeds.replay import merge
-    from feeds.sources import CaptureSource, TableSource
+    from feeds.sources import open_recorded
     from feeds.synthetic import SyntheticFeed
 
     if data:
-        sources: list[Iterable[Any]] = []
-        for name in data:
-            path = Path(name)
-            if not path.is_file():
-                raise FileNotFoundError(f"--data: no file {path}")
-            if path.name.endswith(".gz"):
-                sources.append(CaptureSource(path))
-            else:
-                kind = next((k for k in ("trade", "quote") if k in path.name.lower()), "bar")
-                sources.append(TableSource(path, kind=kind).events())
-        events: Iterable[Any] = merge(*sources)
+        events: Iterable[Any] = merge(*open_recorded(data, what="--data"))
     else:
         events = SyntheticFeed(seed=seed).events()
     first = None

@@ -21,6 +21,7 @@ import threading
 import time
 
 from bench.common import (
+    budget_for,
     fill_session,
     market_lines,
     median,
@@ -147,9 +148,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     loaded = load_model(args.model)
     sizes = parse_ints(args.sessions)
     top = max(sizes)
-    engine = Engine(loaded, max_cells=top * (args.context + 1024) + args.long_context + 16384,
-                    max_context=max(args.context + 512, args.long_context + 512), chunk_tokens=args.chunk,
-                    step_tokens=args.chunk * 2)
+    session_budget, long_budget = budget_for(args.context), budget_for(args.long_context)
+    engine = Engine(loaded, max_cells=top * session_budget + long_budget + 16384, max_context=session_budget,
+                    chunk_tokens=args.chunk, step_tokens=args.chunk * 2)
     metrics: dict[str, float] = {}
     rows = []
     try:
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         names = [f"t{i % 4}/s{i}" for i in range(top)]  # four tenants
         print(f"filling {top} sessions to {args.context} tokens ...", flush=True)
         for n in names:
-            engine.open_session(n, max_context=args.context + 512)
+            engine.open_session(n, max_context=session_budget)
             fill_session(engine, n, args.context, lines)
         for s in sizes:
             print(f"{s} sessions: decode batched vs sequential ...", flush=True)
@@ -194,7 +195,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         metrics["interactive_p50_ms_loaded"] = median(loaded_lat)
         metrics["interactive_loaded_over_idle_p99"] = percentile(loaded_lat, 99) / percentile(idle, 99)
         print(f"grouped prefill: {args.entries} entries on a {args.long_context}-token session ...", flush=True)
-        engine.open_session("long", max_context=args.long_context + 512)
+        engine.open_session("long", max_context=long_budget)
         fill_session(engine, "long", args.long_context, lines)
         g, b, one = grouped_prefill(engine, "long", args.entries, args.reps)
         e = args.entries

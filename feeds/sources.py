@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gzip
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,3 +205,20 @@ class TableSource:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.events())
+
+
+def open_recorded(paths: list[str | Path], *, what: str = "feed") -> list[Iterable[Any]]:
+    """Event streams for recorded files: gzip captures through their venue's parser, tables
+    (CSV/Parquet) by kind guessed from the name (trades, quotes, else bars). Merge them with
+    feeds.replay.merge. A missing file is an error naming it."""
+    sources: list[Iterable[Any]] = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{what}: no file {path}")
+        if path.name.endswith(".gz"):
+            sources.append(CaptureSource(path))
+        else:
+            kind = next((k for k in ("trade", "quote") if k in path.name.lower()), "bar")
+            sources.append(TableSource(path, kind=kind).events())
+    return sources

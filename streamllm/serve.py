@@ -73,19 +73,10 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         for spec in group.sessions:
             symbols += [s for s in (spec.feed.symbols or (spec.instrument.lower(),)) if s not in symbols]
         return FeedAdapter("binance", symbols).events()
-    from feeds.sources import CaptureSource, TableSource
+    from feeds.sources import open_recorded
 
     assert feed.path is not None
-    sources: list[Any] = []
-    for name in str(feed.path).split(","):
-        path = Path(name)
-        if not path.exists():
-            raise FileNotFoundError(f"feed {feed.kind}: no file {path}")
-        if path.name.endswith(".gz"):
-            sources.append(CaptureSource(path))
-        else:
-            kind = next((k for k in ("trade", "quote") if k in path.name.lower()), "bar")
-            sources.append(TableSource(path, kind=kind).events())
+    sources = open_recorded(str(feed.path).split(","), what=f"feed {feed.kind}")
     return apaced(merge(*sources), speed)
 
 
