@@ -19,6 +19,7 @@ nano-vllm's scheduler allocates through its block manager.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +61,11 @@ class SchedulerConfig:
     # about as much as it does alone, so a full chunk beside each decode step would multiply a
     # question's latency; a trickle keeps ingest moving while questions run.
     ingest_tokens_with_questions: int = 16
+    # A question that arrives waits for the step in flight. While questions keep coming (one
+    # was served within busy_window_s), background steps shrink to busy_step_tokens so that
+    # wait stays short; when questions stop, background work gets full steps again.
+    busy_step_tokens: int = 32
+    busy_window_s: float = 2.0
 
 
 @dataclass(slots=True)
@@ -103,11 +109,14 @@ def _interleave(queues: list[list]) -> list:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockManager, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, manager: BlockManager, config: SchedulerConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
         self._turn = 0
+        self._clock = clock
+        self._last_question = float("-inf")
 
     def _take(self, plan: Plan, kind: str, owner, table: BlockTable, ids: list[int], start: int, want: str,
               budget: int) -> int:
@@ -134,9 +143,13 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._take(plan, INTERACTIVE, br, br.table, br.pending_ids, br.next_pos, "last", budget)
-        ready = [s for s in sessions if s.pending_tokens > 0 and not s.closing]
+        now = self._clock()
         if plan:
+            self._last_question = now
             budget = min(budget, self.config.ingest_tokens_with_questions)
+        elif now - self._last_question < self.config.busy_window_s:
+            budget = min(budget, self.config.busy_step_tokens)
+        ready = [s for s in sessions if s.pending_tokens > 0 and not s.closing]
         for s in fair_order(ready, lambda s: s.name, turn):
             if budget <= 0:
                 break

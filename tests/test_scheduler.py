@@ -117,3 +117,23 @@ def test_no_cells_skips_a_sequence_without_breaking_the_plan():
     plan = sched.schedule([ask], [s])
     assert [i.kind for i in plan.items] == [INGEST] and sched.stats.blocked == 1
     m.check_integrity([s.table, ask.table])
+
+
+def test_background_steps_shrink_while_questions_keep_coming():
+    m = BlockManager(1024, 16)
+    now = [100.0]
+    sched = Scheduler(m, SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=32,
+                                         busy_window_s=2.0), clock=lambda: now[0])
+    s = session(m, "a", 5000)
+
+    def step(questions=()):
+        plan = sched.schedule(list(questions), [s])
+        run_fake(plan)
+        return plan
+
+    assert step().num_tokens == 128  # nobody asked yet: a full chunk
+    step([branch(m, s, 4)])
+    now[0] += 1.0
+    assert step().tokens_of(INGEST) == 32  # a question was just served: short steps
+    now[0] += 1.5
+    assert step().tokens_of(INGEST) == 128  # quiet again
