@@ -140,11 +140,10 @@ def live_server(tiny_model):
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert ready.wait(30)
-    ws = connect(server.url, max_size=None)
-    ws.send(orjson.dumps({"type": "open", "id": 0, "session": "btc"}).decode())
-    assert orjson.loads(ws.recv(10))["type"] == "ok"
-    yield server, ws
-    ws.close()
+    with connect(server.url, max_size=None) as ws:
+        ws.send(orjson.dumps({"type": "open", "id": 0, "session": "btc"}).decode())
+        assert orjson.loads(ws.recv(10))["type"] == "ok"
+        yield server, ws
     asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
