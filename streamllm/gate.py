@@ -17,6 +17,7 @@ time; `decide` is one gather (or one topk) on the logits plus a few Python float
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -188,3 +189,15 @@ def threshold_for_precision(
     if not reaching:
         return None
     return max(reaching, key=lambda p: (p.coverage, -p.threshold))
+
+
+def match_choice(text: str, choices: Sequence[str]) -> str | None:
+    """The choice a decoded answer names first, as a whole word, any case ("The price is going
+    up." -> "up"); None when it names none. Lets an entry-path answer to a choice question end
+    as soon as the choice appears, and be reported in the question's own words."""
+    best: tuple[int, str] | None = None
+    for choice in choices:
+        found = re.search(rf"(?<!\w){re.escape(choice)}(?!\w)", text, flags=re.IGNORECASE)
+        if found and (best is None or found.start() < best[0]):
+            best = (found.start(), choice)
+    return None if best is None else best[1]

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 import torch
 
 from streamllm.compaction import Compaction
+from streamllm.gate import match_choice
 from streamllm.kv import KVCapacityError
 from streamllm.prepos import Standing
 from streamllm.runner import Work
@@ -318,6 +319,11 @@ class EngineLoop:
                 br.text = text
                 return self._finish(br)
         br.text = text
+        choices = br.standing.spec.choices if br.standing is not None else ()
+        choice = match_choice(text, choices) if choices else None
+        if choice is not None:  # a choice question is answered once the model names a choice
+            br.finish_reason, br.text = "stop", choice
+            return self._finish(br)
         if len(br.generated) >= br.max_tokens:
             br.finish_reason = "length"
             self._finish(br)

@@ -22,7 +22,7 @@ from typing import Any
 from streamllm.labels import LabelError, LabelSpec, parse_label
 
 DEFAULT_THRESHOLD = 2.0  # logit gap; e^2 ~ 7x odds between the top two answers
-DEFAULT_MAX_TOKENS_CHOICES = 4
+DEFAULT_MAX_TOKENS_CHOICES = 8  # decoding stops as soon as the answer names a choice
 DEFAULT_MAX_TOKENS_FREE = 48
 DEFAULT_MAX_CONTEXT_TOKENS = 4096
 MIN_CONTEXT_TOKENS = 128

@@ -173,3 +173,13 @@ def test_shipped_queries_build_gates_on_the_default_tokenizer():
                 for choice in spec.choices:
                     # SmolLM2 has whole-word tokens for these answers, with and without a space.
                     assert len(gate.candidates(choice)) >= 2, (path.name, spec.id, choice)
+
+
+def test_match_choice_finds_the_first_named_choice_as_a_word():
+    from streamllm.gate import match_choice
+
+    assert match_choice("The price is going up.", ("up", "down")) == "up"
+    assert match_choice("Down, then up", ("up", "down")) == "down"
+    assert match_choice("It is upward", ("up", "down")) is None  # whole words only
+    assert match_choice("YES", ("yes", "no")) == "yes"
+    assert match_choice("", ("yes", "no")) is None

@@ -68,7 +68,7 @@ def test_parse_good_config_with_defaults():
     assert btc.render == RenderSpec("bars", 5)
     assert btc.system_prompt == DEFAULT_SYSTEM_PROMPT.replace("{instrument}", "BTCUSDT")
     trend = btc.questions[0]
-    assert (trend.choices, trend.threshold, trend.max_tokens, trend.push) == (("up", "down"), 1.5, 4, True)
+    assert (trend.choices, trend.threshold, trend.max_tokens, trend.push) == (("up", "down"), 1.5, 8, True)
     assert trend.label.text == "trend_up(n=10)"
     assert eth.feed == FeedSpec("csv", Path("data/eth.csv"))  # no base dir: left relative
     assert eth.render == RenderSpec("events", None)
@@ -126,7 +126,7 @@ def test_normalize_question_and_find_by_id_or_text():
 
 def test_parse_question_alone_for_runtime_registration():
     question = parse_question({"id": "q", "text": "Up?", "choices": ["yes", "no"]})
-    assert question.max_tokens == 4
+    assert question.max_tokens == 8
     with pytest.raises(ConfigError, match=r"^<question>: question\.threshold: must be"):
         parse_question({"id": "q", "text": "Up?", "threshold": -1})
 

@@ -63,3 +63,19 @@ def test_engine_paths_on_the_default_model(smollm2):
                           min_version=1, return_logits=True)
         gate = engine.prepos.find("btc", "dir").gate
         assert gate.decide(cold.logits).answer == fast.text
+
+
+def test_entry_path_choice_answers_end_at_the_named_choice(smollm2):
+    from streamllm.engine import Engine
+    from streamllm.questions import QuestionSpec
+
+    with Engine(smollm2, max_cells=8192, max_context=2048) as engine:
+        engine.open_session("btc")
+        engine.register("btc", QuestionSpec("dir", "Is the price going up or down?", choices=("up", "down"),
+                                            threshold=1e9, max_tokens=12))
+        ack = engine.push("btc", [f"12:{i:02d} 640{i:02d}.5 +{i}.0 v1.{i} n{i + 10}" for i in range(20)])
+        answer = engine.ask("btc", "dir", min_version=ack.data_version)
+        assert answer.path == "entry"
+        # SmolLM2 answers in a sentence ("The price is going up..."): it stops at the choice
+        assert answer.text in ("up", "down") and answer.finish_reason == "stop"
+        assert len(answer.tokens) < 12
