@@ -116,6 +116,15 @@ def mutate_value(rng: random.Random, value: Any, depth: int = 0) -> Any:
     return rng.choice(_ODD_VALUES)
 
 
+def mutated_config(rng: random.Random) -> str:
+    """CONFIG_SAMPLE with one to three of its lines mutated."""
+    lines = CONFIG_SAMPLE.splitlines()
+    for _ in range(rng.randint(1, 3)):
+        j = rng.randrange(len(lines))
+        lines[j] = mutate_bytes(rng, lines[j].encode()).decode("utf-8", "replace")
+    return "\n".join(lines)
+
+
 def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
     data = bytearray(raw)
     for _ in range(rng.randint(1, 4)):
@@ -324,13 +333,8 @@ def fuzz(cases: int, seed: int = 0) -> dict[str, Any]:
         except Exception as exc:
             uncaught.append(f"protocol: {type(exc).__name__}: {exc} on {raw[:80]!r}")
     for _ in range(per_target):  # config files
-        text = CONFIG_SAMPLE
-        lines = text.splitlines()
-        for _ in range(rng.randint(1, 3)):
-            j = rng.randrange(len(lines))
-            lines[j] = mutate_bytes(rng, lines[j].encode()).decode("utf-8", "replace")
         try:
-            parse_config("\n".join(lines), source="fuzz.toml")
+            parse_config(mutated_config(rng), source="fuzz.toml")
         except ConfigError as exc:
             rejected += 1
             counted += bool(str(exc))
