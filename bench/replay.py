@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import math
 import sys
 import threading
@@ -35,20 +34,17 @@ from tqdm import tqdm
 
 from bench.baselines import Peer, PrefixCache, Stateless
 from bench.common import (
-    fill_session,
-    market_lines,
     median,
     parse_ints,
     percentile,
     print_table,
     write_json,
 )
-from bench.loadgen import AD_HOC_QUESTIONS, AskEvent, poisson_schedule, run_schedule
+from bench.loadgen import AskEvent, poisson_schedule, run_schedule
+from bench.sweep import SYSTEMS, sweep_phase
 from streamllm.attach import Attachment, AttachSpec, attach
 from streamllm.kv import KVCapacityError
 from streamllm.questions import QueryConfig, QuestionSpec, load_config
-
-SYSTEMS = ("ours", "prefixcache", "stateless", "peer")
 
 
 @dataclass(slots=True)
@@ -181,19 +177,11 @@ class Run:
 def pool_cells(config: QueryConfig, sweep_context: int) -> int:
     """Sessions + one prefix-cache table each + one stateless table, in the bigger phase.
 
-    The sweep session's reservation is sized past its context (see `sweep_session_context`),
+    The sweep session's reservation is sized past its context (see bench.sweep),
     so count it twice to be safe.
     """
     replay = sum(2 * s.max_context_tokens for s in config.sessions) + max(s.max_context_tokens for s in config.sessions)
     return max(replay, 4 * sweep_context) + 1024
-
-
-def sweep_session_context(engine, need: int) -> int:
-    """A max_context whose compaction threshold (when the engine compacts) lies above `need`.
-
-    Compaction would cut the session back below the sweep size, and the fill would never end.
-    """
-    return math.ceil(need / getattr(engine, "compact_at", 1.0)) + 16
 
 
 def replay_phase(engine, config: QueryConfig, args: argparse.Namespace, run: Run) -> None:
@@ -293,64 +281,6 @@ def replay_baselines(engine, args: argparse.Namespace, run: Run, peer: Peer | No
         finally:
             prefix.close()
     run.baseline_wall_s = time.perf_counter() - t0
-
-
-def sweep_phase(engine, config: QueryConfig, args: argparse.Namespace, run: Run, sizes: list[int],
-                sweep_context: int, peer: Peer | None) -> None:
-    spec = config.sessions[0]
-    engine.open_session("sweep", system=spec.system_prompt, max_context=sweep_session_context(engine, sweep_context))
-    for q in spec.questions:
-        engine.register("sweep", q)
-    recorded = run.sink.lines.get(spec.name, []) if run.sink is not None else []
-    lines = itertools.chain(recorded, market_lines(args.seed, spec.render.bar_seconds or 5, (spec.instrument,)))
-    run.notes.append(f"the sweep session holds the {len(recorded)} recorded lines of session {spec.name!r}, "
-                     "then synthetic bars of the embedded feed once the recording runs out")
-    prefix, stateless = PrefixCache(engine, args.chunk), Stateless(engine, args.chunk)
-    qids = {q.id: engine.layout.question_ids(q.text) for q in spec.questions}
-    for system in SYSTEMS + ("ours_cold",):
-        run.sweep[system] = {n: [] for n in sizes}
-    t0 = time.perf_counter()
-    bar = tqdm(total=len(sizes), desc="context sweep", unit="size", leave=False)
-    try:
-        for n in sizes:
-            bar.set_postfix_str(f"filling to {n} tokens")
-            run.sweep_held[n] = fill_session(engine, "sweep", n, lines)
-            if getattr(engine.sessions["sweep"], "compactions", 0):
-                raise RuntimeError("the sweep session was compacted: its sizes would not be what they say")
-            session = engine.sessions["sweep"]
-            with engine._cv:  # the cache starts where a prefix-caching server would already be
-                prefix.adopt("sweep", session.table, session.token_ids[: session.num_computed])
-            paths: dict[str, int] = {}
-            bar.set_postfix_str(f"asking at {run.sweep_held[n]} tokens")
-            for rep in range(args.sweep_reps):
-                engine.push("sweep", [next(lines)])  # one new bar, then the questions
-                engine.wait_idle()
-                for q in spec.questions:
-                    t = time.perf_counter()
-                    ans = engine.ask("sweep", q.id, max_tokens=q.max_tokens)
-                    run.sweep["ours"][n].append((time.perf_counter() - t) * 1000)
-                    paths[ans.path] = paths.get(ans.path, 0) + 1
-                t = time.perf_counter()
-                engine.ask("sweep", AD_HOC_QUESTIONS[rep % len(AD_HOC_QUESTIONS)], max_tokens=args.adhoc_tokens)
-                run.sweep["ours_cold"][n].append((time.perf_counter() - t) * 1000)
-                with engine._cv:
-                    ctx = session.token_ids[: session.num_computed]
-                for q in spec.questions:
-                    run.sweep["prefixcache"][n].append(prefix.answer("sweep", ctx, qids[q.id], q.max_tokens).ms)
-                    if peer is not None:
-                        run.sweep["peer"][n].append(peer.answer(ctx, qids[q.id], q.max_tokens).ms)
-            run.sweep_paths[n] = paths
-            reps = 0 if n > args.stateless_max else (args.stateless_reps if n <= 2048 else 1)
-            run.stateless_reps[n] = reps
-            q0 = spec.questions[0]
-            for _ in range(reps):
-                run.sweep["stateless"][n].append(stateless.answer(ctx, qids[q0.id], q0.max_tokens).ms)
-            bar.update()
-    finally:
-        bar.close()
-        prefix.close()
-        engine.close_session("sweep")
-    run.sweep_wall_s = time.perf_counter() - t0
 
 
 def metrics_of(run: Run, sizes: list[int], peer: bool) -> dict[str, float]:
