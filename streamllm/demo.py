@@ -50,7 +50,7 @@ class Display:
         self.engine = engine
         self.config = config
         self.t0 = time.monotonic()
-        self.asks: list[tuple[str, str, str, float, int]] = []  # session, question, path, ms, version
+        self.asks: list[tuple[str, str, str, float, int, str]] = []  # session, question, path, ms, version, text
         self.live = None
         if live:
             from rich.live import Live
@@ -61,15 +61,15 @@ class Display:
         from rich.table import Table
 
         t = Table(title=f"streamllm demo: standing answers ({self.engine.model_name})", expand=False)
-        for col in ("session", "question", "answer", "path", "gap", "version", "age s"):
+        for col in ("session", "question", "answer", "path", "gap", "version", "age / latency"):
             t.add_column(col)
         now = time.time()
         for s in self.config.sessions:
             for a in self.engine.standing(s.name):
                 t.add_row(s.name, a.question_id, a.text[:40], a.path, f"{a.confidence:.2f}", str(a.data_version),
-                          f"{now - a.updated_at:.1f}")
-        for session, question, path, ms, version in self.asks[-6:]:
-            t.add_row(session, f"ask: {question[:30]}", "", path, "", str(version), f"{ms:.2f} ms")
+                          f"{now - a.updated_at:.1f} s old")
+        for session, question, path, ms, version, text in self.asks[-6:]:
+            t.add_row(session, f"ask: {question[:30]}", text[:40], path, "", str(version), f"took {ms:.2f} ms")
         return t
 
     def on_change(self, answer) -> None:
@@ -78,7 +78,7 @@ class Display:
                   f"{answer.text!r} ({answer.path}, gap {answer.confidence:.2f}, v{answer.data_version})", flush=True)
 
     def on_ask(self, session: str, question: str, answer) -> None:
-        self.asks.append((session, question, answer.path, answer.latency_ms, answer.data_version))
+        self.asks.append((session, question, answer.path, answer.latency_ms, answer.data_version, answer.text))
         if self.live is None:
             print(f"[{time.monotonic() - self.t0:6.1f}s] ask {session}: {question!r} -> {answer.text!r} "
                   f"[{answer.path}, {answer.latency_ms:.2f} ms, {answer.tokens_computed} tokens computed, "
@@ -133,7 +133,7 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
 
 def _summary(engine: Engine, display: Display) -> None:
     by_path: dict[str, list[float]] = {}
-    for _, _, path, ms, _ in display.asks:
+    for _, _, path, ms, _, _ in display.asks:
         by_path.setdefault(path, []).append(ms)
     print("\nasks by path: " + ", ".join(
         f"{p}: {len(v)} asks, median {statistics.median(v):.2f} ms" for p, v in sorted(by_path.items())))
