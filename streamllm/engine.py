@@ -9,7 +9,6 @@ engine is usable from threads and from asyncio alike.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -28,8 +27,6 @@ from streamllm.runner import Runner
 from streamllm.scheduler import Scheduler, SchedulerConfig
 from streamllm.session import DEFAULT_SYSTEM, Answer, Branch, PromptLayout, Session, validate_lines
 from streamllm.subscriptions import Subscription, SubscriptionHub, watch
-
-log = logging.getLogger("streamllm.engine")
 
 
 class SessionError(KeyError):
@@ -412,6 +409,7 @@ class Engine(EngineLoop):
         sched = self.scheduler.stats
         with self._cv:
             urgent, idle = self.prepos.entry_jobs()
+            pending_tokens = sum(s.pending_tokens for s in self.sessions.values())
             return {
                 "model": self.model_name,
                 "device": str(self.device),
@@ -420,9 +418,9 @@ class Engine(EngineLoop):
                 "questions_waiting": len(self._waiting) + sum(len(st.waiters) for st in self.prepos.all()),
                 "questions_running": len(self._running),
                 "queue_interactive": len(self._running) + len(urgent),
-                "queue_ingest_tokens": sum(s.pending_tokens for s in self.sessions.values()),
+                "queue_ingest_tokens": pending_tokens,
                 "queue_idle": len(idle),
-                "ingest_backlog_tokens": sum(s.pending_tokens for s in self.sessions.values()),
+                "ingest_backlog_tokens": pending_tokens,
                 "steps": self.steps,
                 "step_ms_avg": self.step_ms_total / self.steps if self.steps else 0.0,
                 "step_ms_last": self.step_ms_last,

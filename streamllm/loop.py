@@ -363,11 +363,10 @@ class EngineLoop:
                 self._running.remove(br)
                 settle(br.future, error=exc)
             elif br.standing is not None:  # entries and decodes are recomputed on the next refresh
-                st: Standing = br.standing if br.purpose == "decode" else None
-                for owner in self.prepos.all():
-                    if owner.computing is br:
-                        owner.computing = None
-                if st is not None and st.decoding is br:
+                st: Standing = br.standing
+                if st.computing is br:
+                    st.computing = None
+                if st.decoding is br:
                     st.decoding = None
         self._cv.notify_all()
 

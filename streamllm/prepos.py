@@ -155,9 +155,9 @@ class Prepositioner:
         return urgent, idle
 
     def on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> Standing | None:
-        st = self._owner(entry, "computing")
+        st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
-        if st is None:  # unregistered meanwhile
+        if st.computing is not entry:  # unregistered (or its session closed) meanwhile
             self.release(entry)
             return None
         entry.first_logits = logits
@@ -165,12 +165,6 @@ class Prepositioner:
         st.ready, st.computing = entry, None
         st.entries_computed += 1
         return st
-
-    def _owner(self, branch: Branch, attr: str) -> Standing | None:
-        for st in self.standing(branch.session.name):
-            if getattr(st, attr) is branch:
-                return st
-        return None
 
     def evict_idle_entries(self, busy_sessions: set[str]) -> int:
         """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed."""
@@ -206,6 +200,3 @@ class Prepositioner:
             return None
         return st.answer
 
-
-def normalize_answer(text: str) -> str:
-    return " ".join(text.strip().split())
