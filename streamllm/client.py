@@ -241,6 +241,18 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
                         help=f"bearer token (default ${TOKEN_ENV})")
 
 
+def run_command(prog: str, url: str, coro) -> tuple[bool, Any]:
+    """asyncio.run(coro) for a command line tool: (True, result), or (False, None) after saying
+    on stderr why the service refused or could not be reached."""
+    try:
+        return True, asyncio.run(coro)
+    except ServiceError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"{prog}: cannot reach {url}: {exc}", file=sys.stderr)
+    return False, None
+
+
 def cli_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="streamllm ask", description="Ask a question on a session of a server.")
     parser.add_argument("session")
@@ -256,13 +268,8 @@ def cli_main(argv: list[str]) -> int:
             return await client.ask(args.session, args.question, max_tokens=args.max_tokens,
                                     min_version=args.min_version)
 
-    try:
-        answer = asyncio.run(run())
-    except ServiceError as exc:
-        print(f"streamllm ask: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"streamllm ask: cannot reach {args.url}: {exc}", file=sys.stderr)
+    ok, answer = run_command("streamllm ask", args.url, run())
+    if not ok:
         return 1
     if args.json:
         print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())

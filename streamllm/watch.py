@@ -15,7 +15,7 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from streamllm.client import AsyncClient, ServiceError, add_connection_args
+from streamllm.client import AsyncClient, add_connection_args, run_command
 
 
 class WatchState:
@@ -90,12 +90,7 @@ def cli_main(argv: list[str]) -> int:
     add_connection_args(parser)
     args = parser.parse_args(argv)
     try:
-        return asyncio.run(watch(args.url, args.token, args.session, args.duration))
-    except ServiceError as exc:
-        print(f"streamllm watch: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:
-        print(f"streamllm watch: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+        ok, code = run_command("streamllm watch", args.url, watch(args.url, args.token, args.session, args.duration))
     except KeyboardInterrupt:
         return 0
+    return code if ok else 1
