@@ -144,8 +144,7 @@ class Engine(EngineLoop):
             self._check_running()
             if name in self.sessions or name in self._evicted:
                 raise SessionError(f"session {name!r} is already open")
-            spare_blocks = manager.num_free_blocks - manager.blocks_for(max_context)
-            if spare_blocks < manager.blocks_for(self.branch_cells):
+            if not manager.can_reserve(max_context, keep_free_tokens=self.branch_cells):
                 self.admissions_refused += 1
                 raise AdmissionError(
                     f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "

@@ -69,8 +69,9 @@ class BlockManager:
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
         return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.num_free_blocks
+    def can_reserve(self, num_tokens: int, keep_free_tokens: int = 0) -> bool:
+        """Whether reserve(num_tokens) fits and still leaves keep_free_tokens of free cells."""
+        return self.blocks_for(num_tokens) + self.blocks_for(keep_free_tokens) <= self.num_free_blocks
 
     # -- allocation -------------------------------------------------------
     def _take(self, count: int, contiguous: bool, after: int | None = None) -> list[int]:

@@ -150,22 +150,3 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     for i in range(1, len(parts)):
         out = out + parts[i][0] * weights[i]
     return out
-
-
-def attend_runs(
-    q: torch.Tensor,
-    k_layer: torch.Tensor,
-    v_layer: torch.Tensor,
-    runs: list[tuple[int, int, int]],
-    q_pos0: int,
-    q_len: int,
-    groups: int,
-    scale: float,
-) -> torch.Tensor:
-    parts = []
-    for pos0, slot0, n in runs:
-        mask = _causal_mask(q_pos0, q_len, pos0, n, groups, q.device)
-        parts.append(
-            partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale)
-        )
-    return merge_partials(parts)
