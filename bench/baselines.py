@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.kv import BlockTable
-from streamllm.runner import Work
+from streamllm.engine.kv import BlockTable
+from streamllm.engine.runner import Work
 
 
 @dataclass(slots=True)

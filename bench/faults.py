@@ -169,7 +169,7 @@ def start_server(model: str, log_dir: Path, extra: list[str] | None = None) -> t
 
 
 async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], kill_after: int) -> dict:
-    from streamllm.client import AsyncClient
+    from streamllm.service.client import AsyncClient
 
     acked: dict[str, dict[int, list[str]]] = {s: {} for s in sessions}
     async with await AsyncClient.connect(url) as c:
@@ -209,8 +209,8 @@ async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], 
 
 
 def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
-    from streamllm.client import AsyncClient
-    from streamllm.ingestlog import read_session, session_folders
+    from streamllm.durability.ingest_log import read_session, session_folders
+    from streamllm.service.client import AsyncClient
 
     log_dir = work / "crash-log"
     sessions = ["btc", "eth", "sol"]
@@ -254,11 +254,11 @@ def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, floa
 
 def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     from bench.common import market_lines
+    from streamllm.config import parse_question
+    from streamllm.durability.ingest_log import IngestLog
+    from streamllm.durability.recovery import push_when_room, recover
     from streamllm.engine import Engine
-    from streamllm.ingestlog import IngestLog
     from streamllm.model import load_model
-    from streamllm.questions import parse_question
-    from streamllm.recovery import push_when_room, recover
 
     loaded = load_model(model, progress=False)
     log_dir, snap = work / "rr-log", work / "rr.safetensors"
@@ -297,8 +297,8 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
 def fuzz(cases: int, seed: int = 0) -> dict[str, Any]:
     from feeds.sources import parser_for
     from feeds.wire import AuthError
-    from streamllm import protocol as p
-    from streamllm.questions import ConfigError, parse_config
+    from streamllm.config import ConfigError, parse_config
+    from streamllm.service import protocol as p
 
     rng = random.Random(seed)
     uncaught: list[str] = []
@@ -356,7 +356,7 @@ def _rss_mb(pid: int) -> float:
 
 async def load_run(url: str, seconds: float, clients: int, pid: int | None = None) -> dict[str, Any]:
     """`clients` connections: each owns a session, pushes, asks and subscribes; a watcher reads all."""
-    from streamllm.client import AsyncClient
+    from streamllm.service.client import AsyncClient
 
     sent = {"push": 0, "ask": 0, "replies": 0, "errors": 0, "events": 0}
     acked: dict[str, int] = {}
@@ -413,7 +413,7 @@ async def load_run(url: str, seconds: float, clients: int, pid: int | None = Non
 
 
 def load(model: str, work: Path, seconds: float, clients: int) -> dict[str, float]:
-    from streamllm.ingestlog import pushed_lines
+    from streamllm.durability.ingest_log import pushed_lines
 
     log_dir = work / "load-log"
     proc, url = start_server(model, log_dir, ["--log-flush", "interval"])

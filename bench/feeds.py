@@ -3,7 +3,7 @@
 Parse throughput: every line of the shared Binance captures (held in memory, so gzip is
 not timed) through `BinanceParser`, with orjson and with the stdlib `json` in the same
 run, interleaved, median of `--reps` repetitions, one core. Tokens: lines rendered by
-`streamllm.render` counted with the default tokenizer (smollm2-135m): 1-minute bars of
+`streamllm.market.render` counted with the default tokenizer (smollm2-135m): 1-minute bars of
 the shared bars CSV (the 1-minute data set), 1-minute bars aggregated from the BTCUSDT
 capture, and trades of the captures.
 """
@@ -26,7 +26,7 @@ from feeds.binance import BinanceParser
 from feeds.events import Trade
 from feeds.sources import CaptureSource, TableSource
 from feeds.wire import fast_loads, stdlib_loads
-from streamllm.render import Renderer
+from streamllm.market.render import Renderer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -24,9 +24,9 @@ from bench.common import (
     print_table,
     write_json,
 )
+from streamllm.config import QuestionSpec
 from streamllm.engine import Engine
 from streamllm.model import load_model
-from streamllm.questions import QuestionSpec
 
 FAST = QuestionSpec("direction", "Is the price going up or down? Answer with one word: up or down.",
                     choices=("up", "down"), threshold=0.0, max_tokens=1)

@@ -27,9 +27,9 @@ from bench.common import (
     write_json,
 )
 from streamllm.engine import Engine
-from streamllm.kv import BlockTable
+from streamllm.engine.kv import BlockTable
+from streamllm.engine.runner import Work
 from streamllm.model import load_model
-from streamllm.runner import Work
 
 QUESTION = "Is the price going up or down? Answer with one word."
 

@@ -42,9 +42,9 @@ from bench.common import (
 )
 from bench.loadgen import AskEvent, poisson_schedule, run_schedule
 from bench.sweep import SYSTEMS, sweep_phase
-from streamllm.attach import Attachment, AttachSpec, attach
-from streamllm.kv import KVCapacityError
-from streamllm.questions import QueryConfig, QuestionSpec, load_config
+from streamllm.config import QueryConfig, QuestionSpec, load_config
+from streamllm.engine.kv import KVCapacityError
+from streamllm.market.attach import Attachment, AttachSpec, attach
 
 
 @dataclass(slots=True)
@@ -284,7 +284,7 @@ def replay_baselines(engine, args: argparse.Namespace, run: Run, peer: Peer | No
 
 
 def metrics_of(run: Run, sizes: list[int], peer: bool) -> dict[str, float]:
-    from streamllm.gate import risk_coverage
+    from streamllm.engine.gate import risk_coverage
 
     ok = [r for r in run.records if r.ok]
     standing = [r for r in ok if r.spec is not None]

@@ -89,7 +89,7 @@ def plot_cdf(run, path: Path) -> None:
 
 
 def plot_gate(run, path: Path) -> int:
-    from streamllm.gate import risk_coverage
+    from streamllm.engine.gate import risk_coverage
 
     plt = _plt()
     labelled = [r for r in run.records if r.ok and r.spec is not None and r.truth is not None]

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamllm.client import AsyncClient
+from streamllm.service.client import AsyncClient
 
 LINES = [f"12:{i // 60:02d}:{i % 60:02d} 640{i % 100:02d}.5 +1.5 v{i % 7}.2 n{i % 5 + 3}" for i in range(64)]
 QUESTION = {"id": "trend", "text": "Is the price going up or down? Answer up or down.",

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from bench.baselines import Peer, PrefixCache, Stateless
 from bench.common import budget_for, fill_session, market_lines
 from bench.loadgen import AD_HOC_QUESTIONS
-from streamllm.questions import QueryConfig
+from streamllm.config import QueryConfig
 
 SYSTEMS = ("ours", "prefixcache", "stateless", "peer")
 

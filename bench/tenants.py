@@ -30,10 +30,10 @@ from bench.common import (
     print_table,
     write_json,
 )
+from streamllm.config import QuestionSpec
 from streamllm.engine import Engine
+from streamllm.engine.runner import Work
 from streamllm.model import load_model
-from streamllm.questions import QuestionSpec
-from streamllm.runner import Work
 
 QUESTIONS = [
     ("trend", "Is the price going up or down? Answer with one word: up or down.", ("up", "down")),

@@ -13,10 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("streamllm.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
     "model": ("streamllm.model.loader", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
     "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
-    "calibrate": ("streamllm.calibrate", "replay data and calibrate gate thresholds"),
-    "serve": ("streamllm.server", "websocket service: engine + feeds + standing questions from a config"),
-    "ask": ("streamllm.client", "ask a question on a running server's session"),
-    "watch": ("streamllm.watch", "live table of a session's standing answers on a running server"),
+    "calibrate": ("streamllm.market.calibrate", "replay data and calibrate gate thresholds"),
+    "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
+    "ask": ("streamllm.service.client", "ask a question on a running server's session"),
+    "watch": ("streamllm.service.watch", "live table of a session's standing answers on a running server"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {

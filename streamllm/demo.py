@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from streamllm.config import QueryConfig, load_config
 from streamllm.engine import Engine
-from streamllm.questions import QueryConfig, load_config
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "queries" / "demo.toml"
 
@@ -31,7 +31,7 @@ def open_from_config(engine: Engine, config: QueryConfig) -> None:
 
 async def _feed(engine: Engine, config: QueryConfig, speed: float, duration_s: float, seed: int):
     from feeds.synthetic import SyntheticFeed
-    from streamllm.attach import Attachment, AttachSpec, attach
+    from streamllm.market.attach import Attachment, AttachSpec, attach
 
     attachments = [
         Attachment(engine, AttachSpec(s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 5),

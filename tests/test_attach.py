@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from feeds.events import BUY, SELL, Quote, Trade
 from feeds.synthetic import synthetic_events
-from streamllm.attach import Attachment, AttachSpec, attach
+from streamllm.market.attach import Attachment, AttachSpec, attach
 
 S = 1_000_000_000
 T0 = 1_723_161_600 * S

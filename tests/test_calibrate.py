@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from feeds.sources import TableSource
-from streamllm.calibrate import (
+from streamllm.config import load_config
+from streamllm.market.calibrate import (
     QuestionRecord,
     _parser,
     calibrate,
@@ -18,7 +19,6 @@ from streamllm.calibrate import (
     summarize,
     table,
 )
-from streamllm.questions import load_config
 
 SHARED_BARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 
@@ -124,7 +124,7 @@ def test_default_warmup_records_only_known_labels(setup, tiny_model):
 
 
 def test_summary_unreachable_target_and_base_rate():
-    from streamllm.questions import parse_question
+    from streamllm.config import parse_question
 
     spec = parse_question({"id": "q", "text": "up?", "choices": ["up", "down"], "label": "trend_up(n=2)",
                            "threshold": 1.5})

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from streamllm import client as client_cli
-from streamllm.client import AsyncClient, Client, ServiceError
 from streamllm.engine import Engine
-from streamllm.server import ServerConfig, StreamServer
-from streamllm.tenants import Tenant, Tenants
-from streamllm.watch import WatchState
+from streamllm.service import client as client_cli
+from streamllm.service.client import AsyncClient, Client, ServiceError
+from streamllm.service.server import ServerConfig, StreamServer
+from streamllm.service.tenants import Tenant, Tenants
+from streamllm.service.watch import WatchState
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [f"12:00:{i:02d} 640{i:02d}.5 +1.5 v{i}.2" for i in range(20)]
@@ -159,7 +159,7 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path):
 
 
 def test_serve_refuses_public_host_without_tokens(capsys, monkeypatch):
-    from streamllm.server import cli_main
+    from streamllm.service.server import cli_main
 
     monkeypatch.delenv("STREAMLLM_TOKENS", raising=False)
     assert cli_main(["--host", "0.0.0.0", "--model", "tiny"]) == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from streamllm.config import QuestionSpec
 from streamllm.engine import Engine
-from streamllm.questions import QuestionSpec
 
 LINES = [f"12:{i // 60:02d}:{i % 60:02d} BTCUSDT C 640{i % 97:02d}.5 v{i % 13}.5 n{i % 7}" for i in range(400)]
 

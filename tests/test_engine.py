@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from streamllm.engine import AdmissionError, Engine, SessionError
-from streamllm.kv import KVCapacityError
+from streamllm.engine.kv import KVCapacityError
 from streamllm.model import load_model
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]

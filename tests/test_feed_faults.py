@@ -18,8 +18,8 @@ from websockets.asyncio.server import ServerConnection
 
 from feeds.adapters import FeedAdapter
 from feeds.server import ReplayServer
+from streamllm.durability.recovery import push_when_room
 from streamllm.engine import Engine
-from streamllm.recovery import push_when_room
 
 CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot" / "btcusdt_20240808.gz"
 if not CAPTURE.exists():

@@ -13,9 +13,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from streamllm.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.runner import Runner, Work
 from streamllm.model.llama import LlamaForward
-from streamllm.runner import Runner, Work
 
 TOL = 1e-4
 COMMON = dict(

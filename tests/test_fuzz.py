@@ -22,10 +22,10 @@ from websockets.sync.client import connect
 from bench.faults import SAMPLES, mutate, mutated_config
 from feeds.sources import parser_for
 from feeds.wire import AuthError
-from streamllm import protocol as p
+from streamllm.config import ConfigError, parse_config
 from streamllm.engine import Engine
-from streamllm.questions import ConfigError, parse_config
-from streamllm.server import StreamServer
+from streamllm.service import protocol as p
+from streamllm.service.server import StreamServer
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 json_values = st.recursive(

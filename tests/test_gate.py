@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamllm.gate import (
+from streamllm.config import QuestionSpec
+from streamllm.engine.gate import (
     Gate,
     GateError,
     RiskCoveragePoint,
@@ -13,7 +14,6 @@ from streamllm.gate import (
     threshold_for_precision,
     top_two,
 )
-from streamllm.questions import QuestionSpec
 
 VOCAB = 64
 
@@ -160,8 +160,8 @@ def test_risk_coverage_on_a_hand_computed_example():
 def test_shipped_queries_build_gates_on_the_default_tokenizer():
     from pathlib import Path
 
+    from streamllm.config import load_config
     from streamllm.model import load_tokenizer
-    from streamllm.questions import load_config
 
     tokenizer = load_tokenizer("smollm2-135m")
     paths = sorted((Path(__file__).resolve().parent.parent / "queries").glob("*.toml"))
@@ -176,7 +176,7 @@ def test_shipped_queries_build_gates_on_the_default_tokenizer():
 
 
 def test_match_choice_finds_the_first_named_choice_as_a_word():
-    from streamllm.gate import match_choice
+    from streamllm.engine.gate import match_choice
 
     assert match_choice("The price is going up.", ("up", "down")) == "up"
     assert match_choice("Down, then up", ("up", "down")) == "down"

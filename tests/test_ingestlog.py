@@ -6,10 +6,16 @@ import threading
 
 import pytest
 
+from streamllm.config import parse_question
+from streamllm.durability.ingest_log import (
+    IngestLog,
+    Record,
+    pushed_lines,
+    read_session,
+    session_folders,
+)
+from streamllm.durability.recovery import recover
 from streamllm.engine import Engine
-from streamllm.ingestlog import IngestLog, Record, pushed_lines, read_session, session_folders
-from streamllm.questions import parse_question
-from streamllm.recovery import recover
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamllm.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
+from streamllm.engine.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
 
 
 def store(num_blocks=8, block_size=4):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 
 from bench.faults import load_run
+from streamllm.durability.ingest_log import IngestLog, pushed_lines
 from streamllm.engine import Engine
-from streamllm.ingestlog import IngestLog, pushed_lines
-from streamllm.server import ServerConfig, StreamServer
+from streamllm.service.server import ServerConfig, StreamServer
 
 
 def test_concurrent_clients_lose_nothing_acknowledged(tiny_model, tmp_path):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from streamllm.questions import (
+from streamllm.config import (
     DEFAULT_SYSTEM_PROMPT,
     DEFAULT_THRESHOLD,
     ConfigError,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streamllm.kv import BlockManager, BlockTable
-from streamllm.scheduler import (
+from streamllm.engine.kv import BlockManager, BlockTable
+from streamllm.engine.scheduler import (
     IDLE,
     INGEST,
     INTERACTIVE,
@@ -12,7 +12,7 @@ from streamllm.scheduler import (
     SchedulerConfig,
     fair_order,
 )
-from streamllm.session import Branch, Session
+from streamllm.engine.sequence import Branch, Session
 
 
 def session(m: BlockManager, name: str, pending: int, prefix: int = 4) -> Session:

@@ -17,8 +17,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from streamllm.engine import Engine
-from streamllm.server import ServerConfig, StreamServer
-from streamllm.tenants import Tenant, Tenants, TokenConfigError
+from streamllm.service.server import ServerConfig, StreamServer
+from streamllm.service.tenants import Tenant, Tenants, TokenConfigError
 
 LINES = [f"12:00:{i:02d} 640{i:02d}.5 +1.5 v{i}.2 n{i + 3}" for i in range(30)]
 needs_standing = pytest.mark.skipif(not hasattr(Engine, "register"), reason="engine has no register() yet")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamllm.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.runner import Runner, Work
 from streamllm.model.llama import LlamaForward
-from streamllm.runner import Runner, Work
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +47,8 @@ def test_our_forward_matches_transformers_on_the_default_model(smollm2, hf):
 
 
 def test_engine_paths_on_the_default_model(smollm2):
+    from streamllm.config import QuestionSpec
     from streamllm.engine import Engine
-    from streamllm.questions import QuestionSpec
 
     with Engine(smollm2, max_cells=8192, max_context=2048) as engine:
         engine.open_session("btc")
@@ -66,8 +66,8 @@ def test_engine_paths_on_the_default_model(smollm2):
 
 
 def test_entry_path_choice_answers_end_at_the_named_choice(smollm2):
+    from streamllm.config import QuestionSpec
     from streamllm.engine import Engine
-    from streamllm.questions import QuestionSpec
 
     with Engine(smollm2, max_cells=8192, max_context=2048) as engine:
         engine.open_session("btc")

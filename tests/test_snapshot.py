@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from streamllm.config import parse_question
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.durability.recovery import recover
+from streamllm.durability.snapshot import SnapshotError
 from streamllm.engine import Engine
-from streamllm.ingestlog import IngestLog
-from streamllm.questions import parse_question
-from streamllm.recovery import recover
-from streamllm.snapshot import SnapshotError
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 C 640{i:02d}.2 V {i}.5" for i in range(30)]

@@ -16,17 +16,24 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.compaction import Compaction
-from streamllm.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
-from streamllm.loop import EngineLoop, settle
+from streamllm.config import QuestionSpec
+from streamllm.engine.compaction import Compaction
+from streamllm.engine.core import EngineLoop, settle
+from streamllm.engine.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
+from streamllm.engine.prepos import Prepositioner, StandingAnswer
+from streamllm.engine.runner import Runner
+from streamllm.engine.scheduler import Scheduler, SchedulerConfig
+from streamllm.engine.sequence import (
+    DEFAULT_SYSTEM,
+    Answer,
+    Branch,
+    PromptLayout,
+    Session,
+    validate_lines,
+)
+from streamllm.engine.subscriptions import Subscription, SubscriptionHub, watch
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
-from streamllm.prepos import Prepositioner, StandingAnswer
-from streamllm.questions import QuestionSpec
-from streamllm.runner import Runner
-from streamllm.scheduler import Scheduler, SchedulerConfig
-from streamllm.session import DEFAULT_SYSTEM, Answer, Branch, PromptLayout, Session, validate_lines
-from streamllm.subscriptions import Subscription, SubscriptionHub, watch
 
 
 class SessionError(KeyError):
@@ -125,7 +132,7 @@ class Engine(EngineLoop):
         self.step_tokens_last = 0
         self.admissions_refused = 0
         self.questions_answered = 0
-        # streamllm.ingestlog.IngestLog: accepted batches are on disk before their ack (None: memory only).
+        # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack (None: memory only).
         self.ingest_log = ingest_log
         self._evicted: dict[str, str] = {}  # session -> snapshot path, restored on its next use
         self._thread = threading.Thread(target=self._loop, name="streamllm-engine", daemon=True)
@@ -259,7 +266,7 @@ class Engine(EngineLoop):
             self.prepos.register(self._session(name), spec)
             self._cv.notify_all()
         if self.ingest_log is not None:
-            from streamllm.snapshot import question_dict
+            from streamllm.durability.snapshot import question_dict
 
             self.ingest_log.record_register(name, question_dict(spec))
 
@@ -349,17 +356,17 @@ class Engine(EngineLoop):
     async def ask_async(self, name: str, question: str, **kw) -> Answer:
         return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
 
-    # -- snapshots (streamllm.snapshot) --------------------------------------
+    # -- snapshots (streamllm.durability.snapshot) --------------------------------------
     def snapshot_session(self, name: str, path):
         """Save the session's cells and bookkeeping to `path` (atomic); it keeps running."""
-        from streamllm.snapshot import save_session
+        from streamllm.durability.snapshot import save_session
 
         self._ensure_resident(name)
         return save_session(self, name, path)
 
     def restore_session(self, path, name: str | None = None):
         """Open a session from a snapshot (validated first: model, checksum, counts, versions)."""
-        from streamllm.snapshot import restore_session
+        from streamllm.durability.snapshot import restore_session
 
         info = restore_session(self, path, name)
         if self.ingest_log is not None:
@@ -368,13 +375,13 @@ class Engine(EngineLoop):
 
     def evict_session(self, name: str, directory) -> str:
         """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
-        from streamllm.snapshot import evict_session
+        from streamllm.durability.snapshot import evict_session
 
         return evict_session(self, name, directory)
 
     def _ensure_resident(self, name: str) -> None:
         if name in self._evicted:
-            from streamllm.snapshot import restore_evicted
+            from streamllm.durability.snapshot import restore_evicted
 
             restore_evicted(self, name)
 

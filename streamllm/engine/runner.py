@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.kv import BlockTable, KVStore
+from streamllm.engine.kv import BlockTable, KVStore
 from streamllm.model.attention import SeqAttention, shared_prefix_groups
 from streamllm.model.llama import ForwardBatch, LlamaForward
 

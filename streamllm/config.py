@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamllm.labels import LabelError, LabelSpec, parse_label
+from streamllm.market.labels import LabelError, LabelSpec, parse_label
 
 DEFAULT_THRESHOLD = 2.0  # logit gap; e^2 ~ 7x odds between the top two answers
 DEFAULT_MAX_TOKENS_CHOICES = 8  # decoding stops as soon as the answer names a choice

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamllm.questions import ConfigError, FeedSpec, QueryConfig, SessionSpec, load_config
-from streamllm.server import ServerConfig, StreamServer, is_loopback
-from streamllm.tenants import LOCAL, Tenant, Tenants, TokenConfigError
+from streamllm.config import ConfigError, FeedSpec, QueryConfig, SessionSpec, load_config
+from streamllm.service.server import ServerConfig, StreamServer, is_loopback
+from streamllm.service.tenants import LOCAL, Tenant, Tenants, TokenConfigError
 
-log = logging.getLogger("streamllm.serve")
+log = logging.getLogger("streamllm.service.serve")
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
 
 
 def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
-    from streamllm.attach import Attachment, AttachSpec
+    from streamllm.market.attach import Attachment, AttachSpec
 
     out = []
     for spec in group.sessions:
@@ -96,7 +96,7 @@ def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]
 
 
 async def run_feed(group: FeedGroup, attachments: list[Any], speed: float | None, seed: int) -> None:
-    from streamllm.attach import attach
+    from streamllm.market.attach import attach
 
     names = ", ".join(s.name for s in group.sessions)
     try:
@@ -160,8 +160,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     engine = Engine(args.model, device=args.device, max_cells=args.max_cells, progress=True)
     recovered = None
     if args.log_dir:  # rebuild sessions from the ingest log before anyone can connect
-        from streamllm.ingestlog import IngestLog
-        from streamllm.recovery import recover
+        from streamllm.durability.ingest_log import IngestLog
+        from streamllm.durability.recovery import recover
 
         recovered = recover(engine, IngestLog(args.log_dir, flush=args.log_flush), progress=True)
     feed_tasks: list[asyncio.Task] = []

@@ -31,16 +31,16 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request as HttpRequest
 from websockets.http11 import Response as HttpResponse
 
-from streamllm import protocol as p
-from streamllm.connection import Conn, Subscription, bridge, close_handles, threadsafe
+from streamllm.config import ConfigError, parse_question
 from streamllm.engine import AdmissionError, Engine, SessionError
-from streamllm.kv import KVCapacityError
-from streamllm.metrics import ServerMetrics
-from streamllm.protocol import ProtocolError, Request
-from streamllm.questions import ConfigError, parse_question
-from streamllm.tenants import LOCAL, Tenants
+from streamllm.engine.kv import KVCapacityError
+from streamllm.service import protocol as p
+from streamllm.service.connection import Conn, Subscription, bridge, close_handles, threadsafe
+from streamllm.service.metrics import ServerMetrics
+from streamllm.service.protocol import ProtocolError, Request
+from streamllm.service.tenants import LOCAL, Tenants
 
-log = logging.getLogger("streamllm.server")
+log = logging.getLogger("streamllm.service.server")
 _ENGINE_NAME = re.compile(r"'[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/([A-Za-z0-9][A-Za-z0-9_.-]{0,63})'")
 
 PROTOCOL_VERSION = 1
@@ -437,7 +437,7 @@ def is_loopback(host: str) -> bool:
 
 
 def cli_main(argv: list[str]) -> int:
-    """`streamllm serve`: engine + feeds + server from one config (see streamllm.serve)."""
-    from streamllm.serve import main
+    """`streamllm serve`: engine + feeds + server from one config (see streamllm.service.serve)."""
+    from streamllm.service.serve import main
 
     return main(argv)

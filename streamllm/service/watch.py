@@ -15,7 +15,7 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from streamllm.client import AsyncClient, add_connection_args, run_command
+from streamllm.service.client import AsyncClient, add_connection_args, run_command
 
 
 class WatchState:

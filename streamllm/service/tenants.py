@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamllm.protocol import SESSION_NAME
+from streamllm.service.protocol import SESSION_NAME
 
 ENV_VAR = "STREAMLLM_TOKENS"
 LOCAL_TENANT = "local"

@@ -32,9 +32,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from streamllm.kv import BlockTable, KVCapacityError
-from streamllm.questions import ConfigError, QuestionSpec, parse_question
-from streamllm.session import Session
+from streamllm.config import ConfigError, QuestionSpec, parse_question
+from streamllm.engine.kv import BlockTable, KVCapacityError
+from streamllm.engine.sequence import Session
 
 FORMAT = "streamllm-session-snapshot"
 FORMAT_VERSION = 1
@@ -238,7 +238,7 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
     Refused while the session has work in flight (pending ingest, questions, compaction):
     eviction is for idle sessions. Subscribers stay attached and hear it again after restore.
     """
-    from streamllm.ingestlog import session_dir_name
+    from streamllm.durability.ingest_log import session_dir_name
 
     path = Path(directory) / f"{session_dir_name(name)}.safetensors"
     with _EVICTION, engine._cv:  # nothing may push between the snapshot and the drop

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from feeds.bars import BarAggregator
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
-from streamllm.render import Renderer, fixed, hhmm, hhmmss, quantity
+from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
 
 
 class Sink(Protocol):

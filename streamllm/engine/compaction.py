@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from streamllm.kv import BlockTable
-from streamllm.session import Session
+from streamllm.engine.kv import BlockTable
+from streamllm.engine.sequence import Session
 
 
 @dataclass(slots=True, eq=False)

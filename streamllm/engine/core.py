@@ -13,13 +13,13 @@ from concurrent.futures import Future
 
 import torch
 
-from streamllm.compaction import Compaction
-from streamllm.gate import match_choice
-from streamllm.kv import KVCapacityError
-from streamllm.prepos import Standing
-from streamllm.runner import Work
-from streamllm.scheduler import INGEST, Plan
-from streamllm.session import Answer, Branch, Session
+from streamllm.engine.compaction import Compaction
+from streamllm.engine.gate import match_choice
+from streamllm.engine.kv import KVCapacityError
+from streamllm.engine.prepos import Standing
+from streamllm.engine.runner import Work
+from streamllm.engine.scheduler import INGEST, Plan
+from streamllm.engine.sequence import Answer, Branch, Session
 
 log = logging.getLogger("streamllm.engine")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from streamllm.kv import BlockTable
+from streamllm.engine.kv import BlockTable
 
 DEFAULT_SYSTEM = (
     "You are a market-data analyst. The user streams market data, one line per event or bar. "

@@ -24,9 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamllm.gate import GateError, RiskCoveragePoint, risk_coverage, threshold_for_precision
-from streamllm.kv import KVCapacityError
-from streamllm.questions import ConfigError, QuestionSpec, SessionSpec, load_config
+from streamllm.config import ConfigError, QuestionSpec, SessionSpec, load_config
+from streamllm.engine.gate import (
+    GateError,
+    RiskCoveragePoint,
+    risk_coverage,
+    threshold_for_precision,
+)
+from streamllm.engine.kv import KVCapacityError
 
 DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
 ESTIMATE_AFTER = 5  # updates timed before the run-time estimate is printed
@@ -314,9 +319,9 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
     from feeds.sources import TableSource
     from streamllm.engine import Engine
+    from streamllm.engine.sequence import PromptLayout
+    from streamllm.market.render import Renderer
     from streamllm.model.loader import load_model
-    from streamllm.render import Renderer
-    from streamllm.session import PromptLayout
 
     if not 0 < args.target_precision <= 1:
         raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from streamllm.kv import BlockManager, BlockTable
+from streamllm.engine.kv import BlockManager, BlockTable
 
 INTERACTIVE, INGEST, IDLE = "interactive", "ingest", "idle"
 

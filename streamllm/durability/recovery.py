@@ -19,11 +19,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from streamllm.ingestlog import IngestLog, Record, read_session, session_folders
-from streamllm.kv import KVCapacityError
-from streamllm.questions import parse_question
+from streamllm.config import parse_question
+from streamllm.durability.ingest_log import IngestLog, Record, read_session, session_folders
+from streamllm.engine.kv import KVCapacityError
 
-log = logging.getLogger("streamllm.recovery")
+log = logging.getLogger("streamllm.durability.recovery")
 CAPACITY_RETRIES = 50
 
 

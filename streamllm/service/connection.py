@@ -19,11 +19,11 @@ from typing import Any
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from streamllm import protocol as p
-from streamllm.metrics import ServerMetrics
-from streamllm.tenants import Tenant
+from streamllm.service import protocol as p
+from streamllm.service.metrics import ServerMetrics
+from streamllm.service.tenants import Tenant
 
-log = logging.getLogger("streamllm.server")
+log = logging.getLogger("streamllm.service.server")
 
 CLOSE_TRY_AGAIN_LATER = 1013  # outgoing queue full: the client reads too slowly
 

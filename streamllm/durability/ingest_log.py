@@ -41,7 +41,7 @@ from urllib.parse import quote, unquote
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-log = logging.getLogger("streamllm.ingestlog")
+log = logging.getLogger("streamllm.durability.ingest_log")
 
 SCHEMA = pa.schema([
     ("kind", pa.string()),

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from streamllm.gate import Gate, GateDecision
-from streamllm.kv import KVCapacityError, KVStore
-from streamllm.questions import QuestionSpec, normalize_question
-from streamllm.session import Branch, PromptLayout, Session
+from streamllm.config import QuestionSpec, normalize_question
+from streamllm.engine.gate import Gate, GateDecision
+from streamllm.engine.kv import KVCapacityError, KVStore
+from streamllm.engine.sequence import Branch, PromptLayout, Session
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("streamllm.subscriptions")
+log = logging.getLogger("streamllm.engine.subscriptions")
 
 
 @dataclass(slots=True, eq=False)

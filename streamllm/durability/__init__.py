@@ -1,0 +1,1 @@
+"""Durability: the ingest log, recovery from it, and session snapshots."""

@@ -1,0 +1,1 @@
+"""Markets meet the engine: rendering data as lines, attaching feeds, labels, calibration."""
