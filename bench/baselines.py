@@ -54,13 +54,16 @@ class _RunnerBaseline:
         self.eos = engine.layout.eos_ids
         self.tokenizer = engine.tokenizer
 
+    # Every public method runs on the engine's core thread (`engine.call`): the core is the one
+    # writer of the KV pool, and a baseline occupies the model exactly as a server would.
+    def _on_core(self, fn, *args):
+        return self.engine.call(lambda _core: fn(*args))
+
     def _grow(self, table: BlockTable, n: int) -> None:
-        with self.engine._cv:  # the pool is shared with the engine thread
-            self.store.manager.append(table, n)
+        self.store.manager.append(table, n)
 
     def _free(self, table: BlockTable) -> None:
-        with self.engine._cv:
-            self.store.manager.free(table)
+        self.store.manager.free(table)
 
     def prefill(self, table: BlockTable, ids: list[int], start: int, want_last: bool = True) -> torch.Tensor | None:
         """Run `ids` at positions start.. in chunks; the table must already hold their slots."""
@@ -97,6 +100,12 @@ class Stateless(_RunnerBaseline):
 
     def answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int) -> BaselineAnswer:
         t0 = time.perf_counter()
+        answer = self._on_core(self._answer, context_ids, question_ids, max_tokens)
+        answer.ms = (time.perf_counter() - t0) * 1000
+        return answer
+
+    def _answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int) -> BaselineAnswer:
+        t0 = time.perf_counter()
         ids = list(context_ids) + list(question_ids)
         table = BlockTable()
         try:
@@ -126,25 +135,29 @@ class PrefixCache(_RunnerBaseline):
         same model, so a sweep can skip re-paying a catch-up it would only pay once.
         """
         self.drop(session)
-        with self.engine._cv:
-            fork = self.store.fork(table, len(ids))
+        fork = self._on_core(self.store.fork, table, len(ids))
         self.cached[session] = (fork, list(ids))
 
     def answer(self, session: str, context_ids: list[int], question_ids: list[int],
                max_tokens: int) -> BaselineAnswer:
         t0 = time.perf_counter()
+        answer = self._on_core(self._answer, session, context_ids, question_ids, max_tokens)
+        answer.ms = (time.perf_counter() - t0) * 1000
+        return answer
+
+    def _answer(self, session: str, context_ids: list[int], question_ids: list[int],
+                max_tokens: int) -> BaselineAnswer:
+        t0 = time.perf_counter()
         table, have = self.cached.get(session, (BlockTable(), []))
         keep = common_prefix(have, context_ids)
         if keep < table.num_tokens:
-            with self.engine._cv:
-                self.store.truncate(table, keep)
+            self.store.truncate(table, keep)
         new = context_ids[keep:]
         if new:
             self._grow(table, len(new))
             self.prefill(table, new, keep, want_last=False)
         self.cached[session] = (table, list(context_ids))
-        with self.engine._cv:
-            branch = self.store.fork(table, len(context_ids))
+        branch = self.store.fork(table, len(context_ids))
         try:
             self._grow(branch, len(question_ids))
             logits = self.prefill(branch, list(question_ids), len(context_ids))
@@ -159,7 +172,7 @@ class PrefixCache(_RunnerBaseline):
     def drop(self, session: str) -> None:
         entry = self.cached.pop(session, None)
         if entry is not None:
-            self._free(entry[0])
+            self._on_core(self._free, entry[0])
 
     def close(self) -> None:
         for session in list(self.cached):

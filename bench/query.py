@@ -36,16 +36,17 @@ QUESTION = "Is the price going up or down? Answer with one word."
 
 def stateless_ms(engine: Engine, ids: list[int], chunk: int) -> float:
     """Prefill all of `ids` into fresh cells and produce the next-token logits."""
-    manager, runner = engine.store.manager, engine.runner
+    return engine.call(lambda core: _stateless_ms(core, ids, chunk))  # the core owns the pool
+
+
+def _stateless_ms(core, ids: list[int], chunk: int) -> float:
+    manager, runner = core.store.manager, core.runner
     table = BlockTable()
     try:
-        with engine._cv:  # cells come from the shared pool
-            manager.append(table, len(ids))
-        ms = timed_ms(lambda: _prefill(runner, table, ids, chunk), reps=1, warmup=0)[0]
+        manager.append(table, len(ids))
+        return timed_ms(lambda: _prefill(runner, table, ids, chunk), reps=1, warmup=0)[0]
     finally:
-        with engine._cv:
-            manager.free(table)
-    return ms
+        manager.free(table)
 
 
 def _prefill(runner, table: BlockTable, ids: list[int], chunk: int) -> torch.Tensor:
@@ -58,10 +59,13 @@ def _prefill(runner, table: BlockTable, ids: list[int], chunk: int) -> torch.Ten
 
 
 def our_prefill_and_decode(engine: Engine, prompt: list[int], steps: int) -> tuple[float, float]:
-    manager, runner = engine.store.manager, engine.runner
+    return engine.call(lambda core: _our_prefill_and_decode(core, prompt, steps))  # the core owns the pool
+
+
+def _our_prefill_and_decode(core, prompt: list[int], steps: int) -> tuple[float, float]:
+    manager, runner = core.store.manager, core.runner
     table = BlockTable()
-    with engine._cv:
-        manager.append(table, len(prompt) + steps + 1)
+    manager.append(table, len(prompt) + steps + 1)
     try:
         table_len = table.num_tokens
         prefill = median(timed_ms(lambda: runner.execute([Work(table, prompt, 0, "last")]), reps=3))
@@ -73,8 +77,7 @@ def our_prefill_and_decode(engine: Engine, prompt: list[int], steps: int) -> tup
                                reps=1, warmup=0)
         assert table.num_tokens == table_len
     finally:
-        with engine._cv:
-            manager.free(table)
+        manager.free(table)
     return len(prompt) / (prefill / 1000), median(decode)
 
 

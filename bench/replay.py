@@ -211,10 +211,11 @@ def replay_phase(engine, config: QueryConfig, args: argparse.Namespace, run: Run
         rec.path, rec.data_version, rec.text = ans.path, ans.data_version, ans.text
         rec.tokens_computed, rec.confidence = ans.tokens_computed, ans.confidence
         rec.lag = max(0, rec.pushed_at_ask - ans.data_version)
-        with engine._cv:  # re-entrant: this may run on the engine thread, under its lock
-            s = engine.sessions.get(rec.session)
-            if s is not None:  # exactly the ids this answer saw, for the baselines
-                rec.context_ids = s.token_ids[: s.version_length(ans.data_version)]
+        def context(core, session=rec.session, version=ans.data_version):
+            s = core.sessions.get(session)  # exactly the ids this answer saw, for the baselines
+            return None if s is None else s.token_ids[: s.version_length(version)]
+
+        rec.context_ids = engine.call(context)
 
     def submit(ev: AskEvent) -> None:
         spec = config.session(ev.session).find_question(ev.question) if ev.standing else None

@@ -41,8 +41,8 @@ def sweep_phase(engine, config: QueryConfig, args: argparse.Namespace, run, size
             if getattr(engine.sessions["sweep"], "compactions", 0):
                 raise RuntimeError("the sweep session was compacted: its sizes would not be what they say")
             session = engine.sessions["sweep"]
-            with engine._cv:  # the cache starts where a prefix-caching server would already be
-                prefix.adopt("sweep", session.table, session.token_ids[: session.num_computed])
+            # The cache starts where a prefix-caching server would already be.
+            prefix.adopt("sweep", session.table, engine.call(lambda _c, s=session: s.token_ids[: s.num_computed]))
             paths: dict[str, int] = {}
             bar.set_postfix_str(f"asking at {run.sweep_held[n]} tokens")
             for rep in range(args.sweep_reps):
@@ -56,8 +56,7 @@ def sweep_phase(engine, config: QueryConfig, args: argparse.Namespace, run, size
                 t = time.perf_counter()
                 engine.ask("sweep", AD_HOC_QUESTIONS[rep % len(AD_HOC_QUESTIONS)], max_tokens=args.adhoc_tokens)
                 run.sweep["ours_cold"][n].append((time.perf_counter() - t) * 1000)
-                with engine._cv:
-                    ctx = session.token_ids[: session.num_computed]
+                ctx = engine.call(lambda _c, s=session: s.token_ids[: s.num_computed])
                 for q in spec.questions:
                     run.sweep["prefixcache"][n].append(prefix.answer("sweep", ctx, qids[q.id], q.max_tokens).ms)
                     if peer is not None:

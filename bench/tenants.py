@@ -50,13 +50,16 @@ def specs(n: int) -> list[QuestionSpec]:
 def decode_throughput(engine: Engine, sessions: list[str], steps: int) -> tuple[float, float]:
     """tokens/s decoding one branch per session: all in one forward per step, then one at a time."""
     runner, manager = engine.runner, engine.store.manager
-    branches = []
-    with engine._cv:
+    def fork_all(core):
+        out = []
         for name in sessions:
-            s = engine.sessions[name]
-            table = engine.store.fork(s.table, s.num_computed)
+            s = core.sessions[name]
+            table = core.store.fork(s.table, s.num_computed)
             manager.append(table, steps + 1)
-            branches.append((table, s.num_computed))
+            out.append((table, s.num_computed))
+        return out
+
+    branches = engine.call(fork_all)
     try:
         def run(batched: bool) -> float:
             t0 = time.perf_counter()
@@ -72,9 +75,7 @@ def decode_throughput(engine: Engine, sessions: list[str], steps: int) -> tuple[
         run(True)  # warm-up
         return run(True), run(False)
     finally:
-        with engine._cv:
-            for table, _ in branches:
-                manager.free(table)
+        engine.call(lambda _core: [manager.free(table) for table, _ in branches])
 
 
 def grouped_prefill(engine: Engine, name: str, entries: int, reps: int) -> tuple[float, float, float]:
@@ -84,10 +85,13 @@ def grouped_prefill(engine: Engine, name: str, entries: int, reps: int) -> tuple
     qs = [engine.layout.question_ids(f"{text} (variant {i})") for i in range(entries) for _, text, _ in QUESTIONS][:entries]
 
     def once(mode: str) -> float:
-        with engine._cv:
-            tables = [engine.store.fork(s.table, s.num_computed) for _ in qs]
+        def fork_all(core):
+            tables = [core.store.fork(s.table, s.num_computed) for _ in qs]
             for t, q in zip(tables, qs, strict=True):
                 manager.append(t, len(q))
+            return tables
+
+        tables = engine.call(fork_all)
         works = [Work(t, q, s.num_computed, "last") for t, q in zip(tables, qs, strict=True)]
         runner.grouped = mode == "grouped"
         t0 = time.perf_counter()
@@ -98,9 +102,7 @@ def grouped_prefill(engine: Engine, name: str, entries: int, reps: int) -> tuple
             runner.execute(works)
         ms = (time.perf_counter() - t0) * 1000
         runner.grouped = True
-        with engine._cv:
-            for t in tables:
-                manager.free(t)
+        engine.call(lambda _core: [manager.free(t) for t in tables])
         return ms
 
     modes = ("grouped", "batched", "one_by_one")

@@ -12,12 +12,12 @@ __all__ = ["AdmissionError", "Answer", "Engine", "PushAck", "SessionError", "Ses
 
 if TYPE_CHECKING:
     from streamllm.engine.api import AdmissionError, Engine, PushAck, SessionError, SessionInfo
-    from streamllm.engine.sequence import Answer
+    from streamllm.engine.outputs import Answer
 
 
 def __getattr__(name: str) -> Any:
     if name == "Answer":
-        from streamllm.engine.sequence import Answer
+        from streamllm.engine.outputs import Answer
 
         return Answer
     if name in __all__:

@@ -10,7 +10,6 @@ import torch
 from transformers import LlamaForCausalLM
 
 from streamllm.engine import AdmissionError, Engine, SessionError
-from streamllm.engine.kv import KVCapacityError
 from streamllm.model import load_model
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
@@ -58,6 +57,7 @@ def test_lines_are_tokenized_once_and_appended(engine):
     engine.open_session("s")
     before = list(engine.sessions["s"].token_ids)
     engine.push("s", LINES[:2])
+    engine.wait_idle()
     per_line = engine.layout.lines_ids(LINES[:2])
     assert engine.sessions["s"].token_ids == before + per_line[0] + per_line[1]
 
@@ -152,7 +152,7 @@ def test_errors_are_clear_and_lose_nothing(engine):
         engine.push("s", ["ok", "two\nlines"])
     with pytest.raises(TypeError, match=r"lines\[0\] must be a string"):
         engine.push("s", [3])
-    with pytest.raises(KVCapacityError, match="max_context"):
+    with pytest.raises(ValueError, match="can ever hold"):  # too big for any compaction to make room
         engine.push("s", LINES * 40)
     assert engine.session_info("s").pushed_version == 1  # the bad batches left no trace
     with pytest.raises(ValueError, match="ahead"):

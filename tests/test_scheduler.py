@@ -1,98 +1,145 @@
-"""The batcher's policy without a model: a fake runner just marks planned tokens computed."""
+"""The batcher's policy without a model: a fake runner just marks planned tokens computed.
+
+These tests are the proof of the scheduler's guarantees (docstring of engine/scheduler.py):
+questions first, ingest and background work never starved, short steps while questions
+keep coming, fairness across tenants and sessions.
+"""
 
 from __future__ import annotations
 
+import random
+
+from streamllm.engine.compaction import CompactionCopy
 from streamllm.engine.kv import BlockManager, BlockTable
-from streamllm.engine.scheduler import (
-    IDLE,
-    INGEST,
-    INTERACTIVE,
-    Plan,
-    Scheduler,
-    SchedulerConfig,
-    fair_order,
-)
-from streamllm.engine.sequence import Branch, Session
+from streamllm.engine.scheduler import Plan, Scheduler, SchedulerConfig, fair_order
+from streamllm.engine.sequence import ASK, BACKGROUND, DECODE, ENTRY, INGEST, INTERACTIVE, Branch, Session
 
 
-def session(m: BlockManager, name: str, pending: int, prefix: int = 4) -> Session:
+def session(m: BlockManager, name: str, pending: int, prefix: int = 4, max_context: int = 1 << 20) -> Session:
     t = BlockTable()
-    m.reserve(t, prefix + pending + 64)
-    s = Session(name, "sys", list(range(prefix)), 4096, t)
-    s.append_batch([list(range(pending))])
+    m.reserve(t, min(prefix + pending + 64, max_context))
+    s = Session(name, "sys", list(range(prefix)), max_context, t)
+    if pending:
+        s.append_batch([list(range(pending))], 0.0)
     return s
 
 
-def branch(m: BlockManager, s: Session, n_prompt: int, purpose: str = "ask") -> Branch:
-    br = Branch(s, "q", list(range(n_prompt)), 4, [], None, purpose=purpose)
+class FakeStanding:
+    def __init__(self, waiters: int = 0) -> None:
+        self.waiters = [object()] * waiters
+
+
+def branch(s: Session, n_prompt: int, kind: str = ASK, waiters: int = 0) -> Branch:
+    st = FakeStanding(waiters) if kind != ASK else None
+    br = Branch(kind, s, "q", list(range(n_prompt)), 4, standing=st)
     br.table = BlockTable()
     return br
 
 
 def run_fake(plan: Plan) -> None:
-    """What the runner + engine update would do, minus the model."""
+    """What the runner + core update would do, minus the model."""
     for item in plan.items:
-        if item.kind == INGEST:
-            item.owner.advance(len(item.token_ids))
+        if isinstance(item.seq, Session):
+            item.seq.advance(len(item.token_ids))
         else:
-            item.owner.num_computed += len(item.token_ids)
+            item.seq.num_computed += len(item.token_ids)
 
 
-def test_priorities_interactive_then_ingest_then_idle():
-    m = BlockManager(256, 16)
-    sched = Scheduler(m, SchedulerConfig(step_tokens=64, chunk_tokens=32))
-    s = session(m, "a", 100)
-    ask, entry = branch(m, s, 10), branch(m, s, 10, "entry")
-    plan = sched.schedule([ask], [s], [entry])
-    assert [i.kind for i in plan.items] == [INTERACTIVE, INGEST]
-    assert plan.num_tokens <= 10 + 16
-    assert sched.stats.idle_preempted == 1
-    run_fake(plan)
-    while s.pending_tokens:  # idle waits for ingest too
-        plan = sched.schedule([], [s], [entry])
-        assert all(i.kind == INGEST for i in plan.items)
+def test_classes_follow_from_the_sequence():
+    m = BlockManager(64, 16)
+    s = session(m, "a", 10)
+    assert s.sched_class == INGEST
+    assert branch(s, 4).sched_class == INTERACTIVE
+    assert branch(s, 4, ENTRY).sched_class == BACKGROUND
+    assert branch(s, 4, ENTRY, waiters=1).sched_class == INTERACTIVE  # someone waits for this entry
+    assert branch(s, 4, DECODE).sched_class == BACKGROUND
+
+
+def test_questions_first_but_ingest_and_background_always_get_their_floor():
+    m = BlockManager(4096, 16)
+    cfg = SchedulerConfig(step_tokens=128, chunk_tokens=64, ingest_floor=16, background_floor=16)
+    sched = Scheduler(m, cfg)
+    s = session(m, "a", 5000)
+    entry = branch(s, 40, ENTRY)
+    for _ in range(30):  # a steady stream of questions, each bigger than the whole budget
+        asks = [branch(s, 200) for _ in range(3)]
+        plan = sched.schedule([*asks, s, entry])
+        assert plan.items[0].sched_class == INTERACTIVE
+        assert plan.tokens_of(INGEST) == 16, "ingest starved by questions"
+        assert plan.tokens_of(BACKGROUND) == min(16, len(entry.pending_ids)) or not entry.pending_ids
+        assert plan.num_tokens <= cfg.busy_step_tokens + cfg.ingest_floor + cfg.background_floor
         run_fake(plan)
-    plan = sched.schedule([], [s], [entry])
-    assert [i.kind for i in plan.items] == [IDLE]
+    assert entry.num_computed == 40  # the entry finished under a steady question load
 
 
-def test_budget_and_chunking_bound_a_questions_wait():
-    m = BlockManager(512, 16)
-    sched = Scheduler(m, SchedulerConfig(step_tokens=48, chunk_tokens=32))
-    s = session(m, "a", 1000)
-    run_fake(sched.schedule([], [s]))
-    assert s.num_computed == 32  # one chunk of ingest per step
-    ask = branch(m, s, 20)
-    plan = sched.schedule([ask], [s])  # the very next step serves the question
-    assert plan.items[0].owner is ask and len(plan.items[0].token_ids) == 20
-    assert plan.tokens_of(INGEST) == 16  # only a trickle of ingest rides along with a question
-    for item in plan.items:
-        assert len(item.token_ids) <= 32
+def test_without_questions_ingest_leads_and_background_keeps_its_share():
+    m = BlockManager(4096, 16)
+    sched = Scheduler(m, SchedulerConfig(step_tokens=128, chunk_tokens=128, background_floor=16))
+    s = session(m, "a", 5000)
+    entry = branch(s, 40, ENTRY)
+    plan = sched.schedule([s, entry])
+    assert plan.tokens_of(INGEST) == 112 and plan.tokens_of(BACKGROUND) == 16
+
+
+def test_busy_window_shrinks_steps_then_quiet_restores_them():
+    m = BlockManager(1024, 16)
+    now = [100.0]
+    sched = Scheduler(m, SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=48,
+                                         busy_window_s=2.0, ingest_floor=16, background_floor=16),
+                      clock=lambda: now[0])
+    s = session(m, "a", 5000)
+
+    def step(*extra):
+        plan = sched.schedule([s, *extra])
+        run_fake(plan)
+        return plan
+
+    assert step().num_tokens == 128  # nobody asked yet: a full chunk
+    plan = step(branch(s, 4))
+    assert plan.tokens_of(INTERACTIVE) == 4 and plan.tokens_of(INGEST) == 16
+    now[0] += 1.0
+    assert step().tokens_of(INGEST) == 48  # a question was just served: short steps
+    now[0] += 1.5
+    assert step().tokens_of(INGEST) == 128  # quiet again
 
 
 def test_partial_chunks_ask_for_no_logits():
     m = BlockManager(64, 16)
-    sched = Scheduler(m, SchedulerConfig(step_tokens=16, chunk_tokens=16))
+    sched = Scheduler(m, SchedulerConfig(step_tokens=16, chunk_tokens=16, busy_step_tokens=16))
     s = session(m, "a", 0)
-    ask = branch(m, s, 40)
-    first = sched.schedule([ask], [])
+    ask = branch(s, 40)
+    first = sched.schedule([ask])
     assert first.items[0].want_logits == "none"
     run_fake(first)
-    run_fake(sched.schedule([ask], []))
-    last = sched.schedule([ask], [])
+    run_fake(sched.schedule([ask]))
+    last = sched.schedule([ask])
     assert len(last.items[0].token_ids) == 8 and last.items[0].want_logits == "last"
+
+
+def test_session_at_budget_waits_and_its_compaction_copy_becomes_ingest():
+    m = BlockManager(256, 16)
+    sched = Scheduler(m, SchedulerConfig(step_tokens=64, chunk_tokens=64))
+    s = session(m, "a", 0, max_context=128)
+    s.append_batch([list(range(10))] * 20, 0.0)  # 200 data tokens: more than the budget holds
+    while s.num_computed < s.max_context:
+        run_fake(sched.schedule([s]))
+    assert s.num_computed == 128 and s.at_budget and not s.pending_ids  # nothing more fits
+    copy = CompactionCopy(s, cut=s.line_ends[8])
+    assert copy.sched_class == INGEST  # the session's only way forward
+    plan = sched.schedule([s, copy])
+    assert [i.seq for i in plan.items] == [copy]
 
 
 def test_fair_across_sessions_and_tenants():
     m = BlockManager(4096, 16)
-    sched = Scheduler(m, SchedulerConfig(step_tokens=32, chunk_tokens=32))  # one chunk per step
+    sched = Scheduler(m, SchedulerConfig(step_tokens=32, chunk_tokens=32, busy_window_s=0))
     many = [session(m, f"alice/s{i}", 10_000) for i in range(5)]
     one = session(m, "bob/s", 10_000)
     served = {s.name: 0 for s in [*many, one]}
     for _ in range(40):
-        plan = sched.schedule([], [*many, one])
+        plan = sched.schedule([*many, one])
         for item in plan.items:
-            served[item.owner.name] += len(item.token_ids)
+            served[item.seq.session_name] += len(item.token_ids)
         run_fake(plan)
     assert served["bob/s"] == sum(v for k, v in served.items() if k.startswith("alice/"))
     alice = [v for k, v in served.items() if k.startswith("alice/")]
@@ -113,27 +160,28 @@ def test_no_cells_skips_a_sequence_without_breaking_the_plan():
     m = BlockManager(7, 16)
     sched = Scheduler(m, SchedulerConfig(step_tokens=256, chunk_tokens=256))
     s = session(m, "a", 40)  # reserves all 7 blocks
-    ask = branch(m, s, 10)  # needs a free block: none left
-    plan = sched.schedule([ask], [s])
-    assert [i.kind for i in plan.items] == [INGEST] and sched.stats.blocked == 1
+    ask = branch(s, 10)  # needs a free block: none left
+    plan = sched.schedule([ask, s])
+    assert [i.sched_class for i in plan.items] == [INGEST] and sched.stats.blocked == 1
     m.check_integrity([s.table, ask.table])
 
 
-def test_background_steps_shrink_while_questions_keep_coming():
-    m = BlockManager(1024, 16)
-    now = [100.0]
-    sched = Scheduler(m, SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=32,
-                                         busy_window_s=2.0), clock=lambda: now[0])
-    s = session(m, "a", 5000)
-
-    def step(questions=()):
-        plan = sched.schedule(list(questions), [s])
+def test_random_loads_never_starve_a_class():
+    """Property: under any mix, every class with pending work gets tokens in every step."""
+    rng = random.Random(7)
+    m = BlockManager(1 << 14, 16)
+    sched = Scheduler(m, SchedulerConfig(step_tokens=96, chunk_tokens=48))
+    sessions = [session(m, f"t{i % 3}/s{i}", 20_000) for i in range(6)]
+    for _ in range(200):
+        asks = [branch(rng.choice(sessions), rng.randint(1, 120)) for _ in range(rng.randint(0, 4))]
+        bg = [branch(rng.choice(sessions), rng.randint(1, 60), rng.choice([ENTRY, DECODE]))
+              for _ in range(rng.randint(0, 3))]
+        plan = sched.schedule([*asks, *sessions, *bg])
+        assert plan.tokens_of(INGEST) > 0
+        if bg:
+            assert plan.tokens_of(BACKGROUND) > 0
+        if asks:
+            assert plan.tokens_of(INTERACTIVE) > 0
         run_fake(plan)
-        return plan
-
-    assert step().num_tokens == 128  # nobody asked yet: a full chunk
-    step([branch(m, s, 4)])
-    now[0] += 1.0
-    assert step().tokens_of(INGEST) == 32  # a question was just served: short steps
-    now[0] += 1.5
-    assert step().tokens_of(INGEST) == 128  # quiet again
+        for br in asks + bg:
+            m.free(br.table)

@@ -33,8 +33,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from streamllm.config import ConfigError, QuestionSpec, parse_question
-from streamllm.engine.kv import BlockTable, KVCapacityError
-from streamllm.engine.sequence import Session
+from streamllm.engine.outputs import SessionError
+from streamllm.engine.state import SessionState, export_session, import_session
+from streamllm.engine.state import evict_session as evict_state
 
 FORMAT = "streamllm-session-snapshot"
 FORMAT_VERSION = 1
@@ -91,30 +92,25 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
-    """Write session `name` to `path` (atomically). The session keeps running."""
+    """Write session `name` to `path` (atomically). The session keeps running.
+
+    The core copies the cells (between two steps); hashing, writing and fsync happen here,
+    in the caller's thread, never on the core or an event loop."""
     t0 = time.perf_counter()
-    path = Path(path)
-    manager, pool = engine.store.manager, engine.store.pool
-    with engine._cv:  # cells below num_computed are final: copy them while nothing can move the table
-        s: Session = engine._session(name)
-        n = s.num_computed
-        slots = manager.slots(s.table, 0, n).to(pool.k.device)
-        k = pool.k[:, :, slots].to("cpu", copy=True)
-        v = pool.v[:, :, slots].to("cpu", copy=True)
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
-            "model": engine.model_name, "session": s.name, "system": s.system, "max_context": s.max_context,
-            "prefix_len": s.prefix_len, "num_tokens": s.num_tokens, "num_computed": n,
-            "version_ends": s.version_ends, "version_lines": s.version_lines, "line_ends": s.line_ends,
-            "data_version": s.data_version, "lines_ingested": s.lines_ingested, "compactions": s.compactions,
-            "tokens_dropped": s.tokens_dropped,
-            "questions": [question_dict(st.spec) for st in engine.prepos.standing(name)],
-        }
-        token_ids = torch.tensor(s.token_ids, dtype=torch.int64)
-    tensors = {"k": k.contiguous(), "v": v.contiguous(), "token_ids": token_ids}
+    state = engine.call(lambda core: export_session(core, name))
+    return _write(engine, state, Path(path), t0)
+
+
+def _write(engine: Any, state: SessionState, path: Path, t0: float) -> SnapshotInfo:
+    meta = dict(state.meta)
+    meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
+                 "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                 "questions": [question_dict(q) for q in state.questions]})
+    token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
+    tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
     meta["sha256"] = _tensor_digest(tensors)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         save_file(tensors, str(tmp), metadata={"streamllm": json.dumps(meta)})
         with open(tmp, "rb") as fh:
@@ -123,8 +119,8 @@ def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise SnapshotError(f"snapshot {path}: cannot write: {exc}") from exc
-    return SnapshotInfo(str(path), name, len(token_ids), n, meta["data_version"], path.stat().st_size,
-                        time.perf_counter() - t0)
+    return SnapshotInfo(str(path), meta["session"], len(token_ids), meta["num_computed"], meta["data_version"],
+                        path.stat().st_size, time.perf_counter() - t0)
 
 
 @dataclass(slots=True)
@@ -171,7 +167,7 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     try:
         n, num_tokens, prefix_len = int(meta["num_computed"]), int(meta["num_tokens"]), int(meta["prefix_len"])
         ends, lines, version = list(meta["version_ends"]), list(meta["version_lines"]), int(meta["data_version"])
-        max_context = int(meta["max_context"])
+        max_context, base = int(meta["max_context"]), int(meta.get("version_base", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"metadata field missing or mistyped ({exc})") from None
     want = (m.num_layers, m.num_kv_heads, n, m.head_dim)
@@ -179,13 +175,13 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
         raise bad(f"cells shaped {tuple(k.shape)}, expected {want} for {n} computed tokens")
     if ids.ndim != 1 or len(ids) != num_tokens:
         raise bad(f"{len(ids)} token ids, the metadata says {num_tokens}")
-    if not prefix_len <= n <= num_tokens <= max_context:
+    if not prefix_len <= n <= min(num_tokens, max_context):
         raise bad(f"token counts out of order: prefix {prefix_len}, computed {n}, tokens {num_tokens}, "
                   f"max_context {max_context}")
     if len(ends) != len(lines) or not ends or ends[-1] != num_tokens or ends != sorted(ends):
         raise bad(f"version bookkeeping inconsistent: {len(ends)} ends, {len(lines)} line counts, last end "
                   f"{ends[-1] if ends else None} vs {num_tokens} tokens")
-    if not 0 <= version < len(ends) or ends[version] > n:
+    if not base <= version < base + len(ends) or ends[version - base] > n:
         raise bad(f"data_version {version} is not computed ({n} computed tokens)")
     try:
         questions = [parse_question(q, source=str(path), key_path=f"questions[{i}]")
@@ -196,77 +192,49 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
 
 
 def restore_session(engine: Any, path: str | Path, name: str | None = None) -> SnapshotInfo:
-    """Allocate a table, copy the cells back and register the session (and its standing questions)."""
+    """Validate the file here, then have the core allocate, copy the cells back and register questions."""
     t0 = time.perf_counter()
     snap = load_snapshot(engine, path)
-    meta = snap.meta
-    name = name or meta["session"]
-    manager, pool = engine.store.manager, engine.store.pool
-    n, max_context = meta["num_computed"], meta["max_context"]
-    with engine._cv:
-        if name in engine.sessions:
-            raise SnapshotError(f"snapshot {path}: session {name!r} is already open; close it or restore under "
-                                "another name")
-        spare = manager.num_free_blocks - manager.blocks_for(max_context)
-        if spare < manager.blocks_for(engine.branch_cells):
-            engine.admissions_refused += 1
-            raise KVCapacityError(f"cannot restore session {name!r}: it reserves {max_context} cells, the pool has "
-                                  f"{manager.num_free_blocks * manager.block_size} free")
-        table = BlockTable()
-        manager.reserve(table, max_context)
-        slots = manager.append(table, n).to(pool.k.device)
-        pool.k[:, :, slots] = snap.k.to(pool.k.device, pool.k.dtype)
-        pool.v[:, :, slots] = snap.v.to(pool.v.device, pool.v.dtype)
-        s = Session(name, meta["system"], snap.token_ids[: meta["prefix_len"]], max_context, table)
-        s.token_ids = snap.token_ids
-        s.num_computed = n
-        s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
-        s.line_ends = list(meta["line_ends"])
-        s.data_version, s.lines_ingested = meta["data_version"], meta["lines_ingested"]
-        s.compactions, s.tokens_dropped = meta["compactions"], meta["tokens_dropped"]
-        engine.sessions[name] = s
-        for spec in snap.questions:
-            engine.prepos.register(s, spec)
-        engine._cv.notify_all()
-    return SnapshotInfo(str(path), name, len(snap.token_ids), n, meta["data_version"], Path(path).stat().st_size,
-                        time.perf_counter() - t0)
+    name = name or snap.meta["session"]
+    gates = [(spec, *engine._gate(spec)) for spec in snap.questions]
+    state = SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions)
+    try:
+        info = engine.call(lambda core: import_session(core, state, name, gates))
+    except SessionError as exc:
+        raise SnapshotError(f"snapshot {path}: {exc}") from None
+    engine._adopt(name, info)
+    return SnapshotInfo(str(path), name, len(snap.token_ids), info.num_computed, info.data_version,
+                        Path(path).stat().st_size, time.perf_counter() - t0)
 
 
 def evict_session(engine: Any, name: str, directory: str | Path) -> str:
-    """Snapshot an idle session and free its cells; `restore_evicted` brings it back on next use.
+    """Snapshot an idle session and free its cells; its next push or ask restores it.
 
     Refused while the session has work in flight (pending ingest, questions, compaction):
     eviction is for idle sessions. Subscribers stay attached and hear it again after restore.
-    """
+    The caller holds the engine's residency lock, so nothing restores it meanwhile."""
     from streamllm.durability.ingest_log import session_dir_name
 
     path = Path(directory) / f"{session_dir_name(name)}.safetensors"
-    with _EVICTION, engine._cv:  # nothing may push between the snapshot and the drop
-        s: Session = engine._session(name)
-        busy = [why for why, cond in (
-            ("pending ingest", s.pending_tokens > 0),
-            ("questions in flight", any(b.session is s for b in engine._running + engine._waiting)),
-            ("compaction running", name in engine._compactions),
-            ("entries computing", any(st.computing is not None or st.decoding is not None or st.waiters
-                                      for st in engine.prepos.standing(name))),
-        ) if cond]
-        if busy:
-            raise SnapshotError(f"session {name!r} is not idle ({', '.join(busy)}); evict it later")
-        save_session(engine, name, path)
-        engine._drop_session(name, evicting=True)
-        engine._evicted[name] = str(path)
+    engine._known(name)
+    try:
+        state = engine.call(lambda core: evict_state(core, name))
+    except SessionError as exc:
+        raise SnapshotError(str(exc)) from None
+    try:
+        _write(engine, state, path, time.perf_counter())
+    except SnapshotError:  # could not write: put it back rather than lose it
+        gates = [(spec, *engine._gate(spec)) for spec in state.questions]
+        engine.call(lambda core: import_session(core, state, name, gates))
+        raise
+    engine._adopt(name, None, evicted_path=str(path))
     return str(path)
 
 
 def restore_evicted(engine: Any, name: str) -> None:
-    """Bring an evicted session back (first caller restores, concurrent ones find it resident)."""
-    with _EVICTION:
-        path = engine._evicted.get(name)
-        if path is None:
-            return
-        restore_session(engine, path, name)
-        del engine._evicted[name]
+    """Bring an evicted session back (the caller holds the residency lock; a second caller finds it resident)."""
+    path = engine._evicted.get(name)
+    if path is None:
+        return
+    restore_session(engine, path, name)
     Path(path).unlink(missing_ok=True)
-
-
-_EVICTION = threading.RLock()

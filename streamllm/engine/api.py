@@ -1,74 +1,84 @@
-"""The public Python API: sessions, pushes and questions over one shared model.
+"""The public Python API (`Engine`): a facade that submits commands to the core.
 
-One background thread runs plan -> execute -> update. Callers never touch the model:
-`push` tokenizes in the caller's thread, appends under the lock and returns an ack at
-once; `ask` enqueues a branch and waits on a future (`ask_async` awaits it), so the
-engine is usable from threads and from asyncio alike.
+Callers never touch sessions or cells: each call is validated and tokenized in the
+caller's thread, then sent to the single writer (`core.EngineCore`) as a command
+whose future it returns or waits on. Two things need no round trip:
+
+- `push` acks at once: the facade assigns the batch's data_version (in the order it
+  enqueues, so the core agrees) after the batch is in the ingest log, if one is set;
+- the fast path: a standing question whose published `ReadyRecord` is current is
+  answered from that record in the caller's thread, in microseconds.
+
+Usable from threads and asyncio alike (`ask_async`); cancelling an `ask_async` task
+sends a `Cancel`, and the core frees whatever the question held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from streamllm.config import QuestionSpec
-from streamllm.engine.compaction import Compaction
-from streamllm.engine.core import EngineLoop, settle
-from streamllm.engine.kv import BlockManager, BlockTable, KVCapacityError, KVPool, KVStore
-from streamllm.engine.prepos import Prepositioner, StandingAnswer
+from streamllm.config import QuestionSpec, normalize_question
+from streamllm.engine.answers import is_final
+from streamllm.engine.commands import (
+    Ask,
+    Call,
+    Cancel,
+    CloseSession,
+    OpenSession,
+    Push,
+    Register,
+    Stop,
+    Unregister,
+    WaitIdle,
+)
+from streamllm.engine.compaction import CompactionPolicy
+from streamllm.engine.core import EngineCore
+from streamllm.engine.gate import Gate
+from streamllm.engine.kv import BlockManager, KVPool, KVStore
+from streamllm.engine.outputs import (
+    AdmissionError,
+    Answer,
+    EngineStopped,
+    PushAck,
+    SessionError,
+    SessionInfo,
+    StandingAnswer,
+)
+from streamllm.engine.prepos import Prepositioner
+from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout, validate_lines
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
-from streamllm.engine.sequence import (
-    DEFAULT_SYSTEM,
-    Answer,
-    Branch,
-    PromptLayout,
-    Session,
-    validate_lines,
-)
 from streamllm.engine.subscriptions import Subscription, SubscriptionHub, watch
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 
-
-class SessionError(KeyError):
-    """Unknown, duplicate or closed session."""
-
-    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
-        return str(self.args[0])
-
-
-class AdmissionError(RuntimeError):
-    """The KV pool cannot reserve the cells a new session asks for."""
+__all__ = ["AdmissionError", "Answer", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
+log = logging.getLogger("streamllm.engine")
 
 
 @dataclass(slots=True)
-class PushAck:
-    session: str
-    data_version: int  # the version this batch becomes once ingested
-    queue_depth: int  # lines accepted but not yet ingested, this batch included
-    lines: int
+class _Handle:
+    """What the facade knows of a session: enough to validate and ack a push without the core."""
 
-
-@dataclass(slots=True)
-class SessionInfo:
-    name: str
-    data_version: int
-    pushed_version: int
-    num_tokens: int
-    num_computed: int
-    prefix_tokens: int
     max_context: int
-    backlog_lines: int
-    lines_ingested: int
+    prefix_len: int
+    pushed_version: int
+    lines_pushed: int
 
 
-class Engine(EngineLoop):
+class Engine:
     def __init__(
         self,
         model: str | LoadedModel = "smollm2-135m",
@@ -79,19 +89,19 @@ class Engine(EngineLoop):
         max_context: int = 8192,
         step_tokens: int = 256,
         chunk_tokens: int = 128,
+        scheduler: SchedulerConfig | None = None,
         branch_cells: int | None = None,
         stale_policy: str = "wait",
         compact_at: float = 0.75,
         retain: float = 0.5,
         progress: bool = False,
         ingest_log=None,
+        check_integrity_every_step: bool = False,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
         self.stale_policy = stale_policy
-        if not 0 < retain < compact_at <= 1:
-            raise ValueError(f"need 0 < retain < compact_at <= 1, got retain={retain}, compact_at={compact_at}")
-        self.compact_at, self.retain = compact_at, retain
+        policy = CompactionPolicy(compact_at, retain)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self.model_name = loaded.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -99,44 +109,55 @@ class Engine(EngineLoop):
         self.layout = PromptLayout(loaded.tokenizer)
         self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device)
         num_blocks = max(1, max_cells // block_size)
-        self.store = KVStore(
+        store = KVStore(
             BlockManager(num_blocks, block_size),
             KVPool(self.model.num_layers, num_blocks * block_size, self.model.num_kv_heads, self.model.head_dim,
                    dtype=self.model.dtype, device=self.device),
         )
-        self.runner = Runner(self.model, self.store)
-        self.scheduler = Scheduler(self.store.manager, SchedulerConfig(step_tokens, chunk_tokens))
+        config = scheduler or SchedulerConfig(step_tokens=step_tokens, chunk_tokens=chunk_tokens)
         self.default_max_context = max_context
-        # Cells kept free for branches (questions, entries); sessions cannot reserve them.
-        self.branch_cells = branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8)
-        self.sessions: dict[str, Session] = {}
-        self.prepos = Prepositioner(self.store, self.layout)
         self.hub = SubscriptionHub()
-        self._events: list[tuple] = []  # (session, kind, payload) published after the lock is released
-        self.fast_answers = 0
-        self._waiting: list[Branch] = []
-        self._running: list[Branch] = []
-        self._closed: list[Session] = []  # freed by the loop between steps
-        self._compactions: dict[str, Compaction] = {}
-        self._closed_tables: list[BlockTable] = []
-        # Frozen prefixes by their full blocks' token ids -> those blocks (one reference held here).
-        self._prefix_blocks: dict[tuple[int, ...], list[int]] = {}
-        self.prefix_hits = 0
-        self._cv = threading.Condition()
-        self._stopped = False
-        self.failure: BaseException | None = None  # set if the loop ever dies
-        self._busy = False
-        self._in_step = False  # a plan is executing outside the lock
-        self.steps = 0
-        self.step_ms_total = self.step_ms_last = 0.0
-        self.step_tokens_last = 0
-        self.admissions_refused = 0
-        self.questions_answered = 0
-        # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack (None: memory only).
+        self.core = EngineCore(
+            model_name=self.model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
+            runner=Runner(self.model, store), scheduler=Scheduler(store.manager, config),
+            prepos=Prepositioner(store, self.layout.eos_ids), hub=self.hub, policy=policy,
+            # Cells kept free for branches (questions, entries); sessions cannot reserve them.
+            branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
+            stale_policy=stale_policy, check_every_step=check_integrity_every_step)
+        # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self.ingest_log = ingest_log
+        self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
+        self._handles: dict[str, _Handle] = {}
         self._evicted: dict[str, str] = {}  # session -> snapshot path, restored on its next use
-        self._thread = threading.Thread(target=self._loop, name="streamllm-engine", daemon=True)
-        self._thread.start()
+        self._residency = threading.RLock()  # evict / restore-on-use, one at a time
+        self._ask_ids = itertools.count(1)
+        self._fast_answers = self._entry_answers = 0
+        self.core.start()
+
+    # -- views for tests and benches (read after wait_idle; mutate only through `call`) ------------
+    @property
+    def sessions(self):
+        return self.core.sessions
+
+    @property
+    def store(self) -> KVStore:
+        return self.core.store
+
+    @property
+    def runner(self) -> Runner:
+        return self.core.runner
+
+    @property
+    def prepos(self) -> Prepositioner:
+        return self.core.prepos
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def fast_answers(self) -> int:
+        return self._fast_answers + self.core.fast_answers
 
     # -- sessions ---------------------------------------------------------
     def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *, max_context: int | None = None) -> SessionInfo:
@@ -146,208 +167,171 @@ class Engine(EngineLoop):
         prefix = self.layout.prefix_ids(system)
         if len(prefix) >= max_context:
             raise ValueError(f"system prompt is {len(prefix)} tokens, more than max_context {max_context}")
-        manager = self.store.manager
-        with self._cv:
-            self._check_running()
-            if name in self.sessions or name in self._evicted:
-                raise SessionError(f"session {name!r} is already open")
-            if not manager.can_reserve(max_context, keep_free_tokens=self.branch_cells):
-                self.admissions_refused += 1
-                raise AdmissionError(
-                    f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "
-                    f"{manager.num_free_blocks * manager.block_size} free and keeps {self.branch_cells} for "
-                    "questions; close a session, lower max_context or raise max_cells"
-                )
-            table = BlockTable()
-            shared = self._shared_prefix_blocks(prefix)
-            if shared:  # an identical frozen prefix is already computed: share its full blocks
-                manager.share(shared)
-                table.blocks, table.num_tokens = list(shared), len(shared) * manager.block_size
-            manager.reserve(table, max_context)
-            session = Session(name, system, prefix, max_context, table)
-            session.num_computed = table.num_tokens
-            self.prefix_hits += bool(shared)
-            self.sessions[name] = session
-            self._cv.notify_all()
-            info = self._info(session)
-        if self.ingest_log is not None:
-            self.ingest_log.record_open(name, system, max_context)
+        with self._log_lock(name):
+            with self._lock:
+                if name in self._handles or name in self._evicted:
+                    raise SessionError(f"session {name!r} is already open")
+            info = self._wait(OpenSession(name, system, prefix, max_context))
+            with self._lock:
+                self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
+            if self.ingest_log is not None:
+                self.ingest_log.record_open(name, system, max_context)
         return info
 
     def close_session(self, name: str) -> None:
-        if self._evicted.pop(name, None) is not None:  # its snapshot stays on disk; the session is gone
+        with self._log_lock(name):
+            with self._residency, self._lock:
+                if self._evicted.pop(name, None) is None:
+                    if self._handles.pop(name, None) is None:
+                        raise SessionError(f"no session named {name!r}; open it first")
+                    future = self.core.submit(CloseSession(name))
+                else:
+                    future = None
+                    self.hub.drop_session(name)
+            if future is not None:
+                future.result()
             if self.ingest_log is not None:
                 self.ingest_log.record_close(name)
-            return
-        self._drop_session(name)
-        if self.ingest_log is not None:
-            self.ingest_log.record_close(name)
-
-    def _drop_session(self, name: str, *, evicting: bool = False) -> None:
-        """Take the session out of the engine and free its cells (an evicted one keeps its subscribers)."""
-        with self._cv:
-            session = self._session(name)
-            session.closing = True
-            del self.sessions[name]
-            for st in self.prepos.drop_session(name):
-                self._waiting.extend(st.waiters)
-            for br in [b for b in self._waiting if b.session is session]:
-                self._waiting.remove(br)
-                settle(br.future, error=SessionError(f"session {name!r} was closed"))
-            if not evicting:
-                self.hub.drop_session(name)
-            job = self._compactions.pop(name, None)
-            self._cv.notify_all()
-            # An in-flight forward may still write the session's blocks: then the loop frees them after it.
-            self._closed.append(session)
-            if job is not None:
-                self._closed_tables.append(job.table)
-            if not self._in_step:
-                self._release_closed()
 
     def push(self, name: str, lines: list[str]) -> PushAck:
+        """Accept a batch of lines; returns at once with the data_version it will become."""
         lines = validate_lines(lines)
         if not lines:
             raise ValueError("push at least one line")
-        ids_per_line = self.layout.lines_ids(lines)  # tokenized outside the lock
+        ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
         new_tokens = sum(len(ids) for ids in ids_per_line)
         self._ensure_resident(name)
-        if self.ingest_log is None:
-            with self._cv:
-                self._admit_push(name, new_tokens)
-                return self._append(name, ids_per_line, len(lines))
-        # With a log, the session's log lock spans version assignment, the log write and the append:
-        # the log is in version order, and a batch enters the session only once it is on disk, so a
-        # failed write leaves neither an ack nor an unlogged batch behind.
-        with self.ingest_log.session_lock(name):
-            with self._cv:
-                version = self._admit_push(name, new_tokens)
-            self.ingest_log.record_push(name, version, lines)  # outside the engine lock: no fsync waits there
-            with self._cv:
-                ack = self._append(name, ids_per_line, len(lines))
-        assert ack.data_version == version, (ack, version)  # pushes to one session are serialized by its log lock
-        return ack
-
-    def _append(self, name: str, ids_per_line: list[list[int]], num_lines: int) -> PushAck:
-        session = self._session(name)
-        version = session.append_batch(ids_per_line)
-        self._maybe_compact(session)
-        self._cv.notify_all()
-        return PushAck(name, version, session.backlog_lines, num_lines)
-
-    def _admit_push(self, name: str, new_tokens: int) -> int:
-        """Under the lock: the version a batch of new_tokens will get, or a clear refusal."""
-        session = self._session(name)
-        if session.num_tokens + new_tokens > session.max_context:
-            state = "compaction has not caught up yet" if name in self._compactions else (
-                "the batch alone is larger than the session's budget")
-            raise KVCapacityError(
-                f"session {name!r} would hold {session.num_tokens + new_tokens} tokens, over its "
-                f"max_context {session.max_context} ({state}); the batch was not accepted, push it again"
-            )
-        return session.pushed_version + 1
+        with self._log_lock(name):  # with a log: version order == log order == inbox order
+            with self._lock:
+                h = self._handle(name)
+                room = h.max_context - h.prefix_len
+                if new_tokens > room:
+                    raise ValueError(f"the batch is {new_tokens} tokens, more than session {name!r} can ever hold "
+                                     f"({room} data tokens); push it in smaller batches")
+                version = h.pushed_version + 1
+            if self.ingest_log is not None:  # on disk before the ack; a failed write acks nothing
+                self.ingest_log.record_push(name, version, lines)
+            with self._lock:
+                h = self._handle(name)
+                h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
+                self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
+                record = self.core.records.get(name)
+                done = record.info.lines_ingested if record is not None else 0
+                return PushAck(name, version, max(h.lines_pushed - done, len(lines)), len(lines))
 
     def backlog(self, name: str) -> int:
-        with self._cv:
-            return self._session(name).backlog_lines
+        """Lines accepted but not yet ingested (from the last published record)."""
+        with self._lock:
+            h = self._handle(name)
+            record = self.core.records.get(name)
+            return max(0, h.lines_pushed - (record.info.lines_ingested if record else 0))
 
     def session_info(self, name: str) -> SessionInfo:
-        with self._cv:
-            return self._info(self._session(name))
+        with self._lock:
+            pushed = self._handle(name).pushed_version if name not in self._evicted else None
+        record = self.core.records.get(name)
+        if record is None:
+            raise SessionError(f"no session named {name!r}; open it first")
+        # The facade acks pushes before the core applies them: its pushed_version is the truth.
+        return record.info if pushed is None else dataclasses.replace(record.info, pushed_version=pushed)
 
     def list_sessions(self) -> list[SessionInfo]:
-        with self._cv:
-            return [self._info(s) for s in self.sessions.values()]
+        return [r.info for r in list(self.core.records.values())]
 
     # -- standing questions -------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:
         """Make `spec` a standing question of the session: pre-positioned after every batch."""
-        with self._cv:
-            self.prepos.register(self._session(name), spec)
-            self._cv.notify_all()
+        self._ensure_resident(name)
+        gate, prompt = self._gate(spec)
+        self._wait(Register(name, spec, gate, prompt))
         if self.ingest_log is not None:
             from streamllm.durability.snapshot import question_dict
 
             self.ingest_log.record_register(name, question_dict(spec))
 
     def unregister(self, name: str, question_id: str) -> None:
-        with self._cv:
-            self._session(name)
-            st = self.prepos.by_session.get(name, {}).get(question_id)
-            self.prepos.unregister(name, question_id)
-            if st is not None:  # asks that waited for its entry are answered the cold way
-                self._waiting.extend(st.waiters)
-                st.waiters.clear()
-            self._cv.notify_all()
+        self._ensure_resident(name)
+        self._wait(Unregister(name, question_id))
         if self.ingest_log is not None:
             self.ingest_log.record_unregister(name, question_id)
 
+    def _gate(self, spec: QuestionSpec) -> tuple[Gate, list[int]]:
+        with self.layout.lock:  # the gate encodes choices with the shared tokenizer
+            gate = Gate.for_question(spec, self.tokenizer)
+        return gate, self.layout.question_ids(spec.text)
+
     def standing(self, name: str) -> list[StandingAnswer]:
         """The current standing answers of a session (those computed so far)."""
-        with self._cv:
-            self._session(name)
-            return [st.answer for st in self.prepos.standing(name) if st.answer is not None]
+        self._known(name)
+        record = self.core.records.get(name)
+        return list(record.standing) if record else []
 
     def standing_questions(self, name: str) -> list[QuestionSpec]:
-        with self._cv:
-            self._session(name)
-            return [st.spec for st in self.prepos.standing(name)]
+        self._known(name)
+        record = self.core.records.get(name)
+        return list(record.questions) if record else []
 
     def subscribe(self, name: str, callback) -> Subscription:
-        """callback(StandingAnswer) on the engine thread whenever a standing answer changes."""
-        with self._cv:
-            self._session(name)
+        """callback(StandingAnswer) on the core thread whenever a standing answer changes."""
+        self._known(name)
         return self.hub.add(name, "standing", callback)
 
     def subscribe_data(self, name: str, callback) -> Subscription:
-        """callback(session, data_version) on the engine thread whenever a batch is ingested."""
-        with self._cv:
-            self._session(name)
+        """callback(session, data_version) on the core thread whenever a batch is ingested."""
+        self._known(name)
         return self.hub.add(name, "data", callback)
 
     def watch(self, name: str):
         """Async iterator of a session's standing-answer changes."""
-        with self._cv:
-            self._session(name)
+        self._known(name)
         return watch(self.hub, name, "standing")
 
     # -- questions --------------------------------------------------------
-    def submit_ask(
-        self,
-        name: str,
-        question: str,
-        *,
-        max_tokens: int | None = None,
-        stop: list[str] | None = None,
-        min_version: int | None = None,
-        return_logits: bool = False,
-    ) -> Future:
+    def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
+                   min_version: int | None = None, return_logits: bool = False, on_text=None) -> Future:
         """Ask a question; a standing question (by id or text) takes the fast or entry path."""
+        t0 = time.perf_counter()
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        future: Future = Future()
         self._ensure_resident(name)
-        with self._cv:
-            session = self._session(name)
-            if min_version is not None and min_version > session.pushed_version:
-                raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({session.pushed_version} pushed)")
-            st = self.prepos.find(name, question)
-            if st is not None:
-                br = Branch(session, st.spec.text, st.prompt_ids, max_tokens or st.spec.max_tokens, list(stop or []),
-                            future, min_version=max(min_version or 0, session.data_version),
-                            keep_logits=return_logits, standing=st)
-                self._ask_standing(st, br)
+        with self._lock:
+            pushed = self._handle(name).pushed_version
+        if min_version is not None and min_version > pushed:
+            raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({pushed} pushed)")
+        record = self.core.records.get(name)
+        spec = _find(record.questions if record else (), question)
+        if spec is not None:
+            answer = self._fast_path(name, spec, record, min_version or 0, max_tokens, return_logits, t0)
+            if answer is not None:
+                future: Future = Future()
+                future.set_result(answer)
                 return future
-        prompt = self.layout.question_ids(question)  # tokenized outside the lock
-        with self._cv:
-            session = self._session(name)
-            br = Branch(session, question, prompt, max_tokens or 16, list(stop or []), future,
-                        min_version=min_version or 0, keep_logits=return_logits)
-            self._waiting.append(br)
-            self._cv.notify_all()
+        prompt = [] if spec is not None else self.layout.question_ids(question)
+        cmd = Ask(next(self._ask_ids), name, question, prompt, max_tokens, list(stop or []), min_version or 0,
+                  return_logits, spec.id if spec is not None else None, on_text=on_text, t_start=t0)
+        future = self.core.submit(cmd)
+        future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future
+
+    def _fast_path(self, name: str, spec: QuestionSpec, record, min_version: int, max_tokens: int | None,
+                   keep_logits: bool, t0: float) -> Answer | None:
+        """Answer from the published ready record when it is current and final: no round trip."""
+        ready = self.core.ready_records.get((name, spec.id))
+        if ready is None or not is_final(ready, spec, max_tokens or spec.max_tokens, self.layout.eos_ids):
+            return None
+        stale = ready.data_version < max(min_version, record.info.data_version)
+        if stale and (self.stale_policy != "stale" or ready.data_version < min_version):
+            return None
+        with self._lock:
+            if ready.fired:
+                self._fast_answers += 1
+            else:
+                self._entry_answers += 1
+        return Answer(name, spec.text, ready.text, [], ready.data_version, 0, (time.perf_counter() - t0) * 1000,
+                      path="fast" if ready.fired else "entry", confidence=ready.confidence, stale=stale,
+                      finish_reason="stop", logits=ready.logits if keep_logits else None, choices=ready.choices)
 
     def ask(self, name: str, question: str, *, timeout: float | None = None, **kw) -> Answer:
         """Answer `question` on the session's newest ingested data (or min_version=, waiting for it)."""
@@ -356,7 +340,7 @@ class Engine(EngineLoop):
     async def ask_async(self, name: str, question: str, **kw) -> Answer:
         return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
 
-    # -- snapshots (streamllm.durability.snapshot) --------------------------------------
+    # -- snapshots (files: streamllm.durability.snapshot) --------------------------------
     def snapshot_session(self, name: str, path):
         """Save the session's cells and bookkeeping to `path` (atomic); it keeps running."""
         from streamllm.durability.snapshot import save_session
@@ -377,31 +361,56 @@ class Engine(EngineLoop):
         """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
         from streamllm.durability.snapshot import evict_session
 
-        return evict_session(self, name, directory)
+        with self._residency:
+            return evict_session(self, name, directory)
 
     def _ensure_resident(self, name: str) -> None:
-        if name in self._evicted:
-            from streamllm.durability.snapshot import restore_evicted
+        if name not in self._evicted:
+            return
+        from streamllm.durability.snapshot import restore_evicted
 
+        with self._residency:
             restore_evicted(self, name)
 
-    # -- lifecycle --------------------------------------------------------
+    def _adopt(self, name: str, info: SessionInfo, *, evicted_path: str | None = None) -> None:
+        """Called by snapshot restore/evict: keep the facade's registry in step with the core."""
+        with self._lock:
+            if evicted_path is not None:
+                self._handles.pop(name, None)
+                self._evicted[name] = evicted_path
+                return
+            self._evicted.pop(name, None)
+            self._handles[name] = _Handle(info.max_context, info.prefix_tokens, info.pushed_version,
+                                          info.lines_ingested + info.backlog_lines)
+
+    # -- the core -----------------------------------------------------------
+    def call(self, fn, timeout: float | None = None):
+        """Run fn(core) on the core thread between steps and return its result (benches, tests, snapshots).
+
+        Called from the core thread itself (a subscriber or future callback), fn runs at once."""
+        if threading.current_thread() is self.core._thread:
+            return fn(self.core)
+        return self.core.submit(Call(fn)).result(timeout)
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is pending (all pushed data ingested, no question in flight)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._has_work() or self._busy:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cv.wait(left)
-        return True
+        try:
+            return bool(self.core.submit(WaitIdle()).result(timeout))
+        except FutureTimeout:
+            return False
+
+    def check_integrity(self) -> None:
+        self.call(lambda core: core.check_integrity())
 
     def shutdown(self) -> None:
-        with self._cv:
-            self._stopped = True
-            self._cv.notify_all()
-        self._thread.join(timeout=30)
+        if not self.core.stopped:
+            with contextlib.suppress(EngineStopped):
+                self.core.submit(Stop())
+        self.core.join(timeout=30)
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self.core.failure
 
     def __enter__(self) -> Engine:
         return self
@@ -411,70 +420,47 @@ class Engine(EngineLoop):
 
     def stats(self) -> dict:
         """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device)."""
-        m = self.store.manager
-        sched = self.scheduler.stats
-        with self._cv:
-            urgent, idle = self.prepos.entry_jobs()
-            pending_tokens = sum(s.pending_tokens for s in self.sessions.values())
-            return {
-                "model": self.model_name,
-                "device": str(self.device),
-                "sessions": len(self.sessions),
-                "standing_questions": len(self.prepos.all()),
-                "questions_waiting": len(self._waiting) + sum(len(st.waiters) for st in self.prepos.all()),
-                "questions_running": len(self._running),
-                "queue_interactive": len(self._running) + len(urgent),
-                "queue_ingest_tokens": pending_tokens,
-                "queue_idle": len(idle),
-                "ingest_backlog_tokens": pending_tokens,
-                "steps": self.steps,
-                "step_ms_avg": self.step_ms_total / self.steps if self.steps else 0.0,
-                "step_ms_last": self.step_ms_last,
-                "step_tokens_last": self.step_tokens_last,
-                "tokens_interactive": sched.tokens["interactive"],
-                "tokens_ingest": sched.tokens["ingest"],
-                "tokens_idle": sched.tokens["idle"],
-                "idle_preempted": sched.idle_preempted,
-                "blocked_for_cells": sched.blocked,
-                "forward_calls": self.runner.forward_calls,
-                "tokens_computed": self.runner.tokens_computed,
-                "questions_answered": self.questions_answered,
-                "fast_answers": self.fast_answers,
-                "entries_computed": sum(st.entries_computed for st in self.prepos.all()),
-                "entries_evicted": self.prepos.entries_evicted,
-                "admissions_refused": self.admissions_refused,
-                "compactions": sum(x.compactions for x in self.sessions.values()),
-                "compactions_running": len(self._compactions),
-                "prefix_cache_hits": self.prefix_hits,
-                "cells_total": m.num_blocks * m.block_size,
-                "cells_free": m.num_free_blocks * m.block_size,
-                "kv_bytes_per_token": self.store.pool.bytes_per_token,
-            }
-
-    def check_integrity(self) -> None:
-        with self._cv:
-            tables = [s.table for s in self.sessions.values()]
-            tables += [b.table for b in self._running if b.table is not None]
-            tables += [job.table for job in self._compactions.values()]
-            tables += [BlockTable(blocks=list(b), num_tokens=len(b) * self.store.block_size)
-                       for b in self._prefix_blocks.values()]
-            for st in self.prepos.all():
-                tables += [b.table for b in (st.computing, st.ready, st.decoding) if b is not None and b.table]
-            self.store.manager.check_integrity(tables)
+        out: dict[str, Any] = {"model": self.model_name, "device": str(self.device)}
+        out.update(self.core.counters)
+        out["fast_answers"] = self.fast_answers
+        out["entry_answers"] = self._entry_answers + self.core.entry_answers
+        out["sessions_evicted"] = len(self._evicted)
+        out["core_alive"] = int(not self.core.stopped)
+        return out
 
     # -- internals --------------------------------------------------------
-    def _check_running(self) -> None:
-        if self._stopped:
-            reason = f"after an internal error: {self.failure!r}" if self.failure else "(shut down)"
-            raise RuntimeError(f"the engine is stopped {reason}")
+    def _wait(self, cmd):
+        return self.core.submit(cmd).result()
 
-    def _session(self, name: str) -> Session:
-        self._check_running()
-        session = self.sessions.get(name)
-        if session is None:
+    def _handle(self, name: str) -> _Handle:
+        """Under self._lock."""
+        if self.core.stopped:
+            raise self.core._stopped_error()
+        h = self._handles.get(name)
+        if h is None:
             raise SessionError(f"no session named {name!r}; open it first")
-        return session
+        return h
 
-    def _info(self, s: Session) -> SessionInfo:
-        return SessionInfo(s.name, s.data_version, s.pushed_version, s.num_tokens, s.num_computed,
-                           s.prefix_len, s.max_context, s.backlog_lines, s.lines_ingested)
+    def _known(self, name: str) -> None:
+        with self._lock:
+            if name not in self._evicted:
+                self._handle(name)
+
+    def _log_lock(self, name: str):
+        return self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
+
+
+def _find(questions, query: str) -> QuestionSpec | None:
+    for spec in questions:
+        if spec.id == query:
+            return spec
+    normalized = normalize_question(query)
+    for spec in questions:
+        if spec.normalized_text == normalized:
+            return spec
+    return None
+
+
+def _log_failure(future: Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("a push the engine acked failed in the core: %r", future.exception())

@@ -1,14 +1,18 @@
 """Compaction: keep a session inside its context budget without ever stopping it.
 
-When a session passes `compact_at` of its max_context, a second copy is built in
-fresh blocks as idle work: the frozen prefix, then the most recent data lines (up to
-`retain` of max_context), then every line pushed meanwhile. When the copy has caught
-up with what the session has computed, the engine swaps it in between two steps.
-Until then the session keeps ingesting and answering on its old blocks; branches
-already forked keep their own references, so nothing in flight is disturbed.
+A second copy is built in fresh blocks as background work: the frozen prefix, then
+the most recent data lines (up to `retain` of max_context), then every line pushed
+meanwhile. When the copy has caught up with what the session has computed, the core
+swaps it in between two steps. Until then the session keeps ingesting and answering
+on its old blocks; branches already forked keep their own references.
 
     old:   [prefix | oldest ... | cut | recent lines | new lines ...]
     copy:  [prefix |                  recent lines | new lines ...]   -> swapped in
+
+When to start: early enough, at the session's measured push rate, to finish before
+the session reaches max_context (`CompactionPolicy.should_start`). A session that
+reaches its budget anyway keeps accepting pushes; its pending data waits (and its
+copy is promoted to the ingest class) until the swap makes room.
 """
 
 from __future__ import annotations
@@ -16,28 +20,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamllm.engine.kv import BlockTable
-from streamllm.engine.sequence import Session
+from streamllm.engine.sequence import BACKGROUND, INGEST, Sequence, Session
 
 
 @dataclass(slots=True, eq=False)
-class Compaction:
+class CompactionCopy(Sequence):
     session: Session
     cut: int  # token index in the session (a line boundary) where retained data starts
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
-    want_logits = "none"  # a copy of data: nothing to answer at its end
+    want_logits = "none"  # type: ignore[misc]  # a copy of data: nothing to answer at its end
 
     @property
     def target_ids(self) -> list[int]:
         return self.session.retained_ids(self.cut)
 
     @property
-    def pending_ids(self) -> list[int]:
-        return self.target_ids[self.num_computed :]
+    def pending_ids(self) -> list[int]:  # type: ignore[override]
+        return self.target_ids[self.num_computed : self.session.max_context]
 
     @property
-    def next_pos(self) -> int:
+    def next_pos(self) -> int:  # type: ignore[override]
         return self.num_computed
+
+    @property
+    def session_name(self) -> str:  # type: ignore[override]
+        return self.session.name
+
+    @property
+    def sched_class(self) -> str:  # type: ignore[override]
+        # A session stuck at its budget ingests nothing until the swap: the copy *is* its ingest.
+        return INGEST if self.session.at_budget else BACKGROUND
 
     def session_computed_mapped(self) -> int:
         """How far the session has computed, in the copy's coordinates."""
@@ -46,3 +59,31 @@ class Compaction:
 
     def caught_up(self) -> bool:
         return self.num_computed >= self.session_computed_mapped()
+
+
+@dataclass(slots=True)
+class CompactionPolicy:
+    compact_at: float = 0.75  # start at the latest when the session holds this share of max_context
+    retain: float = 0.5  # share of max_context the copy keeps (prefix included)
+    safety: float = 2.0  # start when the budget left lasts less than safety x the copy's estimated time
+
+    def __post_init__(self) -> None:
+        if not 0 < self.retain < self.compact_at <= 1:
+            raise ValueError(f"need 0 < retain < compact_at <= 1, got retain={self.retain}, "
+                             f"compact_at={self.compact_at}")
+
+    def keep_tokens(self, session: Session) -> int:
+        return int(self.retain * session.max_context) - session.prefix_len
+
+    def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
+        """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes."""
+        if session.num_tokens >= self.compact_at * session.max_context:
+            return True
+        if session.num_tokens <= self.retain * session.max_context:
+            return False  # nothing worth cutting yet
+        rate = session.push_rate()
+        if rate <= 0 or copy_tokens_per_s <= 0:
+            return False
+        seconds_left = (session.max_context - session.num_tokens) / rate
+        copy_seconds = self.retain * session.max_context / copy_tokens_per_s
+        return seconds_left <= self.safety * copy_seconds

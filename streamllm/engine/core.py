@@ -1,268 +1,382 @@
-"""The engine thread: plan -> execute -> update, and how results become answers.
+"""EngineCore: the single writer. One thread owns sessions, the KV store, entries and compactions.
 
-`EngineLoop` is the half of `Engine` that runs on the background thread (and the
-answer-from-entry logic that callers also use for the fast path). It shares the
-engine's state and lock; `engine.py` holds the public API.
+    callers ──commands──▶ inbox ──▶ [ drain commands → prepare → plan → execute → update → publish ] ─┐
+       ▲                                                                                        │
+       └──── futures resolved, ReadyRecords / SessionRecords published (immutable, swapped) ◀─────┘
+
+Nothing else touches a block table: the facade (`api.Engine`), the server and the feed
+attachments only submit commands and read what the core publishes. The core drains
+its inbox between steps (at most `max_commands_per_drain` at a time, so a storm of
+commands cannot starve the model), so a command never races a forward pass.
+Answering logic (entries, decoding, the gate) lives in `answers.Answering`.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 
-import torch
-
-from streamllm.engine.compaction import Compaction
-from streamllm.engine.gate import match_choice
-from streamllm.engine.kv import KVCapacityError
-from streamllm.engine.prepos import Standing
+from streamllm.engine.answers import Answering
+from streamllm.engine.commands import (
+    Ask,
+    Call,
+    Cancel,
+    CloseSession,
+    Command,
+    OpenSession,
+    Push,
+    Register,
+    Stop,
+    Unregister,
+    WaitIdle,
+    settle,
+)
+from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
+from streamllm.engine.kv import BlockTable, KVCapacityError
+from streamllm.engine.outputs import (
+    AdmissionError,
+    EngineStopped,
+    SessionError,
+    SessionInfo,
+    SessionRecord,
+)
 from streamllm.engine.runner import Work
-from streamllm.engine.scheduler import INGEST, Plan
-from streamllm.engine.sequence import Answer, Branch, Session
+from streamllm.engine.scheduler import Plan
+from streamllm.engine.sequence import ASK, BACKGROUND, DECODE, ENTRY, Branch, Session
 
 log = logging.getLogger("streamllm.engine")
 
 
-def settle(future: Future, *, result=None, error: BaseException | None = None) -> None:
-    """Resolve a caller's future unless the caller gave up on it (a cancelled asyncio task)."""
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+class EngineCore(Answering):
+    max_commands_per_drain = 256
 
+    def __init__(self, *, model_name: str, tokenizer: Any, layout: Any, store: Any, runner: Any, scheduler: Any,
+                 prepos: Any, hub: Any, policy: CompactionPolicy, branch_cells: int, stale_policy: str,
+                 check_every_step: bool = False) -> None:
+        self.model_name, self.tokenizer, self.layout = model_name, tokenizer, layout
+        self.store, self.runner, self.scheduler, self.prepos, self.hub = store, runner, scheduler, prepos, hub
+        self.policy, self.branch_cells, self.stale_policy = policy, branch_cells, stale_policy
+        self.check_every_step = check_every_step
+        self.sessions: dict[str, Session] = {}
+        self.running: list[Branch] = []  # asks being prefilled or decoded
+        self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
+        self.compactions: dict[str, CompactionCopy] = {}
+        self.prefix_blocks: dict[tuple[int, ...], list[int]] = {}  # frozen prefixes' full blocks (one ref here)
+        self.events: list[tuple] = []  # (session, kind, *payload), published after each update
+        self._idle_waiters: list[Future] = []
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._stop = False
+        self.stopped = False
+        self.failure: BaseException | None = None
+        # Published for other threads (replaced, never mutated): read without a round trip.
+        self.records: dict[str, SessionRecord] = {}
+        self.ready_records: dict[tuple[str, str], Any] = {}
+        self.counters: dict[str, float] = {}
+        self._dirty: set[str] = set()
+        self.steps = self.questions_answered = self.fast_answers = self.entry_answers = 0
+        self.admissions_refused = self.prefix_hits = self.commands = self.failed_steps = 0
+        self.step_ms_total = self.step_ms_last = 0.0
+        self.step_tokens_last = 0
+        self._step_s_ema = 0.05
+        self._thread = threading.Thread(target=self._main, name="streamllm-core", daemon=True)
 
-class EngineLoop:
-    """Mixin of Engine: everything that runs between two steps of the model."""
+    # -- the thread ---------------------------------------------------------------
+    def start(self) -> None:
+        self._publish()
+        self._thread.start()
 
-    def _ask_standing(self, st: Standing, br: Branch) -> None:
-        """Under the lock: answer from the entry if it is current, else wait for it (or go stale)."""
-        if st.ready is not None and st.ready.data_version >= br.min_version:
-            self._answer_from_entry(st, br)
-        elif st.ready is not None and self.stale_policy == "stale":
-            br.stale = True
-            self._answer_from_entry(st, br)
-        else:
-            st.waiters.append(br)
-            self._cv.notify_all()
+    def submit(self, cmd: Command) -> Future:
+        if self.stopped:
+            settle(cmd.future, error=self._stopped_error())
+            return cmd.future
+        self._inbox.put(cmd)
+        if self.stopped:  # stopped between the check and the put: nobody else will drain it
+            self._fail_inbox()
+        return cmd.future
 
-    def _answer_from_entry(self, st: Standing, br: Branch) -> None:
-        """Fast path when the gate fires and the answer is one decision; else decode from the entry."""
-        decision = self.prepos.decide(st)
-        br.confidence = decision.gap
-        br.path = "fast" if decision.fired else "entry"
-        if decision.fired and (st.spec.choices or br.max_tokens == 1 or decision.token_id in self.layout.eos_ids):
-            br.data_version = st.ready.data_version
-            br.first_logits = st.ready_logits if br.keep_logits else None
-            br.finish_reason = "stop"
-            self.fast_answers += 1
-            text = decision.answer if st.spec.choices else self.tokenizer.decode([decision.token_id],
-                                                                                 skip_special_tokens=True)
-            settle(br.future, result=self._answer(br, text, 0))
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _stopped_error(self) -> EngineStopped:
+        why = f"after an internal error: {self.failure!r}" if self.failure else "(shut down)"
+        return EngineStopped(f"the engine is stopped {why}")
+
+    def _main(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in bookkeeping: stop loudly, never hang callers
+            log.exception("engine core stopped")
+            self.failure = exc
+        finally:
+            self.stopped = True
+            self._fail_everything(self._stopped_error())
+            self._fail_inbox()
+            self._publish()
+
+    def _loop(self) -> None:
+        while True:
+            self._drain(block=not self.has_work())
+            if self._stop:
+                return
+            self._prepare()
+            plan = self.scheduler.schedule(self._sequences())
+            if plan:
+                self._step(plan)
+            self._publish()
+            if not plan and self.has_work():  # blocked on cells: wait for a command or a retry
+                self._drain(block=True, timeout=0.05)
+
+    def _drain(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+        except queue.Empty:
             return
-        self.prepos.fork_from_entry(st, br)
-        br.prepaid = br.num_computed
-        if not br.keep_logits:
-            br.first_logits = None
-        first = decision.token_id if decision.fired else int(torch.argmax(st.ready_logits))
-        self._running.append(br)
-        self._on_token(br, first)
-        self._cv.notify_all()
+        for _ in range(self.max_commands_per_drain):
+            self._apply(cmd)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+        self._inbox.put(cmd)  # the rest waits for the next drain: the model keeps stepping
 
-    def _has_work(self) -> bool:
-        return bool(self._running or self._compactions or any(self._can_start(b) for b in self._waiting)
-                    or any(s.pending_tokens for s in self.sessions.values())
+    def _fail_inbox(self) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            settle(cmd.future, error=self._stopped_error())
+
+    # -- commands ---------------------------------------------------------------------
+    def _apply(self, cmd: Command) -> None:
+        self.commands += 1
+        try:
+            match cmd:
+                case Ask():
+                    self._ask(cmd)
+                    return
+                case WaitIdle():
+                    self._idle_waiters.append(cmd.future)
+                    return
+                case Stop():
+                    self._stop = True
+                    result = None
+                case OpenSession():
+                    result = self.open_session(cmd.name, cmd.system, cmd.prefix_ids, cmd.max_context)
+                case CloseSession():
+                    result = self.close_session(cmd.name)
+                case Push():
+                    result = self._push(cmd)
+                case Register():
+                    result = self._register(cmd)
+                case Unregister():
+                    result = self._unregister(cmd)
+                case Cancel():
+                    result = self._cancel(cmd.ask_id)
+                case Call():
+                    result = cmd.fn(self)
+                case _:
+                    raise TypeError(f"unknown command {type(cmd).__name__}")
+        except Exception as exc:  # a bad command fails its caller, never the core
+            settle(cmd.future, error=exc)
+            return
+        self._publish_records()  # what the caller reads next already reflects its command
+        settle(cmd.future, result=result)
+
+    def session(self, name: str) -> Session:
+        session = self.sessions.get(name)
+        if session is None:
+            raise SessionError(f"no session named {name!r}; open it first")
+        return session
+
+    def open_session(self, name: str, system: str, prefix: list[int], max_context: int) -> SessionInfo:
+        if name in self.sessions:
+            raise SessionError(f"session {name!r} is already open")
+        manager = self.store.manager
+        if not manager.can_reserve(max_context, keep_free_tokens=self.branch_cells):
+            self.admissions_refused += 1
+            raise AdmissionError(
+                f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "
+                f"{manager.num_free_blocks * manager.block_size} free and keeps {self.branch_cells} for "
+                "questions; close a session, lower max_context or raise max_cells")
+        table = BlockTable()
+        shared = self.prefix_blocks.get(self._prefix_key(prefix), []) if self._prefix_key(prefix) else []
+        if shared:  # an identical frozen prefix is already computed: share its full blocks
+            manager.share(shared)
+            table.blocks, table.num_tokens = list(shared), len(shared) * manager.block_size
+        manager.reserve(table, max_context)
+        session = Session(name, system, prefix, max_context, table)
+        session.num_computed = table.num_tokens
+        self.prefix_hits += bool(shared)
+        self.sessions[name] = session
+        self._dirty.add(name)
+        return self.info(session)
+
+    def close_session(self, name: str, *, evicting: bool = False) -> None:
+        session = self.session(name)
+        del self.sessions[name]
+        gone = SessionError(f"session {name!r} was closed")
+        for st in self.prepos.drop_session(name):
+            for br in st.waiters:
+                settle(br.future, error=gone)
+            self.ready_records.pop((name, st.spec.id), None)
+        for br in [b for b in self.waiting + self.running if b.session is session]:
+            self._drop_ask(br, gone)
+        if not evicting:
+            self.hub.drop_session(name)
+        job = self.compactions.pop(name, None)
+        if job is not None:
+            self.store.manager.free(job.table)
+        self.store.manager.free(session.table)  # safe: no step is in flight while commands apply
+        self._forget_unused_prefixes()
+        self.records.pop(name, None)
+
+    def _push(self, cmd: Push) -> int:
+        session = self.session(cmd.name)
+        version = session.append_batch(cmd.ids_per_line, time.monotonic())
+        if version != cmd.version:  # the facade assigns versions in inbox order: a mismatch is a bug
+            raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
+        self._maybe_compact(session)
+        self._dirty.add(cmd.name)
+        return version
+
+    def _register(self, cmd: Register) -> None:
+        self.prepos.register(self.session(cmd.name), cmd.spec, cmd.gate, cmd.prompt_ids)
+        self._dirty.add(cmd.name)
+
+    def _unregister(self, cmd: Unregister) -> None:
+        self.session(cmd.name)
+        st = self.prepos.unregister(cmd.name, cmd.question_id)
+        self.ready_records.pop((cmd.name, cmd.question_id), None)
+        for br in st.waiters:  # asks that waited for its entry are answered the cold way
+            br.standing = None
+            self.waiting.append(br)
+        st.waiters.clear()
+        self._dirty.add(cmd.name)
+
+    def _cancel(self, ask_id: int) -> bool:
+        for br in self.waiting + self.running + [b for st in self.prepos.all() for b in st.waiters]:
+            if br.ask_id == ask_id:
+                self._drop_ask(br, None)
+                return True
+        return False  # already answered: nothing to do
+
+    def _drop_ask(self, br: Branch, error: BaseException | None) -> None:
+        for where in (self.waiting, self.running):
+            if br in where:
+                where.remove(br)
+        if br.standing is not None and br in br.standing.waiters:
+            br.standing.waiters.remove(br)
+        if br.table is not None:
+            self.store.manager.free(br.table)
+            br.table = None
+        if error is not None:
+            settle(br.future, error=error)
+        elif br.future is not None:
+            br.future.cancel()
+
+    # -- planning -------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.running or self.compactions or any(self._can_start(b) for b in self.waiting)
+                    or any(s.pending_tokens and not s.at_budget for s in self.sessions.values())
                     or any(st.session.ready and (not st.fresh() or st.computing or st.decoding)
                            for st in self.prepos.all()))
 
-    def _waiters_without_entries(self) -> None:
-        """Asks waiting on an entry that cannot be computed (no cells) go the cold way."""
-        for st in self.prepos.all():
-            if st.waiters and st.session.ready and st.computing is None and not st.fresh():
-                for br in st.waiters:
-                    br.standing = None
-                self._waiting.extend(st.waiters)
-                st.waiters.clear()
+    def _prepare(self) -> None:
+        self._start_waiting()
+        self._make_room_for_questions()
+        self.prepos.refresh()
+        self._waiters_without_entries()
 
-    def _can_start(self, br: Branch) -> bool:
-        s = br.session
-        return s.ready and s.data_version >= br.min_version
+    def _sequences(self) -> list:
+        return [*self.running, *self.prepos.jobs(), *self.sessions.values(), *self.compactions.values()]
 
-    def _start_waiting(self) -> None:
-        for br in [b for b in self._waiting if self._can_start(b)]:
-            s = br.session
-            try:
-                br.table = self._fork_evicting(s, s.version_length(s.data_version))
-            except KVCapacityError as exc:
-                if not self._running:  # nothing will free cells: fail instead of waiting forever
-                    self._waiting.remove(br)
-                    settle(br.future, error=exc)
-                continue
-            br.base_len = s.version_length(s.data_version)
-            br.data_version = s.data_version
-            self._waiting.remove(br)
-            self._running.append(br)
-
-    def _fork_evicting(self, session: Session, length: int):
-        """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
+    def _step(self, plan: Plan) -> None:
+        works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
+        t0 = time.perf_counter()
         try:
-            return self.store.fork(session.table, length)
-        except KVCapacityError:
-            busy = {b.session.name for b in self._running} | {session.name}
-            if not self.prepos.evict_idle_entries(busy):
-                raise
-            return self.store.fork(session.table, length)
-
-    def _make_room_for_questions(self) -> None:
-        """A question whose next chunk does not fit evicts idle entries; if even that cannot
-        make room, it fails with a clear error instead of waiting forever."""
-        manager, chunk = self.store.manager, self.scheduler.config.chunk_tokens
-        for br in list(self._running):
-            need = min(len(br.pending_ids), chunk)
-            if need == 0 or manager.can_append(br.table, need):
-                continue
-            busy = {b.session.name for b in self._running}
-            self.prepos.evict_idle_entries(busy)  # idle sessions' entries first, then anyone's
-            if not manager.can_append(br.table, need):
-                self.prepos.evict_idle_entries(set())
-            if manager.can_append(br.table, need) or len(self._running) > 1:
-                continue  # room made, or another question will finish and free its cells
-            self._running.remove(br)
-            manager.free(br.table)
-            br.table = None
-            settle(br.future, error=KVCapacityError(
-                f"question on {br.session.name!r} needs {need} more cells and the pool has "
-                f"{manager.num_free_blocks * manager.block_size} free after evicting idle entries; "
-                "raise max_cells or ask a shorter question"))
-
-    def _loop(self) -> None:
-        try:
-            self._run_steps()
-        except BaseException as exc:  # a bug in bookkeeping: stop loudly, never hang callers
-            log.exception("engine loop stopped")
-            with self._cv:
-                self.failure = exc
-                self._stopped = True
-                self._fail_all(RuntimeError(f"engine stopped after an internal error: {exc!r}"))
-
-    def _run_steps(self) -> None:
-        while True:
-            with self._cv:
-                self._release_closed()
-                while not self._stopped and not self._has_work():
-                    self._busy = False
-                    self._cv.notify_all()
-                    self._cv.wait()
-                    self._release_closed()
-                if self._stopped:
-                    self._fail_all(RuntimeError("engine shut down"))
-                    return
-                self._busy = True
-                self._start_waiting()
-                self._make_room_for_questions()
-                self.prepos.refresh()
-                self._waiters_without_entries()
-                urgent, idle = self.prepos.entry_jobs()
-                idle = list(self._compactions.values()) + idle
-                plan = self.scheduler.schedule(self._running + urgent, list(self.sessions.values()), idle)
-                self._in_step = bool(plan)
-            if not plan:
-                with self._cv:  # blocked on memory: wait for a close or a finished branch
-                    self._cv.wait(0.05)
-                continue
-            t_step = time.perf_counter()
-            try:
-                logits = self.runner.execute(
-                    [Work(i.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
-                )
-            except Exception as exc:  # a failed step fails its questions, never the engine
-                log.exception("forward failed")
-                with self._cv:
-                    self._in_step = False
-                    self._fail_plan(plan, exc)
-                continue
-            step_ms = (time.perf_counter() - t_step) * 1000
-            with self._cv:
-                self._in_step = False
-                self._update(plan, logits)
-                self._swap_compactions()
-                self.steps += 1
-                self.step_ms_total += step_ms
-                self.step_ms_last = step_ms
-                self.step_tokens_last = plan.num_tokens
-                events, self._events = self._events, []
-            for session, kind, *payload in events:
-                self.hub.publish(session, kind, *payload)
+            logits = self.runner.execute(works)
+        except Exception as exc:  # a failed forward fails its questions, never the engine
+            log.exception("forward failed")
+            self.failed_steps += 1
+            self._fail_plan(plan, exc)
+            return
+        step_s = time.perf_counter() - t0
+        self._update(plan, logits)
+        self._swap_compactions()
+        self.steps += 1
+        self.step_ms_total += step_s * 1000
+        self.step_ms_last, self.step_tokens_last = step_s * 1000, plan.num_tokens
+        self._step_s_ema += 0.1 * (step_s - self._step_s_ema)
+        if self.check_every_step:
+            self.check_integrity()
 
     def _update(self, plan: Plan, logits: list) -> None:
         for item, lg in zip(plan.items, logits, strict=True):
-            if item.kind == INGEST:
-                session: Session = item.owner
-                before = session.data_version
-                had_prefix = session.ready
-                session.advance(len(item.token_ids))
-                if session.ready and not had_prefix:
-                    self._remember_prefix(session)
-                if session.data_version != before:
-                    self._events.append((session.name, "data", session.name, session.data_version))
+            seq, n = item.seq, len(item.token_ids)
+            if isinstance(seq, Session):
+                had_prefix = seq.ready
+                if seq.advance(n):
+                    self.events.append((seq.name, "data", seq.name, seq.data_version))
+                    self._dirty.add(seq.name)
+                if seq.ready and not had_prefix:
+                    self._remember_prefix(seq)
+            elif isinstance(seq, CompactionCopy):
+                seq.num_computed += n
+            else:
+                seq.num_computed += n
+                if lg is not None:
+                    self.on_logits(seq, lg)
+
+    def _fail_plan(self, plan: Plan, exc: Exception) -> None:
+        for item in plan.items:
+            seq = item.seq
+            if not isinstance(seq, Branch):  # give back the slots; the tokens stay pending and are retried
+                self.store.truncate(seq.table, seq.num_computed)
                 continue
-            if isinstance(item.owner, Compaction):
-                item.owner.num_computed += len(item.token_ids)
+            if seq.kind == ASK:
+                self._drop_ask(seq, exc)
                 continue
-            br: Branch = item.owner
-            br.num_computed += len(item.token_ids)
-            if lg is None:
-                continue
-            if br.purpose == "entry":
-                self._on_entry_ready(br, lg.clone())
-                continue
-            if br.keep_logits and br.first_logits is None:
-                br.first_logits = lg.clone()
-            self._on_token(br, int(torch.argmax(lg)))
-        self._cv.notify_all()
+            self.prepos.release(seq)  # entries and decodes are recomputed on the next refresh
+            st = seq.standing
+            if st.computing is seq:
+                st.computing = None
+            if st.decoding is seq:
+                st.decoding = None
 
-    def _prefix_key(self, prefix: list[int]) -> tuple[int, ...]:
-        full = len(prefix) // self.store.block_size * self.store.block_size
-        return tuple(prefix[:full])
+    def _fail_everything(self, exc: Exception) -> None:
+        for st in self.prepos.all():
+            self.waiting.extend(st.waiters)
+            st.waiters.clear()
+        for br in self.waiting + self.running:
+            settle(br.future, error=exc)
+        self.waiting.clear()
+        self.running.clear()
+        for fut in self._idle_waiters:
+            settle(fut, error=exc)
+        self._idle_waiters.clear()
 
-    def _shared_prefix_blocks(self, prefix: list[int]) -> list[int]:
-        key = self._prefix_key(prefix)
-        return self._prefix_blocks.get(key, []) if key else []
-
-    def _remember_prefix(self, session: Session) -> None:
-        """Once a frozen prefix is computed, later sessions with the same one share its full blocks."""
-        key = self._prefix_key(session.token_ids[: session.prefix_len])
-        if not key or key in self._prefix_blocks:
-            return
-        blocks = session.table.blocks[: len(key) // self.store.block_size]
-        self.store.manager.share(blocks)
-        self._prefix_blocks[key] = blocks
-
-    def _forget_unused_prefixes(self) -> None:
-        """Drop cached prefixes no session holds any more (only the cache's reference is left)."""
-        for key, blocks in list(self._prefix_blocks.items()):
-            if all(self.store.manager.refcount[b] == 1 for b in blocks):
-                self.store.manager.release(blocks)
-                del self._prefix_blocks[key]
-
+    # -- compaction -------------------------------------------------------------------
     def _maybe_compact(self, session: Session) -> None:
-        """Under the lock, after a push: start a compacted copy once the session passes compact_at."""
-        if session.name in self._compactions or session.num_tokens < self.compact_at * session.max_context:
+        if session.name in self.compactions:
             return
-        keep = int(self.retain * session.max_context) - session.prefix_len
-        cut = session.compaction_cut(keep)
+        copy_rate = self.scheduler.config.background_floor / max(self._step_s_ema, 1e-3)
+        if not self.policy.should_start(session, copy_rate):
+            return
+        cut = session.compaction_cut(self.policy.keep_tokens(session))
         if cut is not None:
-            self._compactions[session.name] = Compaction(session, cut)
+            self.compactions[session.name] = CompactionCopy(session, cut)
 
     def _swap_compactions(self) -> None:
-        """Under the lock, between steps: swap in every copy that has caught up."""
-        for name, job in list(self._compactions.items()):
+        for name, job in list(self.compactions.items()):
             if not job.caught_up():
                 continue
             session = job.session
-            del self._compactions[name]
+            del self.compactions[name]
             old = session.table
             session.apply_compaction(job.cut, job.table, job.num_computed)
             self.store.manager.free(old)  # branches forked from it hold their own references
@@ -270,125 +384,104 @@ class EngineLoop:
                 self.store.manager.reserve(session.table, session.max_context)
             except KVCapacityError:
                 log.warning("session %s: compacted, but could not re-reserve its full budget", name)
+            self._dirty.add(name)
             self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
 
-    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> None:
-        st = self.prepos.on_entry_ready(entry, logits)
-        if st is None:
+    # -- shared prefixes ------------------------------------------------------------------
+    def _prefix_key(self, prefix: list[int]) -> tuple[int, ...]:
+        full = len(prefix) // self.store.block_size * self.store.block_size
+        return tuple(prefix[:full])
+
+    def _remember_prefix(self, session: Session) -> None:
+        """Once a frozen prefix is computed, later sessions with the same one share its full blocks."""
+        key = self._prefix_key(session.token_ids[: session.prefix_len])
+        if not key or key in self.prefix_blocks:
             return
-        waiters, st.waiters = st.waiters, []
-        for br in waiters:
-            if entry.data_version >= br.min_version:
-                self._answer_from_entry(st, br)
-            else:
-                st.waiters.append(br)
-        decision = self.prepos.decide(st)
-        if decision.fired and st.spec.choices:
-            self._standing_changed(st, decision.answer, "fast", decision.gap, entry.data_version)
-        elif st.spec.push:
-            self.prepos.release(st.decoding)  # an older decode is superseded by this fresher entry
-            dec = Branch(st.session, st.spec.text, st.prompt_ids, st.spec.max_tokens, [], None,
-                         purpose="decode", standing=st, confidence=decision.gap, path="entry")
-            try:
-                self.prepos.fork_from_entry(st, dec)
-            except KVCapacityError:
-                st.decoding = None
-                return
-            dec.prepaid = dec.num_computed
-            st.decoding = dec
-            self._on_token(dec, decision.token_id if decision.fired else int(torch.argmax(logits)))
-        else:  # nobody is pushed this answer: keep the gate's view for snapshots
-            text = decision.answer or ""
-            self._standing_changed(st, text, "fast" if decision.fired else "gate", decision.gap, entry.data_version)
+        blocks = session.table.blocks[: len(key) // self.store.block_size]
+        self.store.manager.share(blocks)
+        self.prefix_blocks[key] = blocks
 
-    def _standing_changed(self, st: Standing, text: str, path: str, confidence: float, version: int) -> None:
-        changed = self.prepos.set_answer(st, text.strip(), path, confidence, version)
-        if changed is not None:
-            self._events.append((st.session.name, "standing", changed))
+    def _forget_unused_prefixes(self) -> None:
+        for key, blocks in list(self.prefix_blocks.items()):
+            if all(self.store.manager.refcount[b] == 1 for b in blocks):
+                self.store.manager.release(blocks)
+                del self.prefix_blocks[key]
 
-    def _on_token(self, br: Branch, token: int) -> None:
-        if token in self.layout.eos_ids:
-            br.finish_reason = "stop"
-            return self._finish(br)
-        br.generated.append(token)
-        text = self.tokenizer.decode(br.generated, skip_special_tokens=True)
-        for s in br.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                br.finish_reason, text = "stop", text[:cut]
-                br.text = text
-                return self._finish(br)
-        br.text = text
-        choices = br.standing.spec.choices if br.standing is not None else ()
-        choice = match_choice(text, choices) if choices else None
-        if choice is not None:  # a choice question is answered once the model names a choice
-            br.finish_reason, br.text = "stop", choice
-            return self._finish(br)
-        if len(br.generated) >= br.max_tokens:
-            br.finish_reason = "length"
-            self._finish(br)
+    # -- what others read -----------------------------------------------------------------
+    def info(self, s: Session) -> SessionInfo:
+        return SessionInfo(s.name, s.data_version, s.pushed_version, s.num_tokens, s.num_computed,
+                           s.prefix_len, s.max_context, s.backlog_lines, s.lines_ingested, s.compactions)
 
-    def _finish(self, br: Branch) -> None:
-        if br.table is not None:
-            self.store.manager.free(br.table)
-            br.table = None
-        if br.purpose == "decode":
-            st: Standing = br.standing
-            if st.decoding is br:
-                st.decoding = None
-                self._standing_changed(st, br.text, "entry", br.confidence, br.data_version)
-            return
-        if br in self._running:
-            self._running.remove(br)
-        self.questions_answered += 1
-        settle(br.future, result=self._answer(br, br.text.strip(), br.num_computed - br.prepaid))
+    def _publish(self) -> None:
+        self._publish_records()
+        self.counters = self._counters()
+        events, self.events = self.events, []
+        for session, kind, *payload in events:
+            self.hub.publish(session, kind, *payload)
+        if self._idle_waiters and not self.has_work():
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for fut in waiters:
+                settle(fut, result=True)
 
-    def _answer(self, br: Branch, text: str, tokens_computed: int) -> Answer:
-        latency = (time.perf_counter() - br.t_start) * 1000
-        return Answer(br.session.name, br.question, text, list(br.generated), br.data_version, tokens_computed,
-                      latency, path=br.path, confidence=br.confidence, stale=br.stale,
-                      finish_reason=br.finish_reason, logits=br.first_logits)
+    def _publish_records(self) -> None:
+        for name in self._dirty:
+            s = self.sessions.get(name)
+            if s is not None:
+                sts = self.prepos.standing(name)
+                self.records[name] = SessionRecord(self.info(s), tuple(st.answer for st in sts if st.answer),
+                                                   tuple(st.spec for st in sts))
+        self._dirty.clear()
 
-    def _fail_plan(self, plan: Plan, exc: Exception) -> None:
-        for item in plan.items:
-            if item.kind == INGEST or isinstance(item.owner, Compaction):
-                # give back the slots; the tokens stay pending and are retried
-                self.store.truncate(item.table, item.owner.num_computed)
-                continue
-            br: Branch = item.owner
-            if br.table is not None:
-                self.store.manager.free(br.table)
-                br.table = None
-            if br.purpose == "ask" and br in self._running:
-                self._running.remove(br)
-                settle(br.future, error=exc)
-            elif br.standing is not None:  # entries and decodes are recomputed on the next refresh
-                st: Standing = br.standing
-                if st.computing is br:
-                    st.computing = None
-                if st.decoding is br:
-                    st.decoding = None
-        self._cv.notify_all()
+    def _counters(self) -> dict[str, float]:
+        m, sched = self.store.manager, self.scheduler.stats
+        jobs = self.prepos.jobs()
+        return {
+            "sessions": len(self.sessions),
+            "standing_questions": sum(len(q) for q in self.prepos.by_session.values()),
+            "questions_waiting": len(self.waiting) + sum(len(st.waiters) for st in self.prepos.all()),
+            "questions_running": len(self.running),
+            "queue_background": sum(1 for j in jobs if j.sched_class == BACKGROUND),
+            "ingest_backlog_tokens": sum(s.pending_tokens for s in self.sessions.values()),
+            "sessions_at_budget": sum(s.at_budget for s in self.sessions.values()),
+            "steps": self.steps,
+            "failed_steps": self.failed_steps,
+            "commands": self.commands,
+            "step_ms_avg": self.step_ms_total / self.steps if self.steps else 0.0,
+            "step_ms_last": self.step_ms_last,
+            "step_tokens_last": self.step_tokens_last,
+            "tokens_interactive": sched.tokens["interactive"],
+            "tokens_ingest": sched.tokens["ingest"],
+            "tokens_background": sched.tokens["background"],
+            "background_floor_steps": sched.floor_steps["background"],
+            "blocked_for_cells": sched.blocked,
+            "forward_calls": self.runner.forward_calls,
+            "tokens_computed": self.runner.tokens_computed,
+            "questions_answered": self.questions_answered,
+            "entries_computed": sum(st.entries_computed for st in self.prepos.all()),
+            "entries_evicted": self.prepos.entries_evicted,
+            "entry_tokens": self.prepos.entry_tokens,
+            "admissions_refused": self.admissions_refused,
+            "compactions": sum(s.compactions for s in self.sessions.values()),
+            "compactions_running": len(self.compactions),
+            "prefix_cache_hits": self.prefix_hits,
+            "cells_total": m.num_blocks * m.block_size,
+            "cells_free": m.num_free_blocks * m.block_size,
+            "kv_bytes_per_token": self.store.pool.bytes_per_token,
+            "core_fast_answers": self.fast_answers,
+            "core_entry_answers": self.entry_answers,
+        }
 
-    def _fail_all(self, exc: Exception) -> None:
+    def check_integrity(self) -> None:
+        tables = [s.table for s in self.sessions.values()]
+        tables += [b.table for b in self.running + self.waiting if b.table is not None]
+        tables += [job.table for job in self.compactions.values()]
+        tables += [BlockTable(blocks=list(b), num_tokens=len(b) * self.store.block_size)
+                   for b in self.prefix_blocks.values()]
         for st in self.prepos.all():
-            self._waiting.extend(st.waiters)
-            st.waiters.clear()
-        for br in self._waiting + self._running:
-            if not br.future.done():
-                settle(br.future, error=exc)
-        self._waiting.clear()
-        self._running.clear()
-        self._busy = False
-        self._cv.notify_all()
-
-    def _release_closed(self) -> None:
-        for session in self._closed:
-            self.store.manager.free(session.table)
-        for table in self._closed_tables:
-            self.store.manager.free(table)
-        if self._closed:
-            self._forget_unused_prefixes()
-        self._closed.clear()
-        self._closed_tables.clear()
-
+            tables += [b.table for b in st.branches() if b.table is not None]
+        self.store.manager.check_integrity(tables)
+        for br in self.running:
+            assert br.kind == ASK and br.table is not None, f"running branch without cells: {br.question!r}"
+        for st in self.prepos.all():
+            assert st.computing is None or st.computing.kind == ENTRY
+            assert st.decoding is None or st.decoding.kind == DECODE

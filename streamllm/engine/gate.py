@@ -41,6 +41,7 @@ class GateDecision:
     answer: str | None  # the choice text, or the decoded top token when there are no choices
     token_id: int  # the winning token (for choices: the best-scoring candidate of the best choice)
     gap: float  # best minus second-best logit
+    probs: dict[str, float] | None = None  # choice questions: softmax over the choices' best logits
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -129,7 +130,11 @@ class Gate:
         winner = max(range(len(best_of)), key=best_of.__getitem__)
         runner_up = max(s for i, s in enumerate(best_of) if i != winner)
         gap = best_of[winner] - runner_up
-        return GateDecision(gap >= self.threshold, self.choices[winner], best_token[winner], gap)
+        top = best_of[winner]
+        weights = [math.exp(s - top) for s in best_of]
+        total = sum(weights)
+        probs = {c: w / total for c, w in zip(self.choices, weights, strict=True)}
+        return GateDecision(gap >= self.threshold, self.choices[winner], best_token[winner], gap, probs)
 
 
 def top_two(logits: torch.Tensor) -> tuple[float, int, float]:

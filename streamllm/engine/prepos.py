@@ -2,20 +2,20 @@
 
 An entry is a branch holding the question's tokens on top of the session at one
 data version, plus the ready distribution (logits at the decision point). After
-each ingested batch the entries of that session go stale and are recomputed as idle
-work. Asking a standing question then costs a gate decision (fast path) or decoding
-from the entry (entry path), never the question's prefill.
+each ingested batch the entries of that session go stale and are recomputed as
+background work. Asking a standing question then costs a gate decision (fast path)
+or decoding from the entry (entry path), never the question's prefill.
 
     session  [prefix | data ... v7]
     entry    [prefix | data ... v7 | Question: ...<assistant>] -> ready logits @ v7
 
 Bounded lag: an entry already computing for an older version is allowed to finish
-(it is the freshest answer we will have soon); a new one starts after it.
+(it is the freshest answer we will have soon); a new one starts after it. Every
+time an entry completes, its `ReadyRecord` is published for callers to read.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,21 +23,8 @@ import torch
 from streamllm.config import QuestionSpec, normalize_question
 from streamllm.engine.gate import Gate, GateDecision
 from streamllm.engine.kv import KVCapacityError, KVStore
-from streamllm.engine.sequence import Branch, PromptLayout, Session
-
-
-@dataclass(slots=True)
-class StandingAnswer:
-    session: str
-    question_id: str
-    text: str
-    path: str  # "fast" (gate fired) | "entry" (decoded from the entry)
-    confidence: float  # the gate's gap
-    data_version: int
-    updated_at: float = field(default_factory=time.time)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__}
+from streamllm.engine.outputs import ReadyRecord, StandingAnswer
+from streamllm.engine.sequence import ENTRY, Branch, Session
 
 
 @dataclass(slots=True, eq=False)
@@ -50,8 +37,9 @@ class Standing:
     prompt_ids: list[int]
     computing: Branch | None = None  # entry being prefilled
     ready: Branch | None = None  # newest entry whose ready distribution is known
-    decoding: Branch | None = None  # standing-answer decode (push questions the gate left open)
+    decoding: Branch | None = None  # standing-answer decode (free-text push questions)
     answer: StandingAnswer | None = None
+    record: ReadyRecord | None = None  # published view of `ready`
     waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
 
@@ -62,33 +50,35 @@ class Standing:
     def fresh(self) -> bool:
         return self.ready is not None and self.ready.data_version == self.session.data_version
 
+    def branches(self) -> list[Branch]:
+        return [b for b in (self.computing, self.ready, self.decoding) if b is not None]
+
 
 class Prepositioner:
-    """Standing questions per session, their entries and standing answers (bookkeeping only)."""
+    """Standing questions per session, their entries and standing answers (core-owned bookkeeping)."""
 
-    def __init__(self, store: KVStore, layout: PromptLayout) -> None:
+    def __init__(self, store: KVStore, eos_ids: set[int]) -> None:
         self.store = store
-        self.layout = layout
+        self.eos_ids = eos_ids
         self.by_session: dict[str, dict[str, Standing]] = {}
-        self.entry_tokens = 0  # idle compute spent on entries (tokens)
+        self.entry_tokens = 0  # background compute spent on entries (tokens)
         self.entries_evicted = 0
 
     # -- registry ----------------------------------------------------------
-    def register(self, session: Session, spec: QuestionSpec) -> Standing:
+    def register(self, session: Session, spec: QuestionSpec, gate: Gate, prompt_ids: list[int]) -> Standing:
         questions = self.by_session.setdefault(session.name, {})
         if spec.id in questions:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
-        with self.layout.lock:  # the gate encodes choices with the shared tokenizer
-            gate = Gate.for_question(spec, self.layout.tokenizer)
-        st = Standing(session, spec, gate, self.layout.question_ids(spec.text))
+        st = Standing(session, spec, gate, list(prompt_ids))
         questions[spec.id] = st
         return st
 
-    def unregister(self, session: str, question_id: str) -> None:
+    def unregister(self, session: str, question_id: str) -> Standing:
         st = self.by_session.get(session, {}).pop(question_id, None)
         if st is None:
             raise KeyError(f"session {session!r} has no standing question {question_id!r}")
         self._drop(st)
+        return st
 
     def drop_session(self, session: str) -> list[Standing]:
         dropped = list(self.by_session.pop(session, {}).values())
@@ -103,9 +93,10 @@ class Prepositioner:
             branch.table = None
 
     def _drop(self, st: Standing) -> None:
-        for br in (st.computing, st.ready, st.decoding):
+        for br in st.branches():
             self.release(br)
         st.computing = st.ready = st.decoding = None
+        st.record = None
 
     def find(self, session: str, query: str) -> Standing | None:
         questions = self.by_session.get(session, {})
@@ -139,20 +130,14 @@ class Prepositioner:
                 table = self.store.fork(s.table, s.version_length(s.data_version))
             except KVCapacityError:
                 continue  # entries are optional work: retry when cells free up
-            st.computing = Branch(
-                s, st.spec.text, st.prompt_ids, 0, [], None, table=table,
-                base_len=s.version_length(s.data_version), data_version=s.data_version,
-                keep_logits=True, purpose="entry", standing=st,
-            )
+            st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, table=table,
+                                  base_len=s.version_length(s.data_version), data_version=s.data_version,
+                                  keep_logits=True, standing=st, choices=st.gate if st.spec.choices else None)
 
-    def entry_jobs(self) -> tuple[list[Branch], list[Branch]]:
-        """(entries someone is waiting for, other idle jobs: entries then answer decodes)."""
-        urgent, idle = [], []
-        for st in self.all():
-            if st.computing is not None:
-                (urgent if st.waiters else idle).append(st.computing)
-        idle += [st.decoding for st in self.all() if st.decoding is not None]
-        return urgent, idle
+    def jobs(self) -> list[Branch]:
+        """Entries computing and standing-answer decodes (their class follows from waiters)."""
+        out = [st.computing for st in self.all() if st.computing is not None]
+        return out + [st.decoding for st in self.all() if st.decoding is not None]
 
     def on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> Standing | None:
         st: Standing = entry.standing
@@ -164,7 +149,14 @@ class Prepositioner:
         self.release(st.ready)
         st.ready, st.computing = entry, None
         st.entries_computed += 1
+        st.record = self._record(st)
         return st
+
+    def _record(self, st: Standing) -> ReadyRecord:
+        d = self.decide(st)
+        final = bool(st.spec.choices) or (d.fired and (st.spec.max_tokens == 1 or d.token_id in self.eos_ids))
+        return ReadyRecord(st.session.name, st.spec.id, st.ready.data_version, d.fired, final,
+                           d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits)
 
     def evict_idle_entries(self, busy_sessions: set[str]) -> int:
         """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed."""
@@ -176,6 +168,7 @@ class Prepositioner:
             self.release(st.ready)
             freed += self.store.manager.num_free_blocks - before
             st.ready = None
+            st.record = None
             self.entries_evicted += 1
         return freed
 
@@ -183,20 +176,20 @@ class Prepositioner:
     def decide(self, st: Standing) -> GateDecision:
         return st.gate.decide(st.ready_logits)
 
-    def fork_from_entry(self, st: Standing, kind_branch: Branch) -> None:
-        """Give `kind_branch` (an ask or decode) the entry's KV and its first greedy token."""
+    def fork_from_entry(self, st: Standing, branch: Branch) -> None:
+        """Give `branch` (an ask or decode) the entry's KV; its next token comes from the ready logits."""
         entry = st.ready
-        kind_branch.table = self.store.fork(entry.table)
-        kind_branch.base_len = entry.base_len
-        kind_branch.data_version = entry.data_version
-        kind_branch.num_computed = len(entry.prompt_ids)
-        kind_branch.first_logits = entry.first_logits
+        branch.table = self.store.fork(entry.table)
+        branch.base_len = entry.base_len
+        branch.data_version = entry.data_version
+        branch.num_computed = len(entry.prompt_ids)
+        branch.first_logits = entry.first_logits
 
-    def set_answer(self, st: Standing, text: str, path: str, confidence: float, version: int) -> StandingAnswer | None:
+    def set_answer(self, st: Standing, text: str, path: str, confidence: float, version: int,
+                   choices: dict[str, float] | None = None) -> StandingAnswer | None:
         """Record the standing answer; returns it when it changed (what subscribers hear)."""
         previous = st.answer
-        st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version)
+        st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version, choices=choices)
         if previous is not None and previous.text == text:
             return None
         return st.answer
-

@@ -1,20 +1,27 @@
 """The batcher's policy: which sequences run in the next step, and how many tokens each.
 
 It returns a plan and never touches tensors (vLLM v1's schedule() -> model ->
-update_from_output()). Classes, served in order under one token budget per step:
+update_from_output()). Three classes share one token budget per step:
 
-  1. interactive: questions someone waits for (prefill chunks and decode tokens),
-  2. ingest: prefill chunks of pushed data,
-  3. idle: pre-positioning entries and standing-answer decodes, planned only in a step
-     with no class 1 or 2 work (so background work never lengthens a question's step;
-     it is preempted between steps, and each step it yields is counted).
+  1. interactive: questions someone waits for (prefill chunks, decode tokens),
+  2. ingest: prefill chunks of pushed data (and compaction copies of sessions at budget),
+  3. background: pre-positioning entries, standing-answer decodes, compaction copies.
+
+Guarantees (proven by tests/test_scheduler.py without a model):
+
+  - interactive work is planned first, but whenever ingest or background work is
+    pending, each gets at least its floor (`ingest_floor`, `background_floor` tokens)
+    in *every* step: neither is ever starved, under any load of questions;
+  - while questions run, ingest and background get only their floors (on a CPU every
+    prefill token lengthens the question's step), and while questions keep coming
+    (one within `busy_window_s`) steps shrink to `busy_step_tokens`, so a new question
+    waits at most one short step;
+  - with no questions, ingest takes the budget less the background floor, and
+    background takes whatever is left.
 
 Within a class, service is fair: sequences are interleaved by tenant, then by session,
-and the starting point rotates every step, so a tenant with many sessions cannot
-starve a tenant with one. Chunked prefill bounds how long a question waits behind an
-ingest: at most one chunk; while questions run, ingest gets only a trickle of each step.
-Slot assignment (`can_append` / `append`) happens here, as
-nano-vllm's scheduler allocates through its block manager.
+and the starting point rotates every step. Slot assignment (`can_append` / `append`)
+happens here, as nano-vllm's scheduler allocates through its block manager.
 """
 
 from __future__ import annotations
@@ -23,19 +30,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from streamllm.engine.kv import BlockManager, BlockTable
+from streamllm.engine.kv import BlockManager
+from streamllm.engine.sequence import BACKGROUND, INGEST, INTERACTIVE, Sequence
 
-INTERACTIVE, INGEST, IDLE = "interactive", "ingest", "idle"
+CLASSES = (INTERACTIVE, INGEST, BACKGROUND)
 
 
 @dataclass(slots=True, eq=False)
 class PlanItem:
-    kind: str  # INTERACTIVE | INGEST | IDLE
-    owner: object  # the Branch or Session the tokens belong to
-    table: BlockTable
+    seq: Sequence
+    sched_class: str  # INTERACTIVE | INGEST | BACKGROUND
     token_ids: list[int]
     start_pos: int
-    want_logits: str
+    want_logits: str  # "last" when this chunk completes the sequence's pending tokens, else "none"
 
 
 @dataclass(slots=True)
@@ -46,8 +53,8 @@ class Plan:
     def num_tokens(self) -> int:
         return sum(len(i.token_ids) for i in self.items)
 
-    def tokens_of(self, kind: str) -> int:
-        return sum(len(i.token_ids) for i in self.items if i.kind == kind)
+    def tokens_of(self, sched_class: str) -> int:
+        return sum(len(i.token_ids) for i in self.items if i.sched_class == sched_class)
 
     def __bool__(self) -> bool:
         return bool(self.items)
@@ -57,22 +64,17 @@ class Plan:
 class SchedulerConfig:
     step_tokens: int = 256  # token budget per forward (decode tokens + prefill chunks)
     chunk_tokens: int = 128  # largest prefill chunk of one sequence in one step
-    # Ingest riding along in a step that serves questions. On a CPU every prefill token costs
-    # about as much as it does alone, so a full chunk beside each decode step would multiply a
-    # question's latency; a trickle keeps ingest moving while questions run.
-    ingest_tokens_with_questions: int = 16
-    # A question that arrives waits for the step in flight. While questions keep coming (one
-    # was served within busy_window_s), background steps shrink to busy_step_tokens so that
-    # wait stays short; when questions stop, background work gets full steps again.
-    busy_step_tokens: int = 32
+    ingest_floor: int = 16  # tokens of ingest in every step that has ingest pending
+    background_floor: int = 16  # tokens of background work in every step that has some
+    busy_step_tokens: int = 48  # step budget while questions keep coming
     busy_window_s: float = 2.0
 
 
 @dataclass(slots=True)
 class SchedulerStats:
     steps: int = 0
-    tokens: dict[str, int] = field(default_factory=lambda: {INTERACTIVE: 0, INGEST: 0, IDLE: 0})
-    idle_preempted: int = 0  # steps in which idle work was ready but yielded to class 1/2
+    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    floor_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # steps served at floor
     blocked: int = 0  # sequences skipped for lack of cells
 
 
@@ -118,53 +120,62 @@ class Scheduler:
         self._clock = clock
         self._last_question = float("-inf")
 
-    def _take(self, plan: Plan, kind: str, owner, table: BlockTable, ids: list[int], start: int, want: str,
-              budget: int) -> int:
-        """Plan up to one chunk of `ids` for `owner`; returns the tokens planned (0 if no room)."""
-        if table.num_tokens != start:
-            raise AssertionError(f"{kind} work starts at {start} but its table holds {table.num_tokens} slots")
+    def schedule(self, sequences: list[Sequence]) -> Plan:
+        """Plan the next step over every sequence with pending tokens (any class)."""
+        by_class: dict[str, list[Sequence]] = {c: [] for c in CLASSES}
+        for seq in sequences:
+            if seq.pending_ids:
+                by_class[seq.sched_class].append(seq)
+        cfg = self.config
+        now = self._clock()
+        questions = bool(by_class[INTERACTIVE])
+        if questions:
+            self._last_question = now
+        busy = questions or now - self._last_question < cfg.busy_window_s
+        budget = cfg.busy_step_tokens if busy else cfg.step_tokens
+        floor_ingest = cfg.ingest_floor if by_class[INGEST] else 0
+        floor_bg = cfg.background_floor if by_class[BACKGROUND] else 0
+        turn, self._turn = self._turn, self._turn + 1
+        plan = Plan()
+
+        used = self._fill(plan, INTERACTIVE, by_class[INTERACTIVE], max(budget - floor_ingest - floor_bg, 1), turn)
+        left = budget - used
+        # Ingest: its floor beside questions, else everything but the background floor.
+        ingest_budget = floor_ingest if questions else max(left - floor_bg, floor_ingest)
+        used = self._fill(plan, INGEST, by_class[INGEST], min(ingest_budget, max(left, floor_ingest)), turn)
+        left = max(left - used, 0)
+        bg_budget = max(left, floor_bg) if not questions else floor_bg
+        self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn)
+
+        if plan:
+            self.stats.steps += 1
+            for c in CLASSES:
+                n = plan.tokens_of(c)
+                self.stats.tokens[c] += n
+                if by_class[c] and n and n <= {INTERACTIVE: 0, INGEST: floor_ingest, BACKGROUND: floor_bg}[c]:
+                    self.stats.floor_steps[c] += 1
+        return plan
+
+    def _fill(self, plan: Plan, sched_class: str, seqs: list[Sequence], budget: int, turn: int) -> int:
+        used = 0
+        for seq in fair_order(seqs, lambda s: s.session_name, turn):
+            if budget - used <= 0:
+                break
+            used += self._take(plan, sched_class, seq, budget - used)
+        return used
+
+    def _take(self, plan: Plan, sched_class: str, seq: Sequence, budget: int) -> int:
+        """Plan up to one chunk of `seq`'s pending tokens; returns the tokens planned (0 if no room)."""
+        ids, start = seq.pending_ids, seq.next_pos
+        if seq.table.num_tokens != start:
+            raise AssertionError(f"{sched_class} work starts at {start} but its table holds {seq.table.num_tokens} slots")
         n = min(len(ids), self.config.chunk_tokens, budget)
         if n <= 0:
             return 0
-        if not self.manager.can_append(table, n):
+        if not self.manager.can_append(seq.table, n):
             self.stats.blocked += 1
             return 0
-        self.manager.append(table, n)
-        plan.items.append(PlanItem(kind, owner, table, ids[:n], start, want if n == len(ids) else "none"))
+        self.manager.append(seq.table, n)
+        want = seq.want_logits if n == len(ids) else "none"
+        plan.items.append(PlanItem(seq, sched_class, ids[:n], start, want))
         return n
-
-    def schedule(self, interactive: list, sessions: list, idle: list | None = None) -> Plan:
-        """interactive, idle: branches (table, pending_ids, next_pos, session); sessions: Session objects."""
-        plan = Plan()
-        budget = self.config.step_tokens
-        turn = self._turn
-        self._turn += 1
-        for br in fair_order(interactive, lambda b: b.session.name, turn):
-            if budget <= 0:
-                break
-            budget -= self._take(plan, INTERACTIVE, br, br.table, br.pending_ids, br.next_pos, "last", budget)
-        now = self._clock()
-        if plan:
-            self._last_question = now
-            budget = min(budget, self.config.ingest_tokens_with_questions)
-        elif now - self._last_question < self.config.busy_window_s:
-            budget = min(budget, self.config.busy_step_tokens)
-        ready = [s for s in sessions if s.pending_tokens > 0 and not s.closing]
-        for s in fair_order(ready, lambda s: s.name, turn):
-            if budget <= 0:
-                break
-            ids = s.token_ids[s.num_computed :]
-            budget -= self._take(plan, INGEST, s, s.table, ids, s.num_computed, "none", budget)
-        if idle and plan:
-            self.stats.idle_preempted += 1
-        elif idle:
-            for job in fair_order(idle, lambda b: b.session.name, turn):
-                if budget <= 0:
-                    break
-                want = getattr(job, "want_logits", "last")  # a compaction copy needs no logits
-                budget -= self._take(plan, IDLE, job, job.table, job.pending_ids, job.next_pos, want, budget)
-        if plan:
-            self.stats.steps += 1
-            for item in plan.items:
-                self.stats.tokens[item.kind] += len(item.token_ids)
-        return plan

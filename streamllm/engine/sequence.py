@@ -1,116 +1,69 @@
-"""Sessions (persistent contexts) and branches (questions that read a session).
+"""Sequences: anything the model computes tokens for, owned by the core.
 
-A session stores its token ids beside its block table and counts how many are
-computed; ingest, chunking and questions all follow from `num_computed` (no phases).
+One rule for all of them (STYLE 3): a sequence has token ids, counts how many are
+computed, holds a block table, and its next token sits at `next_pos`. Chunked
+prefill, resume and branches follow from `num_computed`; the scheduler plans any
+sequence the same way and never asks what it is.
 
-    session tokens: [ frozen prefix | batch 1 | batch 2 | batch 3 (pending) ]
-    version_ends:   [ p,              e1,       e2,       e3 ]
-    data_version = 2 once e2 <= num_computed; a question forks at version_ends[2].
+    Session         [prefix | batch 1 | batch 2 | batch 3 (pending)]  kind INGEST
+    Branch (ask)    session@v2 + [Question ... <assistant>] + generated    INTERACTIVE
+    Branch (entry)  session@v2 + [Question ... <assistant>] -> ready logits  BACKGROUND*
+    Branch (decode) entry + generated (a standing answer decoded off the critical path)
+    CompactionCopy  [prefix | recent lines ...] in fresh blocks          BACKGROUND
+
+    * an entry that an ask is waiting for is INTERACTIVE.
+
+    version_ends: [p, e1, e2, e3]: data_version = 2 once e2 <= num_computed.
 """
 
 from __future__ import annotations
 
-import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import Any, ClassVar
 
 from streamllm.engine.kv import BlockTable
 
-DEFAULT_SYSTEM = (
-    "You are a market-data analyst. The user streams market data, one line per event or bar. "
-    "Answer questions about it briefly and exactly."
-)
-DATA_HEADER = "Market data:\n"
-_SENTINEL = "\x00STREAMLLM_CONTENT\x00"
+INTERACTIVE, INGEST, BACKGROUND = "interactive", "ingest", "background"
+ASK, ENTRY, DECODE = "ask", "entry", "decode"
 
 
-class PromptLayout:
-    """Where data and questions sit in the model's chat template.
+class Sequence:
+    """Base: what the scheduler and runner need. Subclasses say which tokens are pending."""
 
-    The session is one open user turn: [system turn][user header]"Market data:\\n" then
-    data lines. A question closes it: "Question: ...<end of turn><assistant header>",
-    so the decision point is right after the assistant header. Pieces are tokenized
-    separately and concatenated as ids: nothing is ever re-tokenized as a whole.
-    """
+    __slots__ = ()
+    want_logits: ClassVar[str] = "last"  # logits at the last token of a step's chunk: "last" | "none"
+    table: BlockTable
+    num_computed: int
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        # transformers' fast tokenizer implements split_special_tokens by flipping a flag on the
-        # shared Rust tokenizer, so concurrent encodes (pushes and asks from many threads) can
-        # tokenize a question's "<|im_end|>" as text. Every encode goes through this lock.
-        self.lock = threading.Lock()
-        self._question_cache: dict[str, list[int]] = {}
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; streamllm needs one to place questions")
-        self.tokenizer = tokenizer
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "system", "content": _SENTINEL}, {"role": "user", "content": _SENTINEL}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        if rendered.count(_SENTINEL) != 2:
-            raise ValueError("the chat template does not place system and user content where expected")
-        self._system_head, self._user_head, self._tail = rendered.split(_SENTINEL)
-        self.eos_ids = self._eos_ids()
+    @property
+    def pending_ids(self) -> list[int]:
+        raise NotImplementedError
 
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        # The end-of-turn marker ends an answer even where eos is a different token.
-        end_of_turn = self._tail.split("\n")[0].strip()
-        if end_of_turn:
-            tok = self.tokenizer.convert_tokens_to_ids(end_of_turn)
-            if isinstance(tok, int) and tok != self.tokenizer.unk_token_id:
-                ids.add(tok)
-        return ids
+    @property
+    def next_pos(self) -> int:
+        raise NotImplementedError
 
-    def _encode(self, text: str, *, data: bool) -> list[int]:
-        # Data and question text can never smuggle in control tokens like <|im_end|>.
-        with self.lock:
-            return self.tokenizer(text, add_special_tokens=False, split_special_tokens=data)["input_ids"]
+    @property
+    def session_name(self) -> str:
+        raise NotImplementedError
 
-    def prefix_ids(self, system: str) -> list[int]:
-        return (
-            self._encode(self._system_head, data=False)
-            + self._encode(system, data=True)
-            + self._encode(self._user_head, data=False)
-            + self._encode(DATA_HEADER, data=True)
-        )
-
-    def lines_ids(self, lines: list[str]) -> list[list[int]]:
-        if not lines:
-            return []
-        with self.lock:
-            enc = self.tokenizer([line + "\n" for line in lines], add_special_tokens=False, split_special_tokens=True)
-        return enc["input_ids"]
-
-    def question_ids(self, question: str) -> list[int]:
-        ids = self._question_cache.get(question)
-        if ids is None:
-            ids = self._encode(f"Question: {question.strip()}", data=True) + self._encode(self._tail, data=False)
-            if len(self._question_cache) < 4096:  # the same questions come back: tokenize them once
-                self._question_cache[question] = ids
-        return list(ids)
+    @property
+    def sched_class(self) -> str:
+        raise NotImplementedError
 
 
-def validate_lines(lines: object) -> list[str]:
-    """Lines must be a list of one-line strings; the error names the first bad one."""
-    if isinstance(lines, str):
-        lines = [lines]
-    if not isinstance(lines, (list, tuple)):
-        raise TypeError(f"lines must be a list of strings, got {type(lines).__name__}")
-    for i, line in enumerate(lines):
-        if not isinstance(line, str):
-            raise TypeError(f"lines[{i}] must be a string, got {type(line).__name__}")
-        if "\n" in line or "\r" in line:
-            raise ValueError(f"lines[{i}] contains a line break; push one event per line")
-    return list(lines)
+class Session(Sequence):
+    """One persistent context: frozen prefix + data lines, with its data versions."""
 
+    __slots__ = ("name", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
+                 "version_ends", "version_lines", "data_version", "lines_ingested", "line_ends",
+                 "compactions", "tokens_dropped", "opened_at", "version_base", "push_times")
+    want_logits = "none"
+    sched_class = INGEST  # type: ignore[assignment]
 
-class Session:
     def __init__(self, name: str, system: str, prefix_ids: list[int], max_context: int, table: BlockTable) -> None:
         self.name = name
         self.system = system
@@ -119,15 +72,22 @@ class Session:
         self.token_ids: list[int] = list(prefix_ids)
         self.prefix_len = len(prefix_ids)
         self.num_computed = 0
+        # version_ends[i - version_base] is where version i ends; versions before the last
+        # compaction are forgotten (bounded memory), their lines counted in lines_ingested.
+        self.version_base = 0
         self.version_ends = [len(prefix_ids)]
         self.version_lines = [0]
         self.data_version = 0
         self.lines_ingested = 0
-        self.line_ends: list[int] = []  # token index after each data line (compaction cuts there)
+        self.line_ends: deque[int] = deque()  # token index after each data line (compaction cuts there)
         self.compactions = 0
-        self.tokens_dropped = 0  # data tokens compacted away (their lines were ingested and answered on)
-        self.closing = False
+        self.tokens_dropped = 0
         self.opened_at = time.time()
+        self.push_times: deque[tuple[float, int]] = deque(maxlen=32)  # (monotonic time, tokens) per push
+
+    @property
+    def session_name(self) -> str:  # type: ignore[override]
+        return self.name
 
     @property
     def ready(self) -> bool:
@@ -136,36 +96,64 @@ class Session:
 
     @property
     def pushed_version(self) -> int:
-        return len(self.version_ends) - 1
+        return self.version_base + len(self.version_ends) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def pending_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed
 
     @property
-    def backlog_lines(self) -> int:
-        return sum(self.version_lines[self.data_version + 1 :])
+    def pending_ids(self) -> list[int]:  # type: ignore[override]
+        """Pending data that fits the session's budget; the rest waits for compaction."""
+        return self.token_ids[self.num_computed : self.max_context]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    def next_pos(self) -> int:  # type: ignore[override]
+        return self.num_computed
 
-    def append_batch(self, ids_per_line: list[list[int]]) -> int:
+    @property
+    def backlog_lines(self) -> int:
+        return sum(self.version_lines[self.data_version - self.version_base + 1 :])
+
+    @property
+    def at_budget(self) -> bool:
+        """Pending data cannot be computed until a compaction makes room."""
+        return self.pending_tokens > 0 and self.num_computed >= self.max_context
+
+    def append_batch(self, ids_per_line: list[list[int]], now: float) -> int:
+        n = 0
         for ids in ids_per_line:
             self.token_ids.extend(ids)
             self.line_ends.append(len(self.token_ids))
+            n += len(ids)
         self.version_ends.append(len(self.token_ids))
         self.version_lines.append(len(ids_per_line))
+        self.push_times.append((now, n))
         return self.pushed_version
 
-    def advance(self, num_tokens: int) -> None:
+    def push_rate(self, min_span_s: float = 1.0) -> float:
+        """Tokens per second pushed recently; 0 until pushes span min_span_s (a burst is no rate)."""
+        if len(self.push_times) < 2:
+            return 0.0
+        span = self.push_times[-1][0] - self.push_times[0][0]
+        return sum(n for _, n in list(self.push_times)[1:]) / span if span >= min_span_s else 0.0
+
+    def advance(self, num_tokens: int) -> bool:
+        """Count computed tokens; returns whether the data version moved."""
         self.num_computed += num_tokens
-        while self.data_version < self.pushed_version and self.version_ends[self.data_version + 1] <= self.num_computed:
+        before = self.data_version
+        while (self.data_version < self.pushed_version
+               and self.version_ends[self.data_version - self.version_base + 1] <= self.num_computed):
             self.data_version += 1
-            self.lines_ingested += self.version_lines[self.data_version]
+            self.lines_ingested += self.version_lines[self.data_version - self.version_base]
+        return self.data_version != before
 
     def version_length(self, version: int) -> int:
-        return self.version_ends[version]
+        return self.version_ends[version - self.version_base]
 
     # -- compaction ---------------------------------------------------------
     def compaction_cut(self, keep_tokens: int) -> int | None:
@@ -180,52 +168,48 @@ class Session:
         return self.token_ids[: self.prefix_len] + self.token_ids[cut:]
 
     def apply_compaction(self, cut: int, table: BlockTable, num_computed: int) -> None:
-        """Swap in the compacted copy (its table holds the first num_computed retained tokens)."""
+        """Swap in the compacted copy (its table holds the first num_computed retained tokens).
+
+        Versions whose data was cut away are forgotten, so bookkeeping stays bounded by
+        the context budget, not by uptime."""
         shift = cut - self.prefix_len
         self.token_ids = self.retained_ids(cut)
-        self.version_ends = [max(self.prefix_len, end - shift) for end in self.version_ends]
-        self.line_ends = [end - shift for end in self.line_ends if end > cut]
+        ends = [max(self.prefix_len, end - shift) for end in self.version_ends]
+        first = 0  # the newest version whose end is at or before the cut (now the prefix)
+        while first + 1 < len(ends) and ends[first + 1] <= self.prefix_len:
+            first += 1
+        first = min(first, self.data_version - self.version_base)  # keep the current version addressable
+        self.version_base += first
+        self.version_ends = ends[first:]
+        self.version_lines = self.version_lines[first:]
+        self.line_ends = deque(end - shift for end in self.line_ends if end > cut)
         self.table = table
         self.num_computed = num_computed
         self.tokens_dropped += shift
         self.compactions += 1
+        self.advance(0)
 
 
 @dataclass(slots=True, eq=False)
-class Answer:
-    session: str
-    question: str
-    text: str
-    tokens: list[int]
-    data_version: int
-    tokens_computed: int
-    latency_ms: float
-    path: str = "cold"
-    confidence: float | None = None
-    stale: bool = False
-    finish_reason: str = "length"  # "stop" (eos or stop string) | "length"
-    logits: object = None  # the distribution at the decision point, when asked for (torch.Tensor)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__slots__ if k != "logits"}
-
-
-@dataclass(slots=True, eq=False)
-class Branch:
+class Branch(Sequence):
     """A sequence forked off a session at a data version, on its own blocks.
 
-    purpose: "ask" (a question someone waits for), "entry" (a standing question's
-    pre-paid prefill, kept after it completes) or "decode" (a standing answer decoded
-    from an entry as idle work).
+    kind: ASK (a question someone waits for), ENTRY (a standing question's pre-paid
+    prefill, kept after it completes) or DECODE (a standing answer decoded from an entry
+    as background work).
     """
 
+    kind: str
     session: Session
     question: str
     prompt_ids: list[int]
-    max_tokens: int
-    stop: list[str]
-    future: Future | None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    future: Future | None = None
     min_version: int = 0
+    choices: Any = None  # the Gate of a choice question: its answer is always one of the choices
+    standing: Any = None  # the Standing this branch serves (entries, decodes, standing asks)
+    on_text: Any = None  # callback(delta: str) as tokens are decoded (streaming), engine thread
     t_start: float = field(default_factory=time.perf_counter)
     table: BlockTable | None = None
     base_len: int = 0
@@ -236,21 +220,31 @@ class Branch:
     finish_reason: str = "length"
     text: str = ""
     keep_logits: bool = False
-    first_logits: object = None
-    purpose: str = "ask"
+    first_logits: Any = None
     path: str = "cold"
     confidence: float | None = None
+    choice_probs: dict[str, float] | None = None
     stale: bool = False
-    standing: object = None  # the Standing this branch serves, if any
+    ask_id: int = 0
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.generated
 
     @property
-    def pending_ids(self) -> list[int]:
+    def pending_ids(self) -> list[int]:  # type: ignore[override]
         return self.ids[self.num_computed :]
 
     @property
-    def next_pos(self) -> int:
+    def next_pos(self) -> int:  # type: ignore[override]
         return self.base_len + self.num_computed
+
+    @property
+    def session_name(self) -> str:  # type: ignore[override]
+        return self.session.name
+
+    @property
+    def sched_class(self) -> str:  # type: ignore[override]
+        if self.kind == ASK or (self.kind == ENTRY and self.standing is not None and self.standing.waiters):
+            return INTERACTIVE
+        return BACKGROUND

@@ -319,7 +319,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
     from feeds.sources import TableSource
     from streamllm.engine import Engine
-    from streamllm.engine.sequence import PromptLayout
+    from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
     from streamllm.model.loader import load_model
 

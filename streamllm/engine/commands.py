@@ -1,0 +1,102 @@
+"""The messages callers send the core. Each carries a future the core resolves.
+
+The core drains its inbox between steps and applies commands in arrival order, so a
+command never races a forward pass and pushes to one session keep their order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def settle(future: Future | None, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Resolve a caller's future; one the caller abandoned (cancelled) is left as it is."""
+    if future is None or future.done():
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled by its caller between done() and here: harmless by design
+        pass
+
+
+@dataclass(slots=True, eq=False)
+class Command:
+    future: Future = field(default_factory=Future, kw_only=True)
+
+
+@dataclass(slots=True, eq=False)
+class OpenSession(Command):
+    name: str
+    system: str
+    prefix_ids: list[int]
+    max_context: int
+
+
+@dataclass(slots=True, eq=False)
+class CloseSession(Command):
+    name: str
+
+
+@dataclass(slots=True, eq=False)
+class Push(Command):
+    name: str
+    ids_per_line: list[list[int]]
+    version: int  # the version the facade acked; the core checks it agrees
+
+
+@dataclass(slots=True, eq=False)
+class Register(Command):
+    name: str
+    spec: Any  # QuestionSpec
+    gate: Any  # Gate, built in the caller's thread (tokenizer work)
+    prompt_ids: list[int]
+
+
+@dataclass(slots=True, eq=False)
+class Unregister(Command):
+    name: str
+    question_id: str
+
+
+@dataclass(slots=True, eq=False)
+class Ask(Command):
+    ask_id: int
+    name: str
+    question: str
+    prompt_ids: list[int]
+    max_tokens: int | None
+    stop: list[str]
+    min_version: int
+    keep_logits: bool
+    standing_id: str | None  # a standing question's id: fast / entry path
+    choices: Any = None  # Gate of a choice question asked cold
+    on_text: Callable[[str], None] | None = None
+    t_start: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Cancel(Command):
+    ask_id: int
+
+
+@dataclass(slots=True, eq=False)
+class Call(Command):
+    """Run fn(core) on the core thread between steps (snapshots, restores, benches, tests)."""
+
+    fn: Callable[[Any], Any]
+
+
+@dataclass(slots=True, eq=False)
+class WaitIdle(Command):
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class Stop(Command):
+    pass

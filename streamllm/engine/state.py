@@ -1,0 +1,103 @@
+"""A session's whole state as plain data, taken from and put back into the core.
+
+Both functions run on the core thread (through `Engine.call`): the core is the only
+writer, so exporting copies cells while nothing can move the table, and importing
+allocates and fills cells between two steps. Files, hashing and fsync are the
+caller's business (`streamllm.durability.snapshot`), off the core thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from streamllm.engine.kv import BlockTable, KVCapacityError
+from streamllm.engine.outputs import AdmissionError, SessionError, SessionInfo
+from streamllm.engine.sequence import Session
+
+
+@dataclass(slots=True)
+class SessionState:
+    meta: dict[str, Any]  # counters and bookkeeping (JSON-able)
+    k: torch.Tensor  # [layers, kv_heads, num_computed, head_dim] on CPU
+    v: torch.Tensor
+    token_ids: list[int]
+    questions: list[Any] = field(default_factory=list)  # QuestionSpec
+
+
+def busy_reasons(core: Any, name: str) -> list[str]:
+    s: Session = core.session(name)
+    return [why for why, cond in (
+        ("pending ingest", s.pending_tokens > 0),
+        ("questions in flight", any(b.session is s for b in core.running + core.waiting)),
+        ("compaction running", name in core.compactions),
+        ("entries computing", any(st.computing is not None or st.decoding is not None or st.waiters
+                                  for st in core.prepos.standing(name))),
+    ) if cond]
+
+
+def export_session(core: Any, name: str) -> SessionState:
+    """Copy session `name`'s computed cells and bookkeeping (pending tokens travel as ids)."""
+    s: Session = core.session(name)
+    manager, pool = core.store.manager, core.store.pool
+    n = s.num_computed
+    slots = manager.slots(s.table, 0, n).to(pool.k.device)
+    meta = {
+        "session": s.name, "system": s.system, "max_context": s.max_context, "prefix_len": s.prefix_len,
+        "num_tokens": s.num_tokens, "num_computed": n, "version_base": s.version_base,
+        "version_ends": list(s.version_ends), "version_lines": list(s.version_lines),
+        "line_ends": list(s.line_ends), "data_version": s.data_version, "lines_ingested": s.lines_ingested,
+        "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
+    }
+    return SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
+                        list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
+
+
+def evict_session(core: Any, name: str) -> SessionState:
+    """Export an idle session and drop it from the core (its subscribers stay attached)."""
+    busy = busy_reasons(core, name)
+    if busy:
+        raise SessionError(f"session {name!r} is not idle ({', '.join(busy)}); evict it later")
+    state = export_session(core, name)
+    core.close_session(name, evicting=True)
+    return state
+
+
+def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[Any, Any, list[int]]]) -> SessionInfo:
+    """Open `name` from `state`: reserve its budget, copy the cells back, register its questions.
+
+    gates: (spec, gate, prompt_ids) per standing question, built by the caller (tokenizer work)."""
+    meta = state.meta
+    if name in core.sessions:
+        raise SessionError(f"session {name!r} is already open; close it or restore under another name")
+    manager, pool = core.store.manager, core.store.pool
+    n, max_context = int(meta["num_computed"]), int(meta["max_context"])
+    if not manager.can_reserve(max_context, keep_free_tokens=core.branch_cells):
+        core.admissions_refused += 1
+        raise AdmissionError(f"cannot restore session {name!r}: it reserves {max_context} cells, the pool has "
+                             f"{manager.num_free_blocks * manager.block_size} free")
+    table = BlockTable()
+    manager.reserve(table, max_context)
+    try:
+        slots = manager.append(table, n).to(pool.k.device)
+    except KVCapacityError:
+        manager.free(table)
+        raise
+    pool.k[:, :, slots] = state.k.to(pool.k.device, pool.k.dtype)
+    pool.v[:, :, slots] = state.v.to(pool.v.device, pool.v.dtype)
+    s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table)
+    s.token_ids = list(state.token_ids)
+    s.num_computed = n
+    s.version_base = int(meta.get("version_base", 0))
+    s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
+    s.line_ends.extend(meta["line_ends"])
+    s.data_version, s.lines_ingested = int(meta["data_version"]), int(meta["lines_ingested"])
+    s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
+    core.sessions[name] = s
+    for spec, gate, prompt_ids in gates:
+        core.prepos.register(s, spec, gate, prompt_ids)
+    core._dirty.add(name)
+    return core.info(s)
+
