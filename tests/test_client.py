@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,14 @@ def test_serve_refuses_public_host_without_tokens(capsys, monkeypatch):
     monkeypatch.delenv("STREAMLLM_TOKENS", raising=False)
     assert cli_main(["--host", "0.0.0.0", "--model", "tiny"]) == 2
     assert "refusing --host 0.0.0.0 without tokens" in capsys.readouterr().err
+
+
+def test_watch_keeps_running_through_a_quiet_market(served):
+    """`streamllm watch` once drew one table and gave up after 0.35 s of silence: it must keep
+    watching (here for 1.5 s with no event at all) and end only when told."""
+    from streamllm.service.watch import watch
+
+    Client(served.url, token="tok-a").open("quiet")
+    t0 = time.monotonic()
+    code = asyncio.run(watch(served.url, "tok-a", "quiet", duration_s=1.5))
+    assert code == 0 and time.monotonic() - t0 >= 1.4

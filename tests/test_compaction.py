@@ -82,3 +82,30 @@ def test_closing_a_session_mid_compaction_frees_everything(engine):
     engine.wait_idle()
     assert engine.store.manager.num_free_blocks == free
     engine.check_integrity()
+
+
+def test_a_steady_stream_of_three_budgets_is_never_refused_and_keeps_answering(tiny_model):
+    """Pushed at a steady rate for 3x max_context, without waiting for ingest: no push refused,
+    compaction keeps the session inside its budget, questions keep being answered throughout."""
+    import time
+
+    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=400, chunk_tokens=32, step_tokens=64,
+                check_integrity_every_step=True) as eng:
+        eng.open_session("s")
+        eng.register("s", QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5, max_tokens=2))
+        per_line = len(eng.layout.lines_ids(LINES[:1])[0])
+        target = 3 * 400 // per_line + 1
+        answers, i = [], 0
+        while i < target:
+            ack = eng.push("s", LINES[i % len(LINES) : i % len(LINES) + 2])  # raises if refused
+            assert ack.data_version == i // 2 + 1
+            i += 2
+            time.sleep(0.004)  # ~500 lines/s: a steady feed, no wait for ingest
+            if i % 20 == 0:
+                answers.append(eng.ask("s", "q", timeout=30))
+        assert eng.wait_idle(timeout=120)
+        info = eng.session_info("s")
+        assert info.data_version == info.pushed_version == (i + 1) // 2
+        assert info.compactions >= 2 and info.num_tokens <= 400
+        assert all(a.text in ("up", "down") for a in answers)
+        assert eng.stats()["failed_steps"] == 0

@@ -66,20 +66,30 @@ async def watch(url: str, token: str | None, session: str, duration_s: float | N
         deadline = None if duration_s is None else time.monotonic() + duration_s
         events = client.events()
         drawn = 0.0
+        # One pending read at a time, kept across wake-ups: cancelling a read (as wait_for does
+        # on timeout) would close the event stream after the first quiet quarter second.
+        next_event: asyncio.Future | None = None
         with Live(state.table(), refresh_per_second=4, auto_refresh=False) as live:
-            while deadline is None or time.monotonic() < deadline:
-                try:
+            try:
+                while deadline is None or time.monotonic() < deadline:
+                    if next_event is None:
+                        next_event = asyncio.ensure_future(events.__anext__())
                     # Wake at least every 0.25 s so ages keep counting in a quiet market.
-                    event = await asyncio.wait_for(events.__anext__(), 0.25)
-                    state.apply(event)
-                except TimeoutError:
-                    pass
-                except StopAsyncIteration:
-                    print(f"streamllm watch: {client.close_reason}", file=sys.stderr)
-                    return 1
-                if time.monotonic() - drawn >= 0.2:  # a burst of events redraws once
-                    live.update(state.table(), refresh=True)
-                    drawn = time.monotonic()
+                    done, _ = await asyncio.wait({next_event}, timeout=0.25)
+                    if done:
+                        try:
+                            state.apply(next_event.result())
+                        except StopAsyncIteration:
+                            print(f"streamllm watch: connection closed: {client.close_reason or 'no reason given'}",
+                                  file=sys.stderr)
+                            return 1
+                        next_event = None
+                    if time.monotonic() - drawn >= 0.2:  # a burst of events redraws once
+                        live.update(state.table(), refresh=True)
+                        drawn = time.monotonic()
+            finally:
+                if next_event is not None:
+                    next_event.cancel()
     return 0
 
 
