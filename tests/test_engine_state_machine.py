@@ -8,6 +8,8 @@ questions. After every rule the block pool's integrity holds and the engine is a
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -109,8 +111,7 @@ def test_engine_api_state_machine(engine):
             for future, name, question in self.pending:
                 try:
                     answer = future.result(timeout=60)
-                except SessionError:
-                    assert name not in self.sessions or True  # closed meanwhile: a clear error
+                except SessionError:  # its session was closed meanwhile: a clear error, no hang
                     continue
                 if question == "dir" and answer.path != "cold":
                     assert answer.text in ("up", "down")  # a choice question answers a choice
@@ -133,10 +134,8 @@ def test_engine_api_state_machine(engine):
 
         def teardown(self):
             for future, _, _ in self.pending:
-                try:
+                with contextlib.suppress(SessionError):  # a closed session's ask fails clearly
                     future.result(timeout=60)
-                except Exception:  # noqa: S110 - a closed session's ask fails clearly; nothing hangs
-                    pass
             engine.check_integrity()
 
     EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None,

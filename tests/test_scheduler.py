@@ -12,7 +12,16 @@ import random
 from streamllm.engine.compaction import CompactionCopy
 from streamllm.engine.kv import BlockManager, BlockTable
 from streamllm.engine.scheduler import Plan, Scheduler, SchedulerConfig, fair_order
-from streamllm.engine.sequence import ASK, BACKGROUND, DECODE, ENTRY, INGEST, INTERACTIVE, Branch, Session
+from streamllm.engine.sequence import (
+    ASK,
+    BACKGROUND,
+    DECODE,
+    ENTRY,
+    INGEST,
+    INTERACTIVE,
+    Branch,
+    Session,
+)
 
 
 def session(m: BlockManager, name: str, pending: int, prefix: int = 4, max_context: int = 1 << 20) -> Session:
