@@ -194,3 +194,17 @@ def test_random_loads_never_starve_a_class():
         run_fake(plan)
         for br in asks + bg:
             m.free(br.table)
+
+
+def test_a_sessions_entries_take_turns_under_a_steady_feed():
+    """Found live: with ingest arriving every step, the first standing question's entry took the
+    whole background floor forever and the others stayed at version 1. Every entry must progress."""
+    m = BlockManager(4096, 16)
+    sched = Scheduler(m, SchedulerConfig(step_tokens=64, chunk_tokens=64, background_floor=16))
+    s = session(m, "a", 20_000)
+    entries = [branch(s, 40, ENTRY) for _ in range(3)]
+    for _ in range(12):
+        if not entries[0].pending_ids:  # a new version arrived: the first question's entry starts again
+            entries[0] = branch(s, 40, ENTRY)
+        run_fake(sched.schedule([s, *entries]))
+    assert all(e.num_computed > 0 for e in entries[1:])

@@ -85,14 +85,16 @@ def tenant_of(session_name: str) -> str:
 
 
 def fair_order(items: list, session_name: Callable[[object], str], turn: int) -> list:
-    """Interleave items by tenant, then by session; rotate the starting tenant/session by `turn`."""
+    """Interleave items by tenant, then by session; rotate the starting tenant, session and item by `turn`."""
     tenants: dict[str, dict[str, list]] = {}
     for item in items:
         name = session_name(item)
         tenants.setdefault(tenant_of(name), {}).setdefault(name, []).append(item)
     queues: list[list] = []
     for sessions in _rotate(list(tenants.values()), turn):
-        queues.append(_interleave(_rotate(list(sessions.values()), turn)))
+        # Rotate within a session too: its standing questions' entries take turns, so the first
+        # registered one cannot keep the background floor to itself while data keeps arriving.
+        queues.append(_interleave(_rotate([_rotate(q, turn) for q in sessions.values()], turn)))
     return _interleave(queues)
 
 

@@ -42,7 +42,9 @@ class AttachSpec:
     mode: str = "bars"  # "bars" or "events"
     bar_s: float = 60.0
     instruments: frozenset[str] | None = None  # None: every instrument of the feed
-    max_backlog: int = 256  # session lines not yet ingested before we hold back
+    # Session lines not yet ingested before we hold back: ~32 bar lines is ~1.5k tokens, a few
+    # seconds of CPU prefill. Past that, waiting lines are coalesced instead of queued for minutes.
+    max_backlog: int = 32
     max_pending: int = 64  # held lines before they are coalesced
     with_symbol: bool = False
 
