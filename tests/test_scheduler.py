@@ -83,11 +83,12 @@ def test_questions_first_but_ingest_and_background_always_get_their_floor():
 
 def test_without_questions_ingest_leads_and_background_keeps_its_share():
     m = BlockManager(4096, 16)
-    sched = Scheduler(m, SchedulerConfig(step_tokens=128, chunk_tokens=128, background_floor=16))
+    sched = Scheduler(m, SchedulerConfig(step_tokens=128, chunk_tokens=128, background_floor=16,
+                                         background_share=0.25))
     s = session(m, "a", 5000)
     entry = branch(s, 40, ENTRY)
     plan = sched.schedule([s, entry])
-    assert plan.tokens_of(INGEST) == 112 and plan.tokens_of(BACKGROUND) == 16
+    assert plan.tokens_of(INGEST) == 96 and plan.tokens_of(BACKGROUND) == 32
 
 
 def test_busy_window_shrinks_steps_then_quiet_restores_them():

@@ -16,8 +16,9 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     prefill token lengthens the question's step), and while questions keep coming
     (one within `busy_window_s`) steps shrink to `busy_step_tokens`, so a new question
     waits at most one short step;
-  - with no questions, ingest takes the budget less the background floor, and
-    background takes whatever is left.
+  - with no questions, background gets at least `background_share` of the step (standing
+    answers keep up with a feed that saturates ingest), ingest the rest, and background
+    whatever ingest leaves.
 
 Within a class, service is fair: sequences are interleaved by tenant, then by session,
 and the starting point rotates every step. Slot assignment (`can_append` / `append`)
@@ -66,6 +67,9 @@ class SchedulerConfig:
     chunk_tokens: int = 128  # largest prefill chunk of one sequence in one step
     ingest_floor: int = 16  # tokens of ingest in every step that has ingest pending
     background_floor: int = 16  # tokens of background work in every step that has some
+    # Without questions, background work (standing answers!) gets at least this share of the
+    # step, so standing answers keep up with a feed that saturates ingest.
+    background_share: float = 0.25
     busy_step_tokens: int = 48  # step budget while questions keep coming
     busy_window_s: float = 2.0
 
@@ -137,6 +141,8 @@ class Scheduler:
         budget = cfg.busy_step_tokens if busy else cfg.step_tokens
         floor_ingest = cfg.ingest_floor if by_class[INGEST] else 0
         floor_bg = cfg.background_floor if by_class[BACKGROUND] else 0
+        if floor_bg and not questions:
+            floor_bg = max(floor_bg, int(cfg.background_share * budget))
         turn, self._turn = self._turn, self._turn + 1
         plan = Plan()
 
