@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-from streamllm.config import QuestionSpec, normalize_question
-from streamllm.engine.answers import is_final
+from streamllm.config import QuestionSpec
 from streamllm.engine.commands import (
     Ask,
     Call,
@@ -45,6 +44,7 @@ from streamllm.engine.commands import (
 )
 from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.core import EngineCore
+from streamllm.engine.fastpath import fast_answer, find_standing
 from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockManager, KVPool, KVStore
 from streamllm.engine.outputs import (
@@ -301,10 +301,17 @@ class Engine:
         if min_version is not None and min_version > pushed:
             raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({pushed} pushed)")
         record = self.core.records.get(name)
-        spec = _find(record.questions if record else (), question)
+        spec = find_standing(record.questions if record else (), question)
         if spec is not None:
-            answer = self._fast_path(name, spec, record, min_version or 0, max_tokens, return_logits, t0)
+            ready = self.core.ready_records.get((name, spec.id))
+            answer = fast_answer(ready, spec, record.info.data_version, min_version or 0, max_tokens,
+                                 return_logits, self.stale_policy, self.layout.eos_ids, t0)
             if answer is not None:
+                with self._lock:
+                    if answer.path == "fast":
+                        self._fast_answers += 1
+                    else:
+                        self._entry_answers += 1
                 future: Future = Future()
                 future.set_result(answer)
                 return future
@@ -314,24 +321,6 @@ class Engine:
         future = self.core.submit(cmd)
         future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future
-
-    def _fast_path(self, name: str, spec: QuestionSpec, record, min_version: int, max_tokens: int | None,
-                   keep_logits: bool, t0: float) -> Answer | None:
-        """Answer from the published ready record when it is current and final: no round trip."""
-        ready = self.core.ready_records.get((name, spec.id))
-        if ready is None or not is_final(ready, spec, max_tokens or spec.max_tokens, self.layout.eos_ids):
-            return None
-        stale = ready.data_version < max(min_version, record.info.data_version)
-        if stale and (self.stale_policy != "stale" or ready.data_version < min_version):
-            return None
-        with self._lock:
-            if ready.fired:
-                self._fast_answers += 1
-            else:
-                self._entry_answers += 1
-        return Answer(name, spec.text, ready.text, [], ready.data_version, 0, (time.perf_counter() - t0) * 1000,
-                      path="fast" if ready.fired else "entry", confidence=ready.confidence, stale=stale,
-                      finish_reason="stop", logits=ready.logits if keep_logits else None, choices=ready.choices)
 
     def ask(self, name: str, question: str, *, timeout: float | None = None, **kw) -> Answer:
         """Answer `question` on the session's newest ingested data (or min_version=, waiting for it)."""
@@ -448,17 +437,6 @@ class Engine:
 
     def _log_lock(self, name: str):
         return self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
-
-
-def _find(questions, query: str) -> QuestionSpec | None:
-    for spec in questions:
-        if spec.id == query:
-            return spec
-    normalized = normalize_question(query)
-    for spec in questions:
-        if spec.normalized_text == normalized:
-            return spec
-    return None
 
 
 def _log_failure(future: Future) -> None:

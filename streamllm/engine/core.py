@@ -44,9 +44,11 @@ from streamllm.engine.outputs import (
     SessionInfo,
     SessionRecord,
 )
+from streamllm.engine.prefixes import SharedPrefixes
 from streamllm.engine.runner import Work
 from streamllm.engine.scheduler import Plan
-from streamllm.engine.sequence import ASK, BACKGROUND, DECODE, ENTRY, Branch, Session
+from streamllm.engine.sequence import ASK, DECODE, ENTRY, Branch, Session
+from streamllm.engine.stats import core_counters
 
 log = logging.getLogger("streamllm.engine")
 
@@ -65,7 +67,7 @@ class EngineCore(Answering):
         self.running: list[Branch] = []  # asks being prefilled or decoded
         self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
         self.compactions: dict[str, CompactionCopy] = {}
-        self.prefix_blocks: dict[tuple[int, ...], list[int]] = {}  # frozen prefixes' full blocks (one ref here)
+        self.prefixes = SharedPrefixes(store)
         self.events: list[tuple] = []  # (session, kind, *payload), published after each update
         self._idle_waiters: list[Future] = []
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -78,7 +80,7 @@ class EngineCore(Answering):
         self.counters: dict[str, float] = {}
         self._dirty: set[str] = set()
         self.steps = self.questions_answered = self.fast_answers = self.entry_answers = 0
-        self.admissions_refused = self.prefix_hits = self.commands = self.failed_steps = 0
+        self.admissions_refused = self.commands = self.failed_steps = 0
         self.step_ms_total = self.step_ms_last = 0.0
         self.step_tokens_last = 0
         self._step_s_ema = 0.05
@@ -204,14 +206,10 @@ class EngineCore(Answering):
                 f"{manager.num_free_blocks * manager.block_size} free and keeps {self.branch_cells} for "
                 "questions; close a session, lower max_context or raise max_cells")
         table = BlockTable()
-        shared = self.prefix_blocks.get(self._prefix_key(prefix), []) if self._prefix_key(prefix) else []
-        if shared:  # an identical frozen prefix is already computed: share its full blocks
-            manager.share(shared)
-            table.blocks, table.num_tokens = list(shared), len(shared) * manager.block_size
+        computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
         manager.reserve(table, max_context)
         session = Session(name, system, prefix, max_context, table)
-        session.num_computed = table.num_tokens
-        self.prefix_hits += bool(shared)
+        session.num_computed = computed
         self.sessions[name] = session
         self._dirty.add(name)
         return self.info(session)
@@ -232,7 +230,7 @@ class EngineCore(Answering):
         if job is not None:
             self.store.manager.free(job.table)
         self.store.manager.free(session.table)  # safe: no step is in flight while commands apply
-        self._forget_unused_prefixes()
+        self.prefixes.forget_unused()
         self.records.pop(name, None)
 
     def _push(self, cmd: Push) -> int:
@@ -324,7 +322,7 @@ class EngineCore(Answering):
                     self.events.append((seq.name, "data", seq.name, seq.data_version))
                     self._dirty.add(seq.name)
                 if seq.ready and not had_prefix:
-                    self._remember_prefix(seq)
+                    self.prefixes.remember(seq.token_ids, seq.prefix_len, seq.table)
             elif isinstance(seq, CompactionCopy):
                 seq.num_computed += n
             else:
@@ -377,8 +375,10 @@ class EngineCore(Answering):
                 continue
             session = job.session
             del self.compactions[name]
-            old = session.table
-            session.apply_compaction(job.cut, job.table, job.num_computed)
+            old, version = session.table, session.data_version
+            session.apply_compaction(job.cut, job.table, job.num_computed)  # the copy may have ingested ahead
+            if session.data_version != version:
+                self.events.append((name, "data", name, session.data_version))
             self.store.manager.free(old)  # branches forked from it hold their own references
             try:
                 self.store.manager.reserve(session.table, session.max_context)
@@ -387,26 +387,6 @@ class EngineCore(Answering):
             self._dirty.add(name)
             self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
 
-    # -- shared prefixes ------------------------------------------------------------------
-    def _prefix_key(self, prefix: list[int]) -> tuple[int, ...]:
-        full = len(prefix) // self.store.block_size * self.store.block_size
-        return tuple(prefix[:full])
-
-    def _remember_prefix(self, session: Session) -> None:
-        """Once a frozen prefix is computed, later sessions with the same one share its full blocks."""
-        key = self._prefix_key(session.token_ids[: session.prefix_len])
-        if not key or key in self.prefix_blocks:
-            return
-        blocks = session.table.blocks[: len(key) // self.store.block_size]
-        self.store.manager.share(blocks)
-        self.prefix_blocks[key] = blocks
-
-    def _forget_unused_prefixes(self) -> None:
-        for key, blocks in list(self.prefix_blocks.items()):
-            if all(self.store.manager.refcount[b] == 1 for b in blocks):
-                self.store.manager.release(blocks)
-                del self.prefix_blocks[key]
-
     # -- what others read -----------------------------------------------------------------
     def info(self, s: Session) -> SessionInfo:
         return SessionInfo(s.name, s.data_version, s.pushed_version, s.num_tokens, s.num_computed,
@@ -414,7 +394,7 @@ class EngineCore(Answering):
 
     def _publish(self) -> None:
         self._publish_records()
-        self.counters = self._counters()
+        self.counters = core_counters(self)
         events, self.events = self.events, []
         for session, kind, *payload in events:
             self.hub.publish(session, kind, *payload)
@@ -432,51 +412,11 @@ class EngineCore(Answering):
                                                    tuple(st.spec for st in sts))
         self._dirty.clear()
 
-    def _counters(self) -> dict[str, float]:
-        m, sched = self.store.manager, self.scheduler.stats
-        jobs = self.prepos.jobs()
-        return {
-            "sessions": len(self.sessions),
-            "standing_questions": sum(len(q) for q in self.prepos.by_session.values()),
-            "questions_waiting": len(self.waiting) + sum(len(st.waiters) for st in self.prepos.all()),
-            "questions_running": len(self.running),
-            "queue_background": sum(1 for j in jobs if j.sched_class == BACKGROUND),
-            "ingest_backlog_tokens": sum(s.pending_tokens for s in self.sessions.values()),
-            "sessions_at_budget": sum(s.at_budget for s in self.sessions.values()),
-            "steps": self.steps,
-            "failed_steps": self.failed_steps,
-            "commands": self.commands,
-            "step_ms_avg": self.step_ms_total / self.steps if self.steps else 0.0,
-            "step_ms_last": self.step_ms_last,
-            "step_tokens_last": self.step_tokens_last,
-            "tokens_interactive": sched.tokens["interactive"],
-            "tokens_ingest": sched.tokens["ingest"],
-            "tokens_background": sched.tokens["background"],
-            "background_floor_steps": sched.floor_steps["background"],
-            "blocked_for_cells": sched.blocked,
-            "forward_calls": self.runner.forward_calls,
-            "tokens_computed": self.runner.tokens_computed,
-            "questions_answered": self.questions_answered,
-            "entries_computed": sum(st.entries_computed for st in self.prepos.all()),
-            "entries_evicted": self.prepos.entries_evicted,
-            "entry_tokens": self.prepos.entry_tokens,
-            "admissions_refused": self.admissions_refused,
-            "compactions": sum(s.compactions for s in self.sessions.values()),
-            "compactions_running": len(self.compactions),
-            "prefix_cache_hits": self.prefix_hits,
-            "cells_total": m.num_blocks * m.block_size,
-            "cells_free": m.num_free_blocks * m.block_size,
-            "kv_bytes_per_token": self.store.pool.bytes_per_token,
-            "core_fast_answers": self.fast_answers,
-            "core_entry_answers": self.entry_answers,
-        }
-
     def check_integrity(self) -> None:
         tables = [s.table for s in self.sessions.values()]
         tables += [b.table for b in self.running + self.waiting if b.table is not None]
         tables += [job.table for job in self.compactions.values()]
-        tables += [BlockTable(blocks=list(b), num_tokens=len(b) * self.store.block_size)
-                   for b in self.prefix_blocks.values()]
+        tables += self.prefixes.tables()
         for st in self.prepos.all():
             tables += [b.table for b in st.branches() if b.table is not None]
         self.store.manager.check_integrity(tables)

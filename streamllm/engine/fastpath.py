@@ -1,0 +1,39 @@
+"""The fast path: a standing question answered from the core's published ReadyRecord.
+
+Runs in the caller's thread with no round trip to the core: a dictionary read, a
+staleness check and an `Answer` built from immutable data; microseconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+from streamllm.config import QuestionSpec, normalize_question
+from streamllm.engine.answers import is_final
+from streamllm.engine.outputs import Answer, ReadyRecord
+
+
+def find_standing(questions, query: str) -> QuestionSpec | None:
+    """The standing question with this id, or with this text up to whitespace and case."""
+    for spec in questions:
+        if spec.id == query:
+            return spec
+    normalized = normalize_question(query)
+    for spec in questions:
+        if spec.normalized_text == normalized:
+            return spec
+    return None
+
+
+def fast_answer(ready: ReadyRecord | None, spec: QuestionSpec, session_version: int, min_version: int,
+                max_tokens: int | None, keep_logits: bool, stale_policy: str, eos_ids: set[int],
+                t0: float) -> Answer | None:
+    """The answer when the record is current (or stale answers are allowed) and final; else None."""
+    if ready is None or not is_final(ready, spec, max_tokens or spec.max_tokens, eos_ids):
+        return None
+    stale = ready.data_version < max(min_version, session_version)
+    if stale and (stale_policy != "stale" or ready.data_version < min_version):
+        return None
+    return Answer(ready.session, spec.text, ready.text, [], ready.data_version, 0, (time.perf_counter() - t0) * 1000,
+                  path="fast" if ready.fired else "entry", confidence=ready.confidence, stale=stale,
+                  finish_reason="stop", logits=ready.logits if keep_logits else None, choices=ready.choices)
