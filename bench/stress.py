@@ -12,6 +12,8 @@ still waiting after it is a hang. At the end:
   stress_pushes_refused     pushes refused for any reason but a closed (or evicted-and-closed) session
   stress_integrity_failures check_integrity() at the end (0 or 1)
   stress_unexpected_errors  errors of any kind not in EXPECTED (see `errors` for the messages)
+  stress_acked_pushes_lost  pushes acked to the caller that then failed in the core (logged)
+  stress_engine_errors_logged  anything the engine logged at ERROR
   stress_asks_ok / _cancelled / _failed, stress_compactions, stress_evictions, ... (activity)
 
 `run_stress(engine_factory?, StressConfig)` returns (counters, error messages by kind).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import random
 import re
 import tempfile
@@ -314,6 +317,20 @@ class Stress:
         }
 
 
+class _ErrorLog(logging.Handler):
+    """Counts what the engine logs at ERROR: an acked push that failed in the core is lost data."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: Counter = Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages[record.getMessage()] += 1
+
+    def count(self, needle: str = "") -> int:
+        return sum(v for k, v in self.messages.items() if needle in k)
+
+
 def run_stress(cfg: StressConfig, model=None) -> tuple[dict[str, float], dict[str, int]]:
     """Run the scenario on a fresh engine; returns (counters, {"op: error kind": count})."""
     from streamllm.model import load_model
@@ -321,13 +338,21 @@ def run_stress(cfg: StressConfig, model=None) -> tuple[dict[str, float], dict[st
     loaded = model if model is not None else load_model(cfg.model, progress=False)
     engine = Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
                     chunk_tokens=64, step_tokens=192, check_integrity_every_step=True)
+    errors_logged = _ErrorLog()
+    logger = logging.getLogger("streamllm")
+    logger.addHandler(errors_logged)
     try:
         with tempfile.TemporaryDirectory(prefix="streamllm-stress-") as tmp:
             stress = Stress(engine, cfg, tmp)
             metrics = stress.run()
     finally:
         engine.shutdown()
-    return metrics, dict(stress.tally.errors)
+        logger.removeHandler(errors_logged)
+    metrics["stress_acked_pushes_lost"] = float(errors_logged.count("a push the engine acked failed"))
+    metrics["stress_engine_errors_logged"] = float(errors_logged.count())
+    errors = dict(stress.tally.errors)
+    errors.update({f"logged: {normalize(RuntimeError(m))}": n for m, n in errors_logged.messages.items()})
+    return metrics, errors
 
 
 def unexpected_errors(errors: dict[str, int]) -> dict[str, int]:
@@ -355,5 +380,6 @@ def cli_main(argv: list[str]) -> int:
     write_json(args.json, metrics, {"bench": "stress", "model": args.model, "seed": args.seed,
                                     "errors": errors})
     bad = ("stress_engine_deaths", "stress_hung_callers", "stress_failed_steps", "stress_pushes_refused",
-           "stress_integrity_failures", "stress_unexpected_errors")
+           "stress_integrity_failures", "stress_unexpected_errors", "stress_acked_pushes_lost",
+           "stress_engine_errors_logged")
     return 1 if any(metrics[k] for k in bad) or metrics["stress_compactions"] == 0 else 0

@@ -21,6 +21,8 @@ def test_engine_survives_a_storm_of_concurrent_callers(tiny_model):
     assert metrics["stress_integrity_failures"] == 0, errors
     assert unexpected_errors(errors) == {}
     assert metrics["stress_unexpected_errors"] == 0
+    assert metrics["stress_acked_pushes_lost"] == 0, errors  # an acked push racing an eviction was dropped
+    assert metrics["stress_engine_errors_logged"] == 0, errors
     assert metrics["stress_compactions"] > 0  # the pusher really drove the hot sessions past their budget
     # the storm really happened: every kind of operation succeeded some of the time
     for key in ("stress_asks_ok", "stress_asks_cancelled", "stress_pushes_ok", "stress_registers_ok",

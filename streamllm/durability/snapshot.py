@@ -216,18 +216,31 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
     from streamllm.durability.ingest_log import session_dir_name
 
     path = Path(directory) / f"{session_dir_name(name)}.safetensors"
-    engine._known(name)
+    # Mark it evicted in the facade *before* the core drops it: a push or ask from now on
+    # waits for the residency lock and restores it, instead of reaching a core without it.
+    with engine._log_lock(name), engine._lock:
+        if name in engine._evicted:
+            return engine._evicted[name]
+        handle = engine._handles.pop(engine._handle(name) and name)
+        engine._evicted[name] = str(path)
     try:
         state = engine.call(lambda core: evict_state(core, name))
-    except SessionError as exc:
-        raise SnapshotError(str(exc)) from None
+    except BaseException as exc:  # busy (or gone): it stays resident, as it was
+        with engine._lock:
+            engine._evicted.pop(name, None)
+            engine._handles[name] = handle
+        if isinstance(exc, SessionError):
+            raise SnapshotError(str(exc)) from None
+        raise
     try:
         _write(engine, state, path, time.perf_counter())
     except SnapshotError:  # could not write: put it back rather than lose it
         gates = [(spec, *engine._gate(spec)) for spec in state.questions]
         engine.call(lambda core: import_session(core, state, name, gates))
+        with engine._lock:
+            engine._evicted.pop(name, None)
+            engine._handles[name] = handle
         raise
-    engine._adopt(name, None, evicted_path=str(path))
     return str(path)
 
 
