@@ -212,13 +212,14 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
 
     Refused while the session has work in flight (pending ingest, questions, compaction):
     eviction is for idle sessions. Subscribers stay attached and hear it again after restore.
-    The caller holds the engine's residency lock, so nothing restores it meanwhile."""
+    The caller holds the session's log lock, then the engine's residency lock (close_session's
+    order), so nothing restores it meanwhile."""
     from streamllm.durability.ingest_log import session_dir_name
 
     path = Path(directory) / f"{session_dir_name(name)}.safetensors"
     # Mark it evicted in the facade *before* the core drops it: a push or ask from now on
     # waits for the residency lock and restores it, instead of reaching a core without it.
-    with engine._log_lock(name), engine._lock:
+    with engine._lock:  # the caller holds the session's log lock: no push is between its two blocks
         if name in engine._evicted:
             return engine._evicted[name]
         handle = engine._handles.pop(engine._handle(name) and name)

@@ -371,7 +371,7 @@ class Engine:
         """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
         from streamllm.durability.snapshot import evict_session
 
-        with self._residency:
+        with self._log_lock(name), self._residency:  # close_session's lock order
             return evict_session(self, name, directory)
 
     def _submit_resident(self, name: str, cmd) -> Future:
