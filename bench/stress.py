@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import re
 import tempfile
@@ -71,6 +72,7 @@ class StressConfig:
     max_context: int = 1024
     max_cells: int = 16384
     call_timeout_s: float = 30.0
+    ingest_log: bool = False  # every push, open, close, evict/restore also goes through an IngestLog
 
 
 @dataclass(slots=True)
@@ -333,21 +335,26 @@ class _ErrorLog(logging.Handler):
 
 def run_stress(cfg: StressConfig, model=None) -> tuple[dict[str, float], dict[str, int]]:
     """Run the scenario on a fresh engine; returns (counters, {"op: error kind": count})."""
+    from streamllm.durability.ingest_log import IngestLog
     from streamllm.model import load_model
 
     loaded = model if model is not None else load_model(cfg.model, progress=False)
-    engine = Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
-                    chunk_tokens=64, step_tokens=192, check_integrity_every_step=True)
     errors_logged = _ErrorLog()
     logger = logging.getLogger("streamllm")
     logger.addHandler(errors_logged)
-    try:
-        with tempfile.TemporaryDirectory(prefix="streamllm-stress-") as tmp:
-            stress = Stress(engine, cfg, tmp)
+    with tempfile.TemporaryDirectory(prefix="streamllm-stress-") as tmp:
+        log = IngestLog(f"{tmp}/log") if cfg.ingest_log else None
+        engine = Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
+                        chunk_tokens=64, step_tokens=192, check_integrity_every_step=True, ingest_log=log)
+        try:
+            os.makedirs(f"{tmp}/evicted")
+            stress = Stress(engine, cfg, f"{tmp}/evicted")
             metrics = stress.run()
-    finally:
-        engine.shutdown()
-        logger.removeHandler(errors_logged)
+        finally:
+            engine.shutdown()
+            if log is not None:
+                log.close()
+            logger.removeHandler(errors_logged)
     metrics["stress_acked_pushes_lost"] = float(errors_logged.count("a push the engine acked failed"))
     metrics["stress_engine_errors_logged"] = float(errors_logged.count())
     errors = dict(stress.tally.errors)
@@ -368,10 +375,11 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=3)
     p.add_argument("--tasks", type=int, default=4)
     p.add_argument("--lines-per-s", type=float, default=100.0)
+    p.add_argument("--ingest-log", action="store_true", help="run the engine with an ingest log")
     p.add_argument("--json")
     args = p.parse_args(argv)
     cfg = StressConfig(seconds=args.seconds, seed=args.seed, model=args.model, threads=args.threads,
-                       tasks=args.tasks, lines_per_s=args.lines_per_s)
+                       tasks=args.tasks, lines_per_s=args.lines_per_s, ingest_log=args.ingest_log)
     metrics, errors = run_stress(cfg)
     print_table(f"bench stress: {args.model}, {args.seconds:.0f} s, seed {args.seed}", ["counter", "value"],
                 [[k, v] for k, v in metrics.items()])
