@@ -222,7 +222,8 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
     with engine._lock:  # the caller holds the session's log lock: no push is between its two blocks
         if name in engine._evicted:
             return engine._evicted[name]
-        handle = engine._handles.pop(engine._handle(name) and name)
+        engine._handle(name)  # SessionError when it is not open
+        handle = engine._handles.pop(name)
         engine._evicted[name] = str(path)
     try:
         state = engine.call(lambda core: evict_state(core, name))
