@@ -23,9 +23,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "query": ("bench.query", "ask latency vs context, stateless baseline, prefill/decode vs transformers"),
     "feeds": ("bench.feeds", "wire-parser throughput and rendering token counts"),
     "prepos": ("bench.prepos", "fast / entry / cold path latency"),
-    "tenants": ("bench.tenants", "batched vs sequential, grouped prefill, interactive latency under load"),
+    "tenants": ("bench.tenants", "through the engine: batched vs sequential asks, freshness lag under load, interactive latency"),
     "server": ("bench.server", "ask round trip over loopback websockets, 1 and 50 clients"),
     "faults": ("bench.faults", "SIGKILL + log recovery, snapshot restore vs replay, fuzzing, websocket load"),
+    "stress": ("bench.stress", "threads + asyncio tasks storm one engine: no death, hang, leak or refused push"),
     "replay": ("bench.replay", "recorded feeds + Poisson questions vs stateless / prefix-cache / peer, report"),
 }
 

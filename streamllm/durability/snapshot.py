@@ -212,22 +212,37 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
 
     Refused while the session has work in flight (pending ingest, questions, compaction):
     eviction is for idle sessions. Subscribers stay attached and hear it again after restore.
-    The caller holds the engine's residency lock, so nothing restores it meanwhile."""
+    The caller holds the session's log lock, then the engine's residency lock (close_session's
+    order), so nothing restores it meanwhile."""
     from streamllm.durability.ingest_log import session_dir_name
 
     path = Path(directory) / f"{session_dir_name(name)}.safetensors"
-    engine._known(name)
+    # Mark it evicted in the facade *before* the core drops it: a push or ask from now on
+    # waits for the residency lock and restores it, instead of reaching a core without it.
+    with engine._lock:  # the caller holds the session's log lock: no push is between its two blocks
+        if name in engine._evicted:
+            return engine._evicted[name]
+        engine._handle(name)  # SessionError when it is not open
+        handle = engine._handles.pop(name)
+        engine._evicted[name] = str(path)
     try:
         state = engine.call(lambda core: evict_state(core, name))
-    except SessionError as exc:
-        raise SnapshotError(str(exc)) from None
+    except BaseException as exc:  # busy (or gone): it stays resident, as it was
+        with engine._lock:
+            engine._evicted.pop(name, None)
+            engine._handles[name] = handle
+        if isinstance(exc, SessionError):
+            raise SnapshotError(str(exc)) from None
+        raise
     try:
         _write(engine, state, path, time.perf_counter())
     except SnapshotError:  # could not write: put it back rather than lose it
         gates = [(spec, *engine._gate(spec)) for spec in state.questions]
         engine.call(lambda core: import_session(core, state, name, gates))
+        with engine._lock:
+            engine._evicted.pop(name, None)
+            engine._handles[name] = handle
         raise
-    engine._adopt(name, None, evicted_path=str(path))
     return str(path)
 
 

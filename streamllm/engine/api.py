@@ -200,9 +200,17 @@ class Engine:
             raise ValueError("push at least one line")
         ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
         new_tokens = sum(len(ids) for ids in ids_per_line)
-        self._ensure_resident(name)
+        while True:  # an eviction that slips in between: restore the session and start again
+            self._ensure_resident(name)
+            ack = self._push_resident(name, lines, ids_per_line, new_tokens)
+            if ack is not None:
+                return ack
+
+    def _push_resident(self, name: str, lines: list[str], ids_per_line, new_tokens: int) -> PushAck | None:
         with self._log_lock(name):  # with a log: version order == log order == inbox order
-            with self._lock:
+            with self._lock:  # (evict_session also takes the log lock: no eviction between the two blocks)
+                if name in self._evicted:
+                    return None
                 h = self._handle(name)
                 room = h.max_context - h.prefix_len
                 if new_tokens > room:
@@ -212,6 +220,8 @@ class Engine:
             if self.ingest_log is not None:  # on disk before the ack; a failed write acks nothing
                 self.ingest_log.record_push(name, version, lines)
             with self._lock:
+                if name in self._evicted:  # no log (no log lock): evicted between the blocks; retry
+                    return None
                 h = self._handle(name)
                 h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
                 self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
@@ -241,17 +251,15 @@ class Engine:
     # -- standing questions -------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:
         """Make `spec` a standing question of the session: pre-positioned after every batch."""
-        self._ensure_resident(name)
         gate, prompt = self._gate(spec)
-        self._wait(Register(name, spec, gate, prompt))
+        self._submit_resident(name, Register(name, spec, gate, prompt)).result()
         if self.ingest_log is not None:
             from streamllm.durability.snapshot import question_dict
 
             self.ingest_log.record_register(name, question_dict(spec))
 
     def unregister(self, name: str, question_id: str) -> None:
-        self._ensure_resident(name)
-        self._wait(Unregister(name, question_id))
+        self._submit_resident(name, Unregister(name, question_id)).result()
         if self.ingest_log is not None:
             self.ingest_log.record_unregister(name, question_id)
 
@@ -295,9 +303,11 @@ class Engine:
             raise ValueError("question must be a non-empty string")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        self._ensure_resident(name)
-        with self._lock:
-            pushed = self._handle(name).pushed_version
+        pushed = None
+        while pushed is None:  # an eviction between the restore and the lock: restore again
+            self._ensure_resident(name)
+            with self._lock:
+                pushed = self._handle(name).pushed_version if name not in self._evicted else None
         if min_version is not None and min_version > pushed:
             raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({pushed} pushed)")
         record = self.core.records.get(name)
@@ -318,7 +328,7 @@ class Engine:
         prompt = [] if spec is not None else self.layout.question_ids(question)
         cmd = Ask(next(self._ask_ids), name, question, prompt, max_tokens, list(stop or []), min_version or 0,
                   return_logits, spec.id if spec is not None else None, on_text=on_text, t_start=t0)
-        future = self.core.submit(cmd)
+        future = self._submit_resident(name, cmd)
         future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future
 
@@ -350,8 +360,17 @@ class Engine:
         """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
         from streamllm.durability.snapshot import evict_session
 
-        with self._residency:
+        with self._log_lock(name), self._residency:  # close_session's lock order
             return evict_session(self, name, directory)
+
+    def _submit_resident(self, name: str, cmd) -> Future:
+        """Submit a command on a resident session: no eviction slips between the check and the inbox."""
+        while True:
+            self._ensure_resident(name)
+            with self._lock:
+                if name not in self._evicted:
+                    self._handle(name)
+                    return self.core.submit(cmd)
 
     def _ensure_resident(self, name: str) -> None:
         if name not in self._evicted:
