@@ -75,9 +75,10 @@ def test_closing_a_session_mid_compaction_frees_everything(engine):
     free = engine.store.manager.num_free_blocks
     engine.open_session("s")
     i = 0
-    while engine.stats()["compactions_running"] == 0:
-        engine.push("s", LINES[i : i + 4])
+    while engine.call(lambda core: not core.compactions) and i < 4000:  # until a copy is in flight
+        engine.push("s", LINES[i % 396 : i % 396 + 4])
         i += 4
+    assert engine.call(lambda core: bool(core.compactions))
     engine.close_session("s")
     engine.wait_idle()
     assert engine.store.manager.num_free_blocks == free
@@ -109,3 +110,39 @@ def test_a_steady_stream_of_three_budgets_is_never_refused_and_keeps_answering(t
         assert info.compactions >= 2 and info.num_tokens <= 400
         assert all(a.text in ("up", "down") for a in answers)
         assert eng.stats()["failed_steps"] == 0
+
+
+def test_many_sessions_at_budget_in_a_tight_pool_all_get_through(tiny_model):
+    """Found by the tenants bench: 16 sessions compacting at once in a nearly full pool left every
+    copy half built, every session at its budget and nothing moving. Copies now start only when
+    the pool can hold them, and a blocked copy takes idle entries' cells first."""
+    sessions, max_context = 6, 320
+    with Engine(tiny_model, max_cells=sessions * max_context + 512, block_size=8, max_context=max_context,
+                branch_cells=256, chunk_tokens=64, step_tokens=128, check_integrity_every_step=True) as eng:
+        for k in range(sessions):
+            eng.open_session(f"s{k}")
+            eng.register(f"s{k}", QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5))
+        for i in range(0, 3 * max_context // 8, 2):  # ~3 budgets each, no waiting
+            for k in range(sessions):
+                eng.push(f"s{k}", LINES[i % 300 : i % 300 + 2])
+        if not eng.wait_idle(timeout=90):
+            raise AssertionError("sessions stuck at their budget:\n" + eng.call(_dump))
+        for k in range(sessions):
+            info = eng.session_info(f"s{k}")
+            assert info.data_version == info.pushed_version and info.compactions >= 1
+            assert eng.ask(f"s{k}", "q", timeout=60).text in ("up", "down")
+
+
+def _dump(core) -> str:
+    m = core.store.manager
+    out = [f"free {m.num_free_blocks * m.block_size} reserved {m.num_reserved * m.block_size} "
+           f"running {len(core.running)} waiting {len(core.waiting)} {core.counters}"]
+    for s in core.sessions.values():
+        c = core.compactions.get(s.name)
+        out.append(f"{s.name} tokens {s.num_tokens} computed {s.num_computed} at_budget {s.at_budget} "
+                   f"blocks {len(s.table.blocks)} reserved {len(s.table.reserved)} pending {len(s.pending_ids)} "
+                   f"copy {c and (c.num_computed, len(c.pending_ids), c.cells_to_go(), c.session_computed_mapped())}")
+    for st in core.prepos.all():
+        out.append(f"  {st.session.name} computing {st.computing and (st.computing.num_computed, st.computing.table.num_tokens)} "
+                   f"ready {st.ready is not None} decoding {st.decoding is not None}")
+    return "\n".join(out)

@@ -57,6 +57,11 @@ class CompactionCopy(Sequence):
         s = self.session
         return s.prefix_len + max(0, s.num_computed - self.cut)
 
+    def cells_to_go(self) -> int:
+        """Cells this copy still needs from the pool (at most its session's budget)."""
+        s = self.session
+        return max(0, min(s.max_context, s.prefix_len + s.num_tokens - self.cut) - self.table.num_tokens)
+
     def caught_up(self) -> bool:
         return self.num_computed >= self.session_computed_mapped()
 

@@ -80,7 +80,7 @@ class EngineCore(Answering):
         self.counters: dict[str, float] = {}
         self._dirty: set[str] = set()
         self.steps = self.questions_answered = self.fast_answers = self.entry_answers = 0
-        self.admissions_refused = self.commands = self.failed_steps = 0
+        self.admissions_refused = self.commands = self.failed_steps = self.compactions_deferred = 0
         self.step_ms_total = self.step_ms_last = 0.0
         self.step_tokens_last = 0
         self._step_s_ema = 0.05
@@ -285,9 +285,12 @@ class EngineCore(Answering):
                            for st in self.prepos.all()))
 
     def _prepare(self) -> None:
+        self._keep_compactions_moving()
         self._start_waiting()
         self._make_room_for_questions()
-        self.prepos.refresh()
+        manager = self.store.manager
+        copies = manager.blocks_for(sum(c.cells_to_go() for c in self.compactions.values()))
+        self.prepos.refresh(keep_free_blocks=copies)
         self._waiters_without_entries()
 
     def _sequences(self) -> list:
@@ -366,8 +369,35 @@ class EngineCore(Answering):
         if not self.policy.should_start(session, copy_rate):
             return
         cut = session.compaction_cut(self.policy.keep_tokens(session))
-        if cut is not None:
-            self.compactions[session.name] = CompactionCopy(session, cut)
+        if cut is None:
+            return
+        # A copy takes cells from the free pool until its swap frees the old table: start one only
+        # when the pool can hold it beside the copies in flight (else retry each turn). Starting
+        # them all at once under pressure left every copy half built and every session stuck.
+        manager = self.store.manager
+        need = min(session.max_context, session.prefix_len + session.num_tokens - cut)
+        need += sum(c.cells_to_go() for c in self.compactions.values())
+        if manager.num_free_blocks * manager.block_size < need:
+            self.compactions_deferred += 1
+            return
+        self.compactions[session.name] = CompactionCopy(session, cut)
+
+    def _keep_compactions_moving(self) -> None:
+        """Sessions at their budget depend on compaction: (re)try to start theirs, and let a blocked
+        copy take the cells of idle entries (recomputable) before anything else."""
+        chunk = self.scheduler.config.chunk_tokens
+        for session in self.sessions.values():
+            if session.at_budget and session.name not in self.compactions:
+                self._maybe_compact(session)
+                if session.name not in self.compactions and self.prepos.evict_idle_entries(set(), computing=True):
+                    self._drop_evicted_records()  # deferred for want of cells: entries make room
+                    self._maybe_compact(session)
+        for copy in self.compactions.values():
+            need = min(len(copy.pending_ids), chunk)
+            if copy.session.at_budget and need and not self.store.manager.can_append(copy.table, need):
+                if self.prepos.evict_idle_entries(set(), computing=True):
+                    self._drop_evicted_records()
+                return
 
     def _swap_compactions(self) -> None:
         for name, job in list(self.compactions.items()):
@@ -379,7 +409,8 @@ class EngineCore(Answering):
             session.apply_compaction(job.cut, job.table, job.num_computed)  # the copy may have ingested ahead
             if session.data_version != version:
                 self.events.append((name, "data", name, session.data_version))
-            self.store.manager.free(old)  # branches forked from it hold their own references
+            self.store.manager.free(old)  # asks forked from it hold their own references until they end
+            self.prepos.rebase(name)
             try:
                 self.store.manager.reserve(session.table, session.max_context)
             except KVCapacityError:

@@ -115,8 +115,10 @@ class Prepositioner:
         return [st for qs in self.by_session.values() for st in qs.values()]
 
     # -- entries -------------------------------------------------------------
-    def refresh(self) -> None:
-        """Start an entry at the newest data version for every question that lacks one."""
+    def refresh(self, keep_free_blocks: int = 0) -> None:
+        """Start an entry at the newest data version for every question that lacks one, leaving
+        keep_free_blocks free (compaction copies in flight need them more than entries do)."""
+        manager = self.store.manager
         for st in self.all():
             s = st.session
             if not s.ready or st.fresh():
@@ -126,10 +128,12 @@ class Prepositioner:
                     continue  # current, or part-paid for an older version: let it finish
                 self.release(st.computing)  # not started: restart at the newest
                 st.computing = None
+            if manager.num_free_blocks <= keep_free_blocks:
+                continue  # entries are optional work: retry when cells free up
             try:
                 table = self.store.fork(s.table, s.version_length(s.data_version))
             except KVCapacityError:
-                continue  # entries are optional work: retry when cells free up
+                continue
             st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, table=table,
                                   base_len=s.version_length(s.data_version), data_version=s.data_version,
                                   keep_logits=True, standing=st, choices=st.gate if st.spec.choices else None)
@@ -158,10 +162,16 @@ class Prepositioner:
         return ReadyRecord(st.session.name, st.spec.id, st.ready.data_version, d.fired, final,
                            d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits)
 
-    def evict_idle_entries(self, busy_sessions: set[str]) -> int:
-        """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed."""
+    def evict_idle_entries(self, busy_sessions: set[str], computing: bool = False) -> int:
+        """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed.
+        computing: entries being prefilled that nobody waits for go too (under real pressure)."""
         freed = 0
         for st in self.all():
+            if computing and st.computing is not None and not st.waiters and st.session.name not in busy_sessions:
+                before = self.store.manager.num_free_blocks
+                self.release(st.computing)
+                st.computing = None
+                freed += self.store.manager.num_free_blocks - before
             if st.session.name in busy_sessions or st.waiters or st.ready is None or st.ready.table is None:
                 continue
             before = self.store.manager.num_free_blocks
@@ -171,6 +181,15 @@ class Prepositioner:
             st.record = None
             self.entries_evicted += 1
         return freed
+
+    def rebase(self, session: str) -> None:
+        """After a compaction swap: entries forked from the old blocks would pin the whole old
+        context, so they go (recomputed on the new blocks). The published record stays: the
+        fast path keeps answering from it meanwhile."""
+        for st in self.standing(session):
+            for br in st.branches():
+                self.release(br)
+            st.computing = st.ready = st.decoding = None
 
     # -- answers ---------------------------------------------------------------
     def decide(self, st: Standing) -> GateDecision:

@@ -38,6 +38,7 @@ def core_counters(core: Any) -> dict[str, float]:
         "admissions_refused": core.admissions_refused,
         "compactions": sum(s.compactions for s in core.sessions.values()),
         "compactions_running": len(core.compactions),
+        "compactions_deferred": core.compactions_deferred,
         "prefix_cache_hits": core.prefixes.hits,
         "cells_total": m.num_blocks * m.block_size,
         "cells_free": m.num_free_blocks * m.block_size,
