@@ -56,10 +56,10 @@ def test_binance_raw_and_combined_envelopes_and_doc_payloads() -> None:
     assert (q.bid, q.ask, q.px_dp, q.ts_event) == (25.3519, 25.3652, 4, 7)
     kline = {"e": "kline", "E": 1672515782136, "s": "BNBBTC", "k": {
         "t": 1672515780000, "T": 1672515839999, "s": "BNBBTC", "i": "1m", "f": 100, "L": 200,
-        "o": "0.0010", "c": "0.0020", "h": "0.0025", "l": "0.0015", "v": "1000", "n": 100,
+        "o": "0.0010", "c": "0.0020", "h": "0.0025", "l": "0.0010", "v": "1000", "n": 100,
         "x": True, "q": "1.0000", "V": "500", "Q": "0.500", "B": "123456"}}
     (bar,) = p.parse(json.dumps(kline), 9)
-    assert (bar.open, bar.high, bar.low, bar.close, bar.volume, bar.trades) == (0.001, 0.0025, 0.0015, 0.002, 1000, 100)
+    assert (bar.open, bar.high, bar.low, bar.close, bar.volume, bar.trades) == (0.001, 0.0025, 0.001, 0.002, 1000, 100)
     assert bar.buy_volume == 500 and bar.sell_volume == 500 and bar.vwap == pytest.approx(0.001)
     assert bar.interval_ns == 60 * 10**9
     kline["k"]["x"] = False
@@ -130,7 +130,7 @@ CB_HEARTBEAT = {"channel": "heartbeats", "client_id": "", "timestamp": "2023-06-
 def _candles(seq: int, start: str, close: str) -> dict:
     return {"channel": "candles", "client_id": "", "timestamp": "2023-06-09T20:19:35.39625135Z",
             "sequence_num": seq, "events": [{"type": "update", "candles": [
-                {"start": start, "high": "1867.72", "low": "1867.72", "open": "1867.72", "close": close,
+                {"start": start, "high": "1870", "low": "1867.72", "open": "1867.72", "close": close,
                  "volume": "0.20269406", "product_id": "ETH-USD"}]}]}
 
 
