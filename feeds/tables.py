@@ -77,7 +77,8 @@ def infer_dp(values: list[float], float32: bool = False, max_dp: int = 12) -> in
     sample = [v for v in values[:2000] if v is not None and math.isfinite(v)]
     for dp in range(max_dp + 1):
         scale = 10.0**dp
-        if all(abs(v * scale - round(v * scale)) <= 1e-9 + rel * abs(v * scale) for v in sample):
+        if all((v == 0 or round(v * scale) != 0) and abs(v * scale - round(v * scale)) <= 1e-9 + rel * abs(v * scale)
+               for v in sample):
             return dp
     return max_dp
 

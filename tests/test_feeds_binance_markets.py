@@ -8,7 +8,7 @@ import math
 import pytest
 
 from feeds.binance import BinanceParser
-from feeds.events import BUY, SELL, Liquidation, Mark, Quote, Trade
+from feeds.events import SELL, Liquidation, Mark, Quote, Trade
 from streamllm.market.render import Renderer
 
 MS = 1_000_000
