@@ -1,0 +1,165 @@
+"""Databento DBN files (`.dbn`, `.dbn.zst`) read with Databento's own `databento-dbn` package.
+
+The standard format of CME and US equities history. Records map to our events:
+
+  trades (rtype MBP_0)   Trade: `side` is the aggressor (B buy, A sell, N unknown)
+  tbbo                   Trade (the BBO before it is not an event of its own)
+  mbp-1                  action T -> Trade; other actions -> Quote when the top of book changed
+  bbo-1s/1m, cbbo        Quote of the top of book at the interval's end
+  ohlcv-1s/1m/1h/1d      Bar (`ts_event` of the record is the interval's open)
+  symbol mappings        instrument ids -> symbols (also from the file's metadata)
+
+Prices are fixed-point integers scaled by 1e-9; a price's decimals are those of that
+integer, so rendering shows exactly what the venue sent. An undefined price (an empty
+side of the book) or an impossible value is a counted error; a file cut mid-record keeps
+every whole record before the cut and counts `truncated_file`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import databento_dbn as dbn
+
+from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade
+from feeds.validate import BadValue, check_bar, error_kind
+from feeds.wire import ParseStats
+
+SCALE = 1e-9
+UNDEF = dbn.UNDEF_PRICE
+_SIDE = {"B": BUY, "A": SELL, "N": UNKNOWN_SIDE}
+_BAR_NS = {"ohlcv-1s": 1_000_000_000, "ohlcv-1m": 60_000_000_000, "ohlcv-1h": 3_600_000_000_000,
+           "ohlcv-1d": 86_400_000_000_000, "ohlcv-eod": 86_400_000_000_000}
+CHUNK = 1 << 20
+
+
+def price_dp(raw: int) -> int:
+    """Decimals of a 1e-9 fixed-point price: 4500250000000 -> 2 (4500.25)."""
+    frac = raw % 1_000_000_000
+    if frac == 0:
+        return 0
+    dp = 9
+    while frac % 10 == 0:
+        frac //= 10
+        dp -= 1
+    return dp
+
+
+@dataclass
+class DbnSource:
+    """Events of a DBN file; `stats` counts records, events and errors by kind."""
+
+    path: Path
+    venue: str = ""  # default: the file's dataset (e.g. GLBX.MDP3)
+    stats: ParseStats = field(default_factory=ParseStats)
+    schema: str = ""
+    symbols: dict[int, str] = field(default_factory=dict)
+    _px_dp: dict[int, int] = field(default_factory=dict)
+    _tob: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+
+    def _decoder(self) -> Any:
+        zst = self.path.name.lower().endswith(".zst")
+        return dbn.DBNDecoder(compression=dbn.Compression.ZSTD if zst else dbn.Compression.NONE)
+
+    def __iter__(self) -> Iterator[Any]:
+        dec = self._decoder()
+        read = 0
+        with open(self.path, "rb") as fh:
+            while True:
+                chunk = fh.read(CHUNK)
+                if not chunk:
+                    break
+                read += len(chunk)
+                try:
+                    dec.write(chunk)
+                    records = dec.decode()
+                except Exception as exc:  # DBNError: a bad header or record; nothing after it is readable
+                    self.stats.error(f"{self.path}: not readable as DBN after {read} bytes "
+                                     f"({self.stats.messages} records): {exc}", chunk[:60], "bad_dbn")
+                    return
+                for rec in records:
+                    yield from self._record(rec)
+        left = len(dec.buffer())
+        if left:
+            self.stats.error(f"{self.path}: ends mid-record ({left} bytes after record {self.stats.messages}); "
+                             "the records before are kept", b"", "truncated_file")
+
+    def _record(self, rec: Any) -> list[Any]:
+        if isinstance(rec, dbn.Metadata):
+            self._metadata(rec)
+            return []
+        self.stats.messages += 1
+        try:
+            out = self._convert(rec)
+        except (BadValue, ValueError, TypeError, AttributeError, KeyError) as exc:
+            self.stats.error(f"{self.path} record {self.stats.messages}: {exc}", str(rec)[:120], error_kind(exc))
+            return []
+        self.stats.events += len(out)
+        return out
+
+    def _metadata(self, md: Any) -> None:
+        self.schema = str(md.schema) if md.schema is not None else ""
+        if not self.venue:
+            self.venue = str(md.dataset) or "databento"
+        for raw_symbol, intervals in (md.mappings or {}).items():
+            for iv in intervals:
+                sym = str(iv["symbol"])
+                if sym.isdigit():  # raw symbol -> instrument id
+                    self.symbols[int(sym)] = raw_symbol
+
+    def _symbol(self, iid: int) -> str:
+        return self.symbols.get(iid) or str(iid)
+
+    def _px(self, field_name: str, raw: int, iid: int) -> float:
+        if raw == UNDEF:
+            raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)", "undefined_price")
+        if raw <= 0:
+            raise BadValue(field_name, raw * SCALE, "must be a finite number > 0")
+        dp = price_dp(raw)
+        if dp > self._px_dp.get(iid, -1):
+            self._px_dp[iid] = dp
+        return raw * SCALE
+
+    def _convert(self, r: Any) -> list[Any]:
+        kind = type(r)
+        iid = r.instrument_id
+        venue = self.venue or "databento"
+        if kind is dbn.SymbolMappingMsg:
+            self.symbols[iid] = str(r.stype_out_symbol if not str(r.stype_out_symbol).isdigit() else r.stype_in_symbol)
+            self.stats.control += 1
+            return []
+        if kind is dbn.OHLCVMsg:
+            iv = _BAR_NS.get(str(r.rtype))
+            if iv is None:
+                raise ValueError(f"unsupported OHLCV rtype {r.rtype}")
+            o, h, lo, c = (self._px(n, getattr(r, n), iid) for n in ("open", "high", "low", "close"))
+            check_bar(o, h, lo, c, float(r.volume))
+            nan = float("nan")
+            return [Bar(venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
+                        float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)]
+        action = getattr(r, "action", None)
+        is_trade = kind is dbn.TradeMsg or (action is not None and str(action) in ("T", "Action.TRADE")
+                                               and kind in (dbn.MBP1Msg, dbn.CMBP1Msg))
+        if is_trade or str(r.rtype) in ("tbbo", "tcbbo"):
+            px = self._px("price", r.price, iid)
+            if r.size <= 0:
+                raise BadValue("size", r.size, "must be > 0")
+            return [Trade(venue, self._symbol(iid), r.ts_event, r.ts_recv, px, float(r.size),
+                          _SIDE.get(str(r.side.value if hasattr(r.side, "value") else r.side), UNKNOWN_SIDE),
+                          r.sequence or self.stats.messages, self._px_dp[iid], 0)]
+        if kind in (dbn.MBP1Msg, dbn.BBOMsg, dbn.CMBP1Msg, dbn.CBBOMsg):
+            tob = (r.bid_px_00, r.bid_sz_00, r.ask_px_00, r.ask_sz_00)
+            if kind in (dbn.MBP1Msg, dbn.CMBP1Msg) and self._tob.get(iid) == tob:
+                return []  # a book event below the top: the quote did not change
+            self._tob[iid] = tob
+            bid, ask = self._px("bid", tob[0], iid), self._px("ask", tob[2], iid)
+            return [Quote(venue, self._symbol(iid), r.ts_event if kind is dbn.MBP1Msg else r.ts_recv, r.ts_recv,
+                          bid, float(tob[1]), ask, float(tob[3]), self._px_dp[iid], 0)]
+        self.stats.control += 1  # definitions, statistics, status, ...: not market events here
+        return []
