@@ -78,8 +78,13 @@ def sniff_venue(raw: bytes) -> str:
 
 def detect_venue(path: str | Path, probe: int = 20) -> str:
     """Sniff the first readable messages of a capture; raises ValueError with what it saw."""
-    last: Exception | None = None
-    for i, (_, raw) in enumerate(read_capture(path, on_error=lambda *_: None)):
+    last: Exception | str | None = None
+
+    def damaged(kind: str, text: str, sample: bytes) -> None:
+        nonlocal last
+        last = text
+
+    for i, (_, raw) in enumerate(read_capture(path, on_error=damaged)):
         if i >= probe:
             break
         try:
@@ -88,6 +93,8 @@ def detect_venue(path: str | Path, probe: int = 20) -> str:
             raise ValueError(f"{path}: {exc}") from exc
         except ValueError as exc:
             last = exc
+    if isinstance(last, str):
+        raise ValueError(last)
     raise ValueError(f"{path}: no readable message to tell the venue from" + (f" ({last})" if last else ""))
 
 
