@@ -24,7 +24,7 @@ from typing import Any
 from feeds.bars import bars
 from feeds.binance import BinanceParser
 from feeds.events import Trade
-from feeds.sources import CaptureSource, TableSource
+from feeds.sources import CaptureSource, TableSource, open_source
 from feeds.wire import fast_loads, stdlib_loads
 from streamllm.market.render import Renderer
 
@@ -52,6 +52,22 @@ def _parse_rate(lines: list[tuple[int, bytes]], loads: Any) -> tuple[float, int]
     if parser.stats.errors:
         raise RuntimeError(f"bench feeds: {parser.stats.errors} parse errors: {parser.stats.error_samples[:3]}")
     return n / elapsed, n
+
+
+def read_fully(path: Path, opts: Any = None) -> Any:
+    """Open and drain one file source. A ValueError naming the file (cannot be read as asked)
+    is allowed; any other exception is a crash and raises AssertionError saying so."""
+    try:
+        src = open_source(path, opts)
+        for _ in src:
+            pass
+        return src
+    except (ValueError, FileNotFoundError) as exc:
+        if path.name not in str(exc):
+            raise AssertionError(f"{path.name}: refusal does not name the file: {exc!r}") from exc
+        return None
+    except Exception as exc:
+        raise AssertionError(f"{path.name}: source crashed with {type(exc).__name__}: {exc}") from exc
 
 
 def _token_counts(tok: Any, lines: list[str]) -> float:

@@ -208,7 +208,10 @@ class TableSource:
             self.kind = guess_kind(df.columns)
         kind = KINDS[self.kind]
         if {"venue", "instrument", "ts_event", "ts_recv"} <= set(df.columns):
-            return from_table(df.to_arrow(), kind)  # our own schema
+            try:
+                return from_table(df.to_arrow(), kind)  # our own schema
+            except (ValueError, TypeError, KeyError) as exc:
+                raise TableFormatError(f"{self.path}: looks like our own {self.kind} schema but: {exc}") from exc
         if self.kind == "book":
             raise TableFormatError(f"{self.path}: book deltas load only from our own Parquet schema")
         where = str(self.path)
