@@ -59,10 +59,6 @@ def _levels(rows: list[list[str]], side: str) -> list[tuple[float, float]]:
     return out
 
 
-def _side(maker: Any) -> int:
-    return SELL if flag("m", maker) else BUY
-
-
 class BinanceParser:
     """Binance messages of one market -> events; depth and trade ids are checked per symbol."""
 
@@ -119,9 +115,12 @@ class BinanceParser:
             self._last_symbol = s
             tid = d["t"] if e == "trade" else d["a"]
             self.seq.check(f"{s}@{e}", tid)
-            p, q = d["p"], d["q"]
-            return [Trade(VENUE, s, d["T"] * MS, ts_recv, positive("price", float(p)), positive("size", float(q)),
-                          _side(d["m"]), tid, decimals(p), decimals(q))]
+            p, q, m = d["p"], d["q"], d["m"]
+            px, sz = float(p), float(q)
+            # Inlined checks: this is the hot path (see feeds.validate for the rules).
+            if not (0.0 < px < INF and 0.0 < sz < INF and (m is True or m is False)):
+                positive("price", px), positive("size", sz), flag("m", m)
+            return [Trade(VENUE, s, d["T"] * MS, ts_recv, px, sz, SELL if m else BUY, tid, decimals(p), decimals(q))]
         if e == "depthUpdate":
             return [self._depth(d, ts_recv)]
         if e == "bookTicker":
@@ -154,9 +153,11 @@ class BinanceParser:
         b, a, bq, aq = d["b"], d["a"], d["B"], d["A"]
         ms = d.get("T") or d.get("E")
         ts = ms * MS if ms else ts_recv
-        return Quote(VENUE, s, ts, ts_recv, positive("bid", float(b)), nonnegative("bid_size", float(bq)),
-                     positive("ask", float(a)), nonnegative("ask_size", float(aq)),
-                     max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))
+        fb, fa, fbq, faq = float(b), float(a), float(bq), float(aq)
+        if not (0.0 < fb < INF and 0.0 < fa < INF and 0.0 <= fbq < INF and 0.0 <= faq < INF):
+            positive("bid", fb), nonnegative("bid_size", fbq), positive("ask", fa), nonnegative("ask_size", faq)
+        return Quote(VENUE, s, ts, ts_recv, fb, fbq, fa, faq, max(decimals(b), decimals(a)),
+                     max(decimals(bq), decimals(aq)))
 
     def _depth(self, d: dict[str, Any], ts_recv: int) -> BookDelta:
         s = d["s"]

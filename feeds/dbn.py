@@ -30,7 +30,7 @@ from feeds.wire import ParseStats
 
 SCALE = 1e-9
 UNDEF = dbn.UNDEF_PRICE
-_SIDE = {"B": BUY, "A": SELL, "N": UNKNOWN_SIDE}
+_SIDES = {dbn.Side.BID: BUY, dbn.Side.ASK: SELL, dbn.Side.NONE: UNKNOWN_SIDE}
 _BAR_NS = {"ohlcv-1s": 1_000_000_000, "ohlcv-1m": 60_000_000_000, "ohlcv-1h": 3_600_000_000_000,
            "ohlcv-1d": 86_400_000_000_000, "ohlcv-eod": 86_400_000_000_000}
 CHUNK = 1 << 20
@@ -59,6 +59,7 @@ class DbnSource:
     symbols: dict[int, str] = field(default_factory=dict)
     _px_dp: dict[int, int] = field(default_factory=dict)
     _tob: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
+    _frac_dp: dict[int, int] = field(default_factory=dict)  # decimals per fractional part, cached
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -83,6 +84,9 @@ class DbnSource:
                     self.stats.error(f"{self.path}: not readable as DBN after {read} bytes "
                                      f"({self.stats.messages} records): {exc}", chunk[:60], "bad_dbn")
                     return
+                if not self.venue and records and isinstance(records[0], dbn.Metadata):
+                    self._metadata(records[0])
+                self.venue = self.venue or "databento"
                 for rec in records:
                     yield from self._record(rec)
         left = len(dec.buffer())
@@ -91,17 +95,31 @@ class DbnSource:
                              "the records before are kept", b"", "truncated_file")
 
     def _record(self, rec: Any) -> list[Any]:
-        if isinstance(rec, dbn.Metadata):
-            self._metadata(rec)
-            return []
+        handler = self._handlers.get(type(rec))
+        if handler is None:
+            if isinstance(rec, dbn.Metadata):
+                self._metadata(rec)
+                return []
+            handler = self._other
         self.stats.messages += 1
         try:
-            out = self._convert(rec)
-        except (BadValue, ValueError, TypeError, AttributeError, KeyError) as exc:
+            out = handler(rec)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
             self.stats.error(f"{self.path} record {self.stats.messages}: {exc}", str(rec)[:120], error_kind(exc))
             return []
         self.stats.events += len(out)
         return out
+
+    @property
+    def _handlers(self) -> dict[type, Any]:
+        h = self.__dict__.get("_h")
+        if h is None:
+            h = self.__dict__["_h"] = {
+                dbn.TradeMsg: self._trade, dbn.MBP1Msg: self._mbp1, dbn.CMBP1Msg: self._mbp1,
+                dbn.BBOMsg: self._bbo, dbn.CBBOMsg: self._bbo, dbn.OHLCVMsg: self._ohlcv,
+                dbn.SymbolMappingMsg: self._mapping,
+            }
+        return h
 
     def _metadata(self, md: Any) -> None:
         self.schema = str(md.schema) if md.schema is not None else ""
@@ -117,49 +135,62 @@ class DbnSource:
         return self.symbols.get(iid) or str(iid)
 
     def _px(self, field_name: str, raw: int, iid: int) -> float:
-        if raw == UNDEF:
-            raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)", "undefined_price")
-        if raw <= 0:
+        if not 0 < raw < UNDEF:
+            if raw == UNDEF:
+                raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)",
+                               "undefined_price")
             raise BadValue(field_name, raw * SCALE, "must be a finite number > 0")
-        dp = price_dp(raw)
+        frac = raw % 1_000_000_000
+        dp = self._frac_dp.get(frac)
+        if dp is None:
+            dp = self._frac_dp[frac] = price_dp(raw) if len(self._frac_dp) < 100_000 else 9
         if dp > self._px_dp.get(iid, -1):
             self._px_dp[iid] = dp
         return raw * SCALE
 
-    def _convert(self, r: Any) -> list[Any]:
-        kind = type(r)
+    def _trade(self, r: Any) -> list[Any]:
         iid = r.instrument_id
-        venue = self.venue or "databento"
-        if kind is dbn.SymbolMappingMsg:
-            self.symbols[iid] = str(r.stype_out_symbol if not str(r.stype_out_symbol).isdigit() else r.stype_in_symbol)
-            self.stats.control += 1
-            return []
-        if kind is dbn.OHLCVMsg:
-            iv = _BAR_NS.get(str(r.rtype))
-            if iv is None:
-                raise ValueError(f"unsupported OHLCV rtype {r.rtype}")
-            o, h, lo, c = (self._px(n, getattr(r, n), iid) for n in ("open", "high", "low", "close"))
-            check_bar(o, h, lo, c, float(r.volume))
-            nan = float("nan")
-            return [Bar(venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
-                        float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)]
-        action = getattr(r, "action", None)
-        is_trade = kind is dbn.TradeMsg or (action is not None and str(action) in ("T", "Action.TRADE")
-                                               and kind in (dbn.MBP1Msg, dbn.CMBP1Msg))
-        if is_trade or str(r.rtype) in ("tbbo", "tcbbo"):
-            px = self._px("price", r.price, iid)
-            if r.size <= 0:
-                raise BadValue("size", r.size, "must be > 0")
-            return [Trade(venue, self._symbol(iid), r.ts_event, r.ts_recv, px, float(r.size),
-                          _SIDE.get(str(r.side.value if hasattr(r.side, "value") else r.side), UNKNOWN_SIDE),
-                          r.sequence or self.stats.messages, self._px_dp[iid], 0)]
-        if kind in (dbn.MBP1Msg, dbn.BBOMsg, dbn.CMBP1Msg, dbn.CBBOMsg):
-            tob = (r.bid_px_00, r.bid_sz_00, r.ask_px_00, r.ask_sz_00)
-            if kind in (dbn.MBP1Msg, dbn.CMBP1Msg) and self._tob.get(iid) == tob:
-                return []  # a book event below the top: the quote did not change
-            self._tob[iid] = tob
-            bid, ask = self._px("bid", tob[0], iid), self._px("ask", tob[2], iid)
-            return [Quote(venue, self._symbol(iid), r.ts_event if kind is dbn.MBP1Msg else r.ts_recv, r.ts_recv,
-                          bid, float(tob[1]), ask, float(tob[3]), self._px_dp[iid], 0)]
+        px = self._px("price", r.price, iid)
+        if r.size <= 0:
+            raise BadValue("size", r.size, "must be > 0")
+        return [Trade(self.venue, self._symbol(iid), r.ts_event, r.ts_recv, px, float(r.size),
+                      _SIDES.get(r.side, UNKNOWN_SIDE), r.sequence or self.stats.messages, self._px_dp[iid], 0)]
+
+    def _mbp1(self, r: Any) -> list[Any]:
+        if r.action == dbn.Action.TRADE:
+            return self._trade(r)
+        return self._quote(r, r.ts_event, changed_only=True)
+
+    def _bbo(self, r: Any) -> list[Any]:
+        return self._quote(r, r.ts_recv, changed_only=False)  # ts_recv: the end of the interval
+
+    def _quote(self, r: Any, ts: int, changed_only: bool) -> list[Any]:
+        iid = r.instrument_id
+        tob = (r.bid_px_00, r.bid_sz_00, r.ask_px_00, r.ask_sz_00)
+        if changed_only and self._tob.get(iid) == tob:
+            return []  # a book event below the top: the quote did not change
+        self._tob[iid] = tob
+        bid, ask = self._px("bid", tob[0], iid), self._px("ask", tob[2], iid)
+        return [Quote(self.venue, self._symbol(iid), ts, r.ts_recv, bid, float(tob[1]), ask, float(tob[3]),
+                      self._px_dp[iid], 0)]
+
+    def _ohlcv(self, r: Any) -> list[Any]:
+        iid = r.instrument_id
+        iv = _BAR_NS.get(str(r.rtype))
+        if iv is None:
+            raise ValueError(f"unsupported OHLCV rtype {r.rtype}")
+        o, h, lo, c = (self._px(n, getattr(r, n), iid) for n in ("open", "high", "low", "close"))
+        check_bar(o, h, lo, c, float(r.volume))
+        nan = float("nan")
+        return [Bar(self.venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
+                    float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)]
+
+    def _mapping(self, r: Any) -> list[Any]:
+        out_sym = str(r.stype_out_symbol)
+        self.symbols[r.instrument_id] = str(r.stype_in_symbol) if out_sym.isdigit() else out_sym
+        self.stats.control += 1
+        return []
+
+    def _other(self, r: Any) -> list[Any]:
         self.stats.control += 1  # definitions, statistics, status, ...: not market events here
         return []

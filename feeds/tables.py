@@ -134,9 +134,16 @@ def ts_ns(col: pl.Series, where: str, unit: str | None = None, time_format: str 
         unit = "ns" if first > 1e17 else "us" if first > 1e14 else "ms" if first > 1e11 else "s"
     if unit not in UNITS:
         raise ValueError(f"{where}: time unit {unit!r}: one of {', '.join(UNITS)}")
+    # Non-finite or out-of-range times become empty cells, counted per row as missing_value.
+    scale, x = UNITS[unit], pl.col("t")
+    ok = x.abs() <= (2**63 - 1) // scale
     if col.dtype.is_float():
-        return (col * UNITS[unit]).round().cast(pl.Int64).to_list()
-    return (col.cast(pl.Int64) * UNITS[unit]).to_list()
+        ok, scaled = ok & x.is_finite(), (x * scale).round()
+    else:
+        x = x.cast(pl.Int64, strict=False)
+        ok, scaled = x.is_not_null() & (x.abs() <= (2**63 - 1) // scale), x * scale
+    frame = pl.DataFrame({"t": col})
+    return frame.select(pl.when(ok).then(scaled).otherwise(None).cast(pl.Int64, strict=False)).to_series().to_list()
 
 
 def guess_kind(columns: list[str]) -> str:
