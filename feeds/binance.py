@@ -48,14 +48,11 @@ INF = math.inf
 
 
 def _levels(rows: list[list[str]], side: str) -> list[tuple[float, float]]:
-    out = []
-    for p, q in rows:
-        px, sz = float(p), float(q)
-        if not 0.0 < px < INF:
-            raise BadValue(side + ".price", p, "must be a finite number > 0")
-        if not 0.0 <= sz < INF:
-            raise BadValue(side + ".size", q, "must be a finite number >= 0")
-        out.append((px, sz))
+    out = [(float(p), float(q)) for p, q in rows]
+    for px, sz in out:
+        if not (0.0 < px < INF and 0.0 <= sz < INF):
+            positive(side + ".price", px)
+            nonnegative(side + ".size", sz)
     return out
 
 
