@@ -176,6 +176,8 @@ class Renderer:
     def quote(self, q: Quote) -> str:
         st = self._state(q, q.px_dp, q.sz_dp)
         dp, sdp = st.px_dp, st.sz_dp
+        if not (math.isfinite(q.bid_size) and math.isfinite(q.ask_size)):  # sizes unknown: left out
+            return f"{self._head(q, q.ts_event, hhmmss(q.ts_event))} bid {fixed(q.bid, dp)} ask {fixed(q.ask, dp)}"
         return (f"{self._head(q, q.ts_event, hhmmss(q.ts_event))} bid {fixed(q.bid, dp)} x{fixed(q.bid_size, sdp)}"
                 f" ask {fixed(q.ask, dp)} x{fixed(q.ask_size, sdp)}")
 

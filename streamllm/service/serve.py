@@ -46,7 +46,9 @@ def parse_feed_override(text: str) -> FeedSpec:
         return FeedSpec("binance")
     if kind in ("replay", "csv") and rest.strip():
         return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
-    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...] or csv:FILE")
+    if kind == "cryptofeed" and rest.strip():
+        return FeedSpec(kind, None, (), rest.strip().upper())
+    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...], csv:FILE or cryptofeed:EXCHANGE")
 
 
 def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGroup]:
@@ -74,6 +76,13 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         for spec in group.sessions:
             symbols += [s for s in (spec.feed.symbols or (spec.instrument.lower(),)) if s not in symbols]
         return FeedAdapter("binance", symbols).events()
+    if feed.kind == "cryptofeed":
+        from feeds.cryptofeed_adapter import CryptofeedAdapter
+
+        symbols = []
+        for spec in group.sessions:
+            symbols += [s for s in (spec.feed.symbols or (spec.instrument,)) if s not in symbols]
+        return CryptofeedAdapter(feed.exchange, symbols).events()
     from dataclasses import replace
 
     from feeds.sources import ReadOptions, open_recorded
