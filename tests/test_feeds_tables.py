@@ -159,3 +159,15 @@ def test_capture_venue_is_sniffed_and_other_formats_named(tmp_path: Path) -> Non
         open_source(kr)
     with pytest.raises(ValueError, match="unknown file format"):
         open_source(tmp_path.joinpath("x.json").resolve() if tmp_path.joinpath("x.json").write_text("{}") else "")
+
+
+def test_replay_server_serves_the_good_prefix_of_a_cut_capture(tmp_path: Path) -> None:
+    from feeds.server import _load
+
+    path = tmp_path / "btcusdt_cut.gz"
+    data = _capture(path, 3000)
+    path.write_bytes(data[: len(data) // 2])
+    damage: list[str] = []
+    lines = _load([path], damage)
+    assert 0 < len(lines) < 3000 and lines[0].recv_ns == 1
+    assert len(damage) == 1 and "btcusdt_cut.gz: gzip stream ends early" in damage[0]
