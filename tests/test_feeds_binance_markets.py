@@ -121,3 +121,15 @@ def test_impossible_quote_and_kline_values() -> None:
     (bar,) = p.parse(json.dumps({"e": "kline", "E": 1, "s": "X", "k": kline}), 1)
     assert (bar.open, bar.high, bar.low, bar.close, bar.buy_volume) == (10, 12, 9, 11, 2)
     assert not math.isnan(bar.vwap)
+
+
+def test_live_adapter_and_recorder_take_the_market() -> None:
+    from feeds.adapters import FeedAdapter
+
+    a = FeedAdapter("binance", ["btcusdt"], market="usdm")
+    assert a.url == "wss://fstream.binance.com/stream" and a.parser.market == "usdm"
+    assert "markPrice@1s" in a.channels and "forceOrder" in a.channels
+    assert FeedAdapter("binance", ["btcusd_perp"], market="coinm").url == "wss://dstream.binance.com/stream"
+    assert FeedAdapter("binance", ["btcusdt"]).parser.market == "spot"
+    with pytest.raises(ValueError, match="for binance, not kraken"):
+        FeedAdapter("kraken", ["BTC/USD"], market="usdm")
