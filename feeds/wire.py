@@ -47,6 +47,7 @@ class ParseStats:
     error_samples: list[str] = field(default_factory=list)
     gap_samples: list[str] = field(default_factory=list)
     error_kinds: dict[str, int] = field(default_factory=dict)  # bad_price, bad_bar, KeyError, ...
+    gap_keys: dict[str, int] = field(default_factory=dict)  # "BTCUSDT@depth" -> gaps there
 
     def error(self, reason: str, raw: str | bytes, kind: str = "") -> None:
         self.errors += 1
@@ -60,6 +61,8 @@ class ParseStats:
 
     def gap(self, where: str, expected: int, got: int) -> None:
         self.gaps += 1
+        key = where.split(" ", 1)[0]
+        self.gap_keys[key] = self.gap_keys.get(key, 0) + 1
         if len(self.gap_samples) < MAX_SAMPLES:
             self.gap_samples.append(f"{where}: expected {expected}, got {got}")
 

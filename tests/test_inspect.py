@@ -27,6 +27,7 @@ def test_inspect_capture_json_and_text(tmp_path: Path, capsys) -> None:
     assert rep["error_kinds"] == {"bad_price": 1} and "expected 6, got 7" in rep["gap_samples"][0]
     trades = rep["streams"]["BTCUSDT trade"]
     assert (trades["events"], trades["first_ts"], trades["last_ts"]) == (2, 1700000000 * S, 1700000001 * S)
+    assert trades["gaps"] == 1 and rep["streams"]["BTCUSDT quote"]["gaps"] == 0
     assert [x["text"] for x in trades["lines"]] == ["2023-11-14 22:13:20 buy 100.55 0.5", "22:13:21 sell 100.6 0.1"]
     assert all(x["tokens"] > 0 for x in trades["lines"]) and trades["tokens_per_line"] > 0
     assert rep["streams"]["BTCUSDT quote"]["first_ts"] == 1000 and rep["tokens_per_line"] > 0
@@ -47,3 +48,16 @@ def test_inspect_refuses_what_it_cannot_read(tmp_path: Path, capsys) -> None:
     bad.write_text("not gzip\n")
     assert main(["inspect", str(bad), "--tokenizer", "none", "--market", "usdm"]) == 2
     assert "ethusdt_bad.gz: not a gzip capture" in capsys.readouterr().err
+
+
+def test_inspect_bar_table_reports_missing_intervals(tmp_path: Path) -> None:
+    csv = tmp_path / "es_1m.csv"
+    csv.write_text("timestamp,open,high,low,close,volume\n1640991660,10,11,9,10,1\n1640991720,10,11,9,10,1\n"
+                   "1640991900,10,11,9,10,1\n")  # 23:03 and 23:04 missing
+    out = tmp_path / "r.json"
+    assert main(["inspect", str(csv), "--tokenizer", "none", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    (stream,) = rep["streams"].values()
+    assert rep["gaps"] == stream["gaps"] == 1 and rep["tokens_per_line"] is None
+    assert "to 2021-12-31T23:05:00.000+00:00" in stream["gap_samples"][0]
+    assert rep["first_ts"] == 1640991720 * S and rep["last_ts"] == 1640991960 * S

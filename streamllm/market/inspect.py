@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from feeds.events import EVENT_TYPES
+from feeds.events import EVENT_TYPES, Bar
 from feeds.sources import ReadOptions, add_read_args, open_source, read_options
 from streamllm.market.render import Renderer
 
@@ -37,17 +37,30 @@ class StreamReport:
     lines: list[str] = field(default_factory=list)
     renderer: Renderer = field(default_factory=Renderer)
     tokens: list[int] = field(default_factory=list)
+    gaps: int = 0  # sequence gaps the parser saw on this stream, plus missing bar intervals
+    gap_samples: list[str] = field(default_factory=list)
+    _bar_end: int | None = None
 
     def add(self, ev: Any) -> None:
         self.events += 1
+        if type(ev) is Bar:
+            if self._bar_end is not None and ev.ts_open > self._bar_end:
+                self.gap(f"no bar from {_when(self._bar_end)} to {_when(ev.ts_open)}")
+            self._bar_end = ev.ts_event if self._bar_end is None else max(self._bar_end, ev.ts_event)
         ts = ev.ts_event
         self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
         self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
         if len(self.lines) < TOKEN_LINES:
             self.lines.append(self.renderer.render(ev))
 
+    def gap(self, text: str) -> None:
+        self.gaps += 1
+        if len(self.gap_samples) < 5:
+            self.gap_samples.append(text)
+
     def as_dict(self) -> dict[str, Any]:
-        return {"events": self.events, "first_ts": self.first_ts, "last_ts": self.last_ts,
+        return {"events": self.events, "first_ts": self.first_ts, "last_ts": self.last_ts, "gaps": self.gaps,
+                "gap_samples": self.gap_samples,
                 "tokens_per_line": statistics.mean(self.tokens) if self.tokens else None,
                 "lines": [{"text": t, "tokens": n if self.tokens else None}
                           for t, n in zip(self.lines[:SAMPLE_LINES], self.tokens or [0] * SAMPLE_LINES, strict=False)]}
@@ -64,12 +77,20 @@ def inspect_file(path: str | Path, opts: ReadOptions) -> dict[str, Any]:
             rep = streams[key] = StreamReport()
         rep.add(ev)
     stats = src.stats
+    for where, n in stats.gap_keys.items():  # "BTCUSDT@depth" -> the stream "BTCUSDT book"
+        symbol, _, channel = where.partition("@")
+        kind = "book" if channel.startswith("depth") else "trade" if "rade" in channel else ""
+        rep = streams.get(f"{symbol} {kind}")
+        if rep is not None:
+            rep.gaps += n
+            rep.gap_samples += [g for g in stats.gap_samples if g.startswith(where)][: 5 - len(rep.gap_samples)]
+    time_gaps = sum(r.gaps for r in streams.values()) - sum(stats.gap_keys.values())
     firsts = [r.first_ts for r in streams.values() if r.first_ts is not None]
     lasts = [r.last_ts for r in streams.values() if r.last_ts is not None]
     return {"file": str(path), "format": type(src).__name__, "venue": getattr(src, "venue", ""),
             "messages": stats.messages, "events": sum(r.events for r in streams.values()),
             "errors": stats.errors, "error_kinds": dict(stats.error_kinds), "error_samples": stats.error_samples[:5],
-            "gaps": stats.gaps, "gap_samples": stats.gap_samples[:5], "notes": list(getattr(src, "notes", [])),
+            "gaps": stats.gaps + max(0, time_gaps), "gap_samples": stats.gap_samples[:5], "notes": list(getattr(src, "notes", [])),
             "first_ts": min(firsts, default=None), "last_ts": max(lasts, default=None), "_streams": streams}
 
 
@@ -106,7 +127,10 @@ def print_report(rep: dict[str, Any]) -> None:
         print(f"  gap: {s}")
     for name, s in rep["streams"].items():
         tpl = f", {s['tokens_per_line']:.1f} tokens/line" if s["tokens_per_line"] is not None else ""
-        print(f"  {name}: {s['events']} events, {_when(s['first_ts'])} -> {_when(s['last_ts'])}{tpl}")
+        gaps = f", {s['gaps']} gaps" if s["gaps"] else ""
+        print(f"  {name}: {s['events']} events, {_when(s['first_ts'])} -> {_when(s['last_ts'])}{gaps}{tpl}")
+        for g in s["gap_samples"][:2]:
+            print(f"    gap: {g}")
         for line in s["lines"]:
             n = f"[{line['tokens']:>2}] " if line["tokens"] is not None else ""
             print(f"    {n}{line['text']}")
