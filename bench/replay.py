@@ -146,16 +146,24 @@ def feed_events(data: list[str], seed: int, duration_s: float | None, opts: Any 
     from feeds.sources import open_recorded
     from feeds.synthetic import SyntheticFeed
 
-    if data:
-        events: Iterable[Any] = merge(*open_recorded(data, opts, what="--data"))
-    else:
-        events = SyntheticFeed(seed=seed).events()
+    sources = open_recorded(data, opts, what="--data") if data else []
+    for src in sources:
+        for note in getattr(src, "notes", []):
+            print(f"note: {note}", file=sys.stderr)
+    events: Iterable[Any] = merge(*sources) if data else SyntheticFeed(seed=seed).events()
     first = None
-    for ev in events:
-        first = ev.ts_recv if first is None else first
-        if duration_s is not None and ev.ts_recv - first > duration_s * 1e9:
-            return
-        yield ev
+    try:
+        for ev in events:
+            first = ev.ts_recv if first is None else first
+            if duration_s is not None and ev.ts_recv - first > duration_s * 1e9:
+                return
+            yield ev
+    finally:
+        for src in sources:  # what the sources refused: counted, named, never silently dropped
+            st = getattr(src, "stats", None)
+            if st is not None and (st.errors or st.gaps):
+                print(f"--data {getattr(src, 'path', '')}: {st.errors} errors {st.error_kinds}, {st.gaps} gaps"
+                      + (f"; e.g. {st.error_samples[0]}" if st.error_samples else ""), file=sys.stderr)
 
 
 @dataclass(slots=True)

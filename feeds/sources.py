@@ -108,6 +108,7 @@ class _Loaded:
         self.rows = table.events()
         self.stats = table.stats
         self.notes = table.notes
+        self.path = table.path
 
     def __iter__(self):
         return iter(self.rows)

@@ -93,6 +93,9 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
     if len(insts) == 1 and not opts.instrument:  # tables without a symbol column belong to the sessions' one
         opts = replace(opts, instrument=insts.pop())
     sources = open_recorded(str(feed.path).split(","), opts, what=f"feed {feed.kind}")
+    for src in sources:
+        for note in getattr(src, "notes", []):
+            log.warning("feed %s: %s", feed, note)
     return apaced(merge(*sources), speed)
 
 
