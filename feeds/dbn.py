@@ -34,6 +34,7 @@ _SIDES = {dbn.Side.BID: BUY, dbn.Side.ASK: SELL, dbn.Side.NONE: UNKNOWN_SIDE}
 _BAR_NS = {"ohlcv-1s": 1_000_000_000, "ohlcv-1m": 60_000_000_000, "ohlcv-1h": 3_600_000_000_000,
            "ohlcv-1d": 86_400_000_000_000, "ohlcv-eod": 86_400_000_000_000}
 CHUNK = 1 << 20
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def price_dp(raw: int) -> int:
@@ -64,14 +65,15 @@ class DbnSource:
     def __post_init__(self) -> None:
         self.path = Path(self.path)
 
-    def _decoder(self) -> Any:
-        zst = self.path.name.lower().endswith(".zst")
+    def _decoder(self, head: bytes) -> Any:
+        zst = head[:4] == ZSTD_MAGIC  # by content, not name: a .dbn may be compressed and vice versa
         return dbn.DBNDecoder(compression=dbn.Compression.ZSTD if zst else dbn.Compression.NONE)
 
     def __iter__(self) -> Iterator[Any]:
-        dec = self._decoder()
         read = 0
         with open(self.path, "rb") as fh:
+            dec = self._decoder(fh.read(4))
+            fh.seek(0)
             while True:
                 chunk = fh.read(CHUNK)
                 if not chunk:
@@ -84,9 +86,6 @@ class DbnSource:
                     self.stats.error(f"{self.path}: not readable as DBN after {read} bytes "
                                      f"({self.stats.messages} records): {exc}", chunk[:60], "bad_dbn")
                     return
-                if not self.venue and records and isinstance(records[0], dbn.Metadata):
-                    self._metadata(records[0])
-                self.venue = self.venue or "databento"
                 for rec in records:
                     yield from self._record(rec)
         left = len(dec.buffer())
@@ -123,8 +122,8 @@ class DbnSource:
 
     def _metadata(self, md: Any) -> None:
         self.schema = str(md.schema) if md.schema is not None else ""
-        if not self.venue:
-            self.venue = str(md.dataset) or "databento"
+        if not self.venue:  # every DBN stream starts with its metadata: set before any record
+            self.venue = str(md.dataset or "") or "databento"
         for raw_symbol, intervals in (md.mappings or {}).items():
             for iv in intervals:
                 sym = str(iv["symbol"])

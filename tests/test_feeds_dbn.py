@@ -116,3 +116,12 @@ def test_truncated_and_garbage_dbn_are_counted(tmp_path: Path) -> None:
 
 def test_price_decimals() -> None:
     assert [price_dp(x) for x in (4500_250_000_000, 4500 * PX, 1, 123_456_789)] == [2, 0, 9, 9]
+
+
+def test_compression_is_told_by_content_not_name(tmp_path: Path) -> None:
+    plain = trades_file(tmp_path / "a.dbn").read_bytes()
+    (tmp_path / "b.dbn").write_bytes(pa.compress(plain, codec="zstd", asbytes=True))
+    (tmp_path / "c.dbn.zst").write_bytes(plain)
+    want = list(DbnSource(tmp_path / "a.dbn"))
+    assert len(want) == 3
+    assert list(DbnSource(tmp_path / "b.dbn")) == want == list(DbnSource(tmp_path / "c.dbn.zst"))
