@@ -125,6 +125,16 @@ def _dbn_rate(path: Path) -> tuple[float, int]:
     return n / elapsed, n
 
 
+def _dbn_decode_rate(data: bytes) -> float:
+    import databento_dbn as dbn
+
+    start = time.perf_counter()
+    dec = dbn.DBNDecoder()
+    dec.write(data)
+    n = len(dec.decode()) - 1  # the metadata
+    return n / (time.perf_counter() - start)
+
+
 def fuzz_corpus(folder: Path, capture: Path | None, n: int, seed: int = 0) -> list[Path]:
     """`n` damaged files: real capture lines, a DBN file, bar and trade tables, each cut, flipped,
     spliced with random bytes, before and after compression."""
@@ -221,6 +231,7 @@ def run(data: Path, reps: int) -> dict[str, Any]:
         dbn_path.write_bytes(dbn_trades(200_000))
         rates = [_dbn_rate(dbn_path) for _ in range(reps)]
     report["dbn_events_per_s"] = statistics.median(r for r, _ in rates)
+    report["dbn_decode_records_per_s"] = _dbn_decode_rate(dbn_trades(200_000))  # the package alone
     report["dbn_events"] = rates[0][1]
     btc = next((p for p in captures if p.name.startswith("btcusdt")), captures[0])
     crashes, samples = bad_input_crashes(btc)

@@ -86,28 +86,30 @@ class DbnSource:
                     self.stats.error(f"{self.path}: not readable as DBN after {read} bytes "
                                      f"({self.stats.messages} records): {exc}", chunk[:60], "bad_dbn")
                     return
-                for rec in records:
-                    yield from self._record(rec)
+                yield from self._records(records)
         left = len(dec.buffer())
         if left:
             self.stats.error(f"{self.path}: ends mid-record ({left} bytes after record {self.stats.messages}); "
                              "the records before are kept", b"", "truncated_file")
 
-    def _record(self, rec: Any) -> list[Any]:
-        handler = self._handlers.get(type(rec))
-        if handler is None:
-            if isinstance(rec, dbn.Metadata):
-                self._metadata(rec)
-                return []
-            handler = self._other
-        self.stats.messages += 1
-        try:
-            out = handler(rec)
-        except (ValueError, TypeError, AttributeError, KeyError) as exc:
-            self.stats.error(f"{self.path} record {self.stats.messages}: {exc}", str(rec)[:120], error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
+    def _records(self, records: list[Any]) -> Iterator[Any]:
+        handlers, stats = self._handlers, self.stats
+        for rec in records:
+            handler = handlers.get(type(rec))
+            if handler is None:
+                if isinstance(rec, dbn.Metadata):
+                    self._metadata(rec)
+                    continue
+                handler = self._other
+            stats.messages += 1
+            try:
+                ev = handler(rec)
+            except (ValueError, TypeError, AttributeError, KeyError) as exc:
+                stats.error(f"{self.path} record {stats.messages}: {exc}", str(rec)[:120], error_kind(exc))
+                continue
+            if ev is not None:
+                stats.events += 1
+                yield ev
 
     @property
     def _handlers(self) -> dict[type, Any]:
@@ -147,33 +149,33 @@ class DbnSource:
             self._px_dp[iid] = dp
         return raw * SCALE
 
-    def _trade(self, r: Any) -> list[Any]:
+    def _trade(self, r: Any) -> Trade:
         iid = r.instrument_id
         px = self._px("price", r.price, iid)
         if r.size <= 0:
             raise BadValue("size", r.size, "must be > 0")
-        return [Trade(self.venue, self._symbol(iid), r.ts_event, r.ts_recv, px, float(r.size),
-                      _SIDES.get(r.side, UNKNOWN_SIDE), r.sequence or self.stats.messages, self._px_dp[iid], 0)]
+        return Trade(self.venue, self.symbols.get(iid) or str(iid), r.ts_event, r.ts_recv, px, float(r.size),
+                     _SIDES.get(r.side, UNKNOWN_SIDE), r.sequence or self.stats.messages, self._px_dp[iid], 0)
 
-    def _mbp1(self, r: Any) -> list[Any]:
+    def _mbp1(self, r: Any) -> Trade | Quote | None:
         if r.action == dbn.Action.TRADE:
             return self._trade(r)
         return self._quote(r, r.ts_event, changed_only=True)
 
-    def _bbo(self, r: Any) -> list[Any]:
+    def _bbo(self, r: Any) -> Quote | None:
         return self._quote(r, r.ts_recv, changed_only=False)  # ts_recv: the end of the interval
 
-    def _quote(self, r: Any, ts: int, changed_only: bool) -> list[Any]:
+    def _quote(self, r: Any, ts: int, changed_only: bool) -> Quote | None:
         iid = r.instrument_id
         tob = (r.bid_px_00, r.bid_sz_00, r.ask_px_00, r.ask_sz_00)
         if changed_only and self._tob.get(iid) == tob:
-            return []  # a book event below the top: the quote did not change
+            return None  # a book event below the top: the quote did not change
         self._tob[iid] = tob
         bid, ask = self._px("bid", tob[0], iid), self._px("ask", tob[2], iid)
-        return [Quote(self.venue, self._symbol(iid), ts, r.ts_recv, bid, float(tob[1]), ask, float(tob[3]),
-                      self._px_dp[iid], 0)]
+        return Quote(self.venue, self._symbol(iid), ts, r.ts_recv, bid, float(tob[1]), ask, float(tob[3]),
+                     self._px_dp[iid], 0)
 
-    def _ohlcv(self, r: Any) -> list[Any]:
+    def _ohlcv(self, r: Any) -> Bar:
         iid = r.instrument_id
         iv = _BAR_NS.get(str(r.rtype))
         if iv is None:
@@ -181,15 +183,15 @@ class DbnSource:
         o, h, lo, c = (self._px(n, getattr(r, n), iid) for n in ("open", "high", "low", "close"))
         check_bar(o, h, lo, c, float(r.volume))
         nan = float("nan")
-        return [Bar(self.venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
-                    float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)]
+        return Bar(self.venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
+                   float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)
 
-    def _mapping(self, r: Any) -> list[Any]:
+    def _mapping(self, r: Any) -> None:
         out_sym = str(r.stype_out_symbol)
         self.symbols[r.instrument_id] = str(r.stype_in_symbol) if out_sym.isdigit() else out_sym
         self.stats.control += 1
-        return []
+        return None
 
-    def _other(self, r: Any) -> list[Any]:
+    def _other(self, r: Any) -> None:
         self.stats.control += 1  # definitions, statistics, status, ...: not market events here
-        return []
+        return None
