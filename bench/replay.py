@@ -140,22 +140,30 @@ class RecordingAttachment(Attachment):
         return self.bars[: self.bars_at_version[max(known)]]
 
 
-def feed_events(data: list[str], seed: int, duration_s: float | None) -> Iterator[Any]:
+def feed_events(data: list[str], seed: int, duration_s: float | None, opts: Any = None) -> Iterator[Any]:
     """Recorded captures/tables merged by receive time (or the synthetic feed), cut at duration_s."""
     from feeds.replay import merge
     from feeds.sources import open_recorded
     from feeds.synthetic import SyntheticFeed
 
-    if data:
-        events: Iterable[Any] = merge(*open_recorded(data, what="--data"))
-    else:
-        events = SyntheticFeed(seed=seed).events()
+    sources = open_recorded(data, opts, what="--data") if data else []
+    for src in sources:
+        for note in getattr(src, "notes", []):
+            print(f"note: {note}", file=sys.stderr)
+    events: Iterable[Any] = merge(*sources) if data else SyntheticFeed(seed=seed).events()
     first = None
-    for ev in events:
-        first = ev.ts_recv if first is None else first
-        if duration_s is not None and ev.ts_recv - first > duration_s * 1e9:
-            return
-        yield ev
+    try:
+        for ev in events:
+            first = ev.ts_recv if first is None else first
+            if duration_s is not None and ev.ts_recv - first > duration_s * 1e9:
+                return
+            yield ev
+    finally:
+        for src in sources:  # what the sources refused: counted, named, never silently dropped
+            st = getattr(src, "stats", None)
+            if st is not None and (st.errors or st.gaps):
+                print(f"--data {getattr(src, 'path', '')}: {st.errors} errors {st.error_kinds}, {st.gaps} gaps"
+                      + (f"; e.g. {st.error_samples[0]}" if st.error_samples else ""), file=sys.stderr)
 
 
 @dataclass(slots=True)
@@ -239,7 +247,12 @@ def replay_phase(engine, config: QueryConfig, args: argparse.Namespace, run: Run
     t0 = time.perf_counter()
     asker = run_schedule(schedule, submit, stop)
     try:
-        events = feed_events(args.data or [], args.seed, args.duration)
+        from feeds.sources import read_options
+
+        insts = {s.instrument for s in config.sessions}
+        # Tables without a symbol column hold the sessions' instrument when they share one.
+        opts = read_options(args, instrument=next(iter(insts)) if len(insts) == 1 else "")
+        events = feed_events(args.data or [], args.seed, args.duration, opts)
         asyncio.run(attach(apaced(events, args.speed or None), list(run.attachments.values())))
     finally:
         stop.set()  # the feed ended: no more asks (their answers would all see the last data)
@@ -389,6 +402,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=512, help="baselines' prefill chunk in tokens")
     p.add_argument("--peer-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8080 (llama-server)")
     p.add_argument("--answer-timeout", type=float, default=600.0)
+    from feeds.sources import add_read_args
+
+    add_read_args(p)
     p.add_argument("--json", help="write the flat metrics here")
     p.add_argument("--out", default="report", help="folder for report.md and the PNG plots")
     return p

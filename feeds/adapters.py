@@ -79,6 +79,7 @@ class FeedAdapter:
         max_reconnects: int | None = None,
         on_raw: Callable[[int, str], None] | None = None,
         seed: int | None = None,
+        market: str = "spot",
     ) -> None:
         if venue not in DEFAULT_URLS:
             raise ValueError(f"unknown venue {venue!r} (one of {sorted(DEFAULT_URLS)})")
@@ -86,12 +87,15 @@ class FeedAdapter:
             raise ValueError(f"{venue} adapter: no symbols to subscribe")
         self.venue = venue
         self.symbols = list(symbols)
-        self.channels = list(channels or DEFAULT_CHANNELS[venue])
-        self.url = url or DEFAULT_URLS[venue]
+        if market != "spot" and venue != "binance":
+            raise ValueError(f"--market {market} is for binance, not {venue}")
+        futures = market != "spot"
+        self.channels = list(channels or (binance.FUTURES_CHANNELS if futures else DEFAULT_CHANNELS[venue]))
+        self.url = url or (binance.URLS[market] if venue == "binance" and market in binance.URLS else DEFAULT_URLS[venue])
         self.credentials = credentials or {}
         if venue == "alpaca" and not {"key", "secret"} <= self.credentials.keys():
             raise AuthError("alpaca adapter needs credentials={'key': ..., 'secret': ...}")
-        self.parser = parser_for(venue, loads=loads)
+        self.parser = parser_for(venue, loads=loads, **({"market": market} if venue == "binance" else {}))
         self.backoff_s = backoff_s
         self.idle_timeout_s = idle_timeout_s
         self.ping_s = ping_s

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade, float_decimals
+from feeds.validate import check_bar, error_kind, nonnegative, positive
 from feeds.wire import AuthError, Loads, ParseStats, VenueError, fast_loads, rfc3339_ns
 
 VENUE = "alpaca"
@@ -49,7 +50,7 @@ class AlpacaParser:
             if not isinstance(msgs, list):
                 raise ValueError("alpaca messages are JSON arrays")
         except (ValueError, TypeError) as exc:
-            self.stats.error(f"alpaca {type(exc).__name__} {exc}", raw)
+            self.stats.error(f"alpaca {type(exc).__name__} {exc}", raw, error_kind(exc))
             return out
         # A batch holds many items: a bad one is counted and the rest still parse.
         for m in msgs:
@@ -58,7 +59,7 @@ class AlpacaParser:
             except AuthError:
                 raise
             except (ValueError, KeyError, TypeError, AttributeError, VenueError) as exc:
-                self.stats.error(f"alpaca {type(exc).__name__} {exc}", raw)
+                self.stats.error(f"alpaca {type(exc).__name__} {exc}", raw, error_kind(exc))
                 continue
             if ev is not None:
                 out.append(ev)
@@ -69,19 +70,22 @@ class AlpacaParser:
         kind = m["T"]
         if kind == "t":
             p, s = m["p"], m["s"]
-            return Trade(VENUE, m["S"], rfc3339_ns(m["t"]), ts_recv, float(p), float(s),
+            return Trade(VENUE, m["S"], rfc3339_ns(m["t"]), ts_recv, positive("price", float(p)),
+                         positive("size", float(s)),
                          _SIDES.get(m.get("tks", ""), UNKNOWN_SIDE), m["i"], float_decimals(p),
                          float_decimals(s))
         if kind == "q":
             bp, ap, bs, as_ = m["bp"], m["ap"], m["bs"], m["as"]
-            return Quote(VENUE, m["S"], rfc3339_ns(m["t"]), ts_recv, float(bp), float(bs), float(ap),
-                         float(as_), max(float_decimals(bp), float_decimals(ap)),
+            return Quote(VENUE, m["S"], rfc3339_ns(m["t"]), ts_recv, positive("bid", float(bp)),
+                         nonnegative("bid_size", float(bs)), positive("ask", float(ap)),
+                         nonnegative("ask_size", float(as_)), max(float_decimals(bp), float_decimals(ap)),
                          max(float_decimals(bs), float_decimals(as_)))
         if kind in ("b", "u", "d"):
             # b: minute bar; u: corrected minute bar; d: daily bar
             interval = 1440 * MIN_NS if kind == "d" else MIN_NS
             open_ns = rfc3339_ns(m["t"])
             o, h, lo, c, v = m["o"], m["h"], m["l"], m["c"], m["v"]
+            check_bar(float(o), float(h), float(lo), float(c), float(v))
             nan = float("nan")  # no buy/sell split in Alpaca bars
             return Bar(VENUE, m["S"], open_ns + interval, ts_recv, open_ns, interval, float(o),
                        float(h), float(lo), float(c), float(v), int(m.get("n", -1)), nan, nan,

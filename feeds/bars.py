@@ -9,12 +9,15 @@ run, so a weekend does not flood a session with thousands of identical lines.
 
 Trades arriving for an interval already closed are counted in `late` and left out of
 the bars (never silently: the counter proves it).
+Trades without a known aggressor side leave the bar's buy/sell split NaN (unknown), so
+the line says nothing about buying instead of "0% bought".
 With `source="quotes"` the bar is the OHLC of the mid price, `trades` counts quote
 updates and volumes are zero.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ class _Open:
     count: int = 0
     buy: float = 0.0
     sell: float = 0.0
+    unknown: float = 0.0  # volume of trades whose aggressor side the source does not know
 
 
 @dataclass(slots=True)
@@ -111,6 +115,8 @@ class BarAggregator:
                 cur.buy += size
             elif side == SELL:
                 cur.sell += size
+            else:
+                cur.unknown += size
         return out
 
     def advance(self, now_ns: int) -> list[Bar]:
@@ -137,8 +143,10 @@ class BarAggregator:
         assert c is not None
         iv = self.interval_ns
         vwap = c.notional / c.volume if c.volume else c.close
+        # A side split with unknown sides in it would be a made-up number: NaN says "unknown".
+        buy, sell = (c.buy, c.sell) if not c.unknown else (math.nan, math.nan)
         bar = Bar(st.venue, inst, (c.bucket + 1) * iv, ts_recv, c.bucket * iv, iv, c.open, c.high,
-                  c.low, c.close, c.volume, c.count, c.buy, c.sell, vwap, st.px_dp, st.sz_dp)
+                  c.low, c.close, c.volume, c.count, buy, sell, vwap, st.px_dp, st.sz_dp)
         st.cur = None
         st.last_bucket = c.bucket
         st.last_close = c.close

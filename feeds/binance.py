@@ -1,63 +1,99 @@
-"""Binance spot websocket: wire parser and protocol (subscribe, keep-alive).
+"""Binance websocket (spot, USDⓈ-M and COIN-M futures): wire parser and protocol.
 
-Formats (Binance spot "WebSocket Streams" docs): payloads arrive raw on `/ws/<stream>`
-or wrapped as `{"stream": "<name>", "data": <payload>}` on `/stream?streams=...`.
+Formats (Binance "WebSocket Streams" docs of each market): payloads arrive raw on
+`/ws/<stream>` or wrapped as `{"stream": "<name>", "data": <payload>}` on `/stream?streams=...`.
   trade        {"e":"trade","E":ms,"s":"BNBBTC","t":id,"p":"0.001","q":"100","T":ms,"m":true,"M":true}
-  aggTrade     {"e":"aggTrade","E":ms,"s":..,"a":id,"p":..,"q":..,"f":id,"l":id,"T":ms,"m":..,"M":..}
-  bookTicker   {"u":id,"s":..,"b":"25.35","B":"31.21","a":"25.36","A":"40.66"}  (no timestamp)
+  aggTrade     {"e":"aggTrade","E":ms,"s":..,"a":id,"p":..,"q":..,"f":id,"l":id,"T":ms,"m":..(,"M")}
+  bookTicker   spot {"u":id,"s":..,"b":"25.35","B":"31.21","a":"25.36","A":"40.66"}  (no time)
+               futures {"e":"bookTicker","u":id,"E":ms,"T":ms,"s":..,"b","B","a","A"}
   kline        {"e":"kline","E":ms,"s":..,"k":{"t","T","s","i","f","L","o","c","h","l","v","n","x","q","V","Q","B"}}
-  depthUpdate  {"e":"depthUpdate","E":ms,"s":..,"U":first,"u":last,"b":[[p,q]..],"a":[[p,q]..]}
-  REST snapshot {"lastUpdateId":id,"bids":[[p,q]..],"asks":[[p,q]..]}  (captures embed one)
-`m` true means the buyer was the maker, i.e. the aggressor sold.
+  depthUpdate  spot {"e":"depthUpdate","E":ms,"s":..,"U":first,"u":last,"b":[[p,q]..],"a":[[p,q]..]}
+               futures adds "T":ms and "pu": the previous event's `u`
+  markPriceUpdate (futures) {"e":"markPriceUpdate","E":ms,"s":..,"p":mark,"i":index,"P":..,"r":funding,"T":next}
+  forceOrder   (futures) {"e":"forceOrder","E":ms,"o":{"s","S":"SELL","o","f","q","p","ap","X","l","z","T"}}
+  REST snapshot {"lastUpdateId":id(,"E","T"),"bids":[[p,q]..],"asks":[[p,q]..]}  (captures embed one)
+`m` true means the buyer was the maker, i.e. the aggressor sold. Times: `T` (the matching
+engine's) when given, else `E`, else the receive time (spot bookTicker).
+
+Depth gaps follow each market's rule. Spot: each update starts where the last ended
+(`U == last u + 1`; after a snapshot `U <= lastUpdateId + 1 <= u`). Futures: each update
+names the previous one (`pu == last u`; after a snapshot `U <= lastUpdateId <= u`), and
+ids are not contiguous, so the spot rule would call every update a gap. A futures-only
+message on a spot parser (or `pu` on spot depth) is refused as a counted error that says
+to pass `--market usdm` or `coinm`; nothing is guessed.
 Control: `{"method":"SUBSCRIBE","params":[..],"id":1}` -> `{"result":null,"id":1}`;
 errors `{"code":2,"msg":"..."}` or `{"error":{"code":..,"msg":..},"id":..}`.
-Keep-alive: the server pings every 20 s and drops a client that does not pong within a
-minute; `websockets` answers pings itself, so no application-level ping is needed.
+Keep-alive: the server pings every 20 s (futures: 3 min) and `websockets` answers pings itself.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade, decimals
+from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
+from feeds.validate import BadValue, check_bar, error_kind, flag, nonnegative, positive
 from feeds.wire import Loads, ParseStats, SeqTracker, VenueError, fast_loads
 
 VENUE = "binance"
-DEFAULT_URL = "wss://stream.binance.com:9443/stream"
+MARKETS = ("spot", "usdm", "coinm")
+URLS = {
+    "spot": "wss://stream.binance.com:9443/stream",
+    "usdm": "wss://fstream.binance.com/stream",
+    "coinm": "wss://dstream.binance.com/stream",
+}
+DEFAULT_URL = URLS["spot"]
 MS = 1_000_000
+INF = math.inf
 
 
-def _levels(rows: list[list[str]]) -> list[tuple[float, float]]:
-    return [(float(p), float(q)) for p, q in rows]
+def _levels(rows: list[list[str]], side: str) -> list[tuple[float, float]]:
+    out = [(float(p), float(q)) for p, q in rows]
+    for px, sz in out:
+        if not (0.0 < px < INF and 0.0 <= sz < INF):
+            positive(side + ".price", px)
+            nonnegative(side + ".size", sz)
+    return out
 
 
 class BinanceParser:
-    """Binance spot messages -> events. Depth and trade ids are checked for gaps per symbol."""
+    """Binance messages of one market -> events; depth and trade ids are checked per symbol."""
 
     venue = VENUE
 
     def __init__(
-        self, loads: Loads = fast_loads, symbol_hint: str = "", closed_klines_only: bool = True
+        self, loads: Loads = fast_loads, symbol_hint: str = "", closed_klines_only: bool = True,
+        market: str = "spot",
     ) -> None:
+        if market not in MARKETS:
+            raise ValueError(f"binance market {market!r}: one of {', '.join(MARKETS)}")
         self.loads = loads
+        self.market = market
+        self.futures = market != "spot"
         self.stats = ParseStats()
         self.seq = SeqTracker(self.stats)
         self.closed_klines_only = closed_klines_only
         self._last_symbol = symbol_hint.upper()
+        self._depth_u: dict[str, int] = {}  # futures: last `u` per symbol
+        self._snap: dict[str, int] = {}  # futures: lastUpdateId of a snapshot not yet bridged
 
     def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         self.stats.messages += 1
         try:
             msg = self.loads(raw)
             data = msg.get("data", msg) if "stream" in msg else msg
-            out = self._dispatch(data, ts_recv, raw)
+            out = self._dispatch(data, ts_recv)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"binance {type(exc).__name__} {exc}", raw)
+            self.stats.error(f"binance {type(exc).__name__} {exc}", raw, error_kind(exc))
             return []
         self.stats.events += len(out)
         return out
 
-    def _dispatch(self, d: dict[str, Any], ts_recv: int, raw: str | bytes) -> list[Any]:
+    def _futures_only(self, what: str) -> None:
+        if not self.futures:
+            raise ValueError(f"{what} is a futures message: pass --market usdm or coinm (parsing as spot)")
+
+    def _dispatch(self, d: dict[str, Any], ts_recv: int) -> list[Any]:
         e = d.get("e")
         if e is None:
             if "b" in d and "u" in d:
@@ -71,67 +107,115 @@ class BinanceParser:
                 err = d.get("error", d)
                 raise VenueError(f"binance error {err.get('code')}: {err.get('msg')}")
             raise ValueError("unknown binance payload")
-        if e == "trade":
+        if e == "trade" or e == "aggTrade":
             s = d["s"]
             self._last_symbol = s
-            t = d["t"]
-            self.seq.check(s + "@trade", t)
-            p, q = d["p"], d["q"]
-            return [
-                Trade(VENUE, s, d["T"] * MS, ts_recv, float(p), float(q), SELL if d["m"] else BUY,
-                      t, decimals(p), decimals(q))
-            ]
+            tid = d["t"] if e == "trade" else d["a"]
+            self.seq.check(f"{s}@{e}", tid)
+            p, q, m = d["p"], d["q"], d["m"]
+            px, sz = float(p), float(q)
+            # Inlined checks: this is the hot path (see feeds.validate for the rules).
+            if not (0.0 < px < INF and 0.0 < sz < INF and (m is True or m is False)):
+                positive("price", px), positive("size", sz), flag("m", m)
+            return [Trade(VENUE, s, d["T"] * MS, ts_recv, px, sz, SELL if m else BUY, tid, decimals(p), decimals(q))]
         if e == "depthUpdate":
-            s = d["s"]
-            self._last_symbol = s
-            first, last = d["U"], d["u"]
-            self.seq.check(s + "@depth", first, last)
-            return [BookDelta(VENUE, s, d["E"] * MS, ts_recv, _levels(d["b"]), _levels(d["a"]), first, last)]
-        if e == "aggTrade":
-            s = d["s"]
-            self._last_symbol = s
-            self.seq.check(s + "@aggTrade", d["a"])
-            p, q = d["p"], d["q"]
-            return [
-                Trade(VENUE, s, d["T"] * MS, ts_recv, float(p), float(q), SELL if d["m"] else BUY,
-                      d["a"], decimals(p), decimals(q))
-            ]
+            return [self._depth(d, ts_recv)]
+        if e == "bookTicker":
+            return [self._book_ticker(d, ts_recv)]
         if e == "kline":
             return self._kline(d, ts_recv)
+        if e == "markPriceUpdate":
+            self._futures_only(e)
+            p, idx, r = d["p"], d.get("i"), d.get("r")
+            return [Mark(VENUE, d["s"], d["E"] * MS, ts_recv, positive("mark", float(p)),
+                         positive("index", float(idx)) if idx not in (None, "") else math.nan,
+                         float(r) if r not in (None, "") else math.nan, int(d.get("T") or 0) * MS,
+                         decimals(p))]
+        if e == "forceOrder":
+            self._futures_only(e)
+            o = d["o"]
+            p = o["ap"] if o.get("ap") not in (None, "", "0", "0.00") else o["p"]
+            q = o.get("z") or o["q"]
+            side = {"BUY": BUY, "SELL": SELL}.get(o["S"])
+            if side is None:
+                raise BadValue("S", o["S"], "must be BUY or SELL")
+            return [Liquidation(VENUE, o["s"], int(o.get("T") or d["E"]) * MS, ts_recv,
+                                positive("price", float(p)), positive("size", float(q)), side,
+                                decimals(p), decimals(q))]
         raise ValueError(f"unknown binance event type {e!r}")
 
     def _book_ticker(self, d: dict[str, Any], ts_recv: int) -> Quote:
         s = d["s"]
         self._last_symbol = s
         b, a, bq, aq = d["b"], d["a"], d["B"], d["A"]
-        return Quote(VENUE, s, ts_recv, ts_recv, float(b), float(bq), float(a), float(aq),
-                     max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))
+        ms = d.get("T") or d.get("E")
+        ts = ms * MS if ms else ts_recv
+        fb, fa, fbq, faq = float(b), float(a), float(bq), float(aq)
+        if not (0.0 < fb < INF and 0.0 < fa < INF and 0.0 <= fbq < INF and 0.0 <= faq < INF):
+            positive("bid", fb), nonnegative("bid_size", fbq), positive("ask", fa), nonnegative("ask_size", faq)
+        return Quote(VENUE, s, ts, ts_recv, fb, fbq, fa, faq, max(decimals(b), decimals(a)),
+                     max(decimals(bq), decimals(aq)))
+
+    def _depth(self, d: dict[str, Any], ts_recv: int) -> BookDelta:
+        s = d["s"]
+        self._last_symbol = s
+        first, last = d["U"], d["u"]
+        if "pu" in d and not self.futures:
+            self._futures_only("depthUpdate with 'pu'")
+        if self.futures:
+            self._futures_gap(s, first, last, d["pu"])
+        else:
+            self.seq.check(s + "@depth", first, last)
+        ms = d.get("T") or d["E"]
+        return BookDelta(VENUE, s, ms * MS, ts_recv, _levels(d["b"], "bids"), _levels(d["a"], "asks"), first, last)
+
+    def _futures_gap(self, s: str, first: int, last: int, pu: int) -> None:
+        key = s + "@depth"
+        snap = self._snap.pop(s, None)
+        if snap is not None:
+            # The first update after a snapshot must span it: U <= lastUpdateId <= u.
+            if last < snap:
+                self._snap[s] = snap  # older than the snapshot: still waiting for the bridge
+                return
+            if first > snap:
+                self.stats.gap(key, snap, first)
+        else:
+            prev = self._depth_u.get(s)
+            if prev is not None and pu != prev:
+                self.stats.gap(key + " pu", prev, pu)
+        self._depth_u[s] = last
 
     def _snapshot(self, d: dict[str, Any], ts_recv: int) -> BookDelta:
         if not self._last_symbol:
             raise ValueError("depth snapshot without a symbol (pass symbol_hint)")
         last = d["lastUpdateId"]
-        key = self._last_symbol + "@depth"
-        self.seq.last[key] = max(last, self.seq.last.get(key, last))
-        return BookDelta(VENUE, self._last_symbol, ts_recv, ts_recv, _levels(d["bids"]),
-                         _levels(d["asks"]), last, last, snapshot=True)
+        s = self._last_symbol
+        if self.futures:
+            self._snap[s] = last
+        else:
+            key = s + "@depth"
+            self.seq.last[key] = max(last, self.seq.last.get(key, last))
+        ms = d.get("T") or d.get("E")
+        ts = ms * MS if ms else ts_recv
+        return BookDelta(VENUE, s, ts, ts_recv, _levels(d["bids"], "bids"), _levels(d["asks"], "asks"),
+                         last, last, snapshot=True)
 
     def _kline(self, d: dict[str, Any], ts_recv: int) -> list[Any]:
         k = d["k"]
-        if self.closed_klines_only and not k["x"]:
+        if self.closed_klines_only and not flag("x", k["x"]):
             self.stats.control += 1
             return []
         s = k["s"]
         o, h, lo, c, v = k["o"], k["h"], k["l"], k["c"], k["v"]
-        vol, buy = float(v), float(k["V"])
-        vwap = float(k["q"]) / vol if vol else float(c)
+        fo, fh, fl, fc, vol = float(o), float(h), float(lo), float(c), float(v)
+        check_bar(fo, fh, fl, fc, vol)
+        buy = float(k["V"])
+        vwap = float(k["q"]) / vol if vol else fc
         close_ns = (k["T"] + 1) * MS  # T is the last ms inside the bar
         open_ns = k["t"] * MS
         dp = max(decimals(o), decimals(h), decimals(lo), decimals(c))
-        return [
-            Bar(VENUE, s, close_ns, ts_recv, open_ns, close_ns - open_ns, float(o), float(h),
-                float(lo), float(c), vol, int(k["n"]), buy, vol - buy, vwap, dp, decimals(v))
-        ]
+        return [Bar(VENUE, s, close_ns, ts_recv, open_ns, close_ns - open_ns, fo, fh, fl, fc, vol, int(k["n"]),
+                    buy, vol - buy, vwap, dp, decimals(v))]
 
 
 def stream_names(symbols: list[str], channels: list[str]) -> list[str]:
@@ -144,3 +228,4 @@ def subscribe_message(symbols: list[str], channels: list[str], req_id: int = 1) 
 
 
 DEFAULT_CHANNELS = ["trade", "bookTicker", "depth@100ms"]
+FUTURES_CHANNELS = ["aggTrade", "bookTicker", "depth@100ms", "markPrice@1s", "forceOrder"]

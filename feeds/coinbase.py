@@ -24,13 +24,28 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, decimals
-from feeds.wire import AuthError, Loads, ParseStats, SeqTracker, VenueError, fast_loads, rfc3339_ns
+from feeds.validate import check_bar, error_kind, nonnegative, positive
+from feeds.wire import (
+    AuthError,
+    Loads,
+    ParseStats,
+    SeqTracker,
+    UnsupportedFormat,
+    VenueError,
+    fast_loads,
+    rfc3339_ns,
+)
 
 VENUE = "coinbase"
 DEFAULT_URL = "wss://advanced-trade-ws.coinbase.com"
 CANDLE_NS = 300 * 1_000_000_000
 _SIDES = {"BUY": BUY, "SELL": SELL}
 NAN = math.nan
+# Coinbase Exchange ws-feed (wss://ws-feed.exchange.coinbase.com): flat messages keyed by "type".
+EXCHANGE_TYPES = frozenset({"match", "last_match", "ticker", "l2update", "snapshot", "received", "open", "done",
+                            "change", "activate", "heartbeat", "subscriptions", "status", "full"})
+EXCHANGE_REFUSAL = ("this looks like Coinbase Exchange (ws-feed: messages keyed by 'type', no 'channel'); "
+                    "supported: Coinbase Advanced Trade (advanced-trade-ws, messages with 'channel' and 'events')")
 
 
 class CoinbaseParser:
@@ -46,6 +61,8 @@ class CoinbaseParser:
         self.stats.messages += 1
         try:
             msg = self.loads(raw)
+            if not isinstance(msg, dict):
+                raise ValueError(f"coinbase messages are JSON objects, got {type(msg).__name__}")
             if msg.get("type") == "error":
                 text = str(msg.get("message", ""))
                 if "auth" in text.lower():
@@ -61,12 +78,14 @@ class CoinbaseParser:
         except AuthError:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"coinbase {type(exc).__name__} {exc}", raw)
+            self.stats.error(f"coinbase {type(exc).__name__} {exc}", raw, error_kind(exc))
             return []
         self.stats.events += len(out)
         return out
 
     def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
+        if "channel" not in msg and msg.get("type") in EXCHANGE_TYPES:
+            raise UnsupportedFormat(EXCHANGE_REFUSAL)
         channel = msg["channel"]
         ts_msg = rfc3339_ns(msg["timestamp"])
         out: list[Any] = []
@@ -75,7 +94,8 @@ class CoinbaseParser:
                 for t in ev["trades"]:
                     p, q = t["price"], t["size"]
                     out.append(
-                        Trade(VENUE, t["product_id"], rfc3339_ns(t["time"]), ts_recv, float(p), float(q),
+                        Trade(VENUE, t["product_id"], rfc3339_ns(t["time"]), ts_recv, positive("price", float(p)),
+                              positive("size", float(q)),
                               _SIDES.get(t["side"], UNKNOWN_SIDE), t["trade_id"], decimals(p), decimals(q))
                     )
         elif channel in ("ticker", "ticker_batch"):
@@ -84,8 +104,9 @@ class CoinbaseParser:
                     b, a = t["best_bid"], t["best_ask"]
                     bq, aq = t.get("best_bid_quantity", "0"), t.get("best_ask_quantity", "0")
                     out.append(
-                        Quote(VENUE, t["product_id"], ts_msg, ts_recv, float(b), float(bq), float(a),
-                              float(aq), max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))
+                        Quote(VENUE, t["product_id"], ts_msg, ts_recv, positive("bid", float(b)),
+                              nonnegative("bid_size", float(bq)), positive("ask", float(a)),
+                              nonnegative("ask_size", float(aq)), max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))
                     )
         elif channel == "l2_data":
             for ev in msg["events"]:
@@ -127,6 +148,7 @@ class CoinbaseParser:
         o, h, lo, cl, v = c["open"], c["high"], c["low"], c["close"], c["volume"]
         open_ns = int(c["start"]) * 1_000_000_000
         dp = max(decimals(o), decimals(h), decimals(lo), decimals(cl))
+        check_bar(float(o), float(h), float(lo), float(cl), float(v))
         # The candles channel gives no trade count, side split or VWAP: -1 and NaN say "unknown".
         return Bar(VENUE, c["product_id"], open_ns + CANDLE_NS, ts_recv, open_ns, CANDLE_NS,
                    float(o), float(h), float(lo), float(cl), float(v), -1, NAN, NAN, NAN, dp, decimals(v))

@@ -98,8 +98,40 @@ class BookDelta:
     snapshot: bool = False
 
 
-Event = Trade | Quote | Bar | BookDelta
-EVENT_TYPES: dict[str, type] = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
+@dataclass(slots=True)
+class Mark:
+    """A futures mark price (Binance markPriceUpdate): mark, index, funding rate (NaN: unknown)."""
+
+    venue: str
+    instrument: str
+    ts_event: int
+    ts_recv: int
+    mark: float
+    index: float
+    funding_rate: float
+    next_funding_ns: int = 0
+    px_dp: int = 2
+
+
+@dataclass(slots=True)
+class Liquidation:
+    """A forced order (Binance forceOrder): `side` is the liquidation order's side (SELL: a
+    long was closed), `price` its average fill price, `size` the quantity filled so far."""
+
+    venue: str
+    instrument: str
+    ts_event: int
+    ts_recv: int
+    price: float
+    size: float
+    side: int
+    px_dp: int = 2
+    sz_dp: int = 4
+
+
+Event = Trade | Quote | Bar | BookDelta | Mark | Liquidation
+EVENT_TYPES: dict[str, type] = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta, "mark": Mark,
+                                "liquidation": Liquidation}
 
 _LEVELS = pa.list_(pa.struct([("price", pa.float64()), ("size", pa.float64())]))
 _COMMON = [
@@ -157,6 +189,26 @@ SCHEMAS: dict[type, pa.Schema] = {
             ("first_seq", pa.int64()),
             ("last_seq", pa.int64()),
             ("snapshot", pa.bool_()),
+        ]
+    ),
+    Mark: pa.schema(
+        _COMMON
+        + [
+            ("mark", pa.float64()),
+            ("index", pa.float64()),
+            ("funding_rate", pa.float64()),
+            ("next_funding_ns", pa.int64()),
+            ("px_dp", pa.int8()),
+        ]
+    ),
+    Liquidation: pa.schema(
+        _COMMON
+        + [
+            ("price", pa.float64()),
+            ("size", pa.float64()),
+            ("side", pa.int8()),
+            ("px_dp", pa.int8()),
+            ("sz_dp", pa.int8()),
         ]
     ),
 }

@@ -20,12 +20,23 @@ from __future__ import annotations
 from typing import Any
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade, float_decimals
-from feeds.wire import Loads, ParseStats, SeqTracker, VenueError, fast_loads, rfc3339_ns
+from feeds.validate import check_bar, error_kind, nonnegative, positive
+from feeds.wire import (
+    Loads,
+    ParseStats,
+    SeqTracker,
+    UnsupportedFormat,
+    VenueError,
+    fast_loads,
+    rfc3339_ns,
+)
 
 VENUE = "kraken"
 DEFAULT_URL = "wss://ws.kraken.com/v2"
 _SIDES = {"buy": BUY, "sell": SELL}
 MIN_NS = 60 * 1_000_000_000
+V1_REFUSAL = ("this looks like Kraken websocket v1 (ws.kraken.com: array messages, 'event' objects); "
+              "supported: Kraken websocket v2 (wss://ws.kraken.com/v2, objects with 'channel')")
 
 
 class KrakenParser:
@@ -43,12 +54,14 @@ class KrakenParser:
             msg = self.loads(raw)
             out = self._dispatch(msg, ts_recv)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"kraken {type(exc).__name__} {exc}", raw)
+            self.stats.error(f"kraken {type(exc).__name__} {exc}", raw, error_kind(exc))
             return []
         self.stats.events += len(out)
         return out
 
     def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
+        if isinstance(msg, list) or "event" in msg:
+            raise UnsupportedFormat(V1_REFUSAL)
         if "method" in msg:
             if msg.get("success") is False:
                 raise VenueError(f"kraken {msg['method']} failed: {msg.get('error')}")
@@ -62,7 +75,8 @@ class KrakenParser:
                 if msg.get("type") == "update":
                     self.seq.check(sym + "@trade", tid)
                 out.append(
-                    Trade(VENUE, sym, rfc3339_ns(t["timestamp"]), ts_recv, float(p), float(q),
+                    Trade(VENUE, sym, rfc3339_ns(t["timestamp"]), ts_recv, positive("price", float(p)),
+                          positive("size", float(q)),
                           _SIDES.get(t["side"], UNKNOWN_SIDE), tid, float_decimals(p), float_decimals(q))
                 )
         elif channel == "ticker":
@@ -70,7 +84,8 @@ class KrakenParser:
                 b, a, bq, aq = t["bid"], t["ask"], t["bid_qty"], t["ask_qty"]
                 ts = rfc3339_ns(t["timestamp"]) if "timestamp" in t else ts_recv
                 out.append(
-                    Quote(VENUE, t["symbol"], ts, ts_recv, float(b), float(bq), float(a), float(aq),
+                    Quote(VENUE, t["symbol"], ts, ts_recv, positive("bid", float(b)), nonnegative("bid_size", float(bq)),
+                          positive("ask", float(a)), nonnegative("ask_size", float(aq)),
                           max(float_decimals(b), float_decimals(a)),
                           max(float_decimals(bq), float_decimals(aq)))
                 )
@@ -100,6 +115,7 @@ class KrakenParser:
         open_ns = rfc3339_ns(c["interval_begin"])
         o, h, lo, cl = c["open"], c["high"], c["low"], c["close"]
         dp = max(float_decimals(o), float_decimals(h), float_decimals(lo), float_decimals(cl))
+        check_bar(float(o), float(h), float(lo), float(cl), float(c["volume"]))
         nan = float("nan")  # no buy/sell split in Kraken's ohlc
         return Bar(VENUE, c["symbol"], open_ns + interval, ts_recv, open_ns, interval, float(o),
                    float(h), float(lo), float(cl), float(c["volume"]), int(c["trades"]), nan, nan,

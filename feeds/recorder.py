@@ -106,10 +106,11 @@ async def record(
     rotate_s: float = 300.0,
     once: bool = False,
     credentials: dict[str, str] | None = None,
+    market: str = "spot",
 ) -> tuple[Recorder, FeedAdapter]:
     rec = Recorder(out, venue, rotate_s)
     adapter = FeedAdapter(venue, symbols, channels, url=url, credentials=credentials,
-                          max_reconnects=0 if once else None, on_raw=rec.on_raw)
+                          max_reconnects=0 if once else None, on_raw=rec.on_raw, market=market)
 
     async def consume() -> None:
         async for ev in adapter.events():
@@ -144,6 +145,8 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--key", help="API key (Alpaca)")
     ap.add_argument("--secret", help="API secret (Alpaca)")
     ap.add_argument("--jwt", help="JWT (Coinbase authenticated channels)")
+    ap.add_argument("--market", default="spot", choices=("spot", "usdm", "coinm"),
+                    help="binance: spot, USD-M or COIN-M futures (URL, channels and depth gap rule)")
     args = ap.parse_args(argv)
     symbols = [s.strip() for s in args.symbols.split(",") if s.strip()]
     channels = [c.strip() for c in args.channels.split(",")] if args.channels else None
@@ -152,7 +155,7 @@ def cli_main(argv: list[str]) -> int:
 
     try:
         rec, adapter = asyncio.run(record(args.venue, symbols, args.out, channels, args.url, args.duration,
-                                          args.rotate_s, args.once, creds))
+                                          args.rotate_s, args.once, creds, args.market))
     except AuthError as exc:
         print(f"streamllm record: {exc}", file=sys.stderr)
         return 3

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from websockets.exceptions import ConnectionClosed
 from feeds.sources import read_capture
 
 HOST = "127.0.0.1"
+log = logging.getLogger("streamllm.feeds.server")
 
 
 @dataclass(slots=True)
@@ -40,11 +42,19 @@ class _Line:
     payload: bytes  # the `data` part of a combined envelope (raw-stream endpoints)
 
 
-def _load(paths: Iterable[str | Path]) -> list[_Line]:
+def _load(paths: Iterable[str | Path], damage: list[str] | None = None) -> list[_Line]:
+    """Every readable line of the captures; damage (a cut gzip, a line without a time) is
+    appended to `damage` and logged, and the lines before it are served."""
     lines: list[_Line] = []
+
+    def damaged(kind: str, text: str, sample: bytes) -> None:
+        log.warning("replay server: %s", text)
+        if damage is not None:
+            damage.append(text)
+
     for path in paths:
         hint = Path(path).name.split("_")[0].lower()
-        for recv, raw in read_capture(path):
+        for recv, raw in read_capture(path, damaged):
             stream, payload = "", raw
             try:
                 msg = orjson.loads(raw)
@@ -68,10 +78,11 @@ class ReplayServer:
     port: int = 0
     lines: list[_Line] = field(default_factory=list, init=False)
     connections: int = field(default=0, init=False)
+    damage: list[str] = field(default_factory=list, init=False)  # what could not be read, per file
     _server: Server | None = field(default=None, init=False)
 
     async def start(self) -> str:
-        self.lines = _load(self.captures)
+        self.lines = _load(self.captures, self.damage)
         self._server = await serve(self._handle, HOST, self.port, max_size=None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.url

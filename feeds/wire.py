@@ -27,6 +27,12 @@ class AuthError(RuntimeError):
     """The venue refused our credentials; reconnecting will not help."""
 
 
+class UnsupportedFormat(ValueError):
+    """The message is a known format we do not read; the text says which and what is supported."""
+
+    kind = "unsupported_format"
+
+
 class VenueError(RuntimeError):
     """The venue reported an error that ends the session (bad subscription, limits)."""
 
@@ -40,15 +46,23 @@ class ParseStats:
     gaps: int = 0
     error_samples: list[str] = field(default_factory=list)
     gap_samples: list[str] = field(default_factory=list)
+    error_kinds: dict[str, int] = field(default_factory=dict)  # bad_price, bad_bar, KeyError, ...
+    gap_keys: dict[str, int] = field(default_factory=dict)  # "BTCUSDT@depth" -> gaps there
 
-    def error(self, reason: str, raw: str | bytes) -> None:
+    def error(self, reason: str, raw: str | bytes, kind: str = "") -> None:
         self.errors += 1
+        if not kind:  # "<venue> <ExceptionClass> <detail>" -> the class
+            parts = reason.split(" ", 2)
+            kind = parts[1] if len(parts) > 1 else reason
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
         if len(self.error_samples) < MAX_SAMPLES:
             head = raw[:120].decode("utf-8", "replace") if isinstance(raw, bytes) else raw[:120]
             self.error_samples.append(f"{reason}: {head!r}")
 
     def gap(self, where: str, expected: int, got: int) -> None:
         self.gaps += 1
+        key = where.split(" ", 1)[0]
+        self.gap_keys[key] = self.gap_keys.get(key, 0) + 1
         if len(self.gap_samples) < MAX_SAMPLES:
             self.gap_samples.append(f"{where}: expected {expected}, got {got}")
 
@@ -59,6 +73,7 @@ class ParseStats:
             "control": self.control,
             "errors": self.errors,
             "gaps": self.gaps,
+            "error_kinds": dict(self.error_kinds),
             "error_samples": list(self.error_samples),
             "gap_samples": list(self.gap_samples),
         }

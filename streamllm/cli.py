@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("streamllm.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
     "model": ("streamllm.model.loader", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
     "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
+    "inspect": ("streamllm.market.inspect", "what a capture, table or DBN file holds: streams, times, gaps, errors"),
     "calibrate": ("streamllm.market.calibrate", "replay data and calibrate gate thresholds"),
     "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
     "ask": ("streamllm.service.client", "ask a question on a running server's session"),

@@ -31,7 +31,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "You watch live market data for {instrument}. Each line is one bar, oldest first. "
     "Answer each question briefly."
 )
-FEED_KINDS = ("synthetic", "binance", "replay", "csv")
+FEED_KINDS = ("synthetic", "binance", "replay", "csv", "cryptofeed")
 FEEDS_WITH_PATH = ("replay", "csv")
 RENDER_MODES = ("bars", "events")
 MAX_CHOICES = 16
@@ -54,9 +54,12 @@ class ConfigError(ValueError):
 class FeedSpec:
     kind: str  # one of FEED_KINDS
     path: Path | None = None  # replay / csv: resolved against the config file's folder
-    symbols: tuple[str, ...] = ()  # binance: stream symbols, lower case
+    symbols: tuple[str, ...] = ()  # binance: stream symbols, lower case; cryptofeed: its symbols
+    exchange: str = ""  # cryptofeed: the exchange (KRAKEN_FUTURES, BYBIT, ...)
 
     def __str__(self) -> str:
+        if self.exchange:
+            return f"{self.kind}:{self.exchange}"
         return f"{self.kind}:{self.path}" if self.path is not None else self.kind
 
 
@@ -270,13 +273,21 @@ class _Reader:
             close = difflib.get_close_matches(kind, FEED_KINDS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise self.fail(key, f"unknown feed {kind!r}{hint}; use 'binance', 'synthetic', "
-                                 "'replay:PATH' or 'csv:PATH'")
+                                 "'replay:PATH', 'csv:PATH' or 'cryptofeed:EXCHANGE'")
+        if kind == "cryptofeed":
+            if not location.strip():
+                raise self.fail(key, "'cryptofeed' needs an exchange: 'cryptofeed:EXCHANGE' (e.g. KRAKEN_FUTURES)")
+            default = [instrument]
+            symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)
+            if not symbols or not all(isinstance(s, str) and s.strip() for s in symbols):
+                raise self.fail(_join(path, "symbols"), f"expected non-empty strings, got {symbols!r}")
+            return FeedSpec(kind, None, tuple(s.strip() for s in symbols), location.strip().upper())
         if kind in FEEDS_WITH_PATH and not location.strip():
             raise self.fail(key, f"{kind!r} needs a path: '{kind}:PATH'")
         if kind not in FEEDS_WITH_PATH and location:
             raise self.fail(key, f"{kind!r} takes no path (got {location!r})")
         if "symbols" in table and kind != "binance":
-            raise self.fail(_join(path, "symbols"), f"only for feed 'binance', not {kind!r}")
+            raise self.fail(_join(path, "symbols"), f"only for feeds 'binance' and 'cryptofeed', not {kind!r}")
         if kind == "binance":
             default = [re.sub(r"[^a-z0-9]", "", instrument.lower())]
             symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)

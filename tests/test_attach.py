@@ -110,3 +110,19 @@ def test_attach_driver_with_synthetic_feed() -> None:
     assert raw.stats.events_as_lines == len(sink.lines["eth-raw"]) == sum(1 for e in evs if e.instrument == "ETHUSDT")
     for s in specs:
         assert s.accounted() == s.stats.events_in == len(evs)
+
+
+def test_bars_mode_takes_a_bar_table_as_bars(tmp_path) -> None:
+    """bench replay --data BARS.csv: a bars session gets one line per bar of the table."""
+    from feeds.sources import ReadOptions, open_recorded
+
+    csv = tmp_path / "btc-perp_1m.csv"
+    csv.write_text("timestamp,open,high,low,close,volume\n1640991660000,100,101,99,100.5,3\n"
+                   "1640991720000,100.5,102,100,101,4\n1640991780000,101,101,100,100,2\n")
+    (src,) = open_recorded([csv], ReadOptions(instrument="BTCUSDT"))
+    sink = Sink()
+    a = Attachment(sink, AttachSpec("btc", mode="bars", bar_s=60, instruments=frozenset({"BTCUSDT"})))
+    asyncio.run(attach(src, [a]))
+    assert sink.lines["btc"] == ["2021-12-31 23:01 100.5 +0.5 h+0.5 l-1 v3", "23:02 101 +0.5 h+1 l-0.5 v4",
+                                 "23:03 100 -1 v2"]
+    assert a.accounted() == a.stats.events_in == 3 and a.stats.ignored == 0

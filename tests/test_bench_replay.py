@@ -132,3 +132,14 @@ def test_replay_on_a_slice_of_a_capture(tmp_path):
     data = [str(SHARED / "btcusdt_20240808.gz"), str(SHARED / "ethusdt_20240808.gz")]
     report = _run(tmp_path, ["--data", *data, "--duration", "60"])
     assert report["lines_pushed"] >= 10  # 60 s of two instruments in 5 s bars
+
+
+def test_replay_takes_a_bar_table_as_bars(tmp_path):
+    """--data BARS.csv on a bars session: every bar becomes a line (it once became none)."""
+    csv = tmp_path / "btc-perp_1m.csv"
+    rows = [f"{1640991660 + 60 * i},{100 + i % 3},{102 + i % 3},{99 + i % 3},{101 + i % 3},{10 + i}" for i in range(59)]
+    csv.write_text("timestamp,open,high,low,close,volume\n" + "\n".join(rows) + "\n")
+    questions = Path(__file__).resolve().parents[1] / "queries" / "bars.toml"
+    report = _run(tmp_path, ["--questions", str(questions), "--data", str(csv), "--speed", "3600",
+                             "--duration", "3600"])
+    assert report["events_in"] == 59 and report["lines_pushed"] == 59

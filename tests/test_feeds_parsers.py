@@ -56,10 +56,10 @@ def test_binance_raw_and_combined_envelopes_and_doc_payloads() -> None:
     assert (q.bid, q.ask, q.px_dp, q.ts_event) == (25.3519, 25.3652, 4, 7)
     kline = {"e": "kline", "E": 1672515782136, "s": "BNBBTC", "k": {
         "t": 1672515780000, "T": 1672515839999, "s": "BNBBTC", "i": "1m", "f": 100, "L": 200,
-        "o": "0.0010", "c": "0.0020", "h": "0.0025", "l": "0.0015", "v": "1000", "n": 100,
+        "o": "0.0010", "c": "0.0020", "h": "0.0025", "l": "0.0010", "v": "1000", "n": 100,
         "x": True, "q": "1.0000", "V": "500", "Q": "0.500", "B": "123456"}}
     (bar,) = p.parse(json.dumps(kline), 9)
-    assert (bar.open, bar.high, bar.low, bar.close, bar.volume, bar.trades) == (0.001, 0.0025, 0.0015, 0.002, 1000, 100)
+    assert (bar.open, bar.high, bar.low, bar.close, bar.volume, bar.trades) == (0.001, 0.0025, 0.001, 0.002, 1000, 100)
     assert bar.buy_volume == 500 and bar.sell_volume == 500 and bar.vwap == pytest.approx(0.001)
     assert bar.interval_ns == 60 * 10**9
     kline["k"]["x"] = False
@@ -130,7 +130,7 @@ CB_HEARTBEAT = {"channel": "heartbeats", "client_id": "", "timestamp": "2023-06-
 def _candles(seq: int, start: str, close: str) -> dict:
     return {"channel": "candles", "client_id": "", "timestamp": "2023-06-09T20:19:35.39625135Z",
             "sequence_num": seq, "events": [{"type": "update", "candles": [
-                {"start": start, "high": "1867.72", "low": "1867.72", "open": "1867.72", "close": close,
+                {"start": start, "high": "1870", "low": "1867.72", "open": "1867.72", "close": close,
                  "volume": "0.20269406", "product_id": "ETH-USD"}]}]}
 
 
@@ -231,3 +231,20 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
     for evs in (q, d):
         write_parquet(evs, tmp_path / "x.parquet")
         assert read_parquet(tmp_path / "x.parquet", type(evs[0])) == evs
+
+
+def test_older_formats_are_named_and_refused_with_what_is_supported() -> None:
+    cb = CoinbaseParser()
+    match = {"type": "match", "trade_id": 10, "sequence": 50, "maker_order_id": "a", "taker_order_id": "b",
+             "time": "2014-11-07T08:19:27.028459Z", "product_id": "BTC-USD", "size": "5.23512", "price": "400.23",
+             "side": "sell"}
+    assert cb.parse(json.dumps(match), 1) == []
+    assert cb.stats.error_kinds == {"unsupported_format": 1}
+    assert "Coinbase Exchange (ws-feed" in cb.stats.error_samples[0] and "supported: Coinbase Advanced Trade" in \
+        cb.stats.error_samples[0]
+    kr = KrakenParser()
+    assert kr.parse('[0,[["5541.20000","0.15850568","1534614057.321597","s","l",""]],"trade","XBT/USD"]', 1) == []
+    assert kr.parse('{"event":"heartbeat"}', 1) == []
+    assert kr.stats.error_kinds == {"unsupported_format": 2}
+    assert "Kraken websocket v1" in kr.stats.error_samples[0] and "supported: Kraken websocket v2" in \
+        kr.stats.error_samples[0]

@@ -160,7 +160,7 @@ BAD_CONFIGS = [
     ("sessions.0.feed", "binanse", "sessions[0].feed", "unknown feed 'binanse' (did you mean 'binance'?)"),
     ("sessions.0.feed", "csv:", "sessions[0].feed", "'csv' needs a path"),
     ("sessions.0.feed", "binance:btc", "sessions[0].feed", "takes no path"),
-    ("sessions.1.symbols", ["ethusdt"], "sessions[1].symbols", "only for feed 'binance'"),
+    ("sessions.1.symbols", ["ethusdt"], "sessions[1].symbols", "only for feeds 'binance' and 'cryptofeed'"),
     ("sessions.0.symbols", [], "sessions[0].symbols", "expected non-empty strings"),
     ("sessions.0.render", "bars", "sessions[0].render", "expected a table, got a string"),
     ("sessions.0.render.mode", "candles", "sessions[0].render.mode", "unknown mode 'candles'"),

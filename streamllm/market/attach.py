@@ -105,6 +105,9 @@ class Attachment:
         if self._agg is None:
             self._pending.append(_Item(1, event=ev))
             return
+        if type(ev) is Bar:  # a table of ready-made bars: each is already a bar line
+            self._pending.append(_Item(1, bar=ev))
+            return
         if type(ev) is not Trade:
             self.stats.ignored += 1
             return
@@ -214,9 +217,10 @@ class Attachment:
             dp = max(t.px_dp for t in trades)
             vol = sum(t.size for t in trades)
             buy = sum(t.size for t in trades if t.side == BUY)
+            known = all(t.side != 0 for t in trades)  # else the buy share is unknown, not low
             lo, hi = min(t.price for t in trades), max(t.price for t in trades)
             parts.append(f"{len(trades)} trades {fixed(lo, dp)}-{fixed(hi, dp)} last {fixed(trades[-1].price, dp)}"
-                         f" v{quantity(vol)}" + (f" b{round(100 * buy / vol)}" if vol > 0 else ""))
+                         f" v{quantity(vol)}" + (f" b{round(100 * buy / vol)}" if vol > 0 and known else ""))
         if quotes:
             q = quotes[-1]
             parts.append(f"{len(quotes)} quotes last bid {fixed(q.bid, q.px_dp)} ask {fixed(q.ask, q.px_dp)}")

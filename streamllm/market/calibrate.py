@@ -286,6 +286,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="bars pushed as one batch before recording "
                                               "(default: the longest label history minus one)")
     p.add_argument("--no-progress", action="store_true")
+    from feeds.sources import add_read_args
+
+    add_read_args(p)
     return p
 
 
@@ -317,7 +320,7 @@ def _data_path(spec: SessionSpec, data: str | None) -> Path:
 
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
-    from feeds.sources import TableSource
+    from feeds.sources import TableSource, read_options
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
@@ -331,10 +334,19 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     if spec.render.mode != "bars":
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
     try:
-        bars = TableSource(path, "bar", instrument=spec.instrument,
-                           bar_interval_s=float(spec.render.bar_seconds or 60)).events()
+        opts = read_options(args)
+        table = TableSource(path, "bar", columns=opts.columns, time_format=opts.time_format, tz=opts.tz,
+                            instrument=spec.instrument, bar_interval_s=float(spec.render.bar_seconds or 60))
+        bars = table.events()
     except Exception as exc:  # polars/IO errors: name the file, keep the cause
         raise CalibrationError(f"cannot read bars from {path}: {exc}") from exc
+    for note in table.notes:
+        print(f"note: {note}")
+    if table.stats.errors:
+        print(f"{path}: {table.stats.errors} rows left out ({table.stats.error_kinds}), e.g. "
+              f"{table.stats.error_samples[0]}", file=sys.stderr)
+    if not bars:
+        raise CalibrationError(f"{path}: no usable bars ({table.stats.errors} rows refused)")
     questions = labelled_questions(spec)
     history = max(q.label.bars_needed for q in questions)
     warmup = history - 1 if args.warmup is None else args.warmup

@@ -13,6 +13,8 @@ The default tokenizer (SmolLM2) spends one token per digit, so lines carry few d
   trade  `23:59:01 buy 61837.63 0.02`
   quote  `23:59:01 bid 61837.63 x3.79 ask 61837.64 x1.55`
   book   `23:59:01 book 3 bids 9 asks` (levels changed; a snapshot says `book snapshot`)
+  mark   `23:59:01 mark 61840.1 index 61838.5 funding 0.01%` (futures mark price)
+  liq    `23:59:01 liquidation sell 61790 0.5` (a forced order; sell: a long was closed)
 
 The first line of each UTC day carries the date in front (`2024-08-09 00:00 ...`), so no
 line needs the date yet none is ambiguous. The renderer is stateful per instrument (the
@@ -27,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade
+from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade
 
 NS_PER_DAY = 86_400 * 1_000_000_000
 _UNITS = ((1e9, "B"), (1e6, "M"), (1e3, "K"))
@@ -113,6 +115,10 @@ class Renderer:
             return self.quote(ev)
         if kind is BookDelta:
             return self.book(ev)
+        if kind is Mark:
+            return self.mark(ev)
+        if kind is Liquidation:
+            return self.liquidation(ev)
         raise TypeError(f"render: no line format for {kind.__name__}")
 
     def _state(self, ev: Any, px_dp: int, sz_dp: int) -> _Inst:
@@ -170,6 +176,8 @@ class Renderer:
     def quote(self, q: Quote) -> str:
         st = self._state(q, q.px_dp, q.sz_dp)
         dp, sdp = st.px_dp, st.sz_dp
+        if not (math.isfinite(q.bid_size) and math.isfinite(q.ask_size)):  # sizes unknown: left out
+            return f"{self._head(q, q.ts_event, hhmmss(q.ts_event))} bid {fixed(q.bid, dp)} ask {fixed(q.ask, dp)}"
         return (f"{self._head(q, q.ts_event, hhmmss(q.ts_event))} bid {fixed(q.bid, dp)} x{fixed(q.bid_size, sdp)}"
                 f" ask {fixed(q.ask, dp)} x{fixed(q.ask_size, sdp)}")
 
@@ -177,6 +185,22 @@ class Renderer:
         head = self._head(d, d.ts_event, hhmmss(d.ts_event))
         what = "book snapshot" if d.snapshot else "book"
         return f"{head} {what} {len(d.bids)} bids {len(d.asks)} asks"
+
+
+    def mark(self, m: Mark) -> str:
+        st = self._state(m, m.px_dp, 0)
+        parts = [self._head(m, m.ts_event, hhmmss(m.ts_event)), "mark", fixed(m.mark, st.px_dp)]
+        if math.isfinite(m.index):
+            parts += ["index", fixed(m.index, st.px_dp)]
+        if math.isfinite(m.funding_rate):
+            parts += ["funding", fixed(100 * m.funding_rate, 4) + "%"]
+        return " ".join(parts)
+
+    def liquidation(self, q: Liquidation) -> str:
+        st = self._state(q, q.px_dp, q.sz_dp)
+        side = "buy" if q.side == BUY else "sell"
+        return (f"{self._head(q, q.ts_event, hhmmss(q.ts_event))} liquidation {side} {fixed(q.price, st.px_dp)}"
+                f" {fixed(q.size, st.sz_dp)}")
 
 
 def render_lines(events: Any, **kw: Any) -> list[str]:

@@ -35,6 +35,7 @@ class FeedGroup:
 
     feed: FeedSpec
     sessions: list[SessionSpec] = field(default_factory=list)
+    read: Any = None  # feeds.sources.ReadOptions for recorded files (--columns, --tz, ...)
 
 
 def parse_feed_override(text: str) -> FeedSpec:
@@ -45,7 +46,9 @@ def parse_feed_override(text: str) -> FeedSpec:
         return FeedSpec("binance")
     if kind in ("replay", "csv") and rest.strip():
         return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
-    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...] or csv:FILE")
+    if kind == "cryptofeed" and rest.strip():
+        return FeedSpec(kind, None, (), rest.strip().upper())
+    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...], csv:FILE or cryptofeed:EXCHANGE")
 
 
 def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGroup]:
@@ -73,10 +76,26 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         for spec in group.sessions:
             symbols += [s for s in (spec.feed.symbols or (spec.instrument.lower(),)) if s not in symbols]
         return FeedAdapter("binance", symbols).events()
-    from feeds.sources import open_recorded
+    if feed.kind == "cryptofeed":
+        from feeds.cryptofeed_adapter import CryptofeedAdapter
+
+        symbols = []
+        for spec in group.sessions:
+            symbols += [s for s in (spec.feed.symbols or (spec.instrument,)) if s not in symbols]
+        return CryptofeedAdapter(feed.exchange, symbols).events()
+    from dataclasses import replace
+
+    from feeds.sources import ReadOptions, open_recorded
 
     assert feed.path is not None
-    sources = open_recorded(str(feed.path).split(","), what=f"feed {feed.kind}")
+    opts = group.read or ReadOptions()
+    insts = {s.instrument for s in group.sessions}
+    if len(insts) == 1 and not opts.instrument:  # tables without a symbol column belong to the sessions' one
+        opts = replace(opts, instrument=insts.pop())
+    sources = open_recorded(str(feed.path).split(","), opts, what=f"feed {feed.kind}")
+    for src in sources:
+        for note in getattr(src, "notes", []):
+            log.warning("feed %s: %s", feed, note)
     return apaced(merge(*sources), speed)
 
 
@@ -218,6 +237,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--log-flush", default="batch", choices=("batch", "interval"),
                         help="batch: fsync before each ack; interval: flush before each ack, fsync every 50 ms")
     parser.add_argument("--log-level", default="INFO")
+    from feeds.sources import add_read_args, read_options
+
+    add_read_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -232,6 +254,8 @@ def main(argv: list[str]) -> int:
         config = load_config(args.config) if args.config else None
         override = parse_feed_override(args.feed) if args.feed else None
         groups = group_feeds(config, override) if config is not None else []
+        for group in groups:
+            group.read = read_options(args)
     except (TokenConfigError, ConfigError, ValueError) as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
         return 2

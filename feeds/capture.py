@@ -1,0 +1,133 @@
+"""Raw websocket captures: gzip text, one message per line, `<recv_ns> <raw json>`.
+
+The format of ../shared/data/binance-spot and of our recorder. A capture goes through the
+same parser as the live adapter, so a replay and a live session see identical events.
+
+A damaged file never ends a replay with a bare traceback: a truncated gzip stream, a file
+that is not gzip at all, or a line without a receive time is counted in the parser's stats
+(kinds `truncated_file`, `not_gzip`, `bad_line`) with the file name and how far it got,
+and every message read before the damage is kept.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from feeds.wire import ParseStats, UnsupportedFormat, WireParser, fast_loads
+
+OnError = Callable[[str, str, bytes], None]  # (kind, message, sample)
+
+
+def read_capture(path: str | Path, on_error: OnError | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yield (recv_ns, raw message). Without `on_error` any damage raises ValueError naming the
+    file; with it, damage is reported there and reading goes on (or stops, at a broken stream)."""
+    lineno, nbytes = 0, 0
+
+    def fail(kind: str, text: str, sample: bytes) -> None:
+        if on_error is None:
+            raise ValueError(text)
+        on_error(kind, text, sample)
+
+    try:
+        with gzip.open(path, "rb") as fh:
+            for line in fh:
+                lineno += 1
+                nbytes += len(line)
+                head, sep, raw = line.rstrip(b"\r\n").partition(b" ")
+                if not sep or not head.isdigit():
+                    fail("bad_line", f"{path}:{lineno}: expected '<recv_ns> <json>', got {line[:60]!r}", line)
+                    continue
+                yield int(head), raw
+    except gzip.BadGzipFile as exc:
+        fail("not_gzip", f"{path}: not a gzip capture ({exc}); read {lineno} lines first", b"")
+    except (EOFError, zlib.error, OSError) as exc:
+        fail("truncated_file", f"{path}: gzip stream ends early or is corrupt after line {lineno} "
+             f"({nbytes} bytes uncompressed): {type(exc).__name__}: {exc}; the {lineno} lines before are kept", b"")
+
+
+def sniff_venue(raw: bytes) -> str:
+    """The venue whose wire format one message is in; UnsupportedFormat says what it is otherwise."""
+    from feeds.coinbase import EXCHANGE_REFUSAL, EXCHANGE_TYPES
+    from feeds.kraken import V1_REFUSAL
+
+    msg: Any = fast_loads(raw)
+    if isinstance(msg, list):
+        if msg and isinstance(msg[0], dict) and "T" in msg[0]:
+            return "alpaca"
+        raise UnsupportedFormat(V1_REFUSAL)
+    if not isinstance(msg, dict):
+        raise UnsupportedFormat(f"a capture message is a JSON object or array, got {type(msg).__name__}")
+    if "stream" in msg or "e" in msg or "lastUpdateId" in msg or ("u" in msg and "b" in msg):
+        return "binance"
+    if "channel" in msg and "events" in msg:
+        return "coinbase"
+    if "channel" in msg or "method" in msg:
+        return "kraken"
+    if "event" in msg:
+        raise UnsupportedFormat(V1_REFUSAL)
+    if msg.get("type") in EXCHANGE_TYPES:
+        raise UnsupportedFormat(EXCHANGE_REFUSAL)
+    raise UnsupportedFormat("not a capture of a supported venue (binance spot/usdm/coinm, coinbase advanced "
+                            f"trade, kraken v2, alpaca): first message keys {sorted(msg)[:8]}")
+
+
+def detect_venue(path: str | Path, probe: int = 20) -> str:
+    """Sniff the first readable messages of a capture; raises ValueError with what it saw."""
+    last: Exception | str | None = None
+
+    def damaged(kind: str, text: str, sample: bytes) -> None:
+        nonlocal last
+        last = text
+
+    for i, (_, raw) in enumerate(read_capture(path, on_error=damaged)):
+        if i >= probe:
+            break
+        try:
+            return sniff_venue(raw)
+        except UnsupportedFormat as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+        except ValueError as exc:
+            last = exc
+    if isinstance(last, str):
+        raise ValueError(last)
+    raise ValueError(f"{path}: no readable message to tell the venue from" + (f" ({last})" if last else ""))
+
+
+@dataclass
+class CaptureSource:
+    """Events of a raw capture, parsed by the venue's live parser (`venue="auto"` sniffs it)."""
+
+    path: Path
+    venue: str = "binance"
+    parser: WireParser | None = None
+    market: str = "spot"  # binance only: spot, usdm or coinm
+
+    def __post_init__(self) -> None:
+        from feeds.sources import parser_for
+
+        self.path = Path(self.path)
+        if self.parser is None:
+            if self.venue == "auto":
+                self.venue = detect_venue(self.path)
+            kw: dict[str, Any] = {}
+            if self.venue == "binance":
+                kw = {"symbol_hint": self.path.name.split("_")[0], "market": self.market}
+            self.parser = parser_for(self.venue, **kw)
+
+    @property
+    def stats(self) -> ParseStats:
+        assert self.parser is not None
+        return self.parser.stats
+
+    def _damage(self, kind: str, text: str, sample: bytes) -> None:
+        self.stats.error(text, sample or text.encode(), kind)
+
+    def __iter__(self) -> Iterator[Any]:
+        parse = self.parser.parse  # type: ignore[union-attr]
+        for recv, raw in read_capture(self.path, self._damage):
+            yield from parse(raw, recv)

@@ -1,0 +1,350 @@
+"""Trades, quotes and bars from Parquet or CSV tables (polars), checked row by row.
+
+A column mapping names the file's column for each of our fields where the aliases do not
+find it (`--columns ts_event=time,close=Close`). What the source decides, so the renderer
+never has to guess:
+
+- Times: epoch numbers (unit from magnitude, or `ts_unit`), datetimes, or strings. A string
+  like `11/5/2019 9:30` could be 11 May or 5 November: it is refused with a request for
+  `--time-format` (naming the order the data proves, when a day above 12 proves one).
+  Times without a zone are read in `tz` (default UTC, and `notes` says so).
+- Missing cells (a row cut mid-line) and impossible values are counted errors naming the
+  row and field (`missing_value`, `bad_price`, `bad_bar`, ...); the row is left out.
+- Precision: the fewest decimals at which every sampled value round-trips, so float32 or
+  Arrow float noise (0.029499000000000000915) renders as 0.029499; `precision` overrides.
+- A side column may say BUYER/SELLER, buy/sell, B/S, bid/ask or 1/-1; a maker flag column
+  (`is_buyer_maker`) maps too. A table without either leaves the side unknown, never "sell".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, from_table
+from feeds.validate import BadValue, check_bar, nonnegative, positive, side_of
+from feeds.wire import ParseStats
+
+KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
+# Column names tried when the mapping does not name a field.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time"),
+    "price": ("price", "px", "last"),
+    "size": ("size", "qty", "quantity", "amount", "volume"),
+    "side": ("side", "aggressor", "aggressor_side", "taker_side"),
+    "maker": ("is_buyer_maker", "isBuyerMaker", "buyer_maker", "is_buyer_market_maker"),
+    "bid": ("bid", "bid_price", "bp", "bid_px_00"),
+    "ask": ("ask", "ask_price", "ap", "ask_px_00"),
+    "bid_size": ("bid_size", "bid_qty", "bs", "bid_sz_00"),
+    "ask_size": ("ask_size", "ask_qty", "as", "ask_sz_00"),
+    "instrument": ("instrument", "symbol"),
+}
+FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
+          "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
+UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
+_SLASHED = re.compile(r"^\s*(\d{1,2})([/.-])(\d{1,2})\2(\d{2,4})(?:[ T](\d{1,2}:\d{2}(:\d{2})?(\.\d+)?))?")
+
+
+class TableFormatError(ValueError):
+    """The table cannot be read as asked (ambiguous dates, missing columns): nothing is guessed."""
+
+
+def parse_columns(text: str | None) -> dict[str, str]:
+    """'ts_event=time,close=Close' -> {'ts_event': 'time', 'close': 'Close'}, refusing unknown fields."""
+    out: dict[str, str] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        ours, sep, theirs = part.partition("=")
+        ours, theirs = ours.strip(), theirs.strip()
+        if not sep or not ours or not theirs:
+            raise ValueError(f"--columns {text!r}: expected FIELD=COLUMN[,FIELD=COLUMN...], got {part!r}")
+        if ours not in FIELDS:
+            raise ValueError(f"--columns: unknown field {ours!r}; one of {', '.join(sorted(FIELDS))}")
+        out[ours] = theirs
+    return out
+
+
+def infer_dp(values: list[float], float32: bool = False, max_dp: int = 12) -> int:
+    """Fewest decimals at which every value round-trips (within the column's float precision)."""
+    rel = 2.0**-23 if float32 else 1e-12
+    sample = [v for v in values[:2000] if v is not None and math.isfinite(v)]
+    for dp in range(max_dp + 1):
+        scale = 10.0**dp
+        if all((v == 0 or round(v * scale) != 0) and abs(v * scale - round(v * scale)) <= 1e-9 + rel * abs(v * scale)
+               for v in sample):
+            return dp
+    return max_dp
+
+
+def _slashed_format(values: list[str], where: str) -> None:
+    """Refuse day/month-ambiguous dates; say which order the data proves when it does."""
+    first = next((v for v in values if v), "")
+    m = _SLASHED.match(first)
+    if not m:
+        return
+    a_max = b_max = 0
+    for v in values:
+        mv = _SLASHED.match(v or "")
+        if mv:
+            a_max, b_max = max(a_max, int(mv.group(1))), max(b_max, int(mv.group(3)))
+    sep, year = m.group(2), "%Y" if len(m.group(4)) == 4 else "%y"
+    clock = " %H:%M" + (":%S" if m.group(6) else "") + ("%.f" if m.group(7) else "") if m.group(5) else ""
+    day_first = f"%d{sep}%m{sep}{year}{clock}"
+    month_first = f"%m{sep}%d{sep}{year}{clock}"
+    if a_max > 12:
+        hint = f"the data shows a day above 12 first: pass --time-format '{day_first}'"
+    elif b_max > 12:
+        hint = f"the data shows a day above 12 second: pass --time-format '{month_first}'"
+    else:
+        hint = f"pass --time-format '{month_first}' (month first) or '{day_first}' (day first)"
+    raise TableFormatError(f"{where}: dates like {first!r} do not say whether day or month comes first; {hint}")
+
+
+def ts_ns(col: pl.Series, where: str, unit: str | None = None, time_format: str | None = None,
+          tz: str | None = None, notes: list[str] | None = None) -> list[int | None]:
+    """A time column -> ns since the epoch (UTC); None where the cell is empty."""
+    if col.dtype == pl.Utf8:
+        if time_format is None:
+            _slashed_format(col.head(5000).to_list(), where)
+        try:
+            col = col.str.to_datetime(format=time_format, time_unit="ns", strict=True)
+        except Exception as exc:  # polars' own message says which value failed
+            raise TableFormatError(f"{where}: cannot read times like {col.drop_nulls().head(1).to_list()} "
+                                   f"({str(exc).splitlines()[0]}); pass --time-format") from exc
+    if col.dtype.is_temporal():
+        if col.dtype == pl.Date:
+            col = col.cast(pl.Datetime("ns"))
+        if getattr(col.dtype, "time_zone", None) is None:
+            if tz is None and notes is not None and len(col):
+                notes.append(f"{where}: times carry no zone; read as UTC (pass --tz to say otherwise)")
+            col = col.dt.replace_time_zone(tz or "UTC")
+        return col.dt.convert_time_zone("UTC").dt.replace_time_zone(None).cast(pl.Datetime("ns")).cast(pl.Int64).to_list()
+    if not col.dtype.is_integer() and not col.dtype.is_float():
+        raise TableFormatError(f"{where}: time column has type {col.dtype}, expected datetime, text or number")
+    if unit is None:
+        # Guess the unit from the magnitude of the first value (epoch 2001+).
+        first = next((abs(float(v)) for v in col.head(100).to_list() if v is not None), 0.0)
+        unit = "ns" if first > 1e17 else "us" if first > 1e14 else "ms" if first > 1e11 else "s"
+    if unit not in UNITS:
+        raise ValueError(f"{where}: time unit {unit!r}: one of {', '.join(UNITS)}")
+    # Non-finite or out-of-range times become empty cells, counted per row as missing_value.
+    scale, x = UNITS[unit], pl.col("t")
+    ok = x.abs() <= (2**63 - 1) // scale
+    if col.dtype.is_float():
+        ok, scaled = ok & x.is_finite(), (x * scale).round()
+    else:
+        x = x.cast(pl.Int64, strict=False)
+        ok, scaled = x.is_not_null() & (x.abs() <= (2**63 - 1) // scale), x * scale
+    frame = pl.DataFrame({"t": col})
+    return frame.select(pl.when(ok).then(scaled).otherwise(None).cast(pl.Int64, strict=False)).to_series().to_list()
+
+
+def guess_kind(columns: list[str]) -> str:
+    names = {c.lower() for c in columns}
+    if {"open", "high", "low", "close"} <= names:
+        return "bar"
+    if names & {"bid", "bid_price", "bp", "bid_px_00"}:
+        return "quote"
+    return "trade"
+
+
+@dataclass
+class TableSource:
+    """Trades, quotes or bars from Parquet or CSV via polars; bad rows are counted in `stats`.
+
+    Fields the file lacks get "unknown" values (side 0, trade count -1, NaN VWAP and side
+    split). Files written by `feeds.events.write_parquet` load with no mapping at all.
+    """
+
+    path: Path
+    kind: str = "bar"  # or "auto": bar with open/high/low/close, quote with bid, else trade
+    columns: Mapping[str, str] = field(default_factory=dict)
+    venue: str = "file"
+    instrument: str = ""
+    ts_unit: str | None = None
+    bar_interval_s: float = 60.0
+    bar_time: str = "open"  # does the bar's time column mark its open or its close?
+    time_format: str | None = None
+    tz: str | None = None
+    precision: tuple[int, int] | None = None  # (price, size) decimals; None: inferred
+    stats: ParseStats = field(default_factory=ParseStats)
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path)
+        if self.kind not in KINDS and self.kind != "auto":
+            raise ValueError(f"TableSource kind {self.kind!r}: one of {sorted(KINDS)} or auto")
+        if not self.instrument:
+            self.instrument = self.path.name.split("_")[0].split(".")[0].upper()
+
+    def _frame(self) -> pl.DataFrame:
+        name = self.path.name.lower()
+        try:
+            if name.endswith(".parquet"):
+                return pl.read_parquet(self.path)
+            if name.endswith((".csv", ".txt", ".csv.gz")):
+                return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000)
+        except Exception as exc:  # polars/IO errors: name the file, keep the cause
+            raise TableFormatError(f"{self.path}: cannot read as a table: {str(exc).splitlines()[0]}") from exc
+        raise TableFormatError(f"{self.path}: expected .parquet or .csv")
+
+    def _col(self, df: pl.DataFrame, name: str, required: bool = True) -> pl.Series | None:
+        if name in self.columns:
+            if self.columns[name] not in df.columns:
+                raise TableFormatError(f"{self.path}: mapped column {self.columns[name]!r} for {name} not in {df.columns}")
+            return df[self.columns[name]]
+        lower = {c.lower(): c for c in df.columns}
+        for alias in ALIASES.get(name, (name,)):
+            if alias.lower() in lower:
+                return df[lower[alias.lower()]]
+        if required:
+            raise TableFormatError(f"{self.path}: no column for {self.kind} field {name!r} (columns {df.columns}); "
+                                   f"pass --columns {name}=COLUMN")
+        return None
+
+    def events(self) -> list[Any]:
+        df = self._frame()
+        if self.kind == "auto":
+            self.kind = guess_kind(df.columns)
+        kind = KINDS[self.kind]
+        if {"venue", "instrument", "ts_event", "ts_recv"} <= set(df.columns):
+            try:
+                return from_table(df.to_arrow(), kind)  # our own schema
+            except (ValueError, TypeError, KeyError) as exc:
+                raise TableFormatError(f"{self.path}: looks like our own {self.kind} schema but: {exc}") from exc
+        if self.kind == "book":
+            raise TableFormatError(f"{self.path}: book deltas load only from our own Parquet schema")
+        where = str(self.path)
+        t = self._col(df, "ts_event")
+        assert t is not None
+        ts = ts_ns(t, f"{where} column {t.name!r}", self.ts_unit, self.time_format, self.tz, self.notes)
+        recv_col = self._col(df, "ts_recv", required=False)
+        recv = ts if recv_col is None else ts_ns(recv_col, where, self.ts_unit, self.time_format, self.tz)
+        inst_col = self._col(df, "instrument", required=False)
+        insts = inst_col.cast(pl.Utf8).to_list() if inst_col is not None else [self.instrument] * len(ts)
+        self.stats.messages = len(ts)
+        rows = getattr(self, "_" + self.kind)(df, ts, recv, insts, recv_col is not None)
+        self.stats.events = len(rows)
+        return rows
+
+    # --- per kind: columns -> checked rows ---
+    def _num(self, df: pl.DataFrame, name: str, required: bool = True) -> tuple[list[Any] | None, bool]:
+        col = self._col(df, name, required)
+        if col is None:
+            return None, False
+        try:
+            return col.cast(pl.Float64).to_list(), col.dtype == pl.Float32
+        except Exception as exc:
+            raise TableFormatError(f"{self.path}: column {col.name!r} ({name}) is not numeric: {exc}") from exc
+
+    def _bad(self, i: int, exc: Exception, kind: str = "") -> None:
+        line = f"row {i + 1}"
+        self.stats.error(f"{self.path} {line}: {exc}", line, kind or getattr(exc, "kind", "") or "bad_row")
+
+    def _missing(self, i: int, named: dict[str, Any]) -> bool:
+        gone = [k for k, v in named.items() if v is None]
+        if gone:
+            self.stats.error(f"{self.path} row {i + 1}: missing {', '.join(gone)}", f"row {i + 1}", "missing_value")
+        return bool(gone)
+
+    def _sides(self, df: pl.DataFrame, n: int) -> list[Any]:
+        col = self._col(df, "side", required=False)
+        if col is not None:
+            if col.dtype == pl.Boolean:
+                raise TableFormatError(f"{self.path}: side column {col.name!r} is boolean; if it is a maker flag "
+                                       f"pass --columns maker={col.name}")
+            return col.to_list()
+        maker = self._col(df, "maker", required=False)
+        if maker is None:
+            return [UNKNOWN_SIDE] * n
+        return [("m", v) for v in maker.to_list()]
+
+    def _trade(self, df, ts, recv, insts, _has_recv) -> list[Trade]:
+        (px, f32p), (sz, f32s) = self._num(df, "price"), self._num(df, "size")
+        assert px is not None and sz is not None
+        sides = self._sides(df, len(ts))
+        pdp, sdp = self.precision or (infer_dp(px, f32p), infer_dp(sz, f32s))
+        out, v = [], self.venue
+        for i in range(len(ts)):
+            if self._missing(i, {"ts_event": ts[i], "price": px[i], "size": sz[i]}):
+                continue
+            try:
+                s = sides[i]
+                side = (_maker(s[1]) if isinstance(s, tuple) else side_of(s))
+                out.append(Trade(v, insts[i], ts[i], recv[i], positive("price", px[i]), positive("size", sz[i]),
+                                 side, i, pdp, sdp))
+            except BadValue as exc:
+                self._bad(i, exc)
+        return out
+
+    def _quote(self, df, ts, recv, insts, _has_recv) -> list[Quote]:
+        (b, f1), (a, f2) = self._num(df, "bid"), self._num(df, "ask")
+        (bs, f3), (as_, _) = self._num(df, "bid_size", False), self._num(df, "ask_size", False)
+        assert b is not None and a is not None
+        n = len(ts)
+        bs, as_ = bs or [0.0] * n, as_ or [0.0] * n
+        pdp, sdp = self.precision or (max(infer_dp(b, f1), infer_dp(a, f2)), max(infer_dp(bs, f3), infer_dp(as_, f3)))
+        out = []
+        for i in range(n):
+            if self._missing(i, {"ts_event": ts[i], "bid": b[i], "ask": a[i], "bid_size": bs[i], "ask_size": as_[i]}):
+                continue
+            try:
+                out.append(Quote(self.venue, insts[i], ts[i], recv[i], positive("bid", b[i]),
+                                 nonnegative("bid_size", bs[i]), positive("ask", a[i]),
+                                 nonnegative("ask_size", as_[i]), pdp, sdp))
+            except BadValue as exc:
+                self._bad(i, exc)
+        return out
+
+    def _bar(self, df, ts, recv, insts, has_recv) -> list[Bar]:
+        cols = {k: self._num(df, k) for k in ("open", "high", "low", "close", "volume")}
+        o, h, lo, c, vol = (cols[k][0] for k in ("open", "high", "low", "close", "volume"))
+        n, nan = len(ts), math.nan
+        cnt_col = self._col(df, "trades", required=False)
+        cnt = cnt_col.cast(pl.Int64).to_list() if cnt_col is not None else [-1] * n
+        buy, sell, vwap = (self._num(df, k, False)[0] or [nan] * n for k in ("buy_volume", "sell_volume", "vwap"))
+        f32 = any(cols[k][1] for k in ("open", "high", "low", "close"))
+        pdp, sdp = self.precision or (max(infer_dp(x, f32) for x in (o, h, lo, c)), infer_dp(vol, cols["volume"][1]))
+        iv = round(self.bar_interval_s * 1_000_000_000)
+        shift = iv if self.bar_time == "open" else 0
+        out = []
+        for i in range(n):
+            if self._missing(i, {"ts_event": ts[i], "open": o[i], "high": h[i], "low": lo[i], "close": c[i],
+                                 "volume": vol[i]}):
+                continue
+            try:
+                check_bar(o[i], h[i], lo[i], c[i], vol[i])
+            except BadValue as exc:
+                self._bad(i, exc)
+                continue
+            close_ns = ts[i] + shift
+            out.append(Bar(self.venue, insts[i], close_ns, recv[i] if has_recv else max(recv[i], close_ns),
+                           close_ns - iv, iv, o[i], h[i], lo[i], c[i], vol[i], -1 if cnt[i] is None else cnt[i],
+                           _nan(buy[i]), _nan(sell[i]), _nan(vwap[i]), pdp, sdp))
+        return out
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.events())
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def _maker(value: Any) -> int:
+    """Buyer-is-maker flag -> aggressor side (the buyer made: the seller took)."""
+    if value is True or value is False:
+        return SELL if value else BUY
+    text = str(value).strip().lower()
+    if text in ("true", "1", "t"):
+        return SELL
+    if text in ("false", "0", "f"):
+        return BUY
+    raise BadValue("maker", value, "must be true or false")

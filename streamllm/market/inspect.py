@@ -1,0 +1,190 @@
+"""`streamllm inspect FILE...`: what a capture, table or DBN file holds, before anyone replays it.
+
+    streamllm inspect ../shared/data/binance-spot/btcusdt_20240808.gz
+    streamllm inspect bars.csv --columns ts_event=Date,volume=Vol --tz America/New_York --json out.json
+
+Per file and per stream (instrument x event kind): events, the time range, gaps, errors
+by kind with a few samples, and three rendered lines with their token counts (the default
+model's tokenizer; `--tokenizer tiny` for a quick look, `none` to skip). Exits 2 with the
+reason when a file cannot be read as asked (unknown format, ambiguous dates, a capture of
+a venue format we do not read).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from feeds.events import EVENT_TYPES, Bar
+from feeds.sources import ReadOptions, add_read_args, open_source, read_options
+from streamllm.market.render import Renderer
+
+SAMPLE_LINES = 3
+TOKEN_LINES = 300  # lines per stream whose tokens are counted
+KIND_NAMES = {cls: name for name, cls in EVENT_TYPES.items()}
+
+
+@dataclass
+class StreamReport:
+    events: int = 0
+    first_ts: int | None = None
+    last_ts: int | None = None
+    lines: list[str] = field(default_factory=list)
+    renderer: Renderer = field(default_factory=Renderer)
+    tokens: list[int] = field(default_factory=list)
+    gaps: int = 0  # sequence gaps the parser saw on this stream, plus missing bar intervals
+    gap_samples: list[str] = field(default_factory=list)
+    _bar_end: int | None = None
+
+    def add(self, ev: Any) -> None:
+        self.events += 1
+        if type(ev) is Bar:
+            if self._bar_end is not None and ev.ts_open > self._bar_end:
+                self.gap(f"no bar from {_when(self._bar_end)} to {_when(ev.ts_open)}")
+            self._bar_end = ev.ts_event if self._bar_end is None else max(self._bar_end, ev.ts_event)
+        ts = ev.ts_event
+        self.first_ts = ts if self.first_ts is None else min(self.first_ts, ts)
+        self.last_ts = ts if self.last_ts is None else max(self.last_ts, ts)
+        if len(self.lines) < TOKEN_LINES:
+            self.lines.append(self.renderer.render(ev))
+
+    def gap(self, text: str) -> None:
+        self.gaps += 1
+        if len(self.gap_samples) < 5:
+            self.gap_samples.append(text)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"events": self.events, "first_ts": self.first_ts, "last_ts": self.last_ts, "gaps": self.gaps,
+                "gap_samples": self.gap_samples,
+                "tokens_per_line": statistics.mean(self.tokens) if self.tokens else None,
+                "lines": [{"text": t, "tokens": n if self.tokens else None}
+                          for t, n in zip(self.lines[:SAMPLE_LINES], self.tokens or [0] * SAMPLE_LINES, strict=False)]}
+
+
+def inspect_file(path: str | Path, opts: ReadOptions) -> dict[str, Any]:
+    """One file's report (no token counts yet); raises ValueError when it cannot be read as asked."""
+    src = open_source(path, opts, what="inspect")
+    streams: dict[str, StreamReport] = {}
+    for ev in src:
+        key = f"{ev.instrument} {KIND_NAMES.get(type(ev), type(ev).__name__)}"
+        rep = streams.get(key)
+        if rep is None:
+            rep = streams[key] = StreamReport()
+        rep.add(ev)
+    stats = src.stats
+    for where, n in stats.gap_keys.items():  # "BTCUSDT@depth" -> the stream "BTCUSDT book"
+        symbol, _, channel = where.partition("@")
+        kind = "book" if channel.startswith("depth") else "trade" if "rade" in channel else ""
+        rep = streams.get(f"{symbol} {kind}")
+        if rep is not None:
+            rep.gaps += n
+            rep.gap_samples += [g for g in stats.gap_samples if g.startswith(where)][: 5 - len(rep.gap_samples)]
+    time_gaps = sum(r.gaps for r in streams.values()) - sum(stats.gap_keys.values())
+    firsts = [r.first_ts for r in streams.values() if r.first_ts is not None]
+    lasts = [r.last_ts for r in streams.values() if r.last_ts is not None]
+    return {"file": str(path), "format": type(src).__name__, "venue": getattr(src, "venue", ""),
+            "messages": stats.messages, "events": sum(r.events for r in streams.values()),
+            "errors": stats.errors, "error_kinds": dict(stats.error_kinds), "error_samples": stats.error_samples[:5],
+            "gaps": stats.gaps + max(0, time_gaps), "gap_samples": stats.gap_samples[:5], "notes": list(getattr(src, "notes", [])),
+            "first_ts": min(firsts, default=None), "last_ts": max(lasts, default=None), "_streams": streams}
+
+
+def count_tokens(reports: list[dict[str, Any]], tokenizer: Any) -> None:
+    every: list[int] = []
+    for rep in reports:
+        per_file: list[int] = []
+        for s in rep["_streams"].values():
+            if tokenizer is not None and s.lines:
+                s.tokens = [len(ids) for ids in tokenizer(s.lines, add_special_tokens=False)["input_ids"]]
+                per_file += s.tokens
+        rep["tokens_per_line"] = statistics.mean(per_file) if per_file else None
+        rep["streams"] = {k: s.as_dict() for k, s in rep.pop("_streams").items()}
+        every += per_file
+
+
+def _when(ts: int | None) -> str:
+    import datetime as dt
+
+    return "-" if ts is None else dt.datetime.fromtimestamp(ts / 1e9, dt.UTC).isoformat(timespec="milliseconds")
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    print(f"{rep['file']}: {rep['format']} {rep['venue']}  {rep['events']} events from {rep['messages']} "
+          f"messages/rows, {rep['errors']} errors, {rep['gaps']} gaps")
+    print(f"  time {_when(rep['first_ts'])} -> {_when(rep['last_ts'])}")
+    for note in rep["notes"]:
+        print(f"  note: {note}")
+    if rep["error_kinds"]:
+        print("  errors: " + ", ".join(f"{k} {n}" for k, n in sorted(rep["error_kinds"].items())))
+        for s in rep["error_samples"][:3]:
+            print(f"    e.g. {s[:160]}")
+    for s in rep["gap_samples"][:3]:
+        print(f"  gap: {s}")
+    for name, s in rep["streams"].items():
+        tpl = f", {s['tokens_per_line']:.1f} tokens/line" if s["tokens_per_line"] is not None else ""
+        gaps = f", {s['gaps']} gaps" if s["gaps"] else ""
+        print(f"  {name}: {s['events']} events, {_when(s['first_ts'])} -> {_when(s['last_ts'])}{gaps}{tpl}")
+        for g in s["gap_samples"][:2]:
+            print(f"    gap: {g}")
+        for line in s["lines"]:
+            n = f"[{line['tokens']:>2}] " if line["tokens"] is not None else ""
+            print(f"    {n}{line['text']}")
+
+
+def _tokenizer(spec: str) -> Any:
+    if spec == "none":
+        return None
+    try:
+        from streamllm.model import load_tokenizer
+
+        return load_tokenizer(spec)
+    except Exception as exc:  # the default tokenizer needs the converted model
+        print(f"inspect: no tokenizer {spec!r} ({type(exc).__name__}: {exc}); token counts skipped", file=sys.stderr)
+        return None
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamllm inspect", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("files", nargs="+", help="captures (.gz), DBN (.dbn, .dbn.zst), tables (.csv, .parquet)")
+    add_read_args(p)
+    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for token counts (tiny, none, ...)")
+    p.add_argument("--json", type=Path, help="write the report here")
+    args = p.parse_args(argv)
+    reports = []
+    try:
+        opts = read_options(args)
+        for name in args.files:
+            reports.append(inspect_file(name, opts))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"streamllm inspect: error: {exc}", file=sys.stderr)
+        return 2
+    count_tokens(reports, _tokenizer(args.tokenizer))
+    for rep in reports:
+        print_report(rep)
+    if args.json is not None:
+        out: dict[str, Any] = reports[0] if len(reports) == 1 else {
+            "events": sum(r["events"] for r in reports), "errors": sum(r["errors"] for r in reports),
+            "gaps": sum(r["gaps"] for r in reports),
+            "first_ts": min((r["first_ts"] for r in reports if r["first_ts"] is not None), default=None),
+            "last_ts": max((r["last_ts"] for r in reports if r["last_ts"] is not None), default=None),
+            "tokens_per_line": _mean([r["tokens_per_line"] for r in reports]),
+            "streams": {f"{r['file']}: {k}": v for r in reports for k, v in r["streams"].items()},
+            "files": reports}
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    unreadable = [r["file"] for r in reports if r["events"] == 0 and r["errors"]]
+    if unreadable:
+        print(f"streamllm inspect: no events could be read from {', '.join(unreadable)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.mean(vals) if vals else None

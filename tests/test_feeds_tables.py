@@ -1,0 +1,173 @@
+"""Tables and captures as users bring them: dates, zones, precision, sides, cut rows, damage."""
+
+from __future__ import annotations
+
+import gzip
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from feeds.bars import bars
+from feeds.events import BUY, SELL, UNKNOWN_SIDE
+from feeds.sources import CaptureSource, ReadOptions, open_recorded, open_source
+from feeds.tables import TableFormatError, TableSource, infer_dp, parse_columns
+from streamllm.market.render import Renderer, render_lines
+
+S = 1_000_000_000
+T0 = 1_573_464_600  # 2019-11-11 09:30:00 UTC
+
+
+def test_ambiguous_dates_are_refused_and_a_format_reads_them(tmp_path: Path) -> None:
+    csv = tmp_path / "spy_trades.csv"
+    csv.write_text("time,price,size\n11/5/2019 9:30,300.5,10\n11/6/2019 9:31,301,5\n")
+    with pytest.raises(TableFormatError, match="--time-format '%m/%d/%Y %H:%M'"):
+        TableSource(csv, "trade").events()
+    us = TableSource(csv, "trade", time_format="%m/%d/%Y %H:%M").events()
+    eu = TableSource(csv, "trade", time_format="%d/%m/%Y %H:%M").events()
+    assert us[0].ts_event == 1_572_946_200 * S  # 5 November 2019 09:30 UTC
+    assert eu[0].ts_event == 1_557_567_000 * S  # 11 May 2019 09:30 UTC
+    proven = tmp_path / "x_trades.csv"
+    proven.write_text("time,price,size\n25/5/2019 9:30,1,1\n")
+    with pytest.raises(TableFormatError, match="day above 12 first: pass --time-format '%d/%m/%Y %H:%M'"):
+        TableSource(proven, "trade").events()
+
+
+def test_naive_times_take_tz_and_say_utc_by_default(tmp_path: Path) -> None:
+    csv = tmp_path / "spy_trades.csv"
+    csv.write_text("time,price,size\n2019-11-11 09:30:00,300.5,10\n")
+    src = TableSource(csv, "trade")
+    (t,) = src.events()
+    assert t.ts_event == T0 * S and any("read as UTC" in n for n in src.notes)
+    (ny,) = TableSource(csv, "trade", tz="America/New_York").events()
+    assert ny.ts_event == (T0 + 5 * 3600) * S  # EST is UTC-5 in November
+    zoned = tmp_path / "z_trades.csv"
+    zoned.write_text("time,price,size\n2019-11-11T10:30:00+01:00,300.5,10\n")
+    zsrc = TableSource(zoned, "trade")
+    assert zsrc.events()[0].ts_event == T0 * S and zsrc.notes == []
+
+
+def test_cut_rows_and_impossible_values_are_counted_not_rendered(tmp_path: Path) -> None:
+    csv = tmp_path / "btc_1m.csv"
+    csv.write_text("timestamp,open,high,low,close,volume\n"
+                   "1640991660000,100,101,99,100.5,3\n"
+                   "1640991720000,100.5,100,101,100.5,3\n"  # high < low
+                   "1640991780000,100.5,102,100,103,3\n"  # close above high
+                   "1640991840000,100.5,102,100,nan,3\n"
+                   "1640991900000,-1,102,100,101,3\n"
+                   "1640991960000,101,102\n")  # cut mid-line
+    src = TableSource(csv, "bar")
+    out = src.events()
+    assert [(b.ts_open // S, b.close) for b in out] == [(1640991660, 100.5)]
+    assert src.stats.error_kinds == {"bad_bar": 4, "missing_value": 1}
+    assert any("row 6: missing low, close, volume" in s for s in src.stats.error_samples)
+    assert any("high=100.0 is below low 101.0" in s for s in src.stats.error_samples)
+    assert render_lines(out) == ["2021-12-31 23:01 100.5 +0.5 h+0.5 l-1 v3"]
+
+
+def test_side_strings_and_maker_flags_map_and_unknown_stays_unknown(tmp_path: Path) -> None:
+    csv = tmp_path / "eth_trades.csv"
+    csv.write_text("ts,price,qty,side\n1700000000000,10,1,BUYER\n1700000000001,10,1,SELLER\n"
+                   "1700000000002,10,1,b\n1700000000003,10,1,S\n1700000000004,10,1,sell\n1700000000005,10,1,up\n")
+    src = TableSource(csv, "trade")
+    assert [t.side for t in src.events()] == [BUY, SELL, BUY, SELL, SELL]
+    assert src.stats.error_kinds == {"bad_side": 1}
+    maker = tmp_path / "BTCUSDT-aggTrades.csv"
+    maker.write_text("time,price,qty,is_buyer_maker\n1700000000000,10,1,True\n1700000000001,10,2,false\n"
+                     "1700000000002,10,2,maybe\n")
+    msrc = TableSource(maker, "trade")
+    assert [t.side for t in msrc.events()] == [SELL, BUY] and msrc.stats.error_kinds == {"bad_maker": 1}
+    plain = tmp_path / "x_trades.csv"
+    plain.write_text("ts,price,qty\n1700000000000,10,1\n1700000001000,11,2\n")
+    trades = TableSource(plain, "trade").events()
+    assert {t.side for t in trades} == {UNKNOWN_SIDE}
+    (bar,) = list(bars(trades, 60.0))
+    assert math.isnan(bar.buy_volume)
+    line = Renderer().render(bar)
+    assert " b" not in line and line.endswith("v3 n2")  # no "b0": the buy share is unknown
+
+
+def test_parquet_float_noise_renders_at_the_data_precision(tmp_path: Path) -> None:
+    prices = np.array([0.029499, 0.0295, 0.02951], dtype=np.float32)
+    path = tmp_path / "doge_trades.parquet"
+    pl.DataFrame({"ts": [1700000000000 + i for i in range(3)], "price": prices,
+                  "size": np.array([1500.5, 20, 7.25], dtype=np.float32)}).write_parquet(path)
+    trades = TableSource(path, "trade").events()
+    assert [(t.px_dp, t.sz_dp) for t in trades] == [(6, 2)] * 3
+    lines = render_lines(trades)
+    assert lines[0].endswith("trade 0.029499 1500.5") and lines[1].endswith("trade 0.0295 20")
+    assert infer_dp([61837.63, 61837.6]) == 2 and infer_dp([float(np.float32(61837.63))], float32=True) == 2
+    assert infer_dp([1e-20]) == 12  # capped
+
+
+def test_columns_flag_maps_fields_and_refuses_unknown() -> None:
+    assert parse_columns("ts_event=time, close=Close") == {"ts_event": "time", "close": "Close"}
+    with pytest.raises(ValueError, match="unknown field 'closing'"):
+        parse_columns("closing=Close")
+    with pytest.raises(ValueError, match="FIELD=COLUMN"):
+        parse_columns("ts_event")
+
+
+def test_bar_table_through_open_recorded_with_columns(tmp_path: Path) -> None:
+    csv = tmp_path / "es_1m.csv"
+    csv.write_text("Date,Open,High,Low,Close,Vol\n2019-11-11 09:30,3080.25,3081,3079.5,3080.75,1200\n")
+    (src,) = open_recorded([csv], ReadOptions(columns={"volume": "Vol"}, tz="America/New_York",
+                                              instrument="ES"))
+    (bar,) = list(src)
+    assert (bar.instrument, bar.ts_open, bar.open, bar.high, bar.low, bar.close, bar.volume, bar.px_dp) == (
+        "ES", (T0 + 5 * 3600) * S, 3080.25, 3081.0, 3079.5, 3080.75, 1200.0, 2)
+
+
+def _capture(path: Path, lines: int) -> bytes:
+    body = "".join(f'{i + 1} {{"u":{i},"s":"BTCUSDT","b":"1.{i:02d}","B":"1","a":"2.00","A":"1"}}\n'
+                   for i in range(lines))
+    data = gzip.compress(body.encode())
+    path.write_bytes(data)
+    return data
+
+
+def test_truncated_capture_keeps_the_prefix_and_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "btcusdt_cut.gz"
+    data = _capture(path, 3000)
+    path.write_bytes(data[: len(data) // 2])
+    src = CaptureSource(path)
+    got = list(src)
+    assert 0 < len(got) < 3000 and [q.bid_size for q in got[:2]] == [1.0, 1.0]
+    assert got[5].bid == 1.05 and got[5].ts_recv == 6
+    assert src.stats.error_kinds == {"truncated_file": 1}
+    assert "btcusdt_cut.gz" in src.stats.error_samples[0] and f"after line {len(got)}" in src.stats.error_samples[0]
+    plain = tmp_path / "ethusdt_plain.gz"
+    plain.write_text('1 {"u":1,"s":"ETHUSDT","b":"1","B":"1","a":"2","A":"1"}\n')
+    psrc = CaptureSource(plain)
+    assert list(psrc) == [] and psrc.stats.error_kinds == {"not_gzip": 1}
+    assert "ethusdt_plain.gz: not a gzip capture" in psrc.stats.error_samples[0]
+
+
+def test_capture_venue_is_sniffed_and_other_formats_named(tmp_path: Path) -> None:
+    path = tmp_path / "btcusdt_x.gz"
+    _capture(path, 2)
+    assert open_source(path).venue == "binance"
+    cb = tmp_path / "cb.gz"
+    cb.write_bytes(gzip.compress(b'1 {"type":"match","trade_id":1,"price":"1","size":"1","side":"buy"}\n'))
+    with pytest.raises(ValueError, match="Coinbase Exchange .ws-feed.*supported: Coinbase Advanced Trade"):
+        open_source(cb)
+    kr = tmp_path / "kr.gz"
+    kr.write_bytes(gzip.compress(b'1 [0,[["5541.2","0.15","1534614057.32","s","l",""]],"trade","XBT/USD"]\n'))
+    with pytest.raises(ValueError, match="Kraken websocket v1.*supported: Kraken websocket v2"):
+        open_source(kr)
+    with pytest.raises(ValueError, match="unknown file format"):
+        open_source(tmp_path.joinpath("x.json").resolve() if tmp_path.joinpath("x.json").write_text("{}") else "")
+
+
+def test_replay_server_serves_the_good_prefix_of_a_cut_capture(tmp_path: Path) -> None:
+    from feeds.server import _load
+
+    path = tmp_path / "btcusdt_cut.gz"
+    data = _capture(path, 3000)
+    path.write_bytes(data[: len(data) // 2])
+    damage: list[str] = []
+    lines = _load([path], damage)
+    assert 0 < len(lines) < 3000 and lines[0].recv_ns == 1
+    assert len(damage) == 1 and "btcusdt_cut.gz: gzip stream ends early" in damage[0]
