@@ -209,7 +209,7 @@ async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], 
 
 
 def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
-    from streamllm.durability.ingest_log import read_session, session_folders
+    from streamllm.durability.log_reader import read_session, session_folders
     from streamllm.service.client import AsyncClient
 
     log_dir = work / "crash-log"
@@ -413,7 +413,7 @@ async def load_run(url: str, seconds: float, clients: int, pid: int | None = Non
 
 
 def load(model: str, work: Path, seconds: float, clients: int) -> dict[str, float]:
-    from streamllm.durability.ingest_log import pushed_lines
+    from streamllm.durability.log_reader import pushed_lines
 
     log_dir = work / "load-log"
     proc, url = start_server(model, log_dir, ["--log-flush", "interval"])

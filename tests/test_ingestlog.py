@@ -7,13 +7,8 @@ import threading
 import pytest
 
 from streamllm.config import parse_question
-from streamllm.durability.ingest_log import (
-    IngestLog,
-    Record,
-    pushed_lines,
-    read_session,
-    session_folders,
-)
+from streamllm.durability.ingest_log import IngestLog, Record
+from streamllm.durability.log_reader import pushed_lines, read_session, session_folders
 from streamllm.durability.recovery import recover
 from streamllm.engine import Engine
 

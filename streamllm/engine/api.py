@@ -132,6 +132,9 @@ class Engine:
         self._residency = threading.RLock()  # evict / restore-on-use, one at a time
         self._ask_ids = itertools.count(1)
         self._fast_answers = self._entry_answers = 0
+        # durability.pressure.AutoEvict: under memory pressure, evict the least-recently-asked idle session.
+        self.auto_evict = None
+        self.last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
         self.core.start()
 
     # -- views for tests and benches (read after wait_idle; mutate only through `call`) ------------
@@ -171,7 +174,13 @@ class Engine:
             with self._lock:
                 if name in self._handles or name in self._evicted:
                     raise SessionError(f"session {name!r} is already open")
-            info = self._wait(OpenSession(name, system, prefix, max_context))
+            try:
+                info = self._wait(OpenSession(name, system, prefix, max_context))
+            except AdmissionError:  # durability: evict idle sessions to disk and try once more
+                if self.auto_evict is None or not self.auto_evict.make_room(self, max_context, {name}):
+                    raise
+                info = self._wait(OpenSession(name, system, prefix, max_context))
+            self.last_asked[name] = time.monotonic()
             with self._lock:
                 self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
             if self.ingest_log is not None:
@@ -192,9 +201,13 @@ class Engine:
                 future.result()
             if self.ingest_log is not None:
                 self.ingest_log.record_close(name)
+            self.last_asked.pop(name, None)
 
-    def push(self, name: str, lines: list[str]) -> PushAck:
-        """Accept a batch of lines; returns at once with the data_version it will become."""
+    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None) -> PushAck:
+        """Accept a batch of lines; returns at once with the data_version it will become.
+
+        source: (feed id, feed position after this batch), logged with it; with an ingest log a
+        batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds)."""
         lines = validate_lines(lines)
         if not lines:
             raise ValueError("push at least one line")
@@ -210,7 +223,7 @@ class Engine:
                                      f"({room} data tokens); push it in smaller batches")
                 version = h.pushed_version + 1
             if self.ingest_log is not None:  # on disk before the ack; a failed write acks nothing
-                self.ingest_log.record_push(name, version, lines)
+                self.ingest_log.record_push(name, version, lines, source)
             with self._lock:
                 h = self._handle(name)
                 h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
@@ -296,6 +309,7 @@ class Engine:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self._ensure_resident(name)
+        self.last_asked[name] = time.monotonic()
         with self._lock:
             pushed = self._handle(name).pushed_version
         if min_version is not None and min_version > pushed:
@@ -425,6 +439,8 @@ class Engine:
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
         out["sessions_evicted"] = len(self._evicted)
+        if self.auto_evict is not None:
+            out.update(self.auto_evict.stats())
         out["core_alive"] = int(not self.core.stopped)
         return out
 

@@ -16,6 +16,14 @@ events are still waiting to be pushed (see `Attachment.accounted`).
 
 The sink is the engine (`push(session, lines) -> PushAck`, `backlog(session) -> int`);
 anything with those two methods works.
+
+Exactly-once feeds: an attachment with a `feed_id` pushes every batch with its feed
+position (`source=(feed_id, position)`), the index of the first feed event not yet
+represented in a pushed line (events in an open bar are not). The ingest log keeps it
+with the batch; after a restart `resume_from` (the logged position) skips the events
+already delivered, and the log refuses a batch behind it (`DuplicateBatch`, counted
+in `stats.duplicates`). Positions are event indexes of a recorded feed in its
+deterministic order (`replay:`/`csv:` files); a live feed's events cannot be replayed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any, Protocol
 
 from feeds.bars import BarAggregator
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
+from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
 
 
@@ -66,6 +75,8 @@ class AttachStats:
     events_summarized: int = 0  # events represented by summary lines
     events_as_lines: int = 0  # events represented one line each (bars: trades inside pushed bars)
     late: int = 0  # trades for bar intervals already closed
+    resumed_skipped: int = 0  # events delivered before a restart (below `resume_from`): not counted in
+    duplicates: int = 0  # batches the ingest log refused as already delivered
 
 
 @dataclass(slots=True)
@@ -88,6 +99,10 @@ class Attachment:
     _pending: list[_Item] = field(default_factory=list)
     _agg: BarAggregator | None = None
     _bar_events: dict[str, int] = field(default_factory=dict)  # trades inside each open bar
+    feed_id: str | None = None  # set: batches carry (feed_id, position) for exactly-once delivery
+    resume_from: int = 0  # feed events before this index were delivered before a restart
+    _seen: int = 0  # feed events offered so far (the next event's index)
+    _bar_first: dict[str, int] = field(default_factory=dict)  # index of each open bar's first event
 
     def __post_init__(self) -> None:
         if self.renderer is None:
@@ -97,6 +112,11 @@ class Attachment:
 
     # --- in ---
     def offer(self, ev: Any) -> None:
+        index = self._seen
+        self._seen += 1
+        if index < self.resume_from:
+            self.stats.resumed_skipped += 1
+            return
         self.stats.events_in += 1
         inst = self.spec.instruments
         if inst is not None and ev.instrument not in inst:
@@ -115,6 +135,7 @@ class Attachment:
             self._agg.late = 0
         else:
             self._bar_events[ev.instrument] = self._bar_events.get(ev.instrument, 0) + 1
+            self._bar_first.setdefault(ev.instrument, index)  # a bar it closed was popped: this one starts here
 
     def tick(self, now_ns: int) -> None:
         """Close bars whose interval ended (a quiet market still produces bar lines)."""
@@ -123,6 +144,7 @@ class Attachment:
 
     def _take_bars(self, closed: list[Bar]) -> None:
         for bar in closed:
+            self._bar_first.pop(bar.instrument, None)
             n = bar.trades if bar.trades > 0 else 0
             self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
             self._pending.append(_Item(n, bar=bar))
@@ -138,7 +160,15 @@ class Attachment:
                 self._coalesce()
             return None
         lines = [self._line(item) for item in self._pending]
-        ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+        if self.feed_id is None:
+            ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+        else:
+            try:
+                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self.position))
+            except DuplicateBatch:  # delivered before a restart: the log has it already
+                self.stats.duplicates += 1
+                self._pending.clear()
+                return None
         for item in self._pending:
             if item.line is None:
                 self.stats.events_as_lines += item.events
@@ -153,6 +183,11 @@ class Attachment:
             return item.line
         assert self.renderer is not None
         return self.renderer.render(item.bar if item.bar is not None else item.event)
+
+    @property
+    def position(self) -> int:
+        """Index of the first feed event not yet in a pushed line, once the pending lines are pushed."""
+        return min(self._bar_first.values(), default=self._seen)
 
     @property
     def pending_events(self) -> int:
