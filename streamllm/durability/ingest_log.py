@@ -105,6 +105,14 @@ def segment_numbers(folder: Path) -> list[int]:
     return sorted(int(p.stem) for p in folder.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit())
 
 
+def next_segment_number(folder: Path) -> int:
+    """Segment numbers never go back, even when checkpoints truncated every segment:
+    a checkpoint `snap-<version>-<k>` says segment k comes after it."""
+    after = [int(p.name.removesuffix(".safetensors").split("-")[2]) - 1 for p in folder.glob("snap-*-*.safetensors")
+             if p.name.removesuffix(".safetensors").split("-")[2].isdigit()]
+    return max(segment_numbers(folder) + after, default=0) + 1
+
+
 class _Segment:
     """One open segment file and its Arrow stream writer.
 
@@ -269,7 +277,7 @@ class IngestLog:
                 seg = self._segments.pop(session, None)
             if seg is not None:
                 seg.close()
-            return max(segment_numbers(self.folder(session)), default=0) + 1
+            return next_segment_number(self.folder(session))
 
     def sync(self) -> None:
         """fsync every segment with records not yet synced (what the interval syncer does)."""
@@ -304,7 +312,7 @@ class IngestLog:
 
     def _next_segment(self, session: str) -> Path:
         folder = make_dirs(self.folder(session))
-        return folder / f"{max(segment_numbers(folder), default=0) + 1:06d}{SEGMENT_SUFFIX}"
+        return folder / f"{next_segment_number(folder):06d}{SEGMENT_SUFFIX}"
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.fsync_ms / 1000):
