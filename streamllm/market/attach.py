@@ -18,12 +18,15 @@ The sink is the engine (`push(session, lines) -> PushAck`, `backlog(session) -> 
 anything with those two methods works.
 
 Exactly-once feeds: an attachment with a `feed_id` pushes every batch with its feed
-position (`source=(feed_id, position)`), the index of the first feed event not yet
-represented in a pushed line (events in an open bar are not). The ingest log keeps it
-with the batch; after a restart `resume_from` (the logged position) skips the events
-already delivered, and the log refuses a batch behind it (`DuplicateBatch`, counted
-in `stats.duplicates`). Positions are event indexes of a recorded feed in its
-deterministic order (`replay:`/`csv:` files); a live feed's events cannot be replayed.
+position (`source=(feed_id, position)`): the key of the last line in it, a bar's open
+time in bars mode, the event's index in the feed in events mode. The ingest log keeps
+it with the batch. After a restart the feed is replayed from its start with
+`resume_from` = the logged position: every event still goes through the bars and the
+renderer (whose output depends on what came before), but lines with a key at or before
+it are dropped as delivered (`stats.resumed_lines`), and the log refuses a batch behind
+it (`DuplicateBatch`, counted in `stats.duplicates`). This holds for recorded feeds,
+whose events replay in the same order (`replay:`/`csv:` files); a live feed cannot be
+replayed. Keys assume one instrument per attachment in bars mode (what `serve` builds).
 """
 
 from __future__ import annotations
@@ -75,7 +78,8 @@ class AttachStats:
     events_summarized: int = 0  # events represented by summary lines
     events_as_lines: int = 0  # events represented one line each (bars: trades inside pushed bars)
     late: int = 0  # trades for bar intervals already closed
-    resumed_skipped: int = 0  # events delivered before a restart (below `resume_from`): not counted in
+    resumed_lines: int = 0  # lines delivered before a restart (key <= `resume_from`): dropped
+    events_resumed: int = 0  # events those lines represent
     duplicates: int = 0  # batches the ingest log refused as already delivered
 
 
@@ -84,6 +88,7 @@ class _Item:
     """A pending line's source: one event or bar, or a coalesced group."""
 
     events: int  # feed events it represents
+    key: int = 0  # its feed position: bar open time (bars) or event index (events); summaries: the last
     bar: Bar | None = None
     event: Any = None
     line: str | None = None  # set for summaries (already rendered)
@@ -100,9 +105,8 @@ class Attachment:
     _agg: BarAggregator | None = None
     _bar_events: dict[str, int] = field(default_factory=dict)  # trades inside each open bar
     feed_id: str | None = None  # set: batches carry (feed_id, position) for exactly-once delivery
-    resume_from: int = 0  # feed events before this index were delivered before a restart
+    resume_from: int | None = None  # lines with a key up to this were delivered before a restart
     _seen: int = 0  # feed events offered so far (the next event's index)
-    _bar_first: dict[str, int] = field(default_factory=dict)  # index of each open bar's first event
 
     def __post_init__(self) -> None:
         if self.renderer is None:
@@ -114,16 +118,13 @@ class Attachment:
     def offer(self, ev: Any) -> None:
         index = self._seen
         self._seen += 1
-        if index < self.resume_from:
-            self.stats.resumed_skipped += 1
-            return
         self.stats.events_in += 1
         inst = self.spec.instruments
         if inst is not None and ev.instrument not in inst:
             self.stats.ignored += 1
             return
         if self._agg is None:
-            self._pending.append(_Item(1, event=ev))
+            self._add(_Item(1, key=index, event=ev))
             return
         if type(ev) is not Trade:
             self.stats.ignored += 1
@@ -135,7 +136,6 @@ class Attachment:
             self._agg.late = 0
         else:
             self._bar_events[ev.instrument] = self._bar_events.get(ev.instrument, 0) + 1
-            self._bar_first.setdefault(ev.instrument, index)  # a bar it closed was popped: this one starts here
 
     def tick(self, now_ns: int) -> None:
         """Close bars whose interval ended (a quiet market still produces bar lines)."""
@@ -144,10 +144,17 @@ class Attachment:
 
     def _take_bars(self, closed: list[Bar]) -> None:
         for bar in closed:
-            self._bar_first.pop(bar.instrument, None)
             n = bar.trades if bar.trades > 0 else 0
             self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
-            self._pending.append(_Item(n, bar=bar))
+            self._add(_Item(n, key=bar.ts_open, bar=bar))
+
+    def _add(self, item: _Item) -> None:
+        if self.resume_from is not None and item.key <= self.resume_from:
+            self._line(item)  # delivered before the restart: rendered (the renderer keeps state), not pushed
+            self.stats.resumed_lines += 1
+            self.stats.events_resumed += item.events
+            return
+        self._pending.append(item)
 
     # --- out ---
     def flush(self) -> Any:
@@ -164,7 +171,7 @@ class Attachment:
             ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
         else:
             try:
-                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self.position))
+                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self._pending[-1].key))
             except DuplicateBatch:  # delivered before a restart: the log has it already
                 self.stats.duplicates += 1
                 self._pending.clear()
@@ -185,11 +192,6 @@ class Attachment:
         return self.renderer.render(item.bar if item.bar is not None else item.event)
 
     @property
-    def position(self) -> int:
-        """Index of the first feed event not yet in a pushed line, once the pending lines are pushed."""
-        return min(self._bar_first.values(), default=self._seen)
-
-    @property
     def pending_events(self) -> int:
         return sum(item.events for item in self._pending)
 
@@ -198,7 +200,7 @@ class Attachment:
         s = self.stats
         open_bars = sum(self._bar_events.values())
         pending = sum(i.events for i in self._pending if i.line is None)
-        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending
+        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending + s.events_resumed
 
     def _coalesce(self) -> None:
         groups: dict[str, list[_Item]] = {}
@@ -212,7 +214,7 @@ class Attachment:
         for inst, items in groups.items():
             line = self._bar_summary(items) if items[0].bar is not None else self._event_summary(inst, items)
             n = sum(i.events for i in items)
-            done.append(_Item(n, line=line))
+            done.append(_Item(n, key=max(i.key for i in items), line=line))
             self.stats.summaries += 1
             self.stats.events_summarized += n
         self._pending = done

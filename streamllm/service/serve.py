@@ -95,7 +95,7 @@ def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]
         logged = engine.ingest_log.feed_position(name, feed_id) if feed_id and engine.ingest_log else None
         out.append(Attachment(engine, AttachSpec(
             session=name, mode=mode, bar_s=float(spec.render.bar_seconds or 60),
-            instruments=frozenset({spec.instrument})), feed_id=feed_id, resume_from=logged or 0))
+            instruments=frozenset({spec.instrument})), feed_id=feed_id, resume_from=logged))
     return out
 
 
