@@ -101,7 +101,10 @@ class Checkpointer:
         while not self._stop.wait(self.poll_s):
             if self.engine.core.stopped:
                 return
-            for name, record in list(self.engine.core.records.items()):
+            records = dict(self.engine.core.records)
+            for gone in set(self.last) - set(records) - set(getattr(self.engine, "_evicted", ())):
+                del self.last[gone]  # closed: nothing kept behind
+            for name, record in records.items():
                 if self._stop.is_set() or not self.due(name, record.info.pushed_version):
                     continue
                 try:
