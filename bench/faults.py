@@ -444,7 +444,7 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--fuzz-cases", type=int, default=6000)
     parser.add_argument("--kill-after", type=int, default=400, help="acked batches before SIGKILL")
     parser.add_argument("--replay-lines", type=int, default=240)
-    parser.add_argument("--bounded-reps", type=int, default=3, help="repetitions of the 1 min / 1 h recovery runs")
+    parser.add_argument("--bounded-reps", type=int, default=5, help="repetitions of the 1 min / 1 h recovery runs")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="streamllm-faults-"))
     metrics: dict[str, Any] = {}

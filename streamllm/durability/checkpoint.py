@@ -89,13 +89,16 @@ class Checkpointer:
         return {"checkpoints": self.checkpoints, "checkpoint_write_s": self.write_s_total,
                 "log_segments_truncated": self.segments_truncated, "checkpoint_errors": self.errors}
 
-    def due(self, name: str, pushed_version: int) -> bool:
+    def due(self, name: str, pushed_version: int, backlog_lines: int = 0) -> bool:
+        """Every N versions or T seconds; while the session has a backlog, up to 4x later (a checkpoint
+        with pending lines costs their ingest again at recovery, one taken once they are in does not)."""
         version, at = self.last.get(name, (0, time.monotonic()))
         self.last.setdefault(name, (version, at))
         if pushed_version <= version:
             return False
-        return (self.every_versions > 0 and pushed_version - version >= self.every_versions) or \
-            (self.every_s > 0 and time.monotonic() - at >= self.every_s)
+        stretch = 4 if backlog_lines else 1
+        return (self.every_versions > 0 and pushed_version - version >= stretch * self.every_versions) or \
+            (self.every_s > 0 and time.monotonic() - at >= stretch * self.every_s)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -105,7 +108,7 @@ class Checkpointer:
             for gone in set(self.last) - set(records) - set(getattr(self.engine, "_evicted", ())):
                 del self.last[gone]  # closed: nothing kept behind
             for name, record in records.items():
-                if self._stop.is_set() or not self.due(name, record.info.pushed_version):
+                if self._stop.is_set() or not self.due(name, record.info.pushed_version, record.info.backlog_lines):
                     continue
                 try:
                     self.checkpoint(name)
