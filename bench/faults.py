@@ -11,6 +11,9 @@
    the config parser; anything but the documented error types is an uncaught error.
 4. load: clients pushing, asking and subscribing over loopback for `--load-s`, then
    acked lines vs the sessions and the log; server RSS growth over the run.
+5. durability (bench/durability.py, in-process): simulated power loss per flush policy,
+   recovery after 1 hour vs 1 minute of feed-equivalent data with checkpoints, a replay
+   feed restarted mid-way (duplicates), more sessions than the pool holds (auto eviction).
 
 Also the seed corpora and mutators the fuzz tests share (`SAMPLES`, `mutate`).
 """
@@ -209,7 +212,7 @@ async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], 
 
 
 def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
-    from streamllm.durability.ingest_log import read_session, session_folders
+    from streamllm.durability.log_reader import read_session, session_folders
     from streamllm.service.client import AsyncClient
 
     log_dir = work / "crash-log"
@@ -413,7 +416,7 @@ async def load_run(url: str, seconds: float, clients: int, pid: int | None = Non
 
 
 def load(model: str, work: Path, seconds: float, clients: int) -> dict[str, float]:
-    from streamllm.durability.ingest_log import pushed_lines
+    from streamllm.durability.log_reader import pushed_lines
 
     log_dir = work / "load-log"
     proc, url = start_server(model, log_dir, ["--log-flush", "interval"])
@@ -441,6 +444,7 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--fuzz-cases", type=int, default=6000)
     parser.add_argument("--kill-after", type=int, default=400, help="acked batches before SIGKILL")
     parser.add_argument("--replay-lines", type=int, default=240)
+    parser.add_argument("--bounded-reps", type=int, default=5, help="repetitions of the 1 min / 1 h recovery runs")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="streamllm-faults-"))
     metrics: dict[str, Any] = {}
@@ -450,6 +454,9 @@ def cli_main(argv: list[str]) -> int:
         metrics |= restore_vs_replay(args.model, work, args.replay_lines)
         metrics |= fuzz(args.fuzz_cases)
         metrics |= load(args.model, work, args.load_s, args.clients)
+        from bench.durability import run_all
+
+        metrics |= run_all(args.model, work / "durability", bounded_reps=args.bounded_reps)
         metrics["total_s"] = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -460,5 +467,7 @@ def cli_main(argv: list[str]) -> int:
         print("uncaught:", s)
     write_json(args.json, metrics, {"model": args.model, "machine": machine(), "args": vars(args)})
     ok = metrics["events_acked"] == metrics["events_recovered"] and metrics["uncaught_errors"] == 0 \
-        and metrics["load_lost"] == 0
+        and metrics["load_lost"] == 0 and metrics["power_loss_events_lost"] == 0 \
+        and metrics["replay_feed_duplicates_after_restart"] == 0 and metrics["auto_evictions"] > 0 \
+        and metrics["evicted_restore_logit_diff"] <= 1e-4 and metrics["recovery_ratio_1h_vs_1min"] <= 2
     return 0 if ok else 1

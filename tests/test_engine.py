@@ -267,3 +267,29 @@ def test_tokenizing_from_many_threads_gives_the_same_ids(engine):
     im_end = layout.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert im_end not in layout._encode(f"Question: {questions[0]}", data=True)  # data never becomes control
     assert im_end in expected[questions[0]]  # while the template's own end of turn does
+
+
+def test_concurrent_pushes_to_one_session_get_distinct_versions_in_order(engine):
+    """Acks are assigned by the facade: threads racing on one session must never share a version."""
+    import threading
+
+    engine.open_session("race")
+    acks: list[int] = []
+    lock = threading.Lock()
+
+    def pusher(k: int) -> None:
+        for i in range(40):
+            ack = engine.push("race", [f"12:{k:02d}:{i:02d} 1 +{i}"])
+            with lock:
+                acks.append(ack.data_version)
+
+    threads = [threading.Thread(target=pusher, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(acks) == list(range(1, 161))
+    assert engine.wait_idle(timeout=120)
+    info = engine.session_info("race")
+    assert info.data_version == info.pushed_version == 160 and info.lines_ingested == 160
+    assert engine.stats()["core_alive"] == 1

@@ -7,15 +7,11 @@ import threading
 import pytest
 
 from streamllm.config import parse_question
-from streamllm.durability.ingest_log import (
-    IngestLog,
-    Record,
-    pushed_lines,
-    read_session,
-    session_folders,
-)
+from streamllm.durability.ingest_log import IngestLog, Record
+from streamllm.durability.log_reader import pushed_lines, read_session, session_folders
 from streamllm.durability.recovery import recover
 from streamllm.engine import Engine
+from streamllm.engine.commands import Call
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
 
@@ -155,3 +151,20 @@ def test_a_log_that_does_not_start_with_open_is_reported_not_fatal(make_engine, 
     report = recover(eng, IngestLog(tmp_path))
     assert report.sessions == 1 and "orphan" in report.failed[0]
     assert eng.session_info("ok").pushed_version == 1
+
+
+def test_a_burst_longer_than_one_drain_applies_in_version_order(make_engine, tmp_path):
+    """More pushes than the core drains at once (256) must still reach it in the acked order."""
+    eng = make_engine(ingest_log=IngestLog(tmp_path, flush="interval"))
+    eng.open_session("s", max_context=4096)  # no compaction: every token stays to compare
+    n = 2 * eng.core.max_commands_per_drain
+    blocker = threading.Event()
+    eng.core.submit(Call(lambda core: blocker.wait(10)))  # the core is busy while the burst queues up
+    for i in range(n):
+        eng.push("s", [f"b{i}"])
+    blocker.set()
+    eng.wait_idle()
+    assert eng.failure is None and eng.session_info("s").data_version == n
+    s = eng.sessions["s"]
+    ids = [t for i in range(n) for line in eng.layout.lines_ids([f"b{i}"]) for t in line]
+    assert s.token_ids[s.prefix_len:] == ids  # each batch at the version its ack gave it

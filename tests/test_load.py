@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from bench.faults import load_run
-from streamllm.durability.ingest_log import IngestLog, pushed_lines
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.durability.log_reader import pushed_lines
 from streamllm.engine import Engine
 from streamllm.service.server import ServerConfig, StreamServer
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamllm.durability.ingest_log import read_session, session_folders
+from streamllm.durability.log_reader import read_session, session_folders
 from streamllm.service.client import AsyncClient
 
 ROOT = Path(__file__).resolve().parents[1]

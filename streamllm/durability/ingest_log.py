@@ -1,30 +1,37 @@
 """Durable ingest log: every accepted batch is on disk before its push is acknowledged.
 
-One folder per session, holding Arrow IPC *stream* segments written in order:
+One folder per session, holding Arrow IPC *stream* segments written in order, and the
+session's periodic snapshots (`checkpoint.py`):
 
-    log_dir/sessions/<quoted session name>/000001.arrow  000002.arrow ...
+    log_dir/sessions/<quoted session name>/000001.arrow  000002.arrow ...  snap-000000000120.safetensors
 
 Each record is one row: kind (open | push | register | unregister | restore), session,
 data_version, lines, recv_ns, meta (JSON: system prompt, max_context, question spec,
-snapshot path) and a CRC32 over all of it. A segment is closed (end-of-stream marker)
-and the next one started once it passes `segment_bytes`; a restarted process always
-starts a new segment, so an old one is never appended to.
+snapshot path, the feed position of a push) and a CRC32 over all of it. A segment is
+closed (end-of-stream marker) and the next one started once it passes `segment_bytes`
+or a checkpoint rotates it; a restarted process always starts a new segment, so an old
+one is never appended to.
 
-Durability (`flush`): "batch" flushes and fsyncs each record before the ack (survives
-power loss); "interval" flushes each record to the OS before the ack (survives a killed
-process) and fsyncs every `fsync_ms` from a background thread (a power loss may lose
-that window). Closing a session writes nothing: its folder is renamed aside and removed,
-so recovery never reopens it.
+Durability (`flush`), for an acknowledged push:
 
-Reading (`read_session`) stops at the first record that does not decode or fails its
-CRC: a crash mid-write leaves a torn tail, which is dropped with a warning and cut off
-the segment (`repair=True`), keeping everything before it.
+    policy     process killed (SIGKILL, OOM)     machine loses power
+    batch      kept                              kept: record fsynced before the ack
+    interval   kept: in the OS before the ack    kept once the syncer ran after it (at most
+                                                 `fsync_ms` + one fsync later, or `sync()`);
+                                                 a power loss loses at most that window, always
+                                                 a suffix of each session (never a hole)
+
+With both policies the names are made durable too: the folder is fsynced after a
+segment is created, a folder made or a file renamed (`files.py`), so a power loss can
+never leave an fsynced segment without its directory entry.
+
+Closing a session writes nothing: its folder is renamed aside (durably) and removed, so
+recovery never reopens it. Reading is `log_reader.py` (torn tails, holes).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -32,14 +39,15 @@ import shutil
 import threading
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from streamllm.durability.files import durable_rename, fsync_dir, make_dirs
 
 log = logging.getLogger("streamllm.durability.ingest_log")
 
@@ -61,6 +69,10 @@ class IngestLogError(RuntimeError):
     """The log could not be written: the batch was not acknowledged as durable."""
 
 
+class DuplicateBatch(ValueError):
+    """A feed batch at or before a position already in the log: dropped, not acknowledged."""
+
+
 @dataclass(slots=True)
 class Record:
     kind: str
@@ -71,22 +83,12 @@ class Record:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class SessionLog:
-    """What reading one session's folder found."""
-
-    name: str
-    records: list[Record]
-    segments: int
-    torn: list[str] = field(default_factory=list)  # one "segment: why" per dropped tail
-
-
 def _crc(kind: str, session: str, version: int, lines: list[str], recv_ns: int, meta: str) -> int:
     payload = json.dumps([kind, session, version, lines, recv_ns, meta], ensure_ascii=False).encode()
     return zlib.crc32(payload)
 
 
-def _batch(rec: Record) -> pa.RecordBatch:
+def record_batch(rec: Record) -> pa.RecordBatch:
     meta = json.dumps(rec.meta, ensure_ascii=False, sort_keys=True)
     crc = _crc(rec.kind, rec.session, rec.data_version, rec.lines, rec.recv_ns, meta)
     return pa.record_batch([[rec.kind], [rec.session], [rec.data_version], [rec.lines], [rec.recv_ns], [meta],
@@ -99,14 +101,31 @@ def session_dir_name(session: str) -> str:
     return quote(session, safe="").replace(".", "%2E")
 
 
+def segment_numbers(folder: Path) -> list[int]:
+    return sorted(int(p.stem) for p in folder.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit())
+
+
+def next_segment_number(folder: Path) -> int:
+    """Segment numbers never go back, even when checkpoints truncated every segment:
+    a checkpoint `snap-<version>-<k>` says segment k comes after it."""
+    after = [int(p.name.removesuffix(".safetensors").split("-")[2]) - 1 for p in folder.glob("snap-*-*.safetensors")
+             if p.name.removesuffix(".safetensors").split("-")[2].isdigit()]
+    return max(segment_numbers(folder) + after, default=0) + 1
+
+
 class _Segment:
-    """One open segment file and its Arrow stream writer."""
+    """One open segment file and its Arrow stream writer.
+
+    `written` counts records flushed to the OS, `synced` those covered by an fsync. The
+    syncer reads `written` *before* its fsync and only then raises `synced`, so a record
+    written while an fsync runs is never marked synced by it (the race of a shared flag)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file = open(path, "xb")  # noqa: SIM115 - kept open across appends
+        fsync_dir(path.parent)  # the new name survives a power loss
         self.writer = ipc.new_stream(self.file, SCHEMA)
-        self.dirty = False
+        self.written = self.synced = 0
 
     @property
     def size(self) -> int:
@@ -115,16 +134,16 @@ class _Segment:
     def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
         self.writer.write_batch(batch)
         self.file.flush()  # in the OS before the ack: a killed process loses nothing
+        self.written += 1
         if fsync:
             os.fsync(self.file.fileno())
-        else:
-            self.dirty = True
+            self.synced = self.written
 
     def sync(self) -> None:
-        if self.dirty and not self.file.closed:
-            self.file.flush()
+        target = self.written  # everything counted here is already flushed to the OS
+        if target > self.synced and not self.file.closed:
             os.fsync(self.file.fileno())
-            self.dirty = False
+            self.synced = max(self.synced, target)
 
     def close(self) -> None:
         if self.file.closed:
@@ -132,25 +151,33 @@ class _Segment:
         self.writer.close()  # end-of-stream marker: a complete segment
         self.file.flush()
         os.fsync(self.file.fileno())
+        self.synced = self.written
         self.file.close()
 
 
 class IngestLog:
     def __init__(self, log_dir: str | Path, *, flush: str = "batch", fsync_ms: float = 50.0,
-                 segment_bytes: int = 8 << 20) -> None:
+                 segment_bytes: int = 8 << 20, checkpoint_versions: int = 0, checkpoint_s: float = 0.0) -> None:
         if flush not in FLUSH_POLICIES:
             raise ValueError(f"flush must be one of {FLUSH_POLICIES}, got {flush!r}")
         if segment_bytes < 1024:
             raise ValueError(f"segment_bytes must be at least 1024, got {segment_bytes}")
+        if checkpoint_versions < 0 or checkpoint_s < 0:
+            raise ValueError("checkpoint_versions and checkpoint_s must be >= 0 (0: off)")
         self.root = Path(log_dir)
-        self.sessions_dir = self.root / "sessions"
-        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        self.sessions_dir = make_dirs(self.root / "sessions")
         self.flush, self.fsync_ms, self.segment_bytes = flush, fsync_ms, segment_bytes
+        # Periodic snapshots (checkpoint.Checkpointer, started by recovery): every N versions or T seconds.
+        self.checkpoint_versions, self.checkpoint_s = checkpoint_versions, checkpoint_s
+        self.checkpointer: Any = None
         self._segments: dict[str, _Segment] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._guard = threading.Lock()
+        # session -> feed id -> position after its last logged batch (exactly-once feeds)
+        self.positions: dict[str, dict[str, int]] = {}
         self.records_written = 0
         self.bytes_written = 0
+        self.duplicates_dropped = 0
         self._stop = threading.Event()
         self._syncer = None
         if flush == "interval":
@@ -159,9 +186,12 @@ class IngestLog:
 
     # -- ordering ---------------------------------------------------------
     def session_lock(self, session: str) -> threading.RLock:
-        """Held by a push across version assignment and append: the log is in version order."""
+        """Held by a push across version assignment, append and enqueue: the log is in version order."""
         with self._guard:
             return self._locks.setdefault(session, threading.RLock())
+
+    def folder(self, session: str) -> Path:
+        return self.sessions_dir / session_dir_name(session)
 
     # -- records ----------------------------------------------------------
     def record_open(self, session: str, system: str, max_context: int) -> None:
@@ -172,8 +202,22 @@ class IngestLog:
         self._fresh_folder(session)
         self.append(Record("restore", session, data_version, meta={"path": str(Path(snapshot).absolute())}))
 
-    def record_push(self, session: str, data_version: int, lines: list[str]) -> None:
-        self.append(Record("push", session, data_version, list(lines), time.time_ns()))
+    def record_push(self, session: str, data_version: int, lines: list[str],
+                    source: tuple[str, int] | None = None) -> None:
+        """`source` = (feed id, position after this batch): kept with the batch; an older one is a duplicate."""
+        meta: dict[str, Any] = {}
+        if source is not None:
+            feed, pos = source
+            with self.session_lock(session):
+                last = self.positions.get(session, {}).get(feed)
+                if last is not None and pos < last:
+                    self.duplicates_dropped += 1
+                    raise DuplicateBatch(f"session {session!r}: feed {feed!r} batch at position {pos} is behind "
+                                         f"the logged position {last}: already delivered, dropped")
+                meta = {"feed": feed, "pos": int(pos)}
+        self.append(Record("push", session, data_version, list(lines), time.time_ns(), meta))
+        if source is not None:
+            self.positions.setdefault(session, {})[source[0]] = int(source[1])
 
     def record_register(self, session: str, question: dict[str, Any]) -> None:
         self.append(Record("register", session, meta=question))
@@ -182,21 +226,27 @@ class IngestLog:
         self.append(Record("unregister", session, meta={"id": question_id}))
 
     def record_close(self, session: str) -> None:
-        """The session is gone: rename its folder aside (atomic), then remove it."""
+        """The session is gone: rename its folder aside (atomic, durable), then remove it."""
         with self.session_lock(session):
             with self._guard:
                 seg = self._segments.pop(session, None)
             if seg is not None:
                 seg.close()
-            folder = self.sessions_dir / session_dir_name(session)
-            if not folder.exists():
-                return
-            gone = folder.with_name(f"{folder.name}.closed-{time.time_ns()}")
-            folder.rename(gone)
-        shutil.rmtree(gone, ignore_errors=True)
+            self.positions.pop(session, None)
+            folder = self.folder(session)
+            if folder.exists():
+                gone = folder.with_name(f"{folder.name}.closed-{time.time_ns()}")
+                durable_rename(folder, gone)
+                shutil.rmtree(gone, ignore_errors=True)
+        with self._guard:
+            self._locks.pop(session, None)  # a closed session keeps no lock behind
+
+    def feed_position(self, session: str, feed: str) -> int | None:
+        """Where feed `feed` stands in session `session`'s log (None: never logged)."""
+        return self.positions.get(session, {}).get(feed)
 
     def append(self, rec: Record) -> None:
-        batch = _batch(rec)
+        batch = record_batch(rec)
         try:
             # Per-session lock: one session's fsync never waits for another's.
             with self.session_lock(rec.session):
@@ -218,8 +268,29 @@ class IngestLog:
             raise IngestLogError(f"ingest log for session {rec.session!r}: cannot write {rec.kind} record: {exc}; "
                                  "the batch is not durable and was not acknowledged") from exc
 
+    def rotate(self, session: str) -> int:
+        """Close the session's open segment; returns the number the next record's segment gets.
+
+        Called under `session_lock` by a checkpoint: everything before that number is covered."""
+        with self.session_lock(session):
+            with self._guard:
+                seg = self._segments.pop(session, None)
+            if seg is not None:
+                seg.close()
+            return next_segment_number(self.folder(session))
+
+    def sync(self) -> None:
+        """fsync every segment with records not yet synced (what the interval syncer does)."""
+        with self._guard:
+            segments = list(self._segments.values())
+        for seg in segments:
+            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: its close() synced it
+                seg.sync()
+
     def close(self) -> None:
         self._stop.set()
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         with self._guard:
             for seg in self._segments.values():
                 seg.close()
@@ -228,114 +299,21 @@ class IngestLog:
     # -- internals --------------------------------------------------------
     def _fresh_folder(self, session: str) -> None:
         """A new session starts an empty folder; leftovers of an unrecovered one are moved aside."""
-        folder = self.sessions_dir / session_dir_name(session)
+        folder = self.folder(session)
         with self._guard:
             seg = self._segments.pop(session, None)
         if seg is not None:
             seg.close()
+        self.positions.pop(session, None)
         if folder.exists() and any(folder.iterdir()):
             aside = folder.with_name(f"{folder.name}.replaced-{time.time_ns()}")
             log.warning("ingest log: session %r already had a log folder; kept it as %s", session, aside.name)
-            folder.rename(aside)
+            durable_rename(folder, aside)
 
     def _next_segment(self, session: str) -> Path:
-        folder = self.sessions_dir / session_dir_name(session)
-        folder.mkdir(parents=True, exist_ok=True)
-        numbers = [int(p.stem) for p in folder.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit()]
-        return folder / f"{max(numbers, default=0) + 1:06d}{SEGMENT_SUFFIX}"
+        folder = make_dirs(self.folder(session))
+        return folder / f"{next_segment_number(folder):06d}{SEGMENT_SUFFIX}"
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.fsync_ms / 1000):
-            with self._guard:
-                segments = list(self._segments.values())
-            for seg in segments:
-                with contextlib.suppress(OSError, ValueError):  # closed meanwhile: its close() synced it
-                    seg.sync()
-
-
-# -- reading -------------------------------------------------------------------
-
-
-def session_folders(log_dir: str | Path) -> list[Path]:
-    """Live session folders (closed and replaced ones are skipped), oldest name first."""
-    root = Path(log_dir) / "sessions"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and "." not in p.name)
-
-
-def _read_segment(path: Path) -> tuple[list[Record], str | None, int]:
-    """(records, why the tail was dropped or None, number of good records)."""
-    data = path.read_bytes()
-    records: list[Record] = []
-    try:
-        reader = ipc.open_stream(pa.BufferReader(data))
-    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-        return [], f"no readable schema ({len(data)} bytes): {exc}", 0
-    while True:
-        try:
-            batch = reader.read_next_batch()
-        except StopIteration:
-            return records, None, len(records)
-        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            return records, f"torn record after {len(records)} good ones: {exc}", len(records)
-        try:
-            rows = batch.to_pylist()
-            for row in rows:
-                crc = _crc(row["kind"], row["session"], row["data_version"], row["lines"], row["recv_ns"], row["meta"])
-                if crc != row["crc"] or row["kind"] not in KINDS:
-                    return records, f"record {len(records)} fails its checksum", len(records)
-                records.append(Record(row["kind"], row["session"], row["data_version"], row["lines"],
-                                      row["recv_ns"], json.loads(row["meta"])))
-        except (KeyError, TypeError, ValueError) as exc:
-            return records, f"record {len(records)} does not decode: {exc}", len(records)
-
-
-def _rewrite(path: Path, records: list[Record]) -> None:
-    """Keep only the good records of a torn segment (written aside, then renamed over it)."""
-    tmp = path.with_suffix(".tmp")
-    buf = io.BytesIO()
-    with ipc.new_stream(buf, SCHEMA) as writer:
-        for rec in records:
-            writer.write_batch(_batch(rec))
-    with open(tmp, "wb") as fh:
-        fh.write(buf.getvalue())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def read_session(folder: str | Path, *, repair: bool = False) -> SessionLog:
-    """All good records of one session folder in order; a torn tail is dropped (and cut off with repair)."""
-    folder = Path(folder)
-    segments = sorted(p for p in folder.glob(f"*{SEGMENT_SUFFIX}") if p.stem.isdigit())
-    out = SessionLog(unquote(folder.name), [], len(segments))
-    for path in segments:
-        records, why, _ = _read_segment(path)
-        out.records.extend(records)
-        if why is not None:
-            out.torn.append(f"{path.name}: {why}")
-            log.warning("ingest log %s/%s: %s; dropped it, kept the %d records before it",
-                        folder.name, path.name, why, len(records))
-            if repair:
-                if records:
-                    _rewrite(path, records)
-                else:
-                    path.unlink()
-    return out
-
-
-def iter_log(log_dir: str | Path) -> Iterator[SessionLog]:
-    for folder in session_folders(log_dir):
-        yield read_session(folder)
-
-
-def pushed_lines(log_dir: str | Path) -> dict[str, list[str]]:
-    """Every logged data line per session, in order (what an audit compares with the acks)."""
-    out: dict[str, list[str]] = {}
-    for slog in iter_log(log_dir):
-        lines = out.setdefault(slog.name, [])
-        for rec in slog.records:
-            if rec.kind == "push":
-                lines.extend(rec.lines)
-    return out
+            self.sync()

@@ -5,8 +5,9 @@
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
                                                 config hash, sha256 of the tensors
 
-Written to a temp file beside the target, fsynced, then renamed over it: a reader sees
-the old snapshot or the new one, never half of one. Restore checks everything before it
+Written to a temp file beside the target, fsynced, then renamed over it and the folder
+fsynced: a reader sees the old snapshot or the new one, never half of one, and a power
+loss after the call returns keeps the new one. Restore checks everything before it
 allocates a cell (like llama.cpp's slot restore refusing a mismatched file): the format
 version, the model (name + config + tokenizer vocabulary hash), the tensors' checksum and
 shapes, the token count and the version bookkeeping. Any mismatch raises `SnapshotError`
@@ -33,7 +34,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from streamllm.config import ConfigError, QuestionSpec, parse_question
-from streamllm.engine.outputs import SessionError
+from streamllm.durability.files import durable_rename, make_dirs
+from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.state import SessionState, export_session, import_session
 from streamllm.engine.state import evict_session as evict_state
 
@@ -101,21 +103,23 @@ def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
     return _write(engine, state, Path(path), t0)
 
 
-def _write(engine: Any, state: SessionState, path: Path, t0: float) -> SnapshotInfo:
+def _write(engine: Any, state: SessionState, path: Path, t0: float,
+           extra: dict[str, Any] | None = None) -> SnapshotInfo:
     meta = dict(state.meta)
+    meta.update(extra or {})
     meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
                  "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
                  "questions": [question_dict(q) for q in state.questions]})
     token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
     tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
     meta["sha256"] = _tensor_digest(tensors)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
+        make_dirs(path.parent)
         save_file(tensors, str(tmp), metadata={"streamllm": json.dumps(meta)})
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        durable_rename(tmp, path)  # the folder is fsynced too: the new name survives a power loss
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise SnapshotError(f"snapshot {path}: cannot write: {exc}") from exc
@@ -194,7 +198,13 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
 def restore_session(engine: Any, path: str | Path, name: str | None = None) -> SnapshotInfo:
     """Validate the file here, then have the core allocate, copy the cells back and register questions."""
     t0 = time.perf_counter()
-    snap = load_snapshot(engine, path)
+    return restore_loaded(engine, load_snapshot(engine, path), path, name, t0)
+
+
+def restore_loaded(engine: Any, snap: LoadedSnapshot, path: str | Path, name: str | None = None,
+                   t0: float | None = None) -> SnapshotInfo:
+    """Restore an already validated snapshot (`load_snapshot`) as session `name`."""
+    t0 = time.perf_counter() if t0 is None else t0
     name = name or snap.meta["session"]
     gates = [(spec, *engine._gate(spec)) for spec in snap.questions]
     state = SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions)
@@ -251,5 +261,16 @@ def restore_evicted(engine: Any, name: str) -> None:
     path = engine._evicted.get(name)
     if path is None:
         return
-    restore_session(engine, path, name)
+    snap = load_snapshot(engine, path)
+    try:
+        restore_loaded(engine, snap, path, name)
+    except AdmissionError:  # memory pressure: another idle session makes room (durability.pressure)
+        pressure = getattr(engine, "auto_evict", None)
+        if pressure is None or not pressure.make_room(engine, int(snap.meta["max_context"]), {name}):
+            raise
+        restore_loaded(engine, snap, path, name)
+        pressure.restores += 1
+    else:
+        if getattr(engine, "auto_evict", None) is not None:
+            engine.auto_evict.restores += 1
     Path(path).unlink(missing_ok=True)

@@ -132,6 +132,9 @@ class Engine:
         self._residency = threading.RLock()  # evict / restore-on-use, one at a time
         self._ask_ids = itertools.count(1)
         self._fast_answers = self._entry_answers = 0
+        # durability.pressure.AutoEvict: under memory pressure, evict the least-recently-asked idle session.
+        self.auto_evict = None
+        self.last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
         self.core.start()
 
     # -- views for tests and benches (read after wait_idle; mutate only through `call`) ------------
@@ -171,7 +174,13 @@ class Engine:
             with self._lock:
                 if name in self._handles or name in self._evicted:
                     raise SessionError(f"session {name!r} is already open")
-            info = self._wait(OpenSession(name, system, prefix, max_context))
+            try:
+                info = self._wait(OpenSession(name, system, prefix, max_context))
+            except AdmissionError:  # durability: evict idle sessions to disk and try once more
+                if self.auto_evict is None or not self.auto_evict.make_room(self, max_context, {name}):
+                    raise
+                info = self._wait(OpenSession(name, system, prefix, max_context))
+            self.last_asked[name] = time.monotonic()
             with self._lock:
                 self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
             if self.ingest_log is not None:
@@ -192,9 +201,13 @@ class Engine:
                 future.result()
             if self.ingest_log is not None:
                 self.ingest_log.record_close(name)
+            self.last_asked.pop(name, None)
 
-    def push(self, name: str, lines: list[str]) -> PushAck:
-        """Accept a batch of lines; returns at once with the data_version it will become."""
+    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None) -> PushAck:
+        """Accept a batch of lines; returns at once with the data_version it will become.
+
+        source: (feed id, feed position after this batch), logged with it; with an ingest log a
+        batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds)."""
         lines = validate_lines(lines)
         if not lines:
             raise ValueError("push at least one line")
@@ -202,32 +215,44 @@ class Engine:
         new_tokens = sum(len(ids) for ids in ids_per_line)
         while True:  # an eviction that slips in between: restore the session and start again
             self._ensure_resident(name)
-            ack = self._push_resident(name, lines, ids_per_line, new_tokens)
+            ack = self._push_resident(name, lines, ids_per_line, new_tokens, source)
             if ack is not None:
                 return ack
 
-    def _push_resident(self, name: str, lines: list[str], ids_per_line, new_tokens: int) -> PushAck | None:
+    def _push_resident(self, name: str, lines: list[str], ids_per_line, new_tokens: int,
+                       source: tuple[str, int] | None) -> PushAck | None:
+        """None: the session was evicted meanwhile (the caller restores it and tries again)."""
         with self._log_lock(name):  # with a log: version order == log order == inbox order
-            with self._lock:  # (evict_session also takes the log lock: no eviction between the two blocks)
+            if self.ingest_log is None:  # one critical section: assign, enqueue, ack
+                with self._lock:
+                    return None if name in self._evicted else self._enqueue(name, lines, ids_per_line, new_tokens)
+            with self._lock:  # (evict_session also takes the log lock: no eviction between the blocks)
                 if name in self._evicted:
                     return None
-                h = self._handle(name)
-                room = h.max_context - h.prefix_len
-                if new_tokens > room:
-                    raise ValueError(f"the batch is {new_tokens} tokens, more than session {name!r} can ever hold "
-                                     f"({room} data tokens); push it in smaller batches")
-                version = h.pushed_version + 1
-            if self.ingest_log is not None:  # on disk before the ack; a failed write acks nothing
-                self.ingest_log.record_push(name, version, lines)
+                version = self._next_version(name, new_tokens)
+            self.ingest_log.record_push(name, version, lines, source)  # on disk before the ack
             with self._lock:
-                if name in self._evicted:  # no log (no log lock): evicted between the blocks; retry
-                    return None
-                h = self._handle(name)
-                h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
-                self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
-                record = self.core.records.get(name)
-                done = record.info.lines_ingested if record is not None else 0
-                return PushAck(name, version, max(h.lines_pushed - done, len(lines)), len(lines))
+                return self._enqueue(name, lines, ids_per_line, new_tokens, version)
+
+    def _next_version(self, name: str, new_tokens: int) -> int:
+        """Under self._lock: the version the batch will get, or a clear refusal."""
+        h = self._handle(name)
+        room = h.max_context - h.prefix_len
+        if new_tokens > room:
+            raise ValueError(f"the batch is {new_tokens} tokens, more than session {name!r} can ever hold "
+                             f"({room} data tokens); push it in smaller batches")
+        return h.pushed_version + 1
+
+    def _enqueue(self, name: str, lines: list[str], ids_per_line, new_tokens: int,
+                 version: int | None = None) -> PushAck:
+        """Under self._lock: record the ack and hand the batch to the core (inbox order = version order)."""
+        version = version if version is not None else self._next_version(name, new_tokens)
+        h = self._handle(name)
+        h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
+        self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
+        record = self.core.records.get(name)
+        done = record.info.lines_ingested if record is not None else 0
+        return PushAck(name, version, max(h.lines_pushed - done, len(lines)), len(lines))
 
     def backlog(self, name: str) -> int:
         """Lines accepted but not yet ingested (from the last published record)."""
@@ -308,6 +333,7 @@ class Engine:
             self._ensure_resident(name)
             with self._lock:
                 pushed = self._handle(name).pushed_version if name not in self._evicted else None
+        self.last_asked[name] = time.monotonic()
         if min_version is not None and min_version > pushed:
             raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({pushed} pushed)")
         record = self.core.records.get(name)
@@ -433,6 +459,8 @@ class Engine:
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
         out["sessions_evicted"] = len(self._evicted)
+        if self.auto_evict is not None:
+            out.update(self.auto_evict.stats())
         out["core_alive"] = int(not self.core.stopped)
         return out
 

@@ -71,6 +71,7 @@ class EngineCore(Answering):
         self.events: list[tuple] = []  # (session, kind, *payload), published after each update
         self._idle_waiters: list[Future] = []
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._held: Command | None = None  # taken from the inbox past a drain's limit; first in the next one
         self._stop = False
         self.stopped = False
         self.failure: BaseException | None = None
@@ -133,8 +134,10 @@ class EngineCore(Answering):
                 self._drain(block=True, timeout=0.05)
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
+        cmd, self._held = self._held, None
         try:
-            cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
+            if cmd is None:
+                cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         for _ in range(self.max_commands_per_drain):
@@ -143,9 +146,14 @@ class EngineCore(Answering):
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-        self._inbox.put(cmd)  # the rest waits for the next drain: the model keeps stepping
+        # The rest waits for the next drain (the model keeps stepping). Held here, not put back at
+        # the tail: commands apply in submission order (pushes carry facade-assigned versions).
+        self._held = cmd
 
     def _fail_inbox(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            settle(held.future, error=self._stopped_error())
         while True:
             try:
                 cmd = self._inbox.get_nowait()

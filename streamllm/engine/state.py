@@ -99,5 +99,6 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     for spec, gate, prompt_ids in gates:
         core.prepos.register(s, spec, gate, prompt_ids)
     core._dirty.add(name)
+    core._maybe_compact(s)  # restored with more pending than its budget: compaction makes the room
     return core.info(s)
 

@@ -16,6 +16,17 @@ events are still waiting to be pushed (see `Attachment.accounted`).
 
 The sink is the engine (`push(session, lines) -> PushAck`, `backlog(session) -> int`);
 anything with those two methods works.
+
+Exactly-once feeds: an attachment with a `feed_id` pushes every batch with its feed
+position (`source=(feed_id, position)`): the key of the last line in it, a bar's open
+time in bars mode, the event's index in the feed in events mode. The ingest log keeps
+it with the batch. After a restart the feed is replayed from its start with
+`resume_from` = the logged position: every event still goes through the bars and the
+renderer (whose output depends on what came before), but lines with a key at or before
+it are dropped as delivered (`stats.resumed_lines`), and the log refuses a batch behind
+it (`DuplicateBatch`, counted in `stats.duplicates`). This holds for recorded feeds,
+whose events replay in the same order (`replay:`/`csv:` files); a live feed cannot be
+replayed. Keys assume one instrument per attachment in bars mode (what `serve` builds).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any, Protocol
 
 from feeds.bars import BarAggregator
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
+from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
 
 
@@ -66,6 +78,9 @@ class AttachStats:
     events_summarized: int = 0  # events represented by summary lines
     events_as_lines: int = 0  # events represented one line each (bars: trades inside pushed bars)
     late: int = 0  # trades for bar intervals already closed
+    resumed_lines: int = 0  # lines delivered before a restart (key <= `resume_from`): dropped
+    events_resumed: int = 0  # events those lines represent
+    duplicates: int = 0  # batches the ingest log refused as already delivered
 
 
 @dataclass(slots=True)
@@ -73,6 +88,7 @@ class _Item:
     """A pending line's source: one event or bar, or a coalesced group."""
 
     events: int  # feed events it represents
+    key: int = 0  # its feed position: bar open time (bars) or event index (events); summaries: the last
     bar: Bar | None = None
     event: Any = None
     line: str | None = None  # set for summaries (already rendered)
@@ -88,6 +104,9 @@ class Attachment:
     _pending: list[_Item] = field(default_factory=list)
     _agg: BarAggregator | None = None
     _bar_events: dict[str, int] = field(default_factory=dict)  # trades inside each open bar
+    feed_id: str | None = None  # set: batches carry (feed_id, position) for exactly-once delivery
+    resume_from: int | None = None  # lines with a key up to this were delivered before a restart
+    _seen: int = 0  # feed events offered so far (the next event's index)
 
     def __post_init__(self) -> None:
         if self.renderer is None:
@@ -97,13 +116,15 @@ class Attachment:
 
     # --- in ---
     def offer(self, ev: Any) -> None:
+        index = self._seen
+        self._seen += 1
         self.stats.events_in += 1
         inst = self.spec.instruments
         if inst is not None and ev.instrument not in inst:
             self.stats.ignored += 1
             return
         if self._agg is None:
-            self._pending.append(_Item(1, event=ev))
+            self._add(_Item(1, key=index, event=ev))
             return
         if type(ev) is Bar:  # a table of ready-made bars: each is already a bar line
             self._pending.append(_Item(1, bar=ev))
@@ -128,7 +149,15 @@ class Attachment:
         for bar in closed:
             n = bar.trades if bar.trades > 0 else 0
             self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
-            self._pending.append(_Item(n, bar=bar))
+            self._add(_Item(n, key=bar.ts_open, bar=bar))
+
+    def _add(self, item: _Item) -> None:
+        if self.resume_from is not None and item.key <= self.resume_from:
+            self._line(item)  # delivered before the restart: rendered (the renderer keeps state), not pushed
+            self.stats.resumed_lines += 1
+            self.stats.events_resumed += item.events
+            return
+        self._pending.append(item)
 
     # --- out ---
     def flush(self) -> Any:
@@ -141,7 +170,15 @@ class Attachment:
                 self._coalesce()
             return None
         lines = [self._line(item) for item in self._pending]
-        ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+        if self.feed_id is None:
+            ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+        else:
+            try:
+                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self._pending[-1].key))
+            except DuplicateBatch:  # delivered before a restart: the log has it already
+                self.stats.duplicates += 1
+                self._pending.clear()
+                return None
         for item in self._pending:
             if item.line is None:
                 self.stats.events_as_lines += item.events
@@ -166,7 +203,7 @@ class Attachment:
         s = self.stats
         open_bars = sum(self._bar_events.values())
         pending = sum(i.events for i in self._pending if i.line is None)
-        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending
+        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending + s.events_resumed
 
     def _coalesce(self) -> None:
         groups: dict[str, list[_Item]] = {}
@@ -180,7 +217,7 @@ class Attachment:
         for inst, items in groups.items():
             line = self._bar_summary(items) if items[0].bar is not None else self._event_summary(inst, items)
             n = sum(i.events for i in items)
-            done.append(_Item(n, line=line))
+            done.append(_Item(n, key=max(i.key for i in items), line=line))
             self.stats.summaries += 1
             self.stats.events_summarized += n
         self._pending = done

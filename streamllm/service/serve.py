@@ -108,9 +108,13 @@ def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]
         is_bar_file = group.feed.kind in ("replay", "csv") and not str(group.feed.path).endswith(".gz") and \
             not any(k in str(group.feed.path).lower() for k in ("trade", "quote"))
         mode = "events" if is_bar_file else spec.render.mode
+        name = owner.engine_name(spec.name)
+        # Recorded feeds are replayable: batches carry their position, a restart resumes after the log's.
+        feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
+        logged = engine.ingest_log.feed_position(name, feed_id) if feed_id and engine.ingest_log else None
         out.append(Attachment(engine, AttachSpec(
-            session=owner.engine_name(spec.name), mode=mode, bar_s=float(spec.render.bar_seconds or 60),
-            instruments=frozenset({spec.instrument}))))
+            session=name, mode=mode, bar_s=float(spec.render.bar_seconds or 60),
+            instruments=frozenset({spec.instrument})), feed_id=feed_id, resume_from=logged))
     return out
 
 
@@ -182,7 +186,13 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
 
-        recovered = recover(engine, IngestLog(args.log_dir, flush=args.log_flush), progress=True)
+        recovered = recover(engine, IngestLog(args.log_dir, flush=args.log_flush,
+                                              checkpoint_versions=args.checkpoint_versions,
+                                              checkpoint_s=args.checkpoint_s), progress=True, repair=args.repair)
+    if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use
+        from streamllm.durability.pressure import enable_auto_evict
+
+        enable_auto_evict(engine, args.spill_dir)
     feed_tasks: list[asyncio.Task] = []
     server = StreamServer(engine, tenants, ServerConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue))
@@ -236,6 +246,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--log-dir", help="durable ingest log: acked batches survive a crash; recovered at start")
     parser.add_argument("--log-flush", default="batch", choices=("batch", "interval"),
                         help="batch: fsync before each ack; interval: flush before each ack, fsync every 50 ms")
+    parser.add_argument("--checkpoint-versions", type=int, default=0,
+                        help="with --log-dir: snapshot each session every N data versions and truncate its log")
+    parser.add_argument("--checkpoint-s", type=float, default=0.0, help="with --log-dir: ... or every T seconds")
+    parser.add_argument("--repair", action="store_true",
+                        help="open sessions whose log has a hole up to the hole (default: refuse them)")
+    parser.add_argument("--spill-dir", help="evict idle sessions here when cells run out (restored on use)")
     parser.add_argument("--log-level", default="INFO")
     from feeds.sources import add_read_args, read_options
 

@@ -1,0 +1,66 @@
+"""Memory pressure: more sessions than the pool holds; idle ones go to disk and come back equal."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamllm.durability.pressure import enable_auto_evict
+from streamllm.engine import Engine
+from streamllm.engine.outputs import AdmissionError
+
+QUESTION = "What is the last close?"
+
+
+def lines(k: int) -> list[str]:
+    return [f"12:00:{i:02d} S{k} C 64{k}{i:02d}.5 V {i}" for i in range(6)]
+
+
+@pytest.fixture()
+def engine(tiny_model):
+    # room for two sessions of 512 cells (plus the cells kept for questions), not three
+    eng = Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+    yield eng
+    eng.shutdown()
+
+
+def test_without_auto_eviction_the_third_session_is_refused(engine):
+    engine.open_session("s0")
+    engine.open_session("s1")
+    with pytest.raises(AdmissionError):
+        engine.open_session("s2")
+
+
+def test_more_sessions_than_the_pool_holds_evict_and_restore_equal(engine, tmp_path):
+    auto = enable_auto_evict(engine, tmp_path / "spill")
+    live = {}
+    for k in range(5):
+        engine.open_session(f"s{k}")
+        engine.push(f"s{k}", lines(k))
+        engine.wait_idle()
+        live[k] = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
+    assert auto.evictions >= 3 and engine.stats()["auto_evictions"] == auto.evictions
+    assert len(engine.sessions) <= 2
+    engine.check_integrity()
+    for k in range(5):  # each one comes back (evicting another), with the logits it had live
+        got = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
+        assert (got.logits - live[k].logits).abs().max().item() <= 1e-4 and got.data_version == 1
+        engine.wait_idle()
+    assert auto.restores >= 5 and engine.stats()["auto_restores"] == auto.restores
+    # a push to an evicted session restores it too and lands at the next version
+    evicted = next(iter(engine._evicted))
+    assert engine.push(evicted, ["12:01:00 late C 1.0"]).data_version == 2
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_the_least_recently_asked_session_goes_first(engine, tmp_path):
+    enable_auto_evict(engine, tmp_path / "spill")
+    for k in range(2):
+        engine.open_session(f"s{k}")
+        engine.push(f"s{k}", lines(k))
+    engine.wait_idle()
+    engine.ask("s1", QUESTION, max_tokens=1)
+    engine.ask("s0", QUESTION, max_tokens=1)  # s1 is now the least recently asked
+    engine.wait_idle()
+    engine.open_session("s2")
+    assert set(engine._evicted) == {"s1"}
