@@ -321,8 +321,12 @@ class Engine(EngineLoop):
         stop: list[str] | None = None,
         min_version: int | None = None,
         return_logits: bool = False,
+        on_text=None,
     ) -> Future:
-        """Ask a question; a standing question (by id or text) takes the fast or entry path."""
+        """Ask a question; a standing question (by id or text) takes the fast or entry path.
+
+        on_text(delta): token streaming, called on the engine thread with the text each decoded
+        token adds (never on the fast path, which decodes nothing); the Answer's text is final."""
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
         if max_tokens is not None and max_tokens < 1:
@@ -337,14 +341,14 @@ class Engine(EngineLoop):
             if st is not None:
                 br = Branch(session, st.spec.text, st.prompt_ids, max_tokens or st.spec.max_tokens, list(stop or []),
                             future, min_version=max(min_version or 0, session.data_version),
-                            keep_logits=return_logits, standing=st)
+                            keep_logits=return_logits, standing=st, on_text=on_text)
                 self._ask_standing(st, br)
                 return future
         prompt = self.layout.question_ids(question)  # tokenized outside the lock
         with self._cv:
             session = self._session(name)
             br = Branch(session, question, prompt, max_tokens or 16, list(stop or []), future,
-                        min_version=min_version or 0, keep_logits=return_logits)
+                        min_version=min_version or 0, keep_logits=return_logits, on_text=on_text)
             self._waiting.append(br)
             self._cv.notify_all()
         return future

@@ -316,8 +316,10 @@ class EngineLoop:
             cut = text.find(s)
             if cut >= 0:
                 br.finish_reason, text = "stop", text[:cut]
+                self._stream(br, text)
                 br.text = text
                 return self._finish(br)
+        self._stream(br, text)
         br.text = text
         choices = br.standing.spec.choices if br.standing is not None else ()
         choice = match_choice(text, choices) if choices else None
@@ -327,6 +329,12 @@ class EngineLoop:
         if len(br.generated) >= br.max_tokens:
             br.finish_reason = "length"
             self._finish(br)
+
+    @staticmethod
+    def _stream(br: Branch, text: str) -> None:
+        """Token streaming: hand the asker the text this token added (a delta of br.text)."""
+        if br.on_text is not None and len(text) > len(br.text) and text.startswith(br.text):
+            br.on_text(text[len(br.text):])
 
     def _finish(self, br: Branch) -> None:
         if br.table is not None:

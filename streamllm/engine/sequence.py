@@ -242,6 +242,7 @@ class Branch:
     confidence: float | None = None
     stale: bool = False
     standing: object = None  # the Standing this branch serves, if any
+    on_text: object = None  # token streaming: called with each new text delta, on the engine thread; must not raise
 
     @property
     def ids(self) -> list[int]:
