@@ -158,7 +158,7 @@ class OpenAIApi:
             kw: dict[str, Any] = {"stop": ask.stop, "min_version": ask.min_version}
             if ask.max_tokens is not None:
                 kw["max_tokens"] = ask.max_tokens
-            if queue is not None:
+            if queue is not None and server.ws.can_stream:
                 kw["on_text"] = threadsafe(asyncio.get_running_loop(), queue.put_nowait)
             future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
         except ApiError:

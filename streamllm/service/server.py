@@ -29,6 +29,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from streamllm.engine import Engine
 from streamllm.service import openai_api, page, sse
@@ -40,6 +41,23 @@ from streamllm.service.tenants import Tenants
 from streamllm.service.ws import CLOSE_GOING_AWAY, WebSocketApp
 
 BEHIND_LINES = 256  # a session with more lines waiting to be ingested counts as behind (attach's max_backlog)
+
+
+class WebSocketProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets (sans-I/O) protocol, pausing reads only once `ws_max_queue` messages
+    wait for the app. Upstream pauses after every message and resumes when the app has read it:
+    two epoll_ctl calls per message, ~15 us more per round trip than websockets' own server
+    (bench server: 0.139 vs 0.122 ms p50). Back-pressure stays: at most ws_max_queue are buffered."""
+
+    def send_receive_event_to_app(self) -> None:
+        paused, self.read_paused = self.read_paused, True  # keeps the base class from pausing
+        try:
+            super().send_receive_event_to_app()
+        finally:
+            self.read_paused = paused
+        if not paused and self.queue.qsize() >= self.config.ws_max_queue:
+            self.read_paused = True
+            self.transport.pause_reading()
 
 
 @dataclass(slots=True)
@@ -98,7 +116,7 @@ class StreamServer:
             sock.close()
             raise
         uv_config = uvicorn.Config(
-            self, ws="websockets-sansio", http="h11", lifespan="off", log_config=None, log_level="warning",
+            self, ws=WebSocketProtocol, http="h11", lifespan="off", log_config=None, log_level="warning",
             access_log=False, server_header=False, ws_max_size=cfg.hard_max_bytes or 4 * cfg.max_message_bytes,
             ws_per_message_deflate=False,  # deflate costs more CPU than loopback saves
             timeout_graceful_shutdown=max(1, round(cfg.close_timeout_s)))

@@ -14,6 +14,7 @@ authenticates like a `hello` with that token.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
@@ -60,6 +61,8 @@ class WebSocketApp:
             "register": self._register, "unregister": self._unregister, "ask": self._ask,
             "subscribe": self._subscribe, "unsubscribe": self._unsubscribe, "stats": self._stats,
         }
+        # An engine without the token hook still serves `stream: true`: one token event, then the answer.
+        self.can_stream = accepts(self.engine.submit_ask, "on_text")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         tenants = self.server.tenants
@@ -209,7 +212,7 @@ class WebSocketApp:
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens
         streamed: list[int] = []
-        if stream:
+        if stream and self.can_stream:
             loop = asyncio.get_running_loop()
             kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
         future = self.engine.submit_ask(_ename(conn, session), question, **kw)
@@ -336,6 +339,13 @@ async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": CLOSE_POLICY})
+
+
+def accepts(fn: Callable[..., Any], keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _ename(conn: Conn, session: str) -> str:
