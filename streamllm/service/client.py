@@ -230,6 +230,15 @@ class Client:
             return method
         return lambda *args, **kw: self._call(method(*args, **kw))
 
+    def ask_stream(self, *args: Any, **kw: Any) -> Iterator[dict[str, Any]]:
+        """`token` messages as they are decoded, then the `answer` (see AsyncClient.ask_stream)."""
+        agen = self._client.ask_stream(*args, **kw)
+        while True:
+            try:
+                yield self._call(agen.__anext__())
+            except StopAsyncIteration:
+                return
+
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Events as they come; stops after `timeout` seconds without one, or when the connection ends."""
         agen = self._client.events()
@@ -295,13 +304,21 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--min-version", type=int, default=None, help="wait until the session reaches this data_version")
     parser.add_argument("--json", action="store_true", help="print the whole answer message as JSON")
+    parser.add_argument("--stream", action="store_true", help="print the answer's text as it is decoded")
     add_connection_args(parser)
     args = parser.parse_args(argv)
 
     async def run() -> dict:
         async with await AsyncClient.connect(args.url, args.token) as client:
-            return await client.ask(args.session, args.question, max_tokens=args.max_tokens,
-                                    min_version=args.min_version)
+            if not args.stream:
+                return await client.ask(args.session, args.question, max_tokens=args.max_tokens,
+                                        min_version=args.min_version)
+            async for message in client.ask_stream(args.session, args.question, max_tokens=args.max_tokens,
+                                                   min_version=args.min_version):
+                if message["type"] == "token":
+                    print(message["text"], end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr)
+            return message
 
     ok, answer = run_command("streamllm ask", args.url, run())
     if not ok:

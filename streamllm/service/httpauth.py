@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from streamllm.service import protocol as p
 from streamllm.service.errors import engine_error
@@ -31,6 +31,15 @@ CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LAR
                p.CAPACITY: 503, p.BUSY: 429, p.INTERNAL: 500}
 
 
+class JsonResponse(Response):
+    """orjson: faster than the stdlib, and a NaN or inf (a gate gap) becomes null, never a 500."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
@@ -40,9 +49,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
+    def response(self) -> JsonResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JsonResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_engine(exc: BaseException, kind: str) -> ApiError:

@@ -30,13 +30,20 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from streamllm.engine.sequence import DEFAULT_SYSTEM
 from streamllm.service import protocol as p
 from streamllm.service.connection import bridge, threadsafe
-from streamllm.service.httpauth import ApiError, from_engine, json_body, session_name, tenant_of
+from streamllm.service.httpauth import (
+    ApiError,
+    JsonResponse,
+    from_engine,
+    json_body,
+    session_name,
+    tenant_of,
+)
 from streamllm.service.sse import sse, sse_response
 from streamllm.service.tenants import Tenant
 
@@ -129,7 +136,7 @@ class OpenAIApi:
 
     async def models(self, request: Request) -> Response:
         tenant_of(self.server, request)
-        return JSONResponse({"object": "list", "data": [
+        return JsonResponse({"object": "list", "data": [
             {"id": self.engine.model_name, "object": "model", "created": self.created, "owned_by": "streamllm"}]})
 
     async def completions(self, request: Request) -> Response:
@@ -176,7 +183,7 @@ class OpenAIApi:
             finally:
                 await self._close_temp(temp)
             self._count(answer, t0)
-            return JSONResponse(self._whole(ask, rid, answer))
+            return JsonResponse(self._whole(ask, rid, answer))
         return sse_response(self._chunks(ask, rid, future, queue, temp, t0))
 
     async def _open_temp(self, tenant: Tenant, ask: Ask) -> str:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from streamllm.service import protocol as p
-from streamllm.service.httpauth import ApiError, session_name, tenant_of
+from streamllm.service.httpauth import ApiError, JsonResponse, session_name, tenant_of
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer
@@ -46,7 +46,7 @@ def routes(server: StreamServer) -> list:
                          for q in engine.standing_questions(info.name)]
             out.append({"name": local, "data_version": info.data_version, "lines_ingested": info.lines_ingested,
                         "questions": questions})
-        return JSONResponse({"object": "list", "data": sorted(out, key=lambda s: s["name"])})
+        return JsonResponse({"object": "list", "data": sorted(out, key=lambda s: s["name"])})
 
     async def bars(request: Request) -> Response:
         tenant = tenant_of(server, request)
@@ -58,7 +58,7 @@ def routes(server: StreamServer) -> list:
             raise ApiError(404, f"no session named {local!r}; open it first", code=p.UNKNOWN_SESSION,
                            param="name") from None
         closes, seen = server.bars.bars(name)
-        return JSONResponse({"session": local, "data_version": info.data_version, "bars_seen": seen,
+        return JsonResponse({"session": local, "data_version": info.data_version, "bars_seen": seen,
                              "t": [t for t, _ in closes], "close": [c for _, c in closes]})
 
     return [Route("/", index, methods=["GET"]),
