@@ -283,3 +283,32 @@ def test_blocking_client_and_ask_cli_stream(served, capsys):
                                 "--max-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == messages[-1]["text"].strip() and "cold path" in out.err
+
+
+def test_an_evicted_session_is_restored_off_the_loop_on_ask(served, tmp_path):
+    engine = served.engine
+    engine.open_session("alice/idle")
+    engine.push("alice/idle", LINES[:4])
+    assert engine.wait_idle(30)
+    engine.evict_session("alice/idle", tmp_path)
+    assert "alice/idle" not in engine.sessions
+    restored_on: list[str] = []
+    original = engine._ensure_resident
+
+    def spy(name: str) -> None:
+        restored_on.append(threading.current_thread().name)
+        original(name)
+
+    engine._ensure_resident = spy
+    try:
+        answer = asyncio.run(asyncio.wait_for(_ws_ask_on(served, "idle", "Up?", max_tokens=2), 30))
+    finally:
+        del engine._ensure_resident
+    assert answer["data_version"] == 1 and "alice/idle" in engine.sessions
+    assert restored_on and "asyncio" in restored_on[0]  # a worker thread, not the server's loop thread
+    engine.close_session("alice/idle")
+
+
+async def _ws_ask_on(served: StreamServer, session: str, question: str, **kw) -> dict:
+    async with await AsyncClient.connect(served.url, token="tok-a") as c:
+        return await c.ask(session, question, **kw)

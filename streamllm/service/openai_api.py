@@ -46,6 +46,7 @@ from streamllm.service.httpauth import (
 )
 from streamllm.service.sse import sse, sse_response
 from streamllm.service.tenants import Tenant
+from streamllm.service.ws import resident
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer
@@ -167,6 +168,7 @@ class OpenAIApi:
                 kw["max_tokens"] = ask.max_tokens
             if queue is not None and server.ws.can_stream:
                 kw["on_text"] = threadsafe(asyncio.get_running_loop(), queue.put_nowait)
+            await resident(self.engine, name)
             future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
         except ApiError:
             await self._close_temp(temp)

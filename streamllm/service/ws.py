@@ -215,6 +215,7 @@ class WebSocketApp:
         if stream and self.can_stream:
             loop = asyncio.get_running_loop()
             kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
+        await resident(self.engine, _ename(conn, session))
         future = self.engine.submit_ask(_ename(conn, session), question, **kw)
         if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
             if stream:  # after any token the entry path already queued on the loop
@@ -339,6 +340,14 @@ async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -
         await send({"type": "websocket.http.response.body", "body": body})
     else:
         await send({"type": "websocket.close", "code": CLOSE_POLICY})
+
+
+async def resident(engine: Any, name: str) -> None:
+    """An evicted session is restored from its snapshot on first use: that reads the disk, so do
+    it in a worker thread before asking, never inside submit_ask on the loop."""
+    evicted = getattr(engine, "_evicted", None)
+    if evicted and name in evicted:
+        await asyncio.to_thread(engine._ensure_resident, name)
 
 
 def accepts(fn: Callable[..., Any], keyword: str) -> bool:
