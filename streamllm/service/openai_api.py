@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import time
 import uuid
@@ -33,7 +34,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from streamllm.engine.sequence import DEFAULT_SYSTEM
 from streamllm.service import protocol as p
 from streamllm.service.connection import bridge, threadsafe
 from streamllm.service.httpauth import (
@@ -196,7 +196,8 @@ class OpenAIApi:
         if ask.system is not None:
             kw["system"] = ask.system
         if layout is not None:  # reserve what the prompt needs, not a full session's budget
-            kw["max_context"] = len(layout.prefix_ids(ask.system or DEFAULT_SYSTEM)) + 64
+            system = ask.system or inspect.signature(self.engine.open_session).parameters["system"].default
+            kw["max_context"] = len(layout.prefix_ids(system)) + 64
         try:
             await asyncio.to_thread(self.engine.open_session, name, **kw)
         except Exception as exc:
@@ -253,6 +254,8 @@ class OpenAIApi:
             while (text := await queue.get()) is not None:
                 streamed = True
                 yield sse(self._chunk(ask, rid, text, None))
+            await self._close_temp(temp)  # closed before [DONE]: the client never sees it linger
+            temp = None
             try:
                 answer = done.result()
             except Exception as exc:
