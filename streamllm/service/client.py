@@ -4,6 +4,8 @@
         await c.open("btc")
         await c.push("btc", ["12:00 64000.5 +1.5 v3.2"])
         print((await c.ask("btc", "Is the price going up?", min_version=1))["text"])
+        async for message in c.ask_stream("btc", "Why?"):   # `token` messages, then the `answer`
+            ...
         snapshot = await c.subscribe("btc")
         async for event in c.events():      # {"type": "standing" | "data", ...}
             ...
@@ -52,6 +54,7 @@ class AsyncClient:
         self.events_dropped = 0
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
+        self._streams: dict[int, asyncio.Queue] = {}  # ask_stream's token events by request id
         self._events: asyncio.Queue[Any] = asyncio.Queue()
         self._closed_reason = ""
         self._reader = asyncio.create_task(self._read())
@@ -118,6 +121,35 @@ class AsyncClient:
         return await self.request("ask", session=session, question=question,
                                   **_some(max_tokens=max_tokens, stop=stop, min_version=min_version))
 
+    async def ask_stream(self, session: str, question: str, *, max_tokens: int | None = None,
+                         stop: list[str] | None = None, min_version: int | None = None) -> AsyncIterator[dict]:
+        """`ask` with `stream: true`: yields `token` messages as they are decoded, then the `answer`."""
+        if self._reader.done():
+            raise ServiceError("closed", self._closed_reason or "connection closed")
+        req_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        tokens: asyncio.Queue[dict] = asyncio.Queue()
+        self._pending[req_id], self._streams[req_id] = future, tokens
+        fields = _some(max_tokens=max_tokens, stop=stop, min_version=min_version)
+        try:
+            await self.ws.send(orjson.dumps({"type": "ask", "id": req_id, "session": session, "question": question,
+                                             "stream": True, **fields}).decode())
+            while not future.done():
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({getter, future}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            while not tokens.empty():  # tokens always arrive before their answer
+                yield tokens.get_nowait()
+            yield future.result()
+        except ConnectionClosed as exc:
+            raise ServiceError("closed", _reason(exc)) from None
+        finally:
+            self._pending.pop(req_id, None)
+            self._streams.pop(req_id, None)
+
     async def subscribe(self, session: str, data: bool = True) -> dict:
         """Returns the snapshot (`standing`: current answers); changes then arrive on `events()`."""
         return await self.request("subscribe", session=session, data=data)
@@ -142,6 +174,9 @@ class AsyncClient:
         try:
             async for raw in self.ws:
                 message = orjson.loads(raw)
+                if message.get("type") == "token" and message.get("id") in self._streams:
+                    self._streams[message["id"]].put_nowait(message)
+                    continue
                 future = self._pending.get(message.get("id")) if "id" in message else None
                 if future is not None and not future.done():
                     if message.get("type") == "error":
@@ -194,6 +229,15 @@ class Client:
         if name in ("welcome", "events_dropped", "close_reason") or not callable(method):
             return method
         return lambda *args, **kw: self._call(method(*args, **kw))
+
+    def ask_stream(self, *args: Any, **kw: Any) -> Iterator[dict[str, Any]]:
+        """`token` messages as they are decoded, then the `answer` (see AsyncClient.ask_stream)."""
+        agen = self._client.ask_stream(*args, **kw)
+        while True:
+            try:
+                yield self._call(agen.__anext__())
+            except StopAsyncIteration:
+                return
 
     def events(self, timeout: float | None = None) -> Iterator[dict[str, Any]]:
         """Events as they come; stops after `timeout` seconds without one, or when the connection ends."""
@@ -260,13 +304,21 @@ def cli_main(argv: list[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--min-version", type=int, default=None, help="wait until the session reaches this data_version")
     parser.add_argument("--json", action="store_true", help="print the whole answer message as JSON")
+    parser.add_argument("--stream", action="store_true", help="print the answer's text as it is decoded")
     add_connection_args(parser)
     args = parser.parse_args(argv)
 
     async def run() -> dict:
         async with await AsyncClient.connect(args.url, args.token) as client:
-            return await client.ask(args.session, args.question, max_tokens=args.max_tokens,
-                                    min_version=args.min_version)
+            if not args.stream:
+                return await client.ask(args.session, args.question, max_tokens=args.max_tokens,
+                                        min_version=args.min_version)
+            async for message in client.ask_stream(args.session, args.question, max_tokens=args.max_tokens,
+                                                   min_version=args.min_version):
+                if message["type"] == "token":
+                    print(message["text"], end="", file=sys.stderr, flush=True)
+            print(file=sys.stderr)
+            return message
 
     ok, answer = run_command("streamllm ask", args.url, run())
     if not ok:

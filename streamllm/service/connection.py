@@ -1,9 +1,9 @@
-"""One client connection of the server: outgoing queue, subscriptions, questions in flight.
+"""One websocket client of the server: outgoing queue, subscriptions, questions in flight.
 
 Nothing here ever waits on the client from the engine's side: `send` only appends to a
-bounded queue that one writer task drains into the socket, and a full queue cuts the
-connection (close 1013) instead of growing or blocking. Engine callbacks arrive on the
-engine thread and are handed to the loop with `threadsafe`.
+bounded queue that one writer task drains into the socket (ASGI `websocket.send`), and a
+full queue cuts the connection (close 1013) instead of growing or blocking. Engine
+callbacks arrive on the engine thread and are handed to the loop with `threadsafe`.
 """
 
 from __future__ import annotations
@@ -11,13 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
-
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
 
 from streamllm.service import protocol as p
 from streamllm.service.metrics import ServerMetrics
@@ -26,6 +23,7 @@ from streamllm.service.tenants import Tenant
 log = logging.getLogger("streamllm.service.server")
 
 CLOSE_TRY_AGAIN_LATER = 1013  # outgoing queue full: the client reads too slowly
+AsgiSend = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 @dataclass(slots=True, eq=False)
@@ -38,8 +36,10 @@ class Subscription:
 class Conn:
     """One client: its tenant, outgoing queue, subscriptions and questions in flight."""
 
-    def __init__(self, ws: ServerConnection, tenant: Tenant | None, max_queue: int, metrics: ServerMetrics) -> None:
-        self.ws = ws
+    def __init__(self, send: AsgiSend, peer: Any, tenant: Tenant | None, max_queue: int,
+                 metrics: ServerMetrics) -> None:
+        self._send = send
+        self.peer = peer
         self.tenant = tenant
         self.metrics = metrics
         self.out: asyncio.Queue[bytes | tuple[int, str]] = asyncio.Queue(max_queue)
@@ -63,9 +63,9 @@ class Conn:
         if self.cut_reason is not None:
             return
         self.cut_reason = reason
-        log.info("closing %s: %s", self.ws.remote_address, reason)
+        log.info("closing %s: %s", self.peer, reason)
         self.writer.cancel()
-        self.closer = asyncio.create_task(self.ws.close(code, reason[:120]))
+        self.closer = asyncio.create_task(self._close(code, reason))
 
     def finish(self, code: int, reason: str) -> None:
         """Close once what is queued is sent (the error reply to a bad token must reach the client)."""
@@ -76,14 +76,19 @@ class Conn:
                 return self.cut(code, reason)
             self.cut_reason = reason
 
+    async def _close(self, code: int, reason: str) -> None:
+        with contextlib.suppress(Exception):  # the client is already gone
+            await self._send({"type": "websocket.close", "code": code, "reason": reason[:120]})
+
     async def _write(self) -> None:
-        with contextlib.suppress(ConnectionClosed):
+        send = self._send
+        with contextlib.suppress(OSError, RuntimeError):  # uvicorn: ClientDisconnected is an OSError
             while True:
                 item = await self.out.get()
                 if isinstance(item, tuple):  # queued by finish(): everything before it is sent
-                    await self.ws.close(item[0], item[1][:120])
+                    await self._close(*item)
                     return
-                await self.ws.send(item, text=True)
+                await send({"type": "websocket.send", "text": item.decode()})
 
     def teardown(self) -> None:
         for sub in self.subs.values():

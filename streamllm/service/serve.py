@@ -1,4 +1,4 @@
-"""`streamllm serve`: engine, feeds and websocket server started from one config file.
+"""`streamllm serve`: engine, feeds and the service (websocket, HTTP, page) from one config file.
 
     streamllm serve --config queries/crypto.toml [--feed synthetic|binance|replay:FILE[,FILE]]
                     [--host 127.0.0.1] [--port 8765] [--model smollm2-135m] [--tokens tokens.toml]
@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.config import ConfigError, FeedSpec, QueryConfig, SessionSpec, load_config
+from streamllm.service.bars import TapSink
+from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
 from streamllm.service.tenants import LOCAL, Tenant, Tenants, TokenConfigError
 
@@ -99,7 +101,8 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
     return apaced(merge(*sources), speed)
 
 
-def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
+def build_attachments(sink: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
+    """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it."""
     from streamllm.market.attach import Attachment, AttachSpec
 
     out = []
@@ -111,24 +114,22 @@ def build_attachments(engine: Any, owner: Tenant, group: FeedGroup) -> list[Any]
         name = owner.engine_name(spec.name)
         # Recorded feeds are replayable: batches carry their position, a restart resumes after the log's.
         feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
-        logged = engine.ingest_log.feed_position(name, feed_id) if feed_id and engine.ingest_log else None
-        out.append(Attachment(engine, AttachSpec(
+        log = getattr(getattr(sink, "engine", sink), "ingest_log", None)
+        logged = log.feed_position(name, feed_id) if feed_id and log is not None else None
+        out.append(Attachment(sink, AttachSpec(
             session=name, mode=mode, bar_s=float(spec.render.bar_seconds or 60),
             instruments=frozenset({spec.instrument})), feed_id=feed_id, resume_from=logged))
     return out
 
 
-async def run_feed(group: FeedGroup, attachments: list[Any], speed: float | None, seed: int) -> None:
-    from streamllm.market.attach import attach
-
-    names = ", ".join(s.name for s in group.sessions)
-    try:
-        await attach(feed_events(group, speed, seed), attachments)
-        log.warning("feed %s for %s ended; sessions stay open and keep answering", group.feed, names)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("feed %s for %s failed; the server keeps running", group.feed, names)
+def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: float | None, seed: int) -> FeedRunner:
+    """The group's feed, supervised: in its own thread, restarted with backoff, shown in /health.
+    A restarted synthetic feed gets the next seed (a replay of the same prices would go back in time)."""
+    attachments = build_attachments(TapSink(server.engine, server.bars), owner, group)
+    name = group.feed.kind if group.feed.kind in ("synthetic", "binance") else str(group.feed)
+    sessions = [owner.engine_name(spec.name) for spec in group.sessions]
+    return FeedRunner(name, sessions, lambda attempt: feed_events(group, speed, seed + attempt), attachments,
+                      restart=group.feed.kind in ("synthetic", "binance"))
 
 
 def open_sessions(engine: Any, owner: Tenant, config: QueryConfig) -> int:
@@ -168,7 +169,7 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
             lines.append(f"  {registered} standing questions registered")
     else:
         lines.append("  no --config: clients open their own sessions")
-    lines.append(f"  health {http}/health   metrics {http}/metrics   protocol docs/protocol.md")
+    lines.append(f"  page {http}/   health {http}/health   metrics {http}/metrics   OpenAI API {http}/v1")
     if config is not None and config.sessions:
         lines.append(f"  try: streamllm watch {config.sessions[0].name} --url {server.url}")
     return "\n".join(lines)
@@ -186,9 +187,9 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
 
-        recovered = recover(engine, IngestLog(args.log_dir, flush=args.log_flush,
-                                              checkpoint_versions=args.checkpoint_versions,
-                                              checkpoint_s=args.checkpoint_s), progress=True, repair=args.repair)
+        ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
+                               checkpoint_s=args.checkpoint_s)
+        recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
     if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use
         from streamllm.durability.pressure import enable_auto_evict
 
@@ -197,15 +198,16 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     server = StreamServer(engine, tenants, ServerConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue))
     try:
-        registered = open_sessions(engine, owner, config) if config is not None else 0
+        registered = await asyncio.to_thread(open_sessions, engine, owner, config) if config is not None else 0
         try:
             await server.start()
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 1
         for group in groups:
-            feed_tasks.append(asyncio.create_task(
-                run_feed(group, build_attachments(engine, owner, group), args.speed, args.seed)))
+            runner = feed_runner(server, owner, group, args.speed, args.seed)
+            server.feeds.append(runner)
+            feed_tasks.append(asyncio.create_task(runner.run()))
         print(summary(server, tenants, owner, config, groups, registered), flush=True)
         if recovered is not None:
             print(f"  ingest log {args.log_dir} ({args.log_flush}): {recovered.summary()}", flush=True)
@@ -221,6 +223,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         for task in feed_tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        await asyncio.gather(*(runner.aclose() for runner in server.feeds), return_exceptions=True)
         await server.close()
         await asyncio.to_thread(engine.shutdown)
         if engine.ingest_log is not None:

@@ -1,0 +1,35 @@
+"""Engine exceptions -> the service's stable error codes, shared by the websocket and HTTP faces."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from streamllm.config import ConfigError
+from streamllm.engine import AdmissionError, SessionError
+from streamllm.engine.kv import KVCapacityError
+from streamllm.service import protocol as p
+
+log = logging.getLogger("streamllm.service.server")
+_ENGINE_NAME = re.compile(r"'[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/([A-Za-z0-9.][A-Za-z0-9_.-]{0,63})'")
+
+
+def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
+    """(code, message) for an exception raised by the engine or by validation."""
+    if isinstance(exc, SessionError):
+        return p.UNKNOWN_SESSION, client_text(str(exc))
+    if isinstance(exc, AdmissionError | KVCapacityError):
+        return p.CAPACITY, client_text(str(exc))
+    if isinstance(exc, ConfigError):
+        return p.CONFIG_ERROR, str(exc)
+    if isinstance(exc, KeyError):  # e.g. unregister of an unknown question id
+        return p.UNKNOWN_QUESTION, client_text(str(exc.args[0] if exc.args else exc))
+    if isinstance(exc, ValueError | TypeError):
+        return p.BAD_FIELD, f"{kind}: {client_text(str(exc))}"
+    log.exception("%s failed", kind, exc_info=exc)
+    return p.INTERNAL, f"{kind}: internal error ({type(exc).__name__}); the server logged it"
+
+
+def client_text(text: str) -> str:
+    """Engine messages quote engine names ('alice/btc'); a client knows its sessions as 'btc'."""
+    return _ENGINE_NAME.sub(r"'\1'", text)

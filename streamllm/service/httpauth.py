@@ -1,0 +1,124 @@
+"""What every HTTP endpoint shares: OpenAI-shaped errors, bearer tokens, bodies, names.
+
+Errors follow the OpenAI API: `{"error": {"message", "type", "param", "code"}}` with the
+HTTP status that says what went wrong (400 bad request, 401 no or unknown token, 403 a
+read-only token writing, 404 unknown model / session / question, 413 body too large,
+503 no capacity); never a traceback. `code` is the websocket protocol's stable code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from streamllm.service import protocol as p
+from streamllm.service.errors import engine_error
+from streamllm.service.tenants import LOCAL, Tenant
+from streamllm.service.ws import bearer
+
+if TYPE_CHECKING:
+    from streamllm.service.server import StreamServer
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               503: "server_error", 500: "server_error"}
+CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LARGE: 413, p.UNAUTHORIZED: 401,
+               p.FORBIDDEN: 403, p.UNKNOWN_SESSION: 404, p.UNKNOWN_QUESTION: 404, p.SESSION_EXISTS: 409,
+               p.CAPACITY: 503, p.BUSY: 429, p.INTERNAL: 500}
+
+
+class JsonResponse(Response):
+    """orjson: faster than the stdlib, and a NaN or inf (a gate gap) becomes null, never a 500."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JsonResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JsonResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_engine(exc: BaseException, kind: str) -> ApiError:
+    code, message = engine_error(exc, kind)
+    return ApiError(CODE_STATUS.get(code, 500), message, code=code)
+
+
+def tenant_of(server: StreamServer, request: Request, *, write: bool = False) -> Tenant:
+    """The request's tenant from `Authorization: Bearer` (or `?token=`, for EventSource)."""
+    if not server.tenants.auth:
+        return LOCAL
+    token = bearer(request.scope)
+    if token is None:
+        token = request.query_params.get("token")
+    if not token:
+        raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'", code=p.UNAUTHORIZED)
+    tenant = server.tenants.authenticate(token)
+    if tenant is None:
+        raise ApiError(401, "unknown bearer token", code=p.UNAUTHORIZED)
+    if write and tenant.read_only:
+        raise ApiError(403, "this token is read-only: it may ask a session's questions and watch them, "
+                            "not open sessions (a request without 'session' opens a temporary one)",
+                       code=p.FORBIDDEN)
+    return tenant
+
+
+def session_name(name: Any, param: str = "session") -> str:
+    if not isinstance(name, str) or not p.SESSION_NAME.match(name):
+        raise ApiError(400, f"{param} {name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                            "letter or digit", code=p.BAD_FIELD, param=param)
+    return name
+
+
+async def json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object; 413 over `limit` bytes (checked while reading), 400 if not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit}", code=p.TOO_LARGE)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body is over the limit of {limit} bytes", code=p.TOO_LARGE)
+        chunks.append(chunk)
+    try:
+        data = orjson.loads(b"".join(chunks))
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code=p.BAD_JSON) from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code=p.BAD_JSON)
+    return data
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    what = {404: f"no such endpoint: {request.method} {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return ApiError(exc.status_code, what, code="not_found" if exc.status_code == 404 else None).response()
+
+
+async def _any_error(request: Request, exc: Exception) -> Response:
+    return from_engine(exc, request.url.path).response()
+
+
+EXCEPTION_HANDLERS = {ApiError: _api_error, HTTPException: _http_error, Exception: _any_error}

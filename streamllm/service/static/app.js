@@ -1,0 +1,226 @@
+// The live page: one websocket (docs/protocol.md) for sessions, standing answers and asks;
+// GET /v1/sessions/{name}/bars for the chart. No framework; uPlot is vendored under /static/vendor.
+(() => {
+  "use strict";
+  const $ = (sel, el = document) => el.querySelector(sel);
+  const el = (tag, attrs = {}, text) => {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    return node;
+  };
+  const TOKEN_KEY = "streamllm_token";
+  const state = { ws: null, nextId: 1, pending: new Map(), onToken: new Map(), sessions: new Map(), auth: false };
+
+  function token() {
+    const m = location.hash.match(/token=([^&]+)/);
+    if (m) localStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
+    return localStorage.getItem(TOKEN_KEY) || "";
+  }
+  const authHeaders = () => (token() ? { Authorization: "Bearer " + token() } : {});
+
+  function setStatus(text, cls) {
+    const s = $("#status");
+    s.textContent = text;
+    s.className = "status " + (cls || "");
+  }
+
+  function request(type, fields = {}, onToken) {
+    const id = state.nextId++;
+    return new Promise((resolve, reject) => {
+      state.pending.set(id, { resolve, reject });
+      if (onToken) state.onToken.set(id, onToken);
+      state.ws.send(JSON.stringify({ type, id, ...fields }));
+    });
+  }
+
+  function connect() {
+    const ws = new WebSocket((location.protocol === "https:" ? "wss://" : "ws://") + location.host + "/");
+    state.ws = ws;
+    ws.onopen = async () => {
+      try {
+        const hello = await request("hello", token() ? { token: token() } : {});
+        state.auth = hello.auth;
+        $("#model").textContent = `model ${hello.model} · tenant ${hello.tenant}` + (hello.read_only ? " (read-only)" : "");
+        setStatus("live", "live");
+        await refreshSessions();
+      } catch (err) {
+        setStatus(String(err.message || err), "down");
+        $("#token-form").hidden = false;
+      }
+    };
+    ws.onmessage = (ev) => {
+      const msg = JSON.parse(ev.data);
+      if (msg.type === "token") {
+        const fn = state.onToken.get(msg.id);
+        if (fn) fn(msg.text);
+        return;
+      }
+      if (msg.id !== undefined && state.pending.has(msg.id)) {
+        const p = state.pending.get(msg.id);
+        state.pending.delete(msg.id);
+        state.onToken.delete(msg.id);
+        if (msg.type === "error") p.reject(new Error(`${msg.code}: ${msg.message}`));
+        else p.resolve(msg);
+        return;
+      }
+      if (msg.type === "standing") showAnswer(msg.session, msg);
+      else if (msg.type === "data") onData(msg.session, msg.data_version);
+    };
+    ws.onclose = (ev) => {
+      for (const p of state.pending.values()) p.reject(new Error("connection closed"));
+      state.pending.clear();
+      setStatus(`disconnected (${ev.code}${ev.reason ? ": " + ev.reason : ""}); retrying`, "down");
+      if (ev.code === 1008) { $("#token-form").hidden = false; return; }
+      setTimeout(connect, 2000);
+    };
+  }
+
+  async function refreshSessions() {
+    const stats = await request("stats");
+    const names = stats.sessions.map((s) => s.name).filter((n) => !n.startsWith(".")).sort();
+    $("#empty").hidden = names.length > 0;
+    const select = $("#ask-session");
+    for (const name of names) {
+      if (!state.sessions.has(name)) {
+        addCard(name);
+        select.append(el("option", { value: name }, name));
+      }
+      const snap = await request("subscribe", { session: name });
+      for (const a of snap.standing) showAnswer(name, a);
+      setVersion(name, snap.data_version);
+      fetchBars(name);
+    }
+  }
+
+  function addCard(name) {
+    const card = el("section", { class: "card", "data-session": name });
+    const h2 = el("h2", {}, name);
+    h2.append(el("span", { class: "version" }, "data_version 0"));
+    const chart = el("div", { class: "chart" });
+    const table = el("table");
+    table.innerHTML = "<thead><tr><th>question</th><th>answer</th><th>path</th><th>confidence</th>" +
+      "<th>data_version</th><th>age</th></tr></thead><tbody></tbody>";
+    card.append(h2, chart, table);
+    $("#sessions").append(card);
+    const s = { card, chart: null, chartEl: chart, version: 0, answers: new Map(), refreshAt: 0, timer: null };
+    state.sessions.set(name, s);
+  }
+
+  function setVersion(name, version) {
+    const s = state.sessions.get(name);
+    if (!s) return;
+    s.version = Math.max(s.version, version);
+    $(".version", s.card).textContent = `data_version ${s.version}`;
+  }
+
+  function showAnswer(name, a) {
+    const s = state.sessions.get(name);
+    if (!s) return;
+    let row = $(`tr[data-question="${CSS.escape(a.question_id)}"]`, s.card);
+    const old = s.answers.get(a.question_id);
+    if (!row) {
+      row = el("tr", { "data-question": a.question_id });
+      for (const cls of ["question", "answer", "path", "confidence num", "dv num", "age num"]) row.append(el("td", { class: cls }));
+      $("tbody", s.card).append(row);
+    }
+    s.answers.set(a.question_id, a);
+    $(".question", row).textContent = a.question_id;
+    $(".answer", row).textContent = a.text;
+    const path = $(".path", row);
+    path.textContent = a.path;
+    path.className = "path path-" + a.path;
+    $(".confidence", row).textContent = typeof a.confidence === "number" ? a.confidence.toFixed(2) : "-";
+    $(".dv", row).textContent = a.data_version;
+    row.dataset.version = a.data_version;
+    if (old && old.text !== a.text) {
+      row.classList.add("flash");
+      setTimeout(() => row.classList.remove("flash"), 800);
+    }
+    ages();
+  }
+
+  function onData(name, version) {
+    setVersion(name, version);
+    const s = state.sessions.get(name);
+    if (!s || s.timer) return;
+    // A burst of data events refreshes once a second: bars, and a fresh snapshot of the answers
+    // (events only carry answers whose text changed; the snapshot shows their data_version too).
+    const wait = Math.max(0, s.refreshAt - Date.now());
+    s.timer = setTimeout(async () => {
+      s.timer = null;
+      s.refreshAt = Date.now() + 1000;
+      fetchBars(name);
+      try {
+        const snap = await request("subscribe", { session: name, data: true });
+        for (const a of snap.standing) showAnswer(name, a);
+      } catch (_) { /* reconnecting */ }
+    }, wait);
+  }
+
+  async function fetchBars(name) {
+    const s = state.sessions.get(name);
+    const res = await fetch(`/v1/sessions/${encodeURIComponent(name)}/bars`, { headers: authHeaders() });
+    if (!res.ok || !s) return;
+    const body = await res.json();
+    s.card.dataset.bars = body.t.length;
+    if (!body.t.length) return;
+    const data = [body.t, body.close];
+    if (!s.chart) {
+      const width = Math.max(300, s.chartEl.clientWidth || 480);
+      s.chart = new uPlot({
+        width, height: 220, legend: { show: false },
+        tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
+        axes: [{ stroke: "#8b949e", grid: { stroke: "#30363d" } }, { stroke: "#8b949e", grid: { stroke: "#30363d" }, size: 70 }],
+        series: [{}, { label: "close", stroke: "#4fa3ff", width: 1.5 }],
+      }, data, s.chartEl);
+    } else {
+      s.chart.setData(data);
+    }
+  }
+
+  function ages() {
+    const now = Date.now() / 1000;
+    for (const s of state.sessions.values()) {
+      for (const [qid, a] of s.answers) {
+        const row = $(`tr[data-question="${CSS.escape(qid)}"]`, s.card);
+        if (!row) continue;
+        $(".age", row).textContent = a.updated_at ? `${Math.max(0, now - a.updated_at).toFixed(1)}s` : "-";
+        $(".dv", row).classList.toggle("behind", a.data_version < s.version);
+      }
+    }
+  }
+  setInterval(ages, 500);
+
+  $("#ask-form").addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const session = $("#ask-session").value;
+    const question = $("#ask-question").value.trim();
+    if (!session || !question) return;
+    const out = $("#ask-output");
+    const text = $(".text", out), meta = $(".meta", out);
+    text.textContent = "";
+    meta.textContent = "…";
+    out.dataset.state = "asking";
+    try {
+      const answer = await request("ask", { session, question, stream: true, max_tokens: 24 },
+        (delta) => { text.textContent += delta; });
+      text.textContent = answer.text;
+      const conf = typeof answer.confidence === "number" ? `, confidence ${answer.confidence.toFixed(2)}` : "";
+      meta.textContent = `[${answer.path} path${conf}, data_version ${answer.data_version}, ${answer.latency_ms.toFixed(1)} ms]`;
+      out.dataset.state = "answered";
+    } catch (err) {
+      meta.textContent = String(err.message || err);
+      out.dataset.state = "error";
+    }
+  });
+
+  $("#token-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    localStorage.setItem(TOKEN_KEY, $("#token").value);
+    $("#token-form").hidden = true;
+    connect();
+  });
+
+  connect();
+})();

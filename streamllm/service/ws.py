@@ -1,0 +1,374 @@
+"""The websocket face of the service: the JSON protocol of docs/protocol.md, as an ASGI app.
+
+    client --json--> _dispatch --> handler --> engine (push / submit_ask / register ...)
+    client <--json-- writer task <-- bounded queue <-- replies, and engine callbacks
+                                                       (call_soon_threadsafe, never await)
+
+Each connection owns a bounded outgoing queue drained by one writer task (connection.py).
+Questions run as tasks, so one connection can have many in flight. Engine calls that may
+block (push, which may fsync the ingest log; open, close, register and unregister, which
+log too) run in a worker thread, never on the loop. `Authorization: Bearer` at connect
+authenticates like a `hello` with that token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from streamllm.config import parse_question
+from streamllm.engine import SessionError
+from streamllm.service import protocol as p
+from streamllm.service.connection import Conn, Subscription, bridge, close_handles, threadsafe
+from streamllm.service.errors import engine_error
+from streamllm.service.protocol import ProtocolError, Request
+from streamllm.service.tenants import LOCAL
+
+if TYPE_CHECKING:
+    from streamllm.service.server import StreamServer
+
+PROTOCOL_VERSION = 1
+CLOSE_POLICY = 1008  # bad token, no hello in time
+CLOSE_GOING_AWAY = 1001  # the server is stopping
+
+
+def bearer(scope: dict[str, Any]) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, or None without one."""
+    for key, value in scope.get("headers", ()):
+        if key == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+class WebSocketApp:
+    """ASGI websocket endpoint; one instance serves every connection of one StreamServer."""
+
+    def __init__(self, server: StreamServer) -> None:
+        self.server = server
+        self.engine = server.engine
+        self.config = server.config
+        self.metrics = server.metrics
+        self._handlers: dict[str, Callable[[Conn, Request], Awaitable[dict | None]]] = {
+            "hello": self._hello, "open": self._open, "close": self._close, "push": self._push,
+            "register": self._register, "unregister": self._unregister, "ask": self._ask,
+            "subscribe": self._subscribe, "unsubscribe": self._unsubscribe, "stats": self._stats,
+        }
+        # An engine without the token hook still serves `stream: true`: one token event, then the answer.
+        self.can_stream = accepts(self.engine.submit_ask, "on_text")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        tenants = self.server.tenants
+        tenant = None if tenants.auth else LOCAL
+        token = bearer(scope)
+        if tenants.auth and token is not None:
+            tenant = tenants.authenticate(token)
+            if tenant is None:  # refused at the handshake: HTTP 401 where the server can say so
+                self.metrics.errors.labels(p.UNAUTHORIZED).inc()
+                await _refuse(scope, send, 401, "unknown bearer token")
+                return
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        conn = Conn(send, scope.get("client"), tenant, self.config.max_queue, self.metrics)
+        self.server.conns.add(conn)
+        self.metrics.connections.inc()
+        hello_timer = None
+        if conn.tenant is None:
+            hello_timer = asyncio.get_running_loop().call_later(
+                self.config.hello_timeout_s,
+                lambda: conn.tenant is None and conn.cut(CLOSE_POLICY, "no hello with a valid token in time"))
+        try:
+            while True:
+                message = await receive()
+                if message["type"] != "websocket.receive":
+                    break  # websocket.disconnect
+                raw = message.get("text")
+                await self._dispatch(conn, raw if raw is not None else message.get("bytes") or b"")
+        finally:
+            if hello_timer is not None:
+                hello_timer.cancel()
+            self.metrics.subscriptions.dec(len(conn.subs))
+            conn.teardown()
+            self.server.conns.discard(conn)
+            self.metrics.connections.dec()
+            if conn.closer is not None:
+                await asyncio.gather(conn.closer, return_exceptions=True)
+
+    async def _dispatch(self, conn: Conn, raw: str | bytes) -> None:
+        req_id = None
+        kind = "?"
+        try:
+            req = p.decode(raw, self.config.max_message_bytes)
+            req_id, kind = req.id, req.type
+            self.metrics.messages.labels(kind).inc()
+            if conn.tenant is None and kind != "hello":
+                raise ProtocolError(p.UNAUTHORIZED, "send {\"type\": \"hello\", \"token\": ...} first")
+            if kind in p.WRITE_TYPES and conn.tenant is not None and conn.tenant.read_only:
+                raise ProtocolError(p.FORBIDDEN, f"{kind}: this token is read-only (ask, subscribe, stats)")
+            reply = await self._handlers[kind](conn, req)
+        except ProtocolError as exc:
+            self._error(conn, exc.code, exc.message, req_id if req_id is not None else exc.request_id)
+            return
+        except Exception as exc:
+            self._error(conn, *engine_error(exc, kind), req_id)
+            return
+        if reply is not None:
+            if req_id is not None:
+                reply["id"] = req_id
+            conn.send(reply)
+
+    def _error(self, conn: Conn, code: str, message: str, req_id: Any) -> None:
+        self.metrics.errors.labels(code).inc()
+        conn.send(p.error(code, message, req_id))
+
+    # -- handlers ---------------------------------------------------------
+    async def _hello(self, conn: Conn, req: Request) -> dict | None:
+        token = req.field("token", str, "a token string", None)
+        tenants = self.server.tenants
+        if tenants.auth and (token is not None or conn.tenant is None):  # a bearer header may have said it
+            tenant = tenants.authenticate(token or "")
+            if tenant is None:
+                conn.send(p.error(p.UNAUTHORIZED, "unknown token", req.id))
+                conn.finish(CLOSE_POLICY, "unknown token")
+                self.metrics.errors.labels(p.UNAUTHORIZED).inc()
+                return None
+            if conn.tenant is not None and conn.tenant != tenant:
+                raise ProtocolError(p.FORBIDDEN, "this connection already belongs to another tenant")
+            conn.tenant = tenant
+        assert conn.tenant is not None
+        return {"type": "welcome", "protocol": PROTOCOL_VERSION, "tenant": conn.tenant.name,
+                "read_only": conn.tenant.read_only, "auth": tenants.auth, "model": self.engine.model_name,
+                "max_message_bytes": self.config.max_message_bytes, "max_queue": self.config.max_queue}
+
+    async def _open(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        kw: dict[str, Any] = {"max_context": req.integer("max_context", None, 1, 1 << 24)}
+        system = req.field("system", str, "a system prompt string", None)
+        if system is not None:
+            kw["system"] = system
+        try:
+            info = await asyncio.to_thread(self.engine.open_session, _ename(conn, session), **kw)
+        except SessionError:
+            raise ProtocolError(p.SESSION_EXISTS, f"session {session!r} is already open") from None
+        return {"type": "ok", "session": session, "info": info_dict(info, session)}
+
+    async def _close(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        await asyncio.to_thread(self.engine.close_session, _ename(conn, session))
+        self.server.bars.forget(_ename(conn, session))
+        sub = conn.subs.pop(session, None)
+        if sub is not None:
+            close_handles(sub)
+            self.metrics.subscriptions.dec()
+        return {"type": "ok", "session": session}
+
+    async def _push(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        lines = req.field("lines", list, "an array of strings")
+        if len(lines) > p.MAX_LINES_PER_PUSH:
+            raise ProtocolError(p.TOO_LARGE, f"push: {len(lines)} lines, over the limit of {p.MAX_LINES_PER_PUSH}")
+        name = _ename(conn, session)
+        ack = await asyncio.to_thread(self.engine.push, name, lines)  # may fsync the ingest log
+        self.server.bars.record(name, lines)
+        self.metrics.lines_pushed.inc(ack.lines)
+        return {"type": "ok", "session": session, "data_version": ack.data_version,
+                "queue_depth": ack.queue_depth, "lines": ack.lines}
+
+    async def _register(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        spec = parse_question(req.field("question", dict, "a question object (id, text, choices, ...)"),
+                              source="register", key_path="question")
+        await asyncio.to_thread(self._require("register"), _ename(conn, session), spec)
+        return {"type": "ok", "session": session, "question_id": spec.id}
+
+    async def _unregister(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        question_id = req.text("question_id", "a standing question id")
+        await asyncio.to_thread(self._require("unregister"), _ename(conn, session), question_id)
+        return {"type": "ok", "session": session, "question_id": question_id}
+
+    async def _ask(self, conn: Conn, req: Request) -> None:
+        session = req.session()
+        question = req.text("question", "the question text, or a standing question's id")
+        max_tokens = req.integer("max_tokens", None, 1, p.MAX_ASK_TOKENS)  # None: the standing spec's, or 16
+        min_version = req.integer("min_version", None, 0, 1 << 62)
+        stop = req.field("stop", list, "an array of strings", None)
+        if stop is not None and not all(isinstance(s, str) and s for s in stop):
+            raise ProtocolError(p.BAD_FIELD, "ask: field 'stop' must hold non-empty strings")
+        stream = req.flag("stream", False)
+        if len(conn.asks) >= self.config.max_inflight_asks:
+            raise ProtocolError(p.BUSY, f"ask: {len(conn.asks)} questions already in flight on this connection "
+                                        f"(limit {self.config.max_inflight_asks}); wait for answers")
+        t0 = time.perf_counter()
+        kw: dict[str, Any] = {"stop": stop, "min_version": min_version}
+        if max_tokens is not None:
+            kw["max_tokens"] = max_tokens
+        streamed: list[int] = []
+        if stream and self.can_stream:
+            loop = asyncio.get_running_loop()
+            kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
+        await resident(self.engine, _ename(conn, session))
+        future = self.engine.submit_ask(_ename(conn, session), question, **kw)
+        if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
+            if stream:  # after any token the entry path already queued on the loop
+                asyncio.get_running_loop().call_soon(self._send_answer, conn, req.id, session, future.result(),
+                                                     t0, streamed)
+            else:
+                self._send_answer(conn, req.id, session, future.result(), t0, None)
+            return None
+        task = asyncio.create_task(self._await_answer(conn, req.id, session, future, t0,
+                                                      streamed if stream else None))
+        conn.asks.add(task)
+        task.add_done_callback(conn.asks.discard)
+        return None
+
+    async def _await_answer(self, conn: Conn, req_id: Any, session: str, future: Future, t0: float,
+                            streamed: list[int] | None) -> None:
+        try:
+            answer = await bridge(future)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._error(conn, *engine_error(exc, "ask"), req_id)
+            return
+        self._send_answer(conn, req_id, session, answer, t0, streamed)
+
+    def _send_token(self, conn: Conn, req_id: Any, session: str, text: str, streamed: list[int]) -> None:
+        streamed.append(len(text))
+        message: dict[str, Any] = {"type": "token", "session": session, "text": text}
+        if req_id is not None:
+            message["id"] = req_id
+        conn.send(message)
+
+    def _send_answer(self, conn: Conn, req_id: Any, session: str, answer: Any, t0: float,
+                     streamed: list[int] | None) -> None:
+        if streamed is not None and not streamed and answer.text:  # fast path: the answer is one token event
+            self._send_token(conn, req_id, session, answer.text, streamed)
+        data = answer.to_dict()
+        data.pop("tokens", None)  # token ids mean nothing to a client
+        data["session"] = session
+        message = {"type": "answer", **data}
+        if req_id is not None:
+            message["id"] = req_id
+        self.metrics.answers.labels(answer.path).inc()
+        self.metrics.ask_seconds.labels(answer.path).observe(time.perf_counter() - t0)
+        conn.send(message)
+
+    async def _subscribe(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        want_data = req.flag("data", True)
+        name = _ename(conn, session)
+        info = self.engine.session_info(name)  # unknown session -> error before any handle exists
+        sub = conn.subs.get(session)
+        if sub is None:
+            sub = Subscription(session)
+            loop = asyncio.get_running_loop()
+            on_standing = self._require("subscribe")
+            sub.handles.append(on_standing(name, threadsafe(loop, lambda a: self._on_standing(conn, sub, a))))
+            if want_data and hasattr(self.engine, "subscribe_data"):
+                sub.handles.append(self.engine.subscribe_data(  # type: ignore[attr-defined]
+                    name, threadsafe(loop, lambda _s, v: self._on_data(conn, sub, v))))
+            conn.subs[session] = sub
+            self.metrics.subscriptions.inc()
+        # Subscribed before the snapshot is read: a change in between arrives after it as an event,
+        # and `last` drops it when the snapshot already showed it.
+        snapshot = []
+        for answer in self._require("standing")(name):
+            data = standing_dict(answer, session)
+            sub.last[data["question_id"]] = data
+            snapshot.append(data)
+        return {"type": "ok", "session": session, "data_version": info.data_version, "standing": snapshot}
+
+    async def _unsubscribe(self, conn: Conn, req: Request) -> dict:
+        session = req.session()
+        sub = conn.subs.pop(session, None)
+        if sub is None:
+            self.engine.session_info(_ename(conn, session))  # unknown_session rather than a silent ok
+        else:
+            close_handles(sub)
+            self.metrics.subscriptions.dec()
+        return {"type": "ok", "session": session, "subscribed": sub is not None}
+
+    async def _stats(self, conn: Conn, req: Request) -> dict:
+        assert conn.tenant is not None
+        mine = []
+        for info in self.engine.list_sessions():
+            local = conn.tenant.local_name(info.name)
+            if local is not None:
+                mine.append(info_dict(info, local))
+        return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
+                "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
+
+    # -- engine events (on the loop, scheduled from the engine thread) -----
+    def _on_standing(self, conn: Conn, sub: Subscription, answer: Any) -> None:
+        if conn.subs.get(sub.session) is not sub:
+            return  # unsubscribed while the event was in flight
+        data = standing_dict(answer, sub.session)
+        if sub.last.get(data["question_id"]) == data:
+            return
+        sub.last[data["question_id"]] = data
+        self.metrics.events.labels("standing").inc()
+        conn.send({"type": "standing", **data})
+
+    def _on_data(self, conn: Conn, sub: Subscription, data_version: int) -> None:
+        if conn.subs.get(sub.session) is sub:
+            self.metrics.events.labels("data").inc()
+            conn.send({"type": "data", "session": sub.session, "data_version": data_version})
+
+    def _require(self, method: str) -> Callable[..., Any]:
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise ProtocolError(p.INTERNAL, f"this engine build has no {method}(); standing questions are unavailable")
+        return fn
+
+
+async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -> None:
+    """Refuse a websocket handshake: an HTTP response when the server supports it, else 403."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = orjson.dumps({"error": {"message": message, "type": "authentication_error",
+                                       "code": p.UNAUTHORIZED, "param": None}})
+        await send({"type": "websocket.http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": CLOSE_POLICY})
+
+
+async def resident(engine: Any, name: str) -> None:
+    """An evicted session is restored from its snapshot on first use: that reads the disk, so do
+    it in a worker thread before asking, never inside submit_ask on the loop."""
+    evicted = getattr(engine, "_evicted", None)
+    if evicted and name in evicted:
+        await asyncio.to_thread(engine._ensure_resident, name)
+
+
+def accepts(fn: Callable[..., Any], keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _ename(conn: Conn, session: str) -> str:
+    assert conn.tenant is not None
+    return conn.tenant.engine_name(session)
+
+
+def info_dict(info: Any, local: str) -> dict[str, Any]:
+    data = asdict(info)
+    data["name"] = local
+    return data
+
+
+def standing_dict(answer: Any, local: str) -> dict[str, Any]:
+    data = answer.to_dict()
+    data["session"] = local
+    return data
