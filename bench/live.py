@@ -334,7 +334,7 @@ def diverged(run: SystemRun) -> tuple[bool, float]:
         return bool(run.asks), math.nan
     third = max(1, len(ok) // 3)
     first, last = median([r.ms for r in ok[:third]]), median([r.ms for r in ok[-third:]])
-    growth = last / first if first > 0 else math.nan
+    growth = last / max(first, 1.0)  # sub-millisecond answers: growth from a 1 ms floor, not from noise
     lag_first, lag_last = median([float(r.lag) for r in ok[:third]]), median([float(r.lag) for r in ok[-third:]])
     unanswered = any(not r.ok for r in run.asks)
     slower = growth > 2 and last > 250
