@@ -85,7 +85,7 @@ class SystemRun:
     speed: float
     asks: list[LiveAsk] = field(default_factory=list)
     wall_s: float = 0.0
-    lines_pushed: int = 0
+    lines_pushed: int = 0  # during the paced part (the warm-up's lines not counted)
     summary_lines: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -279,6 +279,7 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
                 engine.register(s.name, q)
     atts = attachments_for(config, sink)
     asyncio.run(attach(iter(warm), list(atts.values())))  # the history every system starts from
+    warm_lines = sum(a.stats.lines_pushed for a in atts.values())
     every = args.stateless_every if system == "stateless" else 1
     bar = tqdm(total=math.ceil(len(schedule) / every), desc=f"{system} @ {speed:g}x: answered", unit="ask",
                leave=False)
@@ -315,7 +316,7 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
             rec.error = f"not answered within {args.drain_s:g} s after the feed ended"
         if rec.ok and rec.spec is not None and rec.spec.label is not None:
             rec.truth = rec.spec.expected_answer(atts[rec.session].bars_upto(rec.data_version))
-    run.lines_pushed = sum(a.stats.lines_pushed for a in atts.values())
+    run.lines_pushed = sum(a.stats.lines_pushed for a in atts.values()) - warm_lines  # the paced part's
     run.summary_lines = sum(a.stats.summaries for a in atts.values())
     for name, att in atts.items():
         if att.full:

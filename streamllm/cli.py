@@ -26,7 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tenants": ("bench.tenants", "batched vs sequential, grouped prefill, interactive latency under load"),
     "server": ("bench.server", "ask round trip over loopback websockets, 1 and 50 clients"),
     "faults": ("bench.faults", "SIGKILL + log recovery, snapshot restore vs replay, fuzzing, websocket load"),
-    "replay": ("bench.replay", "recorded feeds + Poisson questions vs stateless / prefix-cache / peer, report"),
+    "replay": ("bench.replay", "every system answers the same asks live under the same recorded feed; accuracy, report"),
 }
 
 
