@@ -291,9 +291,11 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
                  for q in s.questions}
         baseline = {"prefixcache": PrefixCache, "stateless": Stateless}.get(system)
         impl = peer if system == "peer" else baseline(engine, args.chunk)
-        if isinstance(impl, PrefixCache):  # as if it had answered an ask at the end of the warm-up
-            for s in config.sessions:
+        for s in config.sessions:  # caches start as if they had answered an ask at the end of the warm-up
+            if isinstance(impl, PrefixCache):
                 impl.catch_up(s.name, sink.snapshot(s.name)[1])
+            elif isinstance(impl, Peer):
+                impl.answer(sink.snapshot(s.name)[1], [], 1)
         asker = BaselineAsker(impl, sink, gates, every, config, run, args.adhoc_tokens, bar)
     from feeds.replay import apaced
 
