@@ -269,3 +269,15 @@ def test_a_crash_mid_run_keeps_what_was_measured(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "r.json").read_text())
     assert "ours_ms_p50@1" in report and "speedup_vs_prefixcache@1" in report
     assert "stateless_ms_p50@1" not in report
+
+
+def test_top_alternatives_reads_each_server_format():
+    from bench.baselines import top_alternatives
+
+    llama = {"logprobs": {"content": [{"top_logprobs": [{"id": 5, "token": " up", "logprob": -0.5}]}]}}
+    openai = {"logprobs": {"top_logprobs": [{" up": -0.5, " down": -1.5}]}}
+    native = {"completion_probabilities": [{"probs": [{"id": 5, "tok_str": " up", "prob": 0.5}]}]}
+    assert top_alternatives(llama) == [(5, " up", -0.5)]
+    assert top_alternatives(openai) == [(None, " up", -0.5), (None, " down", -1.5)]
+    assert top_alternatives(native) == [(5, " up", pytest.approx(math.log(0.5)))]
+    assert top_alternatives({"text": "up"}) == []
