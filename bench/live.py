@@ -86,6 +86,8 @@ class SystemRun:
     asks: list[LiveAsk] = field(default_factory=list)
     wall_s: float = 0.0
     lines_pushed: int = 0  # during the paced part (the warm-up's lines not counted)
+    events_in: int = 0  # feed events offered, warm-up included
+    lines_total: int = 0  # lines pushed, warm-up included
     summary_lines: int = 0
     notes: list[str] = field(default_factory=list)
 
@@ -318,7 +320,9 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
             rec.error = f"not answered within {args.drain_s:g} s after the feed ended"
         if rec.ok and rec.spec is not None and rec.spec.label is not None:
             rec.truth = rec.spec.expected_answer(atts[rec.session].bars_upto(rec.data_version))
-    run.lines_pushed = sum(a.stats.lines_pushed for a in atts.values()) - warm_lines  # the paced part's
+    run.lines_total = sum(a.stats.lines_pushed for a in atts.values())
+    run.lines_pushed = run.lines_total - warm_lines  # the paced part's
+    run.events_in = max((a.stats.events_in for a in atts.values()), default=0)  # each sees every event
     run.summary_lines = sum(a.stats.summaries for a in atts.values())
     for name, att in atts.items():
         if att.full:

@@ -206,6 +206,9 @@ def metrics_of(run: Run) -> dict[str, float]:
         m["ingest_capacity_speed"], m["auto_speed"] = run.capacity[0], run.capacity[2]
     if run.peer_tokens_match is not None:
         m["peer_tokens_match"] = float(run.peer_tokens_match)
+    ours = [r for r in run.runs if r.system == "ours"]
+    if ours:  # what the feed became, warm-up included (the same for every run)
+        m["events_in"], m["lines_pushed"] = ours[0].events_in, ours[0].lines_total
     by_speed: dict[float, dict[str, SystemRun]] = {}
     for r in run.runs:
         m.update(system_metrics(r, speed_tag(r.speed)))
@@ -267,7 +270,9 @@ def speeds_of(args: argparse.Namespace) -> tuple[list[float], bool]:
         raise ValueError(f"--speeds/--speed: {exc}; give numbers (x real time) or 'auto'") from None
     if any(s <= 0 for s in speeds):
         raise ValueError("--speeds: every speed must be positive (x real time)")
-    return sorted(speeds | {1.0}), auto
+    if not speeds and not auto:
+        raise ValueError("--speeds: give at least one speed")
+    return sorted(speeds if args.no_realtime else speeds | {1.0}), auto
 
 
 def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, float]]:
@@ -361,6 +366,8 @@ def parser() -> argparse.ArgumentParser:
         f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     p.add_argument("--speeds", default="1,10", help="replay paces, x real time; 'auto' measures ingest capacity")
     p.add_argument("--speed", help="one more pace (a number or 'auto'); 1x always runs too")
+    p.add_argument("--no-realtime", action="store_true",
+                   help="do not add the 1x point (tests on tables of long bars only; published runs keep 1x)")
     p.add_argument("--auto-fraction", type=float, default=0.5, help="--speed auto runs at this share of capacity")
     p.add_argument("--capacity-s", type=float, default=60.0, help="feed seconds the capacity measurement ingests")
     p.add_argument("--systems", default="ours,prefixcache,stateless,peer", help="systems to run (peer: --peer-url)")

@@ -241,6 +241,7 @@ def test_live_replay_on_the_synthetic_feed(tmp_path):
     report = _run(tmp_path, ["--seed", "1", "--speed", "auto", "--capacity-s", "6"])
     assert report["ingest_capacity_speed"] > 0 and f"ours_ms_p50@{report['auto_speed']:g}" in report
     assert report["ours_labelled@1"] >= 1  # 75 s of warm-up in 5 s bars: the labels have their history
+    assert report["events_in"] > 0 and report["lines_pushed"] >= report["feed_lines@1"]  # warm-up included
     assert report["sweep_recorded_lines@256"] >= 1 and "sweep_ours_from_push_ms_p50@512" in report
 
 
@@ -281,3 +282,12 @@ def test_top_alternatives_reads_each_server_format():
     assert top_alternatives(openai) == [(None, " up", -0.5), (None, " down", -1.5)]
     assert top_alternatives(native) == [(5, " up", pytest.approx(math.log(0.5)))]
     assert top_alternatives({"text": "up"}) == []
+
+
+def test_speeds_always_include_real_time_unless_told():
+    args = bench.replay.parse_args(["--speeds", "10,60", "--speed", "auto"])
+    assert bench.replay.speeds_of(args) == ([1.0, 10.0, 60.0], True)
+    args = bench.replay.parse_args(["--speeds", "3600", "--no-realtime"])
+    assert bench.replay.speeds_of(args) == ([3600.0], False)
+    with pytest.raises(ValueError, match="positive"):
+        bench.replay.speeds_of(bench.replay.parse_args(["--speeds", "1,-2"]))
