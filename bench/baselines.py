@@ -10,20 +10,24 @@
                 llama-server on the same GGUF), sent the same prompt as text with
                 `cache_prompt: true`.
 
-All three answer greedily up to the question's max_tokens (or end of turn) and time
-the whole answer. The runner's cells come from the engine's pool, so allocation takes
-the engine's lock; call these while the engine is idle, or they compete for the CPU.
+Same stopping rule as the engine: a question with choices (`gate=`, the question's own
+`Gate`) is answered by the best choice at the first token, with no decoding beyond it;
+any other question decodes greedily up to max_tokens or end of turn. The runner
+baselines run on the engine's core thread (`Engine.call`): they own the model while
+they answer, exactly as a server would.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.request
 from dataclasses import dataclass
 
 import torch
 
+from streamllm.engine.gate import Gate, match_choice
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.runner import Work
 
@@ -35,6 +39,7 @@ class BaselineAnswer:
     ms: float
     tokens_computed: int  # prefill + decode tokens this answer ran through the model
     first_logits: torch.Tensor | None = None  # the decision-point distribution
+    choices: dict[str, float] | None = None  # choice questions: each choice's probability
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -91,6 +96,16 @@ class _RunnerBaseline:
             spent += 1
         return tokens, spent
 
+    def finish(self, table: BlockTable, logits: torch.Tensor, max_tokens: int,
+               gate: Gate | None) -> tuple[str, list[int], int, dict[str, float] | None]:
+        """The engine's stopping rule: a choice question ends at its first token (the gate's best
+        choice); anything else decodes greedily. Returns (text, tokens, tokens spent, choice probs)."""
+        if gate is not None and gate.choices:
+            d = gate.decide(logits)
+            return str(d.answer), [d.token_id], 0, d.probs
+        tokens, spent = self.decode(table, logits, max_tokens)
+        return self._text(tokens), tokens, spent, None
+
     def _text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -98,13 +113,15 @@ class _RunnerBaseline:
 class Stateless(_RunnerBaseline):
     name = "stateless"
 
-    def answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int) -> BaselineAnswer:
+    def answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int,
+               gate: Gate | None = None) -> BaselineAnswer:
         t0 = time.perf_counter()
-        answer = self._on_core(self._answer, context_ids, question_ids, max_tokens)
+        answer = self._on_core(self._answer, context_ids, question_ids, max_tokens, gate)
         answer.ms = (time.perf_counter() - t0) * 1000
         return answer
 
-    def _answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int) -> BaselineAnswer:
+    def _answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int,
+                gate: Gate | None) -> BaselineAnswer:
         t0 = time.perf_counter()
         ids = list(context_ids) + list(question_ids)
         table = BlockTable()
@@ -113,10 +130,10 @@ class Stateless(_RunnerBaseline):
             logits = self.prefill(table, ids, 0)
             assert logits is not None
             first = logits.clone()
-            tokens, spent = self.decode(table, logits, max_tokens)
+            text, tokens, spent, probs = self.finish(table, logits, max_tokens, gate)
         finally:
             self._free(table)
-        return BaselineAnswer(self._text(tokens), tokens, (time.perf_counter() - t0) * 1000, len(ids) + spent, first)
+        return BaselineAnswer(text, tokens, (time.perf_counter() - t0) * 1000, len(ids) + spent, first, probs)
 
 
 class PrefixCache(_RunnerBaseline):
@@ -139,15 +156,17 @@ class PrefixCache(_RunnerBaseline):
         self.cached[session] = (fork, list(ids))
 
     def answer(self, session: str, context_ids: list[int], question_ids: list[int],
-               max_tokens: int) -> BaselineAnswer:
+               max_tokens: int, gate: Gate | None = None) -> BaselineAnswer:
         t0 = time.perf_counter()
-        answer = self._on_core(self._answer, session, context_ids, question_ids, max_tokens)
+        answer = self._on_core(self._answer, session, context_ids, question_ids, max_tokens, gate)
         answer.ms = (time.perf_counter() - t0) * 1000
         return answer
 
-    def _answer(self, session: str, context_ids: list[int], question_ids: list[int],
-                max_tokens: int) -> BaselineAnswer:
-        t0 = time.perf_counter()
+    def catch_up(self, session: str, context_ids: list[int]) -> int:
+        """Extend the session's cached table to `context_ids` without a question (tokens computed)."""
+        return self._on_core(self._extend, session, context_ids)
+
+    def _extend(self, session: str, context_ids: list[int]) -> int:
         table, have = self.cached.get(session, (BlockTable(), []))
         keep = common_prefix(have, context_ids)
         if keep < table.num_tokens:
@@ -157,17 +176,24 @@ class PrefixCache(_RunnerBaseline):
             self._grow(table, len(new))
             self.prefill(table, new, keep, want_last=False)
         self.cached[session] = (table, list(context_ids))
+        return len(new)
+
+    def _answer(self, session: str, context_ids: list[int], question_ids: list[int],
+                max_tokens: int, gate: Gate | None) -> BaselineAnswer:
+        t0 = time.perf_counter()
+        new = self._extend(session, context_ids)
+        table = self.cached[session][0]
         branch = self.store.fork(table, len(context_ids))
         try:
             self._grow(branch, len(question_ids))
             logits = self.prefill(branch, list(question_ids), len(context_ids))
             assert logits is not None
             first = logits.clone()
-            tokens, spent = self.decode(branch, logits, max_tokens)
+            text, tokens, spent, probs = self.finish(branch, logits, max_tokens, gate)
         finally:
             self._free(branch)
-        return BaselineAnswer(self._text(tokens), tokens, (time.perf_counter() - t0) * 1000,
-                              len(new) + len(question_ids) + spent, first)
+        return BaselineAnswer(text, tokens, (time.perf_counter() - t0) * 1000,
+                              new + len(question_ids) + spent, first, probs)
 
     def drop(self, session: str) -> None:
         entry = self.cached.pop(session, None)
@@ -180,31 +206,94 @@ class PrefixCache(_RunnerBaseline):
 
 
 class Peer:
-    """An OpenAI-compatible completion server, sent the same chat-layout prompt as text."""
+    """An OpenAI-compatible completion server, sent the same chat-layout prompt as text.
+
+    Choice questions ask for one token with its top alternatives (`logprobs`, and llama-server's
+    `n_probs`) and take the best choice among them: the same first-token rule as the engine.
+    """
 
     name = "peer"
+    top_n = 20
 
     def __init__(self, url: str, tokenizer, timeout_s: float = 300.0) -> None:
-        self.url = url.rstrip("/") + "/v1/completions"
+        self.base = url.rstrip("/")
+        self.url = self.base + "/v1/completions"
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
 
-    def request(self, prompt: str, max_tokens: int) -> dict:
-        return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "cache_prompt": True,
+    def request(self, prompt: str, max_tokens: int, gate: Gate | None = None) -> dict:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "cache_prompt": True,
                 "stream": False}
+        if gate is not None and gate.choices:
+            body.update(max_tokens=1, logprobs=self.top_n, n_probs=self.top_n)
+        return body
 
-    def answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int) -> BaselineAnswer:
+    def prompt(self, context_ids: list[int], question_ids: list[int]) -> str:
         # The server tokenizes the text itself; our ids decode to exactly this prompt.
-        prompt = self.tokenizer.decode(list(context_ids) + list(question_ids), skip_special_tokens=False)
-        body = json.dumps(self.request(prompt, max_tokens)).encode()
-        req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
-        t0 = time.perf_counter()
+        return self.tokenizer.decode(list(context_ids) + list(question_ids), skip_special_tokens=False)
+
+    def _post(self, url: str, body: dict) -> dict:
+        req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            reply = json.loads(resp.read())
+            return json.loads(resp.read())
+
+    def tokens_match(self, ids: list[int]) -> bool | None:
+        """Whether the server tokenizes our prompt text back to our ids (None: no /tokenize endpoint)."""
+        try:
+            reply = self._post(self.base + "/tokenize", {"content": self.prompt(ids, []), "add_special": False})
+        except Exception:  # not llama-server: the check is unavailable, not failed
+            return None
+        theirs = [t if isinstance(t, int) else t.get("id") for t in reply.get("tokens", [])]
+        return theirs == list(ids)
+
+    def answer(self, context_ids: list[int], question_ids: list[int], max_tokens: int,
+               gate: Gate | None = None) -> BaselineAnswer:
+        body = self.request(self.prompt(context_ids, question_ids), max_tokens, gate)
+        t0 = time.perf_counter()
+        reply = self._post(self.url, body)
+        choice = reply["choices"][0]
+        text = choice.get("text", "")
+        probs = None
+        if gate is not None and gate.choices:
+            text, probs = self._best_choice(gate, choice, text)
         ms = (time.perf_counter() - t0) * 1000
-        text = reply["choices"][0].get("text", "")
         usage = reply.get("usage") or {}
         timings = reply.get("timings") or {}  # llama-server: prompt_n = tokens it did not find cached
         computed = int(timings.get("prompt_n", usage.get("prompt_tokens", 0))) + int(
             usage.get("completion_tokens", 0))
-        return BaselineAnswer(text.strip(), [], ms, computed)
+        return BaselineAnswer(text.strip(), [], ms, computed, None, probs)
+
+    def _best_choice(self, gate: Gate, choice: dict, text: str) -> tuple[str, dict[str, float] | None]:
+        """The best-scoring choice among the first token's alternatives (ids when given, else text)."""
+        alternatives = top_alternatives(choice)
+        by_id = {t: gate.choices[o] for t, o in zip(gate.candidate_list, gate.candidate_owner, strict=True)}
+        by_text = {self.tokenizer.decode([t]): c for t, c in by_id.items()}
+        best: dict[str, float] = {}
+        for token_id, token, logprob in alternatives:
+            owner = by_id.get(token_id) if token_id is not None else by_text.get(token)
+            if owner is not None and logprob > best.get(owner, float("-inf")):
+                best[owner] = logprob
+        if best:
+            top = max(best.values())
+            weights = {c: math.exp(lp - top) for c, lp in best.items()}
+            total = sum(weights.values())
+            return max(best, key=best.__getitem__), {c: w / total for c, w in weights.items()}
+        named = match_choice(text, gate.choices)  # no alternatives came back: the text decides
+        return (named or text), None
+
+
+def top_alternatives(choice: dict) -> list[tuple[int | None, str, float]]:
+    """(token id or None, token text, logprob) of the first generated token's top alternatives,
+    from llama-server's `logprobs.content[0].top_logprobs`, OpenAI's `logprobs.top_logprobs[0]`
+    or llama-server's native `completion_probabilities`."""
+    lp = choice.get("logprobs") or {}
+    content = lp.get("content") if isinstance(lp, dict) else None
+    if content:
+        return [(t.get("id"), t.get("token", ""), float(t["logprob"])) for t in content[0].get("top_logprobs", [])]
+    if isinstance(lp, dict) and lp.get("top_logprobs"):
+        return [(None, tok, float(v)) for tok, v in lp["top_logprobs"][0].items()]
+    probs = choice.get("completion_probabilities") or []
+    if probs:
+        return [(t.get("id"), t.get("tok_str", t.get("token", "")), math.log(max(float(t.get("prob", 0)), 1e-30)))
+                for t in probs[0].get("probs", probs[0].get("top_probs", []))]
+    return []

@@ -1,19 +1,22 @@
-"""`streamllm bench replay`: recorded feeds into sessions, Poisson questions, baselines, a report.
+"""`streamllm bench replay`: every system answers the same asks, live, under the same feed.
 
     streamllm bench replay --data ../shared/data/binance-spot/btcusdt_20240808.gz \\
         ../shared/data/binance-spot/ethusdt_20240808.gz --questions queries/crypto.toml \\
-        --speed 60 --duration 300 --json report.json --out report/
+        --speeds 1,10 --json report.json --out report/
 
-Phase 1, replay: the config's sessions and standing questions are opened on one engine;
-the recorded feeds (or the embedded synthetic feed) go through the real sources,
-attachments and renderers at `--speed`; a seeded load generator asks standing and
-ad-hoc questions at Poisson times. Every answer is timed end to end, with its path,
-its data_version lag behind the newest pushed version, and, for labelled questions,
-whether it matches the label on the bars it saw. Each answer's exact token ids are
-recorded; after the replay (so they never slow our answers) the same questions at the
-same data points go to the baselines of bench/baselines.py.
-Phase 2, sweep: one session filled to each `--sweep` size; per size, one new bar then
-every standing question, on ours, the prefix cache, the peer and (fewer times) stateless.
+Live replay (bench/live.py), per speed, one system after the other (ours, the prefix
+cache on the same runner, a sample of stateless, the peer with `--peer-url`): a fresh
+engine, the same warm-up, then the same recorded feed through the real sources and
+attachments at the same speed while the same seeded Poisson schedule asks standing and
+ad-hoc questions. Each system does with the data between asks what it would in
+production (ours ingests and re-positions; the baselines do nothing until asked).
+Latency is from the ask to the answer while the feed runs; labelled standing answers
+are scored against the label on exactly the bars their data held. Real time (1x) is
+always one of the speeds; `--speed auto` first measures our sustained ingest capacity
+and adds a point at `--auto-fraction` of it. A system's backlog diverging marks its
+saturation speed. The JSON report is rewritten after every system, so a run that dies
+keeps what it measured.
+Then the context sweep (bench/sweep.py) on recorded lines only.
 """
 
 from __future__ import annotations
@@ -22,122 +25,35 @@ import argparse
 import asyncio
 import math
 import sys
-import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from bench.baselines import Peer, PrefixCache, Stateless
-from bench.common import (
-    median,
-    parse_ints,
-    percentile,
-    print_table,
-    write_json,
+from bench.baselines import Peer
+from bench.common import median, parse_ints, percentile, print_table, write_json
+from bench.live import (
+    BETWEEN_ASKS,
+    SystemRun,
+    TokenSink,
+    attachments_for,
+    diverged,
+    live_schedule,
+    run_system,
 )
-from bench.loadgen import AskEvent, poisson_schedule, run_schedule
-from bench.sweep import SYSTEMS, sweep_phase
-from streamllm.config import QueryConfig, QuestionSpec, load_config
-from streamllm.engine.kv import KVCapacityError
-from streamllm.market.attach import Attachment, AttachSpec, attach
+from bench.sweep import Sweep, sweep_phase
+from streamllm.config import QueryConfig, load_config
 
-
-@dataclass(slots=True)
-class AskRecord:
-    """One question of the replay: our answer, then what each baseline paid for it."""
-
-    session: str
-    question: str
-    spec: QuestionSpec | None  # None: ad hoc
-    max_tokens: int
-    question_ids: list[int]
-    pushed_at_ask: int
-    t0: float = 0.0
-    ms: float = math.nan
-    path: str = ""
-    data_version: int = -1
-    lag: int = 0  # versions pushed before the ask that the answer did not see
-    tokens_computed: int = 0
-    confidence: float | None = None
-    text: str = ""
-    context_ids: list[int] = field(default_factory=list)
-    truth: str | None = None
-    error: str | None = None
-    baseline_ms: dict[str, float] = field(default_factory=dict)
-    baseline_text: dict[str, str] = field(default_factory=dict)
-    baseline_tokens: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not math.isnan(self.ms)
-
-    @property
-    def correct(self) -> bool | None:
-        return None if self.truth is None else matches(self.text, self.truth)
+SYSTEMS = ("ours", "prefixcache", "stateless", "peer")
+QUICK = {"duration": 15.0, "warmup": 75.0, "speeds": "1,10", "asks": 24, "adhoc_rate": 0.3, "drain_s": 10.0,
+         "sweep": "256,512", "sweep_reps": 1, "stateless_every": 6, "stateless_reps": 1}
 
 
 def matches(text: str, truth: str) -> bool:
     """The answer's first word is the label's choice (case and punctuation aside)."""
     words = text.strip().split()
     return bool(words) and words[0].strip(".,!:;\"'").casefold() == truth.casefold()
-
-
-class LineLog:
-    """The engine as an attachment's sink, remembering the lines pushed per session."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.lines: dict[str, list[str]] = {}
-
-    def push(self, session: str, lines: list[str]):
-        ack = self.engine.push(session, lines)
-        self.lines.setdefault(session, []).extend(lines)
-        return ack
-
-    def backlog(self, session: str) -> int:
-        return self.engine.backlog(session)
-
-
-class RecordingAttachment(Attachment):
-    """Keeps every closed bar and which bars each data_version holds; stops cleanly when full."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.bars: list[Any] = []
-        self.bars_at_version: dict[int, int] = {0: 0}
-        self.full: str | None = None
-        self.events_after_full = 0
-
-    def offer(self, ev: Any) -> None:
-        if self.full is not None:
-            self.events_after_full += 1
-            return
-        super().offer(ev)
-
-    def _take_bars(self, closed: list[Any]) -> None:
-        self.bars.extend(closed)
-        super()._take_bars(closed)
-
-    def flush(self) -> Any:
-        if self.full is not None:
-            return None
-        try:
-            ack = super().flush()
-        except KVCapacityError as exc:  # the session is at max_context: stop feeding it
-            self.full = str(exc)
-            return None
-        if ack is not None:  # a flush pushes every bar closed so far
-            self.bars_at_version[ack.data_version] = len(self.bars)
-        return ack
-
-    def bars_upto(self, version: int) -> list[Any]:
-        known = [v for v in self.bars_at_version if v <= version]
-        return self.bars[: self.bars_at_version[max(known)]]
 
 
 def feed_events(data: list[str], seed: int, duration_s: float | None, opts: Any = None) -> Iterator[Any]:
@@ -168,219 +84,293 @@ def feed_events(data: list[str], seed: int, duration_s: float | None, opts: Any 
 
 @dataclass(slots=True)
 class Run:
-    records: list[AskRecord] = field(default_factory=list)
-    sweep: dict[str, dict[int, list[float]]] = field(default_factory=dict)  # system -> size -> ms
-    sweep_paths: dict[int, dict[str, int]] = field(default_factory=dict)
-    sweep_held: dict[int, int] = field(default_factory=dict)
-    attachments: dict[str, RecordingAttachment] = field(default_factory=dict)
+    runs: list[SystemRun] = field(default_factory=list)
+    speeds: list[float] = field(default_factory=list)
+    sweep: Sweep | None = None
     notes: list[str] = field(default_factory=list)
-    replay_wall_s: float = 0.0
-    sweep_wall_s: float = 0.0
-    baseline_wall_s: float = 0.0
-    stateless_reps: dict[int, int] = field(default_factory=dict)
-    sink: LineLog | None = None
+    feed_span_s: float = 0.0  # feed seconds of the paced part
     model_name: str = ""
+    peer_tokens_match: bool | None = None
+    capacity: tuple[float, float, float] | None = None  # --speed auto: (capacity x, feed s measured, speed run)
 
 
-def pool_cells(config: QueryConfig, sweep_context: int) -> int:
-    """Sessions + one prefix-cache table each + one stateless table, in the bigger phase.
+def split_feed(args: argparse.Namespace, config: QueryConfig) -> tuple[list[Any], list[Any], float]:
+    """(warm-up events, paced events, paced span in feed seconds); recorded data stops where it ends."""
+    from feeds.sources import read_options
 
-    The sweep session's reservation is sized past its context (see bench.sweep),
-    so count it twice to be safe.
-    """
-    replay = sum(2 * s.max_context_tokens for s in config.sessions) + max(s.max_context_tokens for s in config.sessions)
-    return max(replay, 4 * sweep_context) + 1024
+    total = None if args.duration is None else args.warmup + args.duration
+    if total is None and not args.data:
+        total = args.warmup + 300.0  # the synthetic feed never ends
+    insts = {s.instrument for s in config.sessions}
+    # Tables without a symbol column hold the sessions' instrument when they share one.
+    opts = read_options(args, instrument=next(iter(insts)) if len(insts) == 1 else "")
+    events = list(feed_events(args.data or [], args.seed, total, opts))
+    if not events:
+        raise ValueError("the feed produced no events")
+    cut = events[0].ts_recv + int(args.warmup * 1e9)
+    warm = [ev for ev in events if ev.ts_recv < cut]
+    timed = [ev for ev in events if ev.ts_recv >= cut]
+    if len(timed) < 2:
+        raise ValueError(f"the recording ends within the {args.warmup:g} s warm-up; lower --warmup")
+    return warm, timed, (timed[-1].ts_recv - timed[0].ts_recv) / 1e9
 
 
-def replay_phase(engine, config: QueryConfig, args: argparse.Namespace, run: Run) -> None:
-    sink = LineLog(engine)
-    for spec in config.sessions:
-        engine.open_session(spec.name, system=spec.system_prompt, max_context=spec.max_context_tokens)
-        for q in spec.questions:
-            engine.register(spec.name, q)
-        run.attachments[spec.name] = RecordingAttachment(sink, AttachSpec(
-            session=spec.name, mode=spec.render.mode, bar_s=float(spec.render.bar_seconds or 60),
-            instruments=frozenset({spec.instrument})))
-    run.sink = sink  # the sweep reuses the recorded lines
-    window_s = args.duration / args.speed if args.speed else args.duration
-    schedule = poisson_schedule(args.seed, args.rate, window_s,
-                                {s.name: [q.id for q in s.questions] for s in config.sessions})
-    futures: list[Future] = []
-    bar = tqdm(total=len(schedule), desc="replay: asks answered", unit="ask", leave=False)
+def pool_cells(config: QueryConfig) -> int:
+    """Sessions + a prefix-cache table each + a stateless table + branches."""
+    return sum(2 * s.max_context_tokens for s in config.sessions) + max(s.max_context_tokens for s in config.sessions)
 
-    def on_done(rec: AskRecord, fut: Future) -> None:
-        rec.ms = (time.perf_counter() - rec.t0) * 1000
-        bar.update()
-        try:
-            ans = fut.result()
-        except Exception as exc:  # a refused ask is a result too: counted, not timed
-            rec.error = f"{type(exc).__name__}: {exc}"
-            return
-        rec.path, rec.data_version, rec.text = ans.path, ans.data_version, ans.text
-        rec.tokens_computed, rec.confidence = ans.tokens_computed, ans.confidence
-        rec.lag = max(0, rec.pushed_at_ask - ans.data_version)
-        def context(core, session=rec.session, version=ans.data_version):
-            s = core.sessions.get(session)  # exactly the ids this answer saw, for the baselines
-            return None if s is None else s.token_ids[: s.version_length(version)]
 
-        rec.context_ids = engine.call(context)
+def new_engine(loaded, config: QueryConfig, sweep_context: int = 0):
+    from streamllm.engine import Engine
 
-    def submit(ev: AskEvent) -> None:
-        spec = config.session(ev.session).find_question(ev.question) if ev.standing else None
-        text = spec.text if spec is not None else ev.question
-        rec = AskRecord(ev.session, ev.question, spec, spec.max_tokens if spec else args.adhoc_tokens,
-                        engine.layout.question_ids(text), engine.session_info(ev.session).pushed_version)
-        run.records.append(rec)
-        rec.t0 = time.perf_counter()
-        try:
-            fut = engine.submit_ask(ev.session, ev.question, max_tokens=rec.max_tokens)
-        except Exception as exc:
-            rec.error = f"{type(exc).__name__}: {exc}"
-            bar.update()
-            return
-        futures.append(fut)
-        fut.add_done_callback(lambda f, rec=rec: on_done(rec, f))
+    return Engine(loaded, max_cells=max(pool_cells(config), 4 * sweep_context) + 8192, branch_cells=8192,
+                  max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context]))
 
-    from feeds.replay import apaced
 
-    stop = threading.Event()
-    t0 = time.perf_counter()
-    asker = run_schedule(schedule, submit, stop)
+def ingest_capacity(loaded, config: QueryConfig, warm: list[Any], timed: list[Any],
+                    feed_s: float) -> tuple[float, float]:
+    """The fastest speed (x real time) at which ours keeps up: each recorded batch is pushed and
+    ingested + re-positioned before the next, over the first `feed_s` seconds of the paced part."""
+    from streamllm.engine.prompt import PromptLayout
+
+    window = [ev for ev in timed if ev.ts_recv - timed[0].ts_recv <= feed_s * 1e9]
+    span = (window[-1].ts_recv - window[0].ts_recv) / 1e9
+    batches: list[tuple[str, list[str]]] = []
+
+    class Batches(TokenSink):
+        def push(self, session, lines):
+            if recording:
+                batches.append((session, list(lines)))
+            return super().push(session, lines)
+
+    sink = Batches(PromptLayout(loaded.tokenizer), config)
+    atts = list(attachments_for(config, sink).values())
+    recording = False
+    asyncio.run(_attach(warm, atts))
+    warm_lines = {name: list(lines) for name, lines in sink.lines.items()}
+    recording = True
+    asyncio.run(_attach(window, atts))
+    engine = new_engine(loaded, config)
     try:
-        from feeds.sources import read_options
-
-        insts = {s.instrument for s in config.sessions}
-        # Tables without a symbol column hold the sessions' instrument when they share one.
-        opts = read_options(args, instrument=next(iter(insts)) if len(insts) == 1 else "")
-        events = feed_events(args.data or [], args.seed, args.duration, opts)
-        asyncio.run(attach(apaced(events, args.speed or None), list(run.attachments.values())))
+        for s in config.sessions:
+            engine.open_session(s.name, system=s.system_prompt, max_context=s.max_context_tokens)
+            for q in s.questions:
+                engine.register(s.name, q)
+            if warm_lines[s.name]:  # the same history the live runs start from
+                engine.push(s.name, warm_lines[s.name])
+        engine.wait_idle()
+        t0 = time.perf_counter()
+        for session, lines in batches:
+            engine.push(session, lines)
+            engine.wait_idle()
+        wall = time.perf_counter() - t0
     finally:
-        stop.set()  # the feed ended: no more asks (their answers would all see the last data)
-        asker.join()
-    wait(futures, timeout=args.answer_timeout)
-    engine.wait_idle(args.answer_timeout)
-    bar.close()
-    run.replay_wall_s = time.perf_counter() - t0
-    for rec in run.records:
-        if rec.error is None and math.isnan(rec.ms):
-            rec.error = "no answer within --answer-timeout"
-        if rec.ok and rec.spec is not None and rec.spec.label is not None:
-            rec.truth = rec.spec.expected_answer(run.attachments[rec.session].bars_upto(rec.data_version))
-    for name, att in run.attachments.items():
-        if att.full:
-            run.notes.append(f"session {name} reached its max_context and stopped taking data: {att.full}")
+        engine.shutdown()
+    return (span / wall if wall > 0 else math.inf), span
 
 
-def replay_baselines(engine, args: argparse.Namespace, run: Run, peer: Peer | None) -> None:
-    """The recorded questions, in ask order, on the baselines; after the replay, never during it."""
-    ok = sorted((r for r in run.records if r.ok and r.context_ids), key=lambda r: r.t0)
-    k = min(args.stateless_asks, len(ok))
-    stateless_at = {round(i * (len(ok) - 1) / max(1, k - 1)) for i in range(k)} if k else set()
-    prefix, stateless = PrefixCache(engine, args.chunk), Stateless(engine, args.chunk)
-    work = len(ok) * (2 if peer else 1) + len(stateless_at)
-    t0 = time.perf_counter()
-    with tqdm(total=work, desc="baselines on the recorded asks", unit="ask", leave=False) as bar:
-        try:
-            for i, rec in enumerate(ok):
-                systems: list[Any] = [prefix] + ([stateless] if i in stateless_at else []) + ([peer] if peer else [])
-                for system in systems:
-                    if system is prefix:
-                        ans = prefix.answer(rec.session, rec.context_ids, rec.question_ids, rec.max_tokens)
-                    else:
-                        ans = system.answer(rec.context_ids, rec.question_ids, rec.max_tokens)
-                    rec.baseline_ms[system.name] = ans.ms
-                    rec.baseline_text[system.name] = ans.text
-                    rec.baseline_tokens[system.name] = ans.tokens_computed
-                    bar.update()
-        finally:
-            prefix.close()
-    run.baseline_wall_s = time.perf_counter() - t0
+async def _attach(events: list[Any], atts) -> None:
+    from streamllm.market.attach import attach
+
+    await attach(iter(events), atts)
 
 
-def metrics_of(run: Run, sizes: list[int], peer: bool) -> dict[str, float]:
-    from streamllm.engine.gate import risk_coverage
-
-    ok = [r for r in run.records if r.ok]
+def system_metrics(run: SystemRun, tag: str) -> dict[str, float]:
+    """`{system}_..@{speed}`: standing asks for the headline figures, ad-hoc asks beside them."""
+    s = run.system
+    ok = [r for r in run.asks if r.ok]
     standing = [r for r in ok if r.spec is not None]
-    m: dict[str, float] = {"asks": len(run.records), "asks_ok": len(ok), "asks_failed": len(run.records) - len(ok),
-                           "asks_standing": len(standing), "asks_adhoc": len(ok) - len(standing)}
-    ms = [r.ms for r in ok]
-    m.update(ours_ms_p50=median(ms), ours_ms_p99=percentile(ms, 99))
-    for path in ("fast", "entry", "cold"):
-        xs = [r.ms for r in ok if r.path == path]
-        m[f"ours_{path}_asks"] = len(xs)
-        m[f"ours_{path}_ms_p50"], m[f"ours_{path}_ms_p99"] = median(xs), percentile(xs, 99)
-    m["ours_standing_ms_p50"] = median([r.ms for r in standing])
-    lags = [float(r.lag) for r in ok]
-    m.update(lag_versions_p50=median(lags), lag_versions_p99=percentile(lags, 99),
-             lag_versions_max=max(lags, default=math.nan),
-             ours_tokens_per_ask=median([float(r.tokens_computed) for r in ok]))
-    for system in SYSTEMS[1:]:
-        done = [r for r in ok if system in r.baseline_ms]
-        if system == "peer" and not peer:
-            continue
-        xs = [r.baseline_ms[system] for r in done]
-        m[f"{system}_asks"] = len(done)
-        m[f"{system}_ms_p50"], m[f"{system}_ms_p99"] = median(xs), percentile(xs, 99)
-        m[f"{system}_tokens_per_ask"] = median([float(r.baseline_tokens[system]) for r in done])
-        pairs = [r for r in done if r.spec is not None]
-        if pairs:  # ratio of medians over the same standing asks
-            m[f"speedup_vs_{system}"] = median([r.baseline_ms[system] for r in pairs]) / median([r.ms for r in pairs])
+    adhoc = [r for r in ok if r.spec is None]
+    ms = [r.ms for r in standing]
+    m = {f"{s}_ms_p50@{tag}": median(ms), f"{s}_ms_p99@{tag}": percentile(ms, 99),
+         f"{s}_asks@{tag}": len(standing), f"{s}_adhoc_asks@{tag}": len(adhoc),
+         f"{s}_adhoc_ms_p50@{tag}": median([r.ms for r in adhoc]),
+         f"{s}_adhoc_ms_p99@{tag}": percentile([r.ms for r in adhoc], 99),
+         f"{s}_unanswered@{tag}": len(run.asks) - len(ok), f"{s}_wall_s@{tag}": run.wall_s,
+         f"{s}_tokens_per_ask@{tag}": median([float(r.tokens_computed) for r in standing])}
     labelled = [r for r in standing if r.truth is not None]
-    fast = [r for r in labelled if r.path == "fast"]
-    m["labelled_asks"] = len(labelled)
-    m["gate_coverage"] = len(fast) / len(labelled) if labelled else math.nan
-    m["gate_precision"] = sum(bool(r.correct) for r in fast) / len(fast) if fast else math.nan
-    m["ours_accuracy"] = sum(bool(r.correct) for r in labelled) / len(labelled) if labelled else math.nan
-    if labelled:
-        curve = risk_coverage([r.confidence or 0.0 for r in labelled], [bool(r.correct) for r in labelled])
-        m["gate_best_precision"] = max(p.precision for p in curve)
-    for n in sizes:
-        for system, by_size in run.sweep.items():
-            if by_size.get(n):
-                m[f"{system}_latency_ms_p50@{n}"] = median(by_size[n])
-        if run.sweep["ours"].get(n) and run.sweep["prefixcache"].get(n):
-            m[f"speedup_vs_prefixcache@{n}"] = median(run.sweep["prefixcache"][n]) / median(run.sweep["ours"][n])
-        m[f"context_tokens@{n}"] = run.sweep_held.get(n, math.nan)
-    flat = [n for n in sizes if n >= 1024 and run.sweep["ours"].get(n)]
-    if len(flat) >= 2:  # goal: within 20% from 1k to 8k
-        m["ours_p50_ratio_max_over_min_context"] = (m[f"ours_latency_ms_p50@{flat[-1]}"]
-                                                    / m[f"ours_latency_ms_p50@{flat[0]}"])
-    atts = run.attachments.values()
-    m.update(events_in=sum(a.stats.events_in for a in atts), lines_pushed=sum(a.stats.lines_pushed for a in atts),
-             summary_lines=sum(a.stats.summaries for a in atts), replay_wall_s=run.replay_wall_s,
-             baseline_wall_s=run.baseline_wall_s, sweep_wall_s=run.sweep_wall_s)
+    m[f"{s}_labelled@{tag}"] = len(labelled)
+    m[f"{s}_accuracy@{tag}"] = sum(bool(r.correct) for r in labelled) / len(labelled) if labelled else math.nan
+    is_diverged, growth = diverged(run)
+    m[f"{s}_growth@{tag}"], m[f"{s}_diverged@{tag}"] = growth, float(is_diverged)
+    if s == "ours":
+        for path in ("fast", "entry", "cold"):
+            xs = [r.ms for r in ok if r.path == path]
+            m[f"ours_{path}_asks@{tag}"] = len(xs)
+            m[f"ours_{path}_ms_p50@{tag}"] = median(xs)
+        lags = [float(r.lag) for r in ok]
+        m[f"lag_versions_p50@{tag}"], m[f"lag_versions_p99@{tag}"] = median(lags), percentile(lags, 99)
+        fast = [r for r in labelled if r.path == "fast"]
+        m[f"gate_coverage@{tag}"] = len(fast) / len(labelled) if labelled else math.nan
+        m[f"gate_precision@{tag}"] = sum(bool(r.correct) for r in fast) / len(fast) if fast else math.nan
+        m[f"feed_lines@{tag}"], m[f"summary_lines@{tag}"] = run.lines_pushed, run.summary_lines
+    else:
+        m[f"{s}_wait_ms_p50@{tag}"] = median([r.wait_ms for r in ok])
     return m
 
 
+def speed_tag(speed: float) -> str:
+    return f"{speed:g}"
+
+
+def metrics_of(run: Run) -> dict[str, float]:
+    m: dict[str, float] = {"feed_span_s": run.feed_span_s}
+    if run.capacity is not None:
+        m["ingest_capacity_speed"], m["auto_speed"] = run.capacity[0], run.capacity[2]
+    if run.peer_tokens_match is not None:
+        m["peer_tokens_match"] = float(run.peer_tokens_match)
+    ours = [r for r in run.runs if r.system == "ours"]
+    if ours:  # what the feed became, warm-up included (the same for every run)
+        m["events_in"], m["lines_pushed"] = ours[0].events_in, ours[0].lines_total
+    by_speed: dict[float, dict[str, SystemRun]] = {}
+    for r in run.runs:
+        m.update(system_metrics(r, speed_tag(r.speed)))
+        by_speed.setdefault(r.speed, {})[r.system] = r
+    for speed, systems in by_speed.items():
+        tag = speed_tag(speed)
+        for s in SYSTEMS[1:]:
+            if "ours" in systems and s in systems:  # ratio of medians over the standing asks
+                m[f"speedup_vs_{s}@{tag}"] = m[f"{s}_ms_p50@{tag}"] / m[f"ours_ms_p50@{tag}"]
+    for s in SYSTEMS:
+        done = sorted(speed for speed, systems in by_speed.items() if s in systems)
+        if done:  # the lowest swept speed at which its backlog diverged; null when none did
+            hit = [speed for speed in done if m[f"{s}_diverged@{speed_tag(speed)}"]]
+            m[f"saturation_speed_{s}"] = hit[0] if hit else math.nan
+    if run.sweep is not None:
+        m.update(sweep_metrics(run.sweep))
+    return m
+
+
+def sweep_metrics(sw: Sweep) -> dict[str, float]:
+    m: dict[str, float] = {"sweep_lines_available": sw.lines_available, "sweep_wall_s": sw.wall_s}
+    for n in sorted(sw.held):
+        for series, by_size in sw.ms.items():
+            if by_size.get(n):
+                m[f"sweep_{series}_ms_p50@{n}"] = median(by_size[n])
+        m[f"sweep_context_tokens@{n}"], m[f"sweep_recorded_lines@{n}"] = sw.held[n], sw.lines_used[n]
+        fresh, prefix = sw.ms["ours"].get(n), sw.ms["prefixcache"].get(n)
+        if fresh and prefix:
+            m[f"sweep_speedup_vs_prefixcache@{n}"] = median(prefix) / median(fresh)
+            m[f"sweep_speedup_from_push_vs_prefixcache@{n}"] = median(prefix) / median(sw.ms["ours_from_push"][n])
+    if sw.stopped_at is not None:
+        m["sweep_stopped_at"] = sw.stopped_at
+    return m
+
+
+def recorded_lines(loaded, config: QueryConfig, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The first session's lines over the whole recording (never padded), or the synthetic feed's."""
+    from bench.common import market_lines
+    from streamllm.engine.prompt import PromptLayout
+
+    spec = config.sessions[0]
+    if not args.data:
+        lines = market_lines(args.seed, spec.render.bar_seconds or 5, (spec.instrument,))
+        return [next(lines) for _ in range(args.sweep_lines)], "the embedded synthetic feed (no --data)"
+    sink = TokenSink(PromptLayout(loaded.tokenizer), config)
+    from feeds.sources import read_options
+
+    insts = {s.instrument for s in config.sessions}
+    opts = read_options(args, instrument=next(iter(insts)) if len(insts) == 1 else "")
+    asyncio.run(_attach(list(feed_events(args.data, args.seed, None, opts)),
+                        list(attachments_for(config, sink).values())))
+    return sink.lines[spec.name], f"the recording ({len(sink.lines[spec.name])} lines of session {spec.name!r})"
+
+
+def speeds_of(args: argparse.Namespace) -> tuple[list[float], bool]:
+    """The swept speeds (1x always among them) and whether `auto` was asked for."""
+    words = [w.strip() for w in args.speeds.split(",") if w.strip()]
+    if args.speed is not None:
+        words.append(args.speed)
+    auto = "auto" in words
+    try:
+        speeds = {float(w) for w in words if w != "auto"}
+    except ValueError as exc:
+        raise ValueError(f"--speeds/--speed: {exc}; give numbers (x real time) or 'auto'") from None
+    if any(s <= 0 for s in speeds):
+        raise ValueError("--speeds: every speed must be positive (x real time)")
+    if not speeds and not auto:
+        raise ValueError("--speeds: give at least one speed")
+    return sorted(speeds if args.no_realtime else speeds | {1.0}), auto
+
+
 def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, float]]:
-    from streamllm.engine import Engine
     from streamllm.model import load_model
 
     config = load_config(args.questions)
     sizes = sorted(parse_ints(args.sweep)) if args.sweep else []
-    if sizes and args.sweep_reps < 1:
-        raise ValueError("--sweep-reps must be at least 1")
-    sweep_context = (max(sizes) + 64 * args.sweep_reps + 512) if sizes else 0
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or "ours" not in systems:
+        raise ValueError(f"--systems: {unknown or 'ours missing'}; choose from {', '.join(SYSTEMS)} (ours first)")
+    speeds, auto = speeds_of(args)
     loaded = model if model is not None else load_model(args.model, progress=True)
-    engine = Engine(loaded, max_cells=pool_cells(config, sweep_context) + 8192, branch_cells=8192,
-                    max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context]))
-    peer = Peer(args.peer_url, engine.tokenizer) if args.peer_url else None
-    run = Run()
-    if peer is None:
+    run = Run(model_name=loaded.name)
+    warm, timed, run.feed_span_s = split_feed(args, config)
+    if auto:
+        capacity, measured_s = ingest_capacity(loaded, config, warm, timed, args.capacity_s)
+        auto_speed = max(round(args.auto_fraction * capacity, 1), 0.1)
+        run.capacity = (capacity, measured_s, auto_speed)
+        run.notes.append(f"--speed auto: ours sustained {capacity:.1f}x real time over {measured_s:.0f} feed s "
+                         f"(each batch ingested and re-positioned before the next); ran at {args.auto_fraction:g} "
+                         f"of it, {auto_speed:g}x")
+        speeds = sorted(set(speeds) | {auto_speed})
+    run.speeds = speeds
+    peer = None
+    if "peer" in systems and not args.peer_url:
+        systems.remove("peer")
+    if args.peer_url:
+        from streamllm.engine.prompt import PromptLayout
+
+        peer = Peer(args.peer_url, loaded.tokenizer)
+        spec = config.sessions[0]
+        layout = PromptLayout(loaded.tokenizer)
+        probe = layout.prefix_ids(spec.system_prompt) + layout.question_ids(spec.questions[0].text)
+        run.peer_tokens_match = peer.tokens_match(probe)
+        systems += [] if "peer" in systems else ["peer"]
+    else:
         run.notes.append("no --peer-url: the peer (an OpenAI-compatible server such as llama-server) was skipped")
-    try:
-        replay_phase(engine, config, args, run)
-        for spec in config.sessions:  # the baselines' tables need the cells
-            engine.close_session(spec.name)
-        replay_baselines(engine, args, run, peer)
-        if sizes:
-            sweep_phase(engine, config, args, run, sizes, sweep_context, peer)
-        engine.check_integrity()
-    finally:
-        engine.shutdown()
-    run.model_name = loaded.name
-    return run, metrics_of(run, sizes, peer is not None)
+    meta = {"bench": "replay", "model": run.model_name, "command": args.command, "speeds": speeds,
+            "between_asks": {s: BETWEEN_ASKS[s] for s in systems}}
+    for speed in speeds:
+        window = run.feed_span_s / speed
+        rate = args.rate or args.asks / window
+        schedule = live_schedule(args.seed, rate, args.adhoc_rate, window, config)
+        for system in systems:
+            engine = new_engine(loaded, config)
+            try:
+                result = run_system(system, engine, config, warm, timed, speed, schedule, args, peer)
+                engine.check_integrity()
+            finally:
+                engine.shutdown()
+            run.runs.append(result)
+            run.notes.extend(result.notes)
+            m = metrics_of(run)
+            tag = speed_tag(speed)
+            print(f"{system} @ {tag}x: {int(m[f'{system}_asks@{tag}'])} standing asks answered "
+                  f"(+{int(m[f'{system}_adhoc_asks@{tag}'])} ad hoc, {int(m[f'{system}_unanswered@{tag}'])} "
+                  f"unanswered), p50 {m[f'{system}_ms_p50@{tag}']:.1f} ms, accuracy "
+                  f"{m[f'{system}_accuracy@{tag}']:.2f} in {result.wall_s:.0f} s", file=sys.stderr, flush=True)
+            _write(args, m, meta)  # a run that dies later keeps what it measured
+    if sizes:
+        lines, source = recorded_lines(loaded, config, args)
+        sweep_context = max(sizes) + 64 * args.sweep_reps + 512
+        engine = new_engine(loaded, config, sweep_context)
+        try:
+            run.sweep = sweep_phase(engine, config, args, lines, source, sizes, sweep_context, peer)
+            engine.check_integrity()
+        finally:
+            engine.shutdown()
+        if run.sweep.stopped_at is not None:
+            run.notes.append(f"the sweep stopped at {run.sweep.stopped_at} tokens: {source} holds no more")
+    metrics = metrics_of(run)
+    _write(args, metrics, meta)
+    return run, metrics
+
+
+def _write(args: argparse.Namespace, metrics: dict[str, float], meta: dict) -> None:
+    # JSON has no NaN: a metric this run could not define (no fast answers, no peer) is null.
+    write_json(args.json, {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()},
+               meta)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -389,49 +379,74 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="*", help="raw captures (.gz) or trade/quote/bar tables; default: synthetic feed")
     p.add_argument("--questions", default="queries/crypto.toml", help="sessions and standing questions (TOML)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--seed", type=int, default=0, help="load generator (and synthetic feed) seed")
-    p.add_argument("--speed", type=float, default=60.0, help="replay pace, x real time (0: as fast as possible)")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of feed time to replay")
-    p.add_argument("--rate", type=float, default=6.0, help="asks per wall-clock second (Poisson)")
+    p.add_argument("--seed", type=int, default=0, help="ask schedule (and synthetic feed) seed")
+    p.add_argument("--quick", action="store_true", help="a one-minute version (CI): " + ", ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
+    p.add_argument("--speeds", default="1,10", help="replay paces, x real time; 'auto' measures ingest capacity")
+    p.add_argument("--speed", help="one more pace (a number or 'auto'); 1x always runs too")
+    p.add_argument("--no-realtime", action="store_true",
+                   help="do not add the 1x point (tests on tables of long bars only; published runs keep 1x)")
+    p.add_argument("--auto-fraction", type=float, default=0.5, help="--speed auto runs at this share of capacity")
+    p.add_argument("--capacity-s", type=float, default=60.0, help="feed seconds the capacity measurement ingests")
+    p.add_argument("--systems", default="ours,prefixcache,stateless,peer", help="systems to run (peer: --peer-url)")
+    p.add_argument("--warmup", type=float, default=90.0, help="feed seconds pushed unpaced before the asks start")
+    p.add_argument("--duration", type=float, help="feed seconds of the paced part (default: to the recording's end)")
+    p.add_argument("--asks", type=int, default=330, help="standing asks per system per speed (sets the rate)")
+    p.add_argument("--rate", type=float, help="standing asks per wall second (overrides --asks)")
+    p.add_argument("--adhoc-rate", type=float, default=0.2, help="ad-hoc asks per wall second (Poisson)")
     p.add_argument("--adhoc-tokens", type=int, default=8, help="max_tokens of ad-hoc questions")
+    p.add_argument("--stateless-every", type=int, default=10, help="stateless answers every k-th ask of the schedule")
+    p.add_argument("--drain-s", type=float, default=60.0, help="after the feed ends, wait this long for answers")
     p.add_argument("--sweep", default="512,1024,2048,4096,8192", help="context sizes in tokens ('' to skip)")
     p.add_argument("--sweep-reps", type=int, default=4, help="new bars (each followed by every question) per size")
+    p.add_argument("--sweep-lines", type=int, default=2000, help="synthetic lines for the sweep without --data")
     p.add_argument("--stateless-reps", type=int, default=3, help="stateless answers per size up to 2048 (1 above)")
     p.add_argument("--stateless-max", type=int, default=8192, help="largest sweep size stateless is run at")
-    p.add_argument("--stateless-asks", type=int, default=8, help="replay asks also sent to stateless (evenly spread)")
     p.add_argument("--chunk", type=int, default=512, help="baselines' prefill chunk in tokens")
-    p.add_argument("--peer-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8080 (llama-server)")
-    p.add_argument("--answer-timeout", type=float, default=600.0)
+    p.add_argument("--peer-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8080 (make peer)")
     from feeds.sources import add_read_args
 
     add_read_args(p)
-    p.add_argument("--json", help="write the flat metrics here")
+    p.add_argument("--json", help="write the flat metrics here (rewritten as the run goes)")
     p.add_argument("--out", default="report", help="folder for report.md and the PNG plots")
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.quick:  # quick values, unless given on the command line
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+    if args.sweep_reps < 1 or args.asks < 1 or args.stateless_every < 1:
+        p.error("--sweep-reps, --asks and --stateless-every must be at least 1")
+    args.command = "streamllm bench replay " + " ".join(argv)
+    return args
 
 
 def cli_main(argv: list[str]) -> int:
     from bench.report import write_report
 
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         run, metrics = bench(args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"streamllm bench replay: error: {exc}", file=sys.stderr)
         return 2
-    command = "streamllm bench replay " + " ".join(argv)
-    meta = {"bench": "replay", "model": run.model_name, "command": command}
-    # JSON has no NaN: a metric this run could not define (no fast answers, no peer) is null.
-    write_json(args.json, {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in metrics.items()},
-               meta)
-    path = write_report(Path(args.out), run, metrics, args, command)
-    rows = [[s, metrics.get(f"{s}_ms_p50", math.nan), metrics.get(f"{s}_ms_p99", math.nan),
-             metrics.get(f"{s}_asks", metrics["asks_ok"] if s == "ours" else 0)] for s in SYSTEMS
-            if s == "ours" or f"{s}_ms_p50" in metrics]
-    print_table("replay: latency per answer (ms)", ["system", "p50", "p99", "asks"], rows)
+    path = write_report(Path(args.out), run, metrics, args)
+    rows = []
+    for speed in run.speeds:
+        tag = speed_tag(speed)
+        for s in SYSTEMS:
+            if f"{s}_ms_p50@{tag}" in metrics:
+                rows.append([f"{tag}x", s, metrics[f"{s}_ms_p50@{tag}"], metrics[f"{s}_ms_p99@{tag}"],
+                             int(metrics[f"{s}_asks@{tag}"]), metrics[f"{s}_accuracy@{tag}"],
+                             "yes" if metrics[f"{s}_diverged@{tag}"] else "no"])
+    print_table("live replay: standing asks (ms, from ask to answer)",
+                ["speed", "system", "p50", "p99", "asks", "accuracy", "diverged"], rows)
     for note in run.notes:
         print(f"note: {note}")
-    print(f"speedup_vs_prefixcache {metrics.get('speedup_vs_prefixcache', math.nan):.1f}  "
-          f"gate coverage {metrics['gate_coverage']:.2f} precision {metrics['gate_precision']:.2f}")
     print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))
     return 0

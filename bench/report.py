@@ -1,7 +1,7 @@
 """The replay benchmark's human-readable report: report.md with tables and PNG plots.
 
-Written for a reader who has never seen the project: it says what each system is,
-what was measured, on which machine, and what to be careful about.
+Written for a reader who has never seen the project: what each system is and does with
+the data between asks, what was measured, on which machine, and what to be careful about.
 """
 
 from __future__ import annotations
@@ -13,20 +13,21 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, median
+from bench.live import BETWEEN_ASKS
 
 SYSTEM_TEXT = {
     "ours": "streamllm: stateful sessions whose KV cache grows with the data; standing questions are "
-            "pre-positioned after every update and answered from the cached distribution when the "
-            "confidence gate fires (fast path), else by decoding from the pre-paid entry (entry path); "
-            "ad-hoc questions prefill only the question on top of the session (cold path).",
-    "prefixcache": "a server with prefix caching (what vLLM/SGLang automatic prefix caching or a "
-                   "llama.cpp slot pays): one cached table per session holds system prompt + data up to "
-                   "the previous question; a question pays the data that arrived since, the question, "
-                   "and the decode. Same model, same forward code, same cells.",
-    "stateless": "a request-driven server without a cache: every question prefills system prompt + all "
-                 "data so far + question from scratch (in 512-token chunks), then decodes.",
-    "peer": "an external OpenAI-compatible completion server (e.g. llama.cpp's llama-server) sent the "
-            "same prompt text with cache_prompt: true, over HTTP on this machine.",
+            "pre-positioned after every update; a choice question is answered from the cached ready "
+            "distribution (its best choice: fast path when the gate fires, entry path otherwise); ad-hoc "
+            "questions prefill only the question on top of the session (cold path).",
+    "prefixcache": "a server with prefix caching (vLLM/SGLang automatic prefix caching, a llama.cpp slot): one "
+                   "cached table per session holds system prompt + data up to the previous question. Same "
+                   "model, forward code and cells, run on the engine's core thread (it owns the model while "
+                   "it answers).",
+    "stateless": "a request-driven server without a cache (512-token prefill chunks); only every k-th ask of "
+                 "the schedule (a full prefill each).",
+    "peer": "an external OpenAI-compatible completion server (llama.cpp's llama-server, `make peer`) sent the "
+            "same prompt text with cache_prompt: true over loopback HTTP.",
 }
 
 
@@ -38,7 +39,7 @@ def _f(x: Any, spec: str = ".1f") -> str:
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    out += ["| " + " | ".join(_f(c) if not isinstance(c, str) else c for c in row) + " |" for row in rows]
+    out += ["| " + " | ".join(c if isinstance(c, str) else _f(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
 
 
@@ -51,16 +52,46 @@ def _plt():
     return plt
 
 
-def plot_sweep(run, sizes: list[int], path: Path) -> None:
+def feed_rate(m: dict[str, float], speed: float) -> float:
+    """Lines per wall second the feed delivered at this speed."""
+    lines = m.get(f"feed_lines@{speed:g}", math.nan)
+    return lines / (m["feed_span_s"] / speed) if m.get("feed_span_s") else math.nan
+
+
+def plot_speeds(run, m: dict[str, float], path: Path) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for system, label in (("ours", "ours (standing)"), ("ours_cold", "ours (ad hoc, cold)"),
-                          ("prefixcache", "prefix cache"), ("stateless", "stateless"), ("peer", "peer")):
-        pts = [(run.sweep_held.get(n, n), median(run.sweep[system][n])) for n in sizes if run.sweep[system].get(n)]
+    for s in ("ours", "prefixcache", "stateless", "peer"):
+        pts = [(feed_rate(m, v), m.get(f"{s}_ms_p50@{v:g}"), m.get(f"{s}_ms_p99@{v:g}")) for v in run.speeds]
+        pts = [p for p in pts if p[1] is not None and not math.isnan(p[1]) and not math.isnan(p[0])]
+        if not pts:
+            continue
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{s} p50")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=line.get_color(), label=f"{s} p99")
+        sat = m.get(f"saturation_speed_{s}")
+        if sat is not None and not math.isnan(sat):
+            ax.axvline(feed_rate(m, sat), color=line.get_color(), alpha=0.4, linestyle=":")
+    ax.set(xscale="log", yscale="log", xlabel="feed rate (lines per second)", ylabel="ask -> answer (ms)",
+           title="live replay: standing asks vs feed rate (dotted: backlog diverges)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def plot_sweep(sw, path: Path) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    labels = {"ours_from_push": "ours, timed from the push", "ours": "ours, entries fresh",
+              "ours_cold": "ours ad hoc (cold)", "prefixcache": "prefix cache", "stateless": "stateless",
+              "peer": "peer"}
+    for series, label in labels.items():
+        pts = [(sw.held[n], median(sw.ms[series][n])) for n in sorted(sw.held) if sw.ms[series].get(n)]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     ax.set(xscale="log", yscale="log", xlabel="context held by the session (tokens)",
-           ylabel="answer latency p50 (ms)", title="latency vs context")
+           ylabel="answer latency p50 (ms)", title="latency vs context (recorded lines)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -68,174 +99,95 @@ def plot_sweep(run, sizes: list[int], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_cdf(run, path: Path) -> None:
-    plt = _plt()
-    ok = [r for r in run.records if r.ok]
-    series = {f"ours {p}": [r.ms for r in ok if r.path == p] for p in ("fast", "entry", "cold")}
-    for system in ("prefixcache", "stateless", "peer"):
-        series[system] = [r.baseline_ms[system] for r in ok if system in r.baseline_ms]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for label, xs in series.items():
-        if xs:
-            xs = sorted(max(x, 1e-3) for x in xs)
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{label} (n={len(xs)})")
-    ax.set(xscale="log", xlabel="answer latency (ms)", ylabel="share of answers", ylim=(0, 1.02),
-           title="replay: latency CDF per path and system")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-
-
-def plot_gate(run, path: Path) -> int:
-    from streamllm.engine.gate import risk_coverage
-
-    plt = _plt()
-    labelled = [r for r in run.records if r.ok and r.spec is not None and r.truth is not None]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    if labelled:
-        curve = risk_coverage([r.confidence or 0.0 for r in labelled], [bool(r.correct) for r in labelled])
-        ax.plot([p.coverage for p in curve], [p.precision for p in curve], drawstyle="steps-post",
-                label=f"all labelled standing asks (n={len(labelled)})")
-        fast = [r for r in labelled if r.path == "fast"]
-        if fast:  # where the configured thresholds put the gate
-            prec = sum(bool(r.correct) for r in fast) / len(fast)
-            ax.plot([len(fast) / len(labelled)], [prec], "o", label="configured thresholds")
-        ax.legend(fontsize=8, loc="lower right")
-    else:
-        ax.text(0.5, 0.5, "no labelled answers in this run", ha="center", va="center")
-    ax.set(xlabel="coverage (share of asks the gate would fire on)", ylabel="precision of fired answers",
-           xlim=(0, 1.02), ylim=(0, 1.02), title="gate risk-coverage (confidence = logit gap)")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    plt.close(fig)
-    return len(labelled)
-
-
-def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace, command: str) -> Path:
+def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    sizes = sorted(run.sweep_held)
-    if sizes:
-        plot_sweep(run, sizes, out / "latency_vs_context.png")
-    plot_cdf(run, out / "latency_cdf.png")
-    plot_gate(run, out / "gate_risk_coverage.png")
+    plot_speeds(run, m, out / "latency_vs_feed_rate.png")
     mach = machine()
+    systems = [s for s in SYSTEM_TEXT if any(r.system == s for r in run.runs)]
     lines = [
-        "# streamllm replay benchmark",
-        "",
-        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{command}`",
-        "",
+        "# streamllm replay benchmark", "",
+        f"Run {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: `{args.command}`", "",
         f"Model `{run.model_name}` on {mach['machine']}, {mach['cpus']} CPUs ({mach['torch_threads']} torch threads),"
-        f" CUDA: {mach['cuda']}, torch {mach['torch']}, Python {mach['python']}. All systems ran in this one"
-        " process on the same model weights, the same forward code and the same KV pool.",
-        "",
-        "## What was measured",
-        "",
-        f"Market data ({', '.join(args.data) if args.data else 'the embedded synthetic feed'}) was replayed at "
-        f"{args.speed:g}x real time for {args.duration:g} s of feed time through the project's real feed sources, "
-        f"attachments (bars or events per session, as the config `{args.questions}` says) and engine. "
-        f"{_f(m['events_in'], '.0f')} feed events became {_f(m['lines_pushed'], '.0f')} text lines "
-        f"({_f(m['summary_lines'], '.0f')} summary lines where ingest fell behind). Meanwhile a load generator "
-        f"(seed {args.seed}) asked questions at Poisson times, {args.rate:g} per second on average: ~80% standing "
-        "questions of the config (by id), the rest ad-hoc questions nobody registered. "
-        "Every answer was timed end to end (submit to result, in process), with its path and how many data "
-        "versions it lagged behind the newest version pushed when it was asked.",
-        "",
-        "The token ids each of our answers saw were recorded; after the replay ended the baselines answered the "
-        "same questions on exactly those ids, one at a time, so their cost never slowed our answers (and ours "
-        "never slowed theirs). Baselines decode greedily up to the question's max_tokens.",
-        "",
-        "## The systems",
-        "",
+        f" CUDA: {mach['cuda']}, torch {mach['torch']}, Python {mach['python']}.", "",
+        "## What was measured", "",
+        f"Market data ({', '.join(args.data) if args.data else 'the embedded synthetic feed'}): the first "
+        f"{args.warmup:g} s of feed time are pushed unpaced (the history every system starts from, so labels "
+        f"have their bars), then {m['feed_span_s']:.0f} s of feed time are replayed at each speed "
+        f"({', '.join(f'{v:g}x' for v in run.speeds)}) through the project's feed sources and attachments. "
+        "Each system runs the same replay in turn, on a fresh engine in the same process: same feed, same "
+        f"speed, same seeded Poisson schedule (seed {args.seed}: standing asks at the rate that gives "
+        f"~{args.asks} per run, ad-hoc asks at {args.adhoc_rate:g}/s). Latency runs from the ask to the answer "
+        "while the feed runs, queueing included (a baseline answers one ask at a time, like one server slot). "
+        "Every system uses the same prompt token ids and the same stopping rule: a question with choices is "
+        "answered by its best choice at the first token (the question's gate); an ad-hoc question decodes "
+        f"greedily up to {args.adhoc_tokens} tokens.", "",
+        "## The systems, and what each does with the data between asks", "",
     ]
-    lines += [f"- **{name}**: {text}" for name, text in SYSTEM_TEXT.items()]
-    lines += ["", "## Replay: latency per answer", ""]
-    rows = [["ours", _f(m["ours_ms_p50"], ".2f"), _f(m["ours_ms_p99"], ".1f"), int(m["asks_ok"]),
-             _f(m["ours_tokens_per_ask"], ".0f"), "1.0"]]
-    for system in ("prefixcache", "stateless", "peer"):
-        if f"{system}_ms_p50" in m:
-            rows.append([system, _f(m[f"{system}_ms_p50"], ".1f"), _f(m[f"{system}_ms_p99"], ".1f"),
-                         int(m[f"{system}_asks"]), _f(m[f"{system}_tokens_per_ask"], ".0f"),
-                         _f(m.get(f"speedup_vs_{system}"), ".1f")])
-    lines += [_table(["system", "p50 ms", "p99 ms", "answers", "tokens computed (median)",
-                      "its p50 / ours on standing asks"], rows), ""]
+    lines += [f"- **{s}**: {SYSTEM_TEXT[s]} *Between asks*: {BETWEEN_ASKS[s]}." for s in systems]
+    lines += ["", "## Live replay: standing asks", ""]
     rows = []
-    for path in ("fast", "entry", "cold"):
-        rows.append([path, int(m[f"ours_{path}_asks"]), _f(m[f"ours_{path}_ms_p50"], ".2f"),
-                     _f(m[f"ours_{path}_ms_p99"], ".2f")])
-    lines += ["Our answers by path:", "", _table(["path", "answers", "p50 ms", "p99 ms"], rows), "",
-              f"Data freshness: answers lagged the newest pushed data version by {_f(m['lag_versions_p50'], '.0f')}"
-              f" versions at the median, {_f(m['lag_versions_p99'], '.1f')} at p99, {_f(m['lag_versions_max'], '.0f')}"
-              " at most (a version is one pushed batch of lines; lag means the answer was computed on data "
-              "the engine had ingested, while newer lines still waited in the ingest queue).",
-              "", "![latency CDF](latency_cdf.png)", ""]
-    if m["asks_failed"]:
-        errors = sorted({r.error for r in run.records if r.error})
-        lines += [f"{int(m['asks_failed'])} asks got no answer: " + "; ".join(errors[:3]), ""]
-    lines += ["## Gate", "",
-              f"{int(m['labelled_asks'])} standing asks had a ground-truth label (computed from the real bars the "
-              f"answer's data covered). The gate fired (fast path) on {_f(m['gate_coverage'] * 100, '.0f')}% of them "
-              f"(coverage); {_f(m['gate_precision'] * 100, '.0f')}% of fired answers matched the label (precision); "
-              f"over all labelled answers, {_f(m['ours_accuracy'] * 100, '.0f')}% matched. The curve shows what other "
-              "thresholds would give.", "", "![gate risk-coverage](gate_risk_coverage.png)", ""]
-    if sizes:
-        lines += ["## Latency vs context", "",
-                  f"One session (config session `{args.questions}`[0]'s system prompt and standing questions) was "
-                  f"filled to each size; then {args.sweep_reps} times: one new bar arrives, every standing question "
-                  "is asked on ours and on the prefix cache (whose cache already holds the context up to the "
-                  "previous question, so it pays one bar + question + decode), plus one ad-hoc question on ours. "
-                  "Stateless answers one standing question "
-                  f"{args.stateless_reps} times per size up to 2048 tokens and once above (it costs tens of seconds "
-                  f"at 8k on this CPU){'' if args.stateless_max >= max(sizes) else f', and not above {args.stateless_max}'}.",
-                  ""]
+    for v in run.speeds:
+        t = f"{v:g}"
+        for s in systems:
+            if f"{s}_ms_p50@{t}" not in m:
+                continue
+            rows.append([f"{t}x", s, _f(m[f"{s}_ms_p50@{t}"], ".2f"), _f(m[f"{s}_ms_p99@{t}"], ".1f"),
+                         int(m[f"{s}_asks@{t}"]), int(m[f"{s}_unanswered@{t}"]),
+                         _f(m[f"{s}_accuracy@{t}"], ".2f"), int(m[f"{s}_labelled@{t}"]),
+                         _f(m.get(f"speedup_vs_{s}@{t}"), ".1f"), _f(m[f"{s}_adhoc_ms_p50@{t}"], ".0f"),
+                         "yes" if m[f"{s}_diverged@{t}"] else "no"])
+    lines += [_table(["speed", "system", "p50 ms", "p99 ms", "standing answered", "unanswered", "accuracy",
+                      "labelled", "its p50 / ours", "ad hoc p50 ms", "backlog diverged"], rows), "",
+              "![latency vs feed rate](latency_vs_feed_rate.png)", ""]
+    rows = []
+    for v in run.speeds:
+        t = f"{v:g}"
+        if f"ours_ms_p50@{t}" in m:
+            rows.append([f"{t}x", _f(feed_rate(m, v), ".2f"), int(m[f"ours_fast_asks@{t}"]),
+                         int(m[f"ours_entry_asks@{t}"]), int(m[f"ours_cold_asks@{t}"]),
+                         _f(m[f"gate_coverage@{t}"], ".2f"), _f(m[f"gate_precision@{t}"], ".2f"),
+                         _f(m[f"lag_versions_p50@{t}"], ".0f"), _f(m[f"lag_versions_p99@{t}"], ".1f"),
+                         int(m[f"summary_lines@{t}"])])
+    lines += ["Ours per speed: paths, gate, and data lag (versions pushed before the ask that the answer "
+              "did not include).", "",
+              _table(["speed", "feed lines/s", "fast", "entry", "cold", "gate coverage", "gate precision",
+                      "lag p50", "lag p99", "summary lines"], rows), ""]
+    sat = [f"{s}: " + (_f(m.get(f"saturation_speed_{s}"), "g") + "x" if _f(m.get(f"saturation_speed_{s}")) != "-"
+                       else "not reached") for s in systems]
+    lines += ["Saturation (lowest swept speed at which the system's backlog diverged: asks left unanswered "
+              "after the drain, the last third of answers over twice as slow as the first third and over "
+              "250 ms, or ours' data lag growing): " + ", ".join(sat) + ".",
+              ""]
+    sw = run.sweep
+    if sw is not None and sw.held:
+        plot_sweep(sw, out / "latency_vs_context.png")
+        lines += ["## Latency vs context (recorded lines only)", "",
+                  f"One session filled with {sw.source} to each size; per size {args.sweep_reps} new recorded "
+                  "bar(s), each timed two ways for ours: **from the push** (push -> ingest -> re-position -> "
+                  "answer, all standing questions asked for the new version at once) and **entries fresh** "
+                  "(asked again once the engine is idle: the steady state). The prefix cache answers on the "
+                  "same context with its cache at the previous question.", ""]
         rows = []
-        for n in sizes:
-            sw = run.sweep
-            rows.append([n, run.sweep_held[n], _f(m.get(f"ours_latency_ms_p50@{n}"), ".2f"),
-                         _f(m.get(f"ours_cold_latency_ms_p50@{n}"), ".1f"),
-                         _f(m.get(f"prefixcache_latency_ms_p50@{n}"), ".1f"),
-                         f"{_f(m.get(f'stateless_latency_ms_p50@{n}'), '.0f')} ({len(sw['stateless'][n])}x)",
-                         _f(m.get(f"peer_latency_ms_p50@{n}"), ".1f"), _f(m.get(f"speedup_vs_prefixcache@{n}"), ".1f"),
-                         ", ".join(f"{k} {v}" for k, v in sorted(run.sweep_paths.get(n, {}).items()))])
-        lines += [_table(["size", "held", "ours p50 ms", "ours ad hoc p50", "prefix cache p50", "stateless p50",
-                          "peer p50", "prefix cache / ours", "our paths"], rows), "",
-                  "![latency vs context](latency_vs_context.png)", ""]
-    lines += ["## Goals", ""]
-    speed = m.get("speedup_vs_prefixcache", math.nan)
-    lines.append(f"- speedup over the prefix cache on standing questions (replay, p50 / p50): {_f(speed, '.1f')}x "
-                 f"(goal >= 10x: {'met' if speed >= 10 else 'not met'})")
-    ratio = m.get("ours_p50_ratio_max_over_min_context")
-    if ratio is not None:
-        flat = 1 / 1.2 <= ratio <= 1.2
-        lines.append(f"- our p50 at the largest swept size over the smallest >= 1024: {_f(ratio, '.2f')} "
-                     f"(goal: within 20%: {'met' if flat else 'not met'})")
-    if m["ours_fast_asks"] == 0 and m["asks_standing"]:
-        lines.append("- why: the gate never fired at the configured thresholds, so every standing answer decoded "
-                     "from its entry (entry path) instead of coming from the cached distribution; see the gate "
-                     "curve for thresholds that would fire.")
-    if m["lag_versions_p50"] > 0:
-        lines.append(f"- why: ingest fell behind the replay (median lag {_f(m['lag_versions_p50'], '.0f')} versions): "
-                     "a standing ask waits for its entry at the newest ingested version, and entries are "
-                     "re-computed after every ingested batch, so asks queued behind ingest and re-positioning. "
-                     "A slower --speed or a faster machine moves this; the sweep shows the steady state.")
-    lines += ["", "## Caveats", "",
-              "- These machines are shared with other jobs: absolute times are noisy; ratios measured side by side "
-              "in one run mean more than any single figure.",
-              "- The replay's baselines run after it, one question at a time on an idle engine: they never "
-              "queue behind each other or behind ingest, which favours them. Ours answered while data "
-              "was being ingested and entries re-positioned, in the same process and on the same cores.",
-              f"- Stateless answered {int(m.get('stateless_asks', 0))} replay asks (evenly spread over the run), not "
-              "all: each costs a full prefill.",
-              "- A fast-path answer is the gate's choice from the ready distribution; it is only as right as "
-              "the model's first token (see the gate section). The baselines always decode.",
-              "- Latencies are in process (no network) for ours and the runner baselines; the peer's include "
-              "loopback HTTP and its own tokenization of the prompt text."]
+        for n in sorted(sw.held):
+            rows.append([n, sw.held[n], sw.lines_used[n], _f(m.get(f"sweep_ours_from_push_ms_p50@{n}"), ".1f"),
+                         _f(m.get(f"sweep_ours_ms_p50@{n}"), ".2f"), _f(m.get(f"sweep_ours_cold_ms_p50@{n}"), ".0f"),
+                         _f(m.get(f"sweep_prefixcache_ms_p50@{n}"), ".1f"),
+                         _f(m.get(f"sweep_stateless_ms_p50@{n}"), ".0f"), _f(m.get(f"sweep_peer_ms_p50@{n}"), ".1f"),
+                         ", ".join(f"{k} {v}" for k, v in sorted(sw.paths.get(n, {}).items()))])
+        lines += [_table(["size", "held", "recorded lines used", "ours from push p50", "ours entries fresh p50",
+                          "ours ad hoc p50", "prefix cache p50", "stateless p50", "peer p50", "our paths"], rows),
+                  "", "![latency vs context](latency_vs_context.png)", ""]
+        if sw.stopped_at is not None:
+            lines += [f"The sweep stopped at {sw.stopped_at} tokens: the recording ({sw.lines_available} lines) "
+                      "cannot fill it (no synthetic padding).", ""]
+    lines += ["## Caveats", "",
+              "- Shared, noisy machine: absolute times move between runs; compare systems within one run.",
+              "- The systems run one after the other, not at once: each had the CPU to itself (besides "
+              "whatever else the machine was doing at the time).",
+              "- Ours and the runner baselines are in process; the peer's latency includes loopback HTTP and "
+              "its own tokenization of the prompt text."]
     lines += [f"- {note}" for note in run.notes]
-    lines += ["", f"Flat metrics: the JSON report (`--json`). Wall time: replay {_f(m['replay_wall_s'])} s, "
-              f"baselines {_f(m['baseline_wall_s'])} s, sweep {_f(m['sweep_wall_s'])} s.", ""]
+    lines += ["", "Flat metrics: the JSON report (`--json`).", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path
-
