@@ -3,12 +3,14 @@
     snapshot file (safetensors):  k, v          [layers, kv_heads, num_computed, head_dim]
                                   token_ids     [num_tokens] int64
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
-                                                config hash, sha256 of the tensors
+                                                dtype, config hash, sha256 of the tensors
 
 Written to a temp file beside the target, fsynced, then renamed over it: a reader sees
 the old snapshot or the new one, never half of one. Restore checks everything before it
 allocates a cell (like llama.cpp's slot restore refusing a mismatched file): the format
-version, the model (name + config + tokenizer vocabulary hash), the tensors' checksum and
+version, the cells' dtype (a bf16 snapshot is not restored into an fp32 engine or back: the
+cells would not be what that engine computes), the model (name + config + tokenizer vocabulary
+hash), the tensors' checksum and
 shapes, the token count and the version bookkeeping. Any mismatch raises `SnapshotError`
 naming the problem; the engine is untouched.
 
@@ -82,6 +84,11 @@ def config_hash(engine: Any) -> str:
     return digest
 
 
+def engine_dtype(engine: Any) -> str:
+    """The dtype of the engine's KV cells, by name (float32, bfloat16)."""
+    return str(engine.store.pool.k.dtype).removeprefix("torch.")
+
+
 def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key in sorted(tensors):
@@ -103,6 +110,7 @@ def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
         v = pool.v[:, :, slots].to("cpu", copy=True)
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
+            "dtype": engine_dtype(engine),
             "model": engine.model_name, "session": s.name, "system": s.system, "max_context": s.max_context,
             "prefix_len": s.prefix_len, "num_tokens": s.num_tokens, "num_computed": n,
             "version_ends": s.version_ends, "version_lines": s.version_lines, "line_ends": s.line_ends,
@@ -159,6 +167,11 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
         raise bad("not a session snapshot")
     if meta.get("format_version") != FORMAT_VERSION:
         raise bad(f"format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+    # Snapshots written before dtypes were recorded hold fp32 cells.
+    written, running = meta.get("dtype", "float32"), engine_dtype(engine)
+    if written != running:
+        raise bad(f"cells are {written}, this engine runs {running}; restore it into an engine started with "
+                  f"dtype={written!r}")
     if meta.get("config_hash") != config_hash(engine):
         raise bad(f"written by model {meta.get('model')!r} with another config or tokenizer; this engine runs "
                   f"{engine.model_name!r}")
@@ -175,6 +188,8 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"metadata field missing or mistyped ({exc})") from None
     want = (m.num_layers, m.num_kv_heads, n, m.head_dim)
+    if k.dtype != v.dtype or str(k.dtype).removeprefix("torch.") != written:
+        raise bad(f"cells stored as {k.dtype}/{v.dtype}, the metadata says {written}")
     if tuple(k.shape) != want or tuple(v.shape) != want:
         raise bad(f"cells shaped {tuple(k.shape)}, expected {want} for {n} computed tokens")
     if ids.ndim != 1 or len(ids) != num_tokens:

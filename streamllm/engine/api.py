@@ -74,6 +74,7 @@ class Engine(EngineLoop):
         model: str | LoadedModel = "smollm2-135m",
         *,
         device: str | None = None,
+        dtype: str = "auto",
         max_cells: int = 65536,
         block_size: int = 16,
         max_context: int = 8192,
@@ -97,7 +98,7 @@ class Engine(EngineLoop):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
-        self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device)
+        self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device, dtype=dtype)
         num_blocks = max(1, max_cells // block_size)
         self.store = KVStore(
             BlockManager(num_blocks, block_size),
@@ -410,7 +411,7 @@ class Engine(EngineLoop):
         self.shutdown()
 
     def stats(self) -> dict:
-        """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device)."""
+        """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""
         m = self.store.manager
         sched = self.scheduler.stats
         with self._cv:
@@ -419,6 +420,7 @@ class Engine(EngineLoop):
             return {
                 "model": self.model_name,
                 "device": str(self.device),
+                "dtype": self.model.dtype_choice.name,
                 "sessions": len(self.sessions),
                 "standing_questions": len(self.prepos.all()),
                 "questions_waiting": len(self._waiting) + sum(len(st.waiters) for st in self.prepos.all()),

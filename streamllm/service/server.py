@@ -363,7 +363,7 @@ class StreamServer:
         stats = self.engine.stats()
         sessions = self.engine.list_sessions()
         out: dict[str, Any] = {
-            "status": "ok", "model": stats["model"], "device": stats["device"],
+            "status": "ok", "model": stats["model"], "device": stats["device"], "dtype": stats.get("dtype"),
             "uptime_s": round(time.time() - self.started_at, 1), "auth": self.tenants.auth,
             "sessions": len(sessions), "connections": len(self.conns),
             "questions_waiting": stats["questions_waiting"], "questions_running": stats["questions_running"],
