@@ -201,12 +201,6 @@ def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
     out["updates_per_s_bf16"] = 1000 / out["prepos_update_ms_bf16"]
     for name, rig in rigs.items():
         rig.free(tables[name])
-    print("gate decisions, bf16 vs fp32 ...", flush=True)
-    line_sets = [dt.synthetic_lines(seed, max(args.gate_checkpoints)) for seed in range(1, args.gate_seeds + 1)]
-    parity = dt.gate_parity(rigs["fp32"], rigs["bf16"], loaded.tokenizer, line_sets, args.gate_checkpoints)
-    out.update(max_abs_logit_diff_bf16=parity.max_abs_logit_diff, max_gap_diff_bf16=parity.max_gap_diff,
-               gate_decisions=float(parity.decisions), gate_changes_bf16=float(parity.changed),
-               gate_flips_bf16=float(parity.flips), top1_changes_bf16=float(parity.top1_changed))
     print_table(f"bf16 vs fp32 ({device}, {len(context)}-token session, medians of {args.dtype_reps})",
                 ["", "fp32", "bf16", "ratio"],
                 [["prefill tok/s", out["prefill_tok_s_fp32"], out["prefill_tok_s_bf16"], out["prefill_ratio_bf16"]],
@@ -217,6 +211,12 @@ def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
                   out["prepos_update_ratio_bf16"]],
                  ["updates/s", out["updates_per_s_fp32"], out["updates_per_s_bf16"],
                   out["updates_per_s_bf16"] / out["updates_per_s_fp32"]]])
+    print("gate decisions, bf16 vs fp32 ...", flush=True)
+    line_sets = [dt.synthetic_lines(seed, max(args.gate_checkpoints)) for seed in range(1, args.gate_seeds + 1)]
+    parity = dt.gate_parity(rigs["fp32"], rigs["bf16"], loaded.tokenizer, line_sets, args.gate_checkpoints)
+    out.update(max_abs_logit_diff_bf16=parity.max_abs_logit_diff, max_gap_diff_bf16=parity.max_gap_diff,
+               gate_decisions=float(parity.decisions), gate_changes_bf16=float(parity.changed),
+               gate_flips_bf16=float(parity.flips), top1_changes_bf16=float(parity.top1_changed))
     print(f"gate: {parity.decisions} decisions, {parity.changed} changed, {parity.flips} flipped with a clear fp32 "
           f"margin (>= {dt.CLEAR_MARGIN}); max |logit diff| {parity.max_abs_logit_diff:.3f}, "
           f"max |gap diff| {parity.max_gap_diff:.3f}")
