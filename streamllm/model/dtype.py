@@ -11,9 +11,9 @@ state). The kernel decides; the timing decides only when oneDNN's log could not 
 `STREAMLLM_DTYPE=float32|bfloat16` in the environment overrides what `auto` picks (an
 operator's say on a machine the probe misjudges; the test suite pins float32 with it).
 
-The probe also measures, per weight shape, up to how many rows an fp32 product beats
-bf16 (`fp32_crossover`): steps with that few rows use fp32 copies of the weights, so a
-one-row decode step is never slower than in fp32.
+The model also measures, per weight kind over all its layers' weights, up to how many
+rows fp32 products beat bf16 (`fp32_crossover`): steps with that few rows use fp32 copies
+of those weights, so a one-row decode step is not slower than in fp32.
 """
 
 from __future__ import annotations
@@ -177,26 +177,26 @@ def onednn_kernel(fn: Callable[[], object]) -> str:
     return ""
 
 
-def fp32_crossover(shapes: dict[str, tuple[int, int]], rows: tuple[int, ...] = CROSSOVER_ROWS) -> dict[str, int]:
-    """Per weight kind (out, in): the largest row count at which fp32 beats bf16 by 10% (0: never).
+def fp32_crossover(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
+                   rows: tuple[int, ...] = CROSSOVER_ROWS) -> dict[str, int]:
+    """Per weight kind, (fp32, bf16) copies of each layer's weight: the largest row count at which
+    one pass over all of them is 10% faster in fp32 than in bf16 (0: never).
 
     Rows are tried in increasing order and the search stops at the first count where bf16
     is not slower: products only get more compute-bound (and bf16-friendly) with rows.
     """
-    return {kind: _crossover(shape, rows) for kind, shape in shapes.items()}
+    return {kind: _crossover(pairs, rows) for kind, pairs in weights.items()}
 
 
-@functools.cache
-def _crossover(shape: tuple[int, int], rows: tuple[int, ...]) -> int:
+def _crossover(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...]) -> int:
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(*shape, generator=gen)
-    wb = w.bfloat16()
     best = 0
     with torch.inference_mode():
         for n in rows:
-            x = torch.randn(n, shape[1], generator=gen)
+            x = torch.randn(n, pairs[0][0].shape[1], generator=gen)
             xb = x.bfloat16()
-            fp32, bf16 = time_pair(lambda x=x: F.linear(x, w), lambda xb=xb: F.linear(xb, wb))
+            fp32, bf16 = time_pair(lambda x=x: [F.linear(x, w) for w, _ in pairs],
+                                   lambda xb=xb: [F.linear(xb, w) for _, w in pairs], reps=5)
             if fp32 * 1.1 > bf16:
                 break
             best = n

@@ -118,13 +118,15 @@ class LlamaForward:
         self._w32: dict[tuple[str, int], torch.Tensor] = {}
         if self.dtype == torch.float32:
             return
-        if fp32_rows is None:
-            if self.device.type != "cpu" or not self.layers:
-                return
-            shapes = {kind: tuple(self._weight(kind, 0).shape) for kind in WEIGHT_KINDS}
-            self.fp32_rows = fp32_crossover(shapes)
-        else:
+        if fp32_rows is not None:
             self.fp32_rows = dict.fromkeys(WEIGHT_KINDS, max(0, fp32_rows))
+        elif self.device.type == "cpu" and self.layers:
+            # Time the model's own weights, every layer in turn (cold caches, as in a real step):
+            # one weight timed alone stays in cache and flatters fp32.
+            self.fp32_rows = fp32_crossover({
+                kind: [(self._weight(kind, li).float(), self._weight(kind, li))
+                       for li in range(1 if kind == "lm_head" else self.num_layers)]
+                for kind in WEIGHT_KINDS})
         for kind, rows in self.fp32_rows.items():
             if rows:
                 for li in range(1 if kind == "lm_head" else self.num_layers):
