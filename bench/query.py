@@ -8,6 +8,15 @@ In one run, on one model and machine:
   prefill_tok_s, decode_ms          our forward
   hf_prefill_tok_s, hf_decode_ms    transformers' forward with its DynamicCache, same weights
   kv_bytes_per_token
+The questions run in --dtype (default auto); then fp32 and bf16 side by side (bench/dtype.py):
+  prefill_tok_s_fp32/_bf16          512 tokens into fresh cells
+  decode_ms_fp32/_bf16              one token on a session of --update-context tokens
+  decode_ms_bf16_only               the same with bf16 weights only (no fp32 copies for few rows)
+  prepos_update_ms_fp32/_bf16       one bar pushed + 4 standing questions re-positioned, one session
+  updates_per_s_fp32/_bf16          1000 / prepos_update_ms
+  max_abs_logit_diff_bf16, max_gap_diff_bf16, gate_decisions, gate_changes_bf16, gate_flips_bf16
+                                    bf16 vs fp32 at the shipped questions' decision points
+  *_ratio_bf16                      prefill bf16/fp32; decode and update fp32/bf16 (> 1: bf16 faster)
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import argparse
 
 import torch
 
+from bench import dtype as dt
 from bench.common import (
     budget_for,
     fill_session,
@@ -104,8 +114,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     contexts = parse_ints(args.contexts)
     loaded = load_model(args.model)
     max_context = budget_for(max(contexts))
-    engine = Engine(loaded, max_cells=max_context * 2 + 4096, max_context=max_context, chunk_tokens=args.chunk,
-                    step_tokens=args.chunk)
+    engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=max_context * 2 + 4096, max_context=max_context,
+                    chunk_tokens=args.chunk, step_tokens=args.chunk)
+    print(f"engine dtype: {engine.model.dtype_choice.reason}", flush=True)
     metrics: dict[str, float] = {}
     rows = []
     try:
@@ -141,21 +152,107 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print_table(f"forward at {args.prefill_tokens} tokens", ["", "ours", "transformers", "ours/hf"],
                 [["prefill tok/s", ours_pf, hf_pf, ours_pf / hf_pf], ["decode ms", ours_dec, hf_dec, hf_dec / ours_dec]])
     print(f"kv bytes per token: {engine.store.pool.bytes_per_token}")
+    if args.compare_dtypes:
+        del engine
+        metrics.update(compare_dtypes(loaded, args))
     return metrics
+
+
+def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
+    """fp32 and bf16 side by side on the runner, interleaved rep by rep (bench/dtype.py)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cells = args.update_context + 64 * (args.dtype_reps + 2) + 4096
+    rigs = {"fp32": dt.make_rig(loaded, "float32", cells, device), "bf16": dt.make_rig(loaded, "bfloat16", cells, device)}
+    bf16 = rigs["bf16"].model
+    print(f"bf16 vs fp32 on {device}: fp32 copies for few-row steps {bf16.fp32_rows}", flush=True)
+    lines = dt.synthetic_lines(args.seed, 4096)
+    layout = rigs["fp32"].layout
+    prompt = dt.session_ids(layout, "", lines)[: args.prefill_tokens]
+    context, i = layout.prefix_ids("You watch bars. Answer with one word."), 0
+    per_line = layout.lines_ids(lines[:1024])
+    while len(context) < args.update_context:
+        context += per_line[i]
+        i += 1
+    questions = [layout.question_ids(c.spec.text) for c in dt.shipped_gate_cases()[:4]]
+    tables = {name: rig.table(context) for name, rig in rigs.items()}
+    times: dict[str, list[float]] = {}
+    only = dict.fromkeys(bf16.fp32_rows, 0)
+    for rep in range(args.dtype_reps + 1):  # rep 0 warms up
+        for name, rig in rigs.items():
+            got = {"prefill": dt.prefill_ms(rig, prompt), "decode": dt.decode_ms(rig, tables[name], prompt[rep]),
+                   "update": dt.update_ms(rig, tables[name], lines[i + rep], questions)}
+            if name == "bf16":
+                rows, rig.model.fp32_rows = rig.model.fp32_rows, only
+                got["decode_only"] = dt.decode_ms(rig, tables[name], prompt[rep])
+                rig.model.fp32_rows = rows
+            for key, value in got.items():
+                if rep:
+                    times.setdefault(f"{key}_{name}", []).append(value)
+    m = {key: median(v) for key, v in times.items()}
+    out = {
+        "prefill_tok_s_fp32": len(prompt) / m["prefill_fp32"] * 1000,
+        "prefill_tok_s_bf16": len(prompt) / m["prefill_bf16"] * 1000,
+        "decode_ms_fp32": m["decode_fp32"], "decode_ms_bf16": m["decode_bf16"],
+        "decode_ms_bf16_only": m["decode_only_bf16"],
+        "prepos_update_ms_fp32": m["update_fp32"], "prepos_update_ms_bf16": m["update_bf16"],
+        "update_context_tokens": float(len(context)),
+    }
+    out["prefill_ratio_bf16"] = out["prefill_tok_s_bf16"] / out["prefill_tok_s_fp32"]
+    out["decode_ratio_bf16"] = out["decode_ms_fp32"] / out["decode_ms_bf16"]
+    out["prepos_update_ratio_bf16"] = out["prepos_update_ms_fp32"] / out["prepos_update_ms_bf16"]
+    out["updates_per_s_fp32"] = 1000 / out["prepos_update_ms_fp32"]
+    out["updates_per_s_bf16"] = 1000 / out["prepos_update_ms_bf16"]
+    for name, rig in rigs.items():
+        rig.free(tables[name])
+    print_table(f"bf16 vs fp32 ({device}, {len(context)}-token session, medians of {args.dtype_reps})",
+                ["", "fp32", "bf16", "ratio"],
+                [["prefill tok/s", out["prefill_tok_s_fp32"], out["prefill_tok_s_bf16"], out["prefill_ratio_bf16"]],
+                 ["decode ms", out["decode_ms_fp32"], out["decode_ms_bf16"], out["decode_ratio_bf16"]],
+                 ["decode ms, bf16 weights only", out["decode_ms_fp32"], out["decode_ms_bf16_only"],
+                  out["decode_ms_fp32"] / out["decode_ms_bf16_only"]],
+                 ["update ms (1 bar + 4 questions)", out["prepos_update_ms_fp32"], out["prepos_update_ms_bf16"],
+                  out["prepos_update_ratio_bf16"]],
+                 ["updates/s", out["updates_per_s_fp32"], out["updates_per_s_bf16"],
+                  out["updates_per_s_bf16"] / out["updates_per_s_fp32"]]])
+    print("gate decisions, bf16 vs fp32 ...", flush=True)
+    line_sets = [dt.synthetic_lines(seed, max(args.gate_checkpoints)) for seed in range(1, args.gate_seeds + 1)]
+    parity = dt.gate_parity(rigs["fp32"], rigs["bf16"], loaded.tokenizer, line_sets, args.gate_checkpoints)
+    out.update(max_abs_logit_diff_bf16=parity.max_abs_logit_diff, max_gap_diff_bf16=parity.max_gap_diff,
+               gate_decisions=float(parity.decisions), gate_changes_bf16=float(parity.changed),
+               gate_flips_bf16=float(parity.flips), top1_changes_bf16=float(parity.top1_changed))
+    print(f"gate: {parity.decisions} decisions, {parity.changed} changed, {parity.flips} flipped with a clear fp32 "
+          f"margin (>= {dt.CLEAR_MARGIN}); max |logit diff| {parity.max_abs_logit_diff:.3f}, "
+          f"max |gap diff| {parity.max_gap_diff:.3f}")
+    return out
 
 
 def cli_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamllm bench query", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="the engine's dtype")
+    p.add_argument("--quick", action="store_true", help="fewer contexts and repetitions: a few minutes on a CPU")
     p.add_argument("--contexts", default="512,2048,4096", help="comma-separated context sizes in tokens")
     p.add_argument("--reps", type=int, default=10, help="asks per context")
     p.add_argument("--stateless-reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per step)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--compare-dtypes", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run fp32 and bf16 side by side (speed and gate decisions)")
+    p.add_argument("--update-context", type=int, default=2048, help="session tokens for decode and update")
+    p.add_argument("--dtype-reps", type=int, default=7)
+    p.add_argument("--gate-seeds", type=int, default=2, help="synthetic contexts for the gate comparison")
+    p.add_argument("--gate-checkpoints", default="16,64", help="bar lines at which every question is asked")
+    p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", help="write the metrics here")
     args = p.parse_args(argv)
+    if args.quick:
+        args.contexts, args.reps, args.stateless_reps, args.decode_steps = "512,2048", 5, 1, 8
+        args.dtype_reps, args.gate_seeds, args.gate_checkpoints = 5, 1, "16,40"
+    args.gate_checkpoints = parse_ints(args.gate_checkpoints)
     metrics = run(args)
-    write_json(args.json, metrics, {"bench": "query", "model": args.model})
+    write_json(args.json, metrics, {"bench": "query", "model": args.model, "dtype": args.dtype,
+                                    "quick": args.quick})
     return 0

@@ -155,14 +155,16 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--speed", type=float, default=2.5, help="simulated market seconds per wall second")
     p.add_argument("--ask-every", type=float, default=6.0, help="seconds between demo questions")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
     p.add_argument("--live", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty(),
                    help="live table (default on a terminal) or one line per change")
     args = p.parse_args(argv)
     config = load_config(args.config)
     print(f"loading {args.model} ...", flush=True)
     t0 = time.monotonic()
-    engine = Engine(args.model, max_cells=65536, progress=True)
-    print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}; sessions: "
+    engine = Engine(args.model, dtype=args.dtype, max_cells=65536, progress=True)
+    print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}; sessions: "
           + ", ".join(f"{s.name} ({s.instrument}, {len(s.questions)} standing questions)" for s in config.sessions))
     try:
         open_from_config(engine, config)

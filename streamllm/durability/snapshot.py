@@ -3,13 +3,15 @@
     snapshot file (safetensors):  k, v          [layers, kv_heads, num_computed, head_dim]
                                   token_ids     [num_tokens] int64
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
-                                                config hash, sha256 of the tensors
+                                                dtype, config hash, sha256 of the tensors
 
 Written to a temp file beside the target, fsynced, then renamed over it and the folder
 fsynced: a reader sees the old snapshot or the new one, never half of one, and a power
 loss after the call returns keeps the new one. Restore checks everything before it
 allocates a cell (like llama.cpp's slot restore refusing a mismatched file): the format
-version, the model (name + config + tokenizer vocabulary hash), the tensors' checksum and
+version, the cells' dtype (a bf16 snapshot is not restored into an fp32 engine or back: the
+cells would not be what that engine computes), the model (name + config + tokenizer vocabulary
+hash), the tensors' checksum and
 shapes, the token count and the version bookkeeping. Any mismatch raises `SnapshotError`
 naming the problem; the engine is untouched.
 
@@ -85,6 +87,11 @@ def config_hash(engine: Any) -> str:
     return digest
 
 
+def engine_dtype(engine: Any) -> str:
+    """The dtype of the engine's KV cells, by name (float32, bfloat16)."""
+    return str(engine.store.pool.k.dtype).removeprefix("torch.")
+
+
 def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key in sorted(tensors):
@@ -108,7 +115,7 @@ def _write(engine: Any, state: SessionState, path: Path, t0: float,
     meta = dict(state.meta)
     meta.update(extra or {})
     meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
-                 "model": engine.model_name, "dtype": str(engine.model.dtype).removeprefix("torch."),
+                 "model": engine.model_name, "dtype": engine_dtype(engine),
                  "questions": [question_dict(q) for q in state.questions]})
     token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
     tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
@@ -159,6 +166,11 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
         raise bad("not a session snapshot")
     if meta.get("format_version") != FORMAT_VERSION:
         raise bad(f"format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
+    # Snapshots written before dtypes were recorded hold fp32 cells.
+    written, running = meta.get("dtype", "float32"), engine_dtype(engine)
+    if written != running:
+        raise bad(f"cells are {written}, this engine runs {running}; restore it into an engine started with "
+                  f"dtype={written!r}")
     if meta.get("config_hash") != config_hash(engine):
         raise bad(f"written by model {meta.get('model')!r} with another config or tokenizer; this engine runs "
                   f"{engine.model_name!r}")
@@ -175,6 +187,8 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"metadata field missing or mistyped ({exc})") from None
     want = (m.num_layers, m.num_kv_heads, n, m.head_dim)
+    if k.dtype != v.dtype or str(k.dtype).removeprefix("torch.") != written:
+        raise bad(f"cells stored as {k.dtype}/{v.dtype}, the metadata says {written}")
     if tuple(k.shape) != want or tuple(v.shape) != want:
         raise bad(f"cells shaped {tuple(k.shape)}, expected {want} for {n} computed tokens")
     if ids.ndim != 1 or len(ids) != num_tokens:

@@ -84,6 +84,7 @@ class Engine:
         model: str | LoadedModel = "smollm2-135m",
         *,
         device: str | None = None,
+        dtype: str = "auto",
         max_cells: int = 65536,
         block_size: int = 16,
         max_context: int = 8192,
@@ -107,7 +108,7 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
-        self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device)
+        self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device, dtype=dtype)
         num_blocks = max(1, max_cells // block_size)
         store = KVStore(
             BlockManager(num_blocks, block_size),
@@ -453,8 +454,9 @@ class Engine:
         self.shutdown()
 
     def stats(self) -> dict:
-        """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device)."""
-        out: dict[str, Any] = {"model": self.model_name, "device": str(self.device)}
+        """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""
+        out: dict[str, Any] = {"model": self.model_name, "device": str(self.device),
+                               "dtype": self.model.dtype_choice.name}
         out.update(self.core.counters)
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers

@@ -6,6 +6,9 @@ by log-sum-exp, the same merge cascade attention uses for a shared prefix.
 
 Queries are laid out per kv head: [Hkv, g * n, D] (g query heads per kv head, n tokens),
 so GQA needs no repeat of K/V: every matmul is batched over kv heads.
+
+bf16 cells: the fused kernels accumulate in fp32 and return an fp32 log-sum-exp; our
+own partials and the merge compute scores, softmax and weights in fp32 as well.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def attend(
     for pos0, slot0, n in new:
         mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
         parts.append(partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale))
-    return merge_partials(parts)
+    return merge_partials(parts).to(q.dtype)
 
 
 def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int, int], list[int]]]:
@@ -129,24 +132,24 @@ def grouped_partials(
 def partial_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalised-free partial attention: (output normalised within this part, its log-sum-exp)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    """Unnormalised-free partial attention: (output normalised within this part, its log-sum-exp), in fp32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, NEG_INF)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     # A row that sees no key here has lse = -inf; make its weights 0 instead of NaN.
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.matmul(torch.exp(scores - safe_lse), v)
+    out = torch.matmul(torch.exp(scores - safe_lse), v.float())
     return out, lse
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Combine per-part (output, lse) into the attention over the union of the parts' keys."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, Hkv, rows, 1]
+    """Combine per-part (output, lse) into the attention over the union of the parts' keys (fp32)."""
+    lses = torch.stack([lse.float() for _, lse in parts])  # [P, Hkv, rows, 1]
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total)
     weights = torch.nan_to_num(weights, nan=0.0)
-    out = parts[0][0] * weights[0]
+    out = parts[0][0].float() * weights[0]
     for i in range(1, len(parts)):
-        out = out + parts[i][0] * weights[i]
+        out = out + parts[i][0].float() * weights[i]
     return out

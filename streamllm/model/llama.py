@@ -3,7 +3,12 @@
 RMSNorm, RoPE (every scaling variant transformers knows, via its own rotary class),
 GQA, SwiGLU, tied embeddings, optional q/k/v biases (Qwen2). Weights are fused at
 load (q|k|v, gate|up) so each layer runs four matmuls over the whole ragged batch;
-only attention is per sequence. Parity with transformers' forward is the test.
+only attention is per sequence. Parity with transformers' forward is the test (fp32).
+
+In bf16 (see dtype.py) the weights, the matmuls and the KV cells are bf16, while the
+residual stream, RMSNorm, RoPE, the attention's softmax/log-sum-exp merges and the
+logits stay fp32. Steps with few rows may use fp32 copies of some weights, where the
+start-up probe found fp32 faster at that row count (`fp32_rows`).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from streamllm.model.attention import SeqAttention, attend, grouped_partials
+from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
+WEIGHT_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 
 
 @dataclass(slots=True)
@@ -43,7 +50,14 @@ class LayerWeights:
 
 
 class LlamaForward:
-    def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype=torch.float32):
+    """The forward on our KV cells. dtype: "auto" | "float32" | "bfloat16" (or a torch dtype).
+
+    fp32_rows: steps with at most this many rows use fp32 copies of the weights; None
+    measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
+    """
+
+    def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype="float32",
+                 fp32_rows: int | None = None):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
@@ -51,7 +65,9 @@ class LlamaForward:
             raise ValueError(f"unsupported activation {config.hidden_act!r} (SwiGLU with silu expected)")
         self.config = config
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype_choice: DtypeChoice = resolve_dtype(dtype, self.device)
+        self.dtype = self.dtype_choice.dtype  # weights, matmuls and KV cells
+        self.kv_dtype = self.dtype  # what the KV pool must hold (KVPool(..., dtype=model.kv_dtype))
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -63,7 +79,7 @@ class LlamaForward:
         use_window = getattr(config, "use_sliding_window", True)
         self.sliding_window = getattr(config, "sliding_window", None) if use_window else None
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str, dtype: torch.dtype = self.dtype) -> torch.Tensor:
             if name not in state_dict:
                 raise ValueError(f"weight {name!r} missing from the checkpoint")
             return state_dict[name].to(device=self.device, dtype=dtype)
@@ -72,7 +88,7 @@ class LlamaForward:
             return w(name) if name in state_dict else None
 
         self.embed = w("model.embed_tokens.weight")
-        self.final_norm = w("model.norm.weight")
+        self.final_norm = w("model.norm.weight", torch.float32)  # norms are applied in fp32
         self.lm_head = maybe("lm_head.weight")
         if self.lm_head is None:
             self.lm_head = self.embed  # tied embeddings
@@ -82,17 +98,59 @@ class LlamaForward:
             biases = [maybe(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
             self.layers.append(
                 LayerWeights(
-                    input_norm=w(p + "input_layernorm.weight"),
+                    input_norm=w(p + "input_layernorm.weight", torch.float32),
                     qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
                     qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
                     o=w(p + "self_attn.o_proj.weight"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight", torch.float32),
                     gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
                     down=w(p + "mlp.down_proj.weight"),
                 )
             )
         self.intermediate = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
+        self._init_fp32_copies(fp32_rows)
         self._init_rope()
+
+    # -- few-row steps in fp32 ----------------------------------------------
+    def _init_fp32_copies(self, fp32_rows: int | None) -> None:
+        """fp32_rows[kind]: up to this many rows, that product runs on an fp32 copy of the weight."""
+        self.fp32_rows = dict.fromkeys(WEIGHT_KINDS, 0)
+        self._w32: dict[tuple[str, int], torch.Tensor] = {}
+        if self.dtype == torch.float32:
+            return
+        if fp32_rows is not None:
+            self.fp32_rows = dict.fromkeys(WEIGHT_KINDS, max(0, fp32_rows))
+        elif self.device.type == "cpu" and self.layers:
+            # Time the model's own weights, every layer in turn (cold caches, as in a real step):
+            # one weight timed alone stays in cache and flatters fp32.
+            self.fp32_rows = fp32_crossover({
+                kind: [(self._weight(kind, li).float(), self._weight(kind, li))
+                       for li in range(1 if kind == "lm_head" else self.num_layers)]
+                for kind in WEIGHT_KINDS})
+        for kind, rows in self.fp32_rows.items():
+            if rows:
+                for li in range(1 if kind == "lm_head" else self.num_layers):
+                    self._w32[kind, li] = self._weight(kind, li).float()
+
+    def _weight(self, kind: str, li: int) -> torch.Tensor:
+        return self.lm_head if kind == "lm_head" else getattr(self.layers[li], kind)
+
+    def _linear(self, x: torch.Tensor, kind: str, li: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T in the weight's dtype; output in that dtype (fp32 on the few-row path)."""
+        if 0 < x.shape[0] <= self.fp32_rows[kind]:
+            return F.linear(x.float(), self._w32[kind, li], None if bias is None else bias.float())
+        return F.linear(x.to(self.dtype), self._weight(kind, li), bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights held, fp32 copies included (tied embeddings counted once)."""
+        seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.final_norm): self.final_norm}
+        for layer in self.layers:
+            for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down):
+                if t is not None:
+                    seen[id(t)] = t
+        seen.update((id(t), t) for t in self._w32.values())
+        return sum(t.numel() * t.element_size() for t in seen.values())
 
     # -- rope ---------------------------------------------------------------
     def _init_rope(self) -> None:
@@ -104,7 +162,7 @@ class LlamaForward:
         self.rope_type = rotary.rope_type
         self.inv_freq = rotary.inv_freq.to(self.device, torch.float32)
         self.rope_scaling = float(rotary.attention_scaling)
-        self._cos = torch.empty(0, self.head_dim, device=self.device, dtype=self.dtype)
+        self._cos = torch.empty(0, self.head_dim, device=self.device, dtype=torch.float32)
         self._sin = self._cos
         self._ensure_rope(4096)
 
@@ -115,13 +173,15 @@ class LlamaForward:
         t = torch.arange(n, device=self.device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-        self._sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        self._cos = emb.cos() * self.rope_scaling
+        self._sin = emb.sin() * self.rope_scaling
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate in fp32 (positions up to 8k need more than bf16's 8 bits), return in the cells' dtype."""
+        x = x.float()
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return (x * cos + rotated * sin).to(self.dtype)
 
     # -- forward ------------------------------------------------------------
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -130,10 +190,12 @@ class LlamaForward:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """Run the batch, writing its K/V into the caches; returns logits [R, vocab] for logit_rows.
+        """Run the batch, writing its K/V into the caches; returns fp32 logits [R, vocab] for logit_rows.
 
-        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors).
+        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype).
         """
+        if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
+            raise ValueError(f"KV cells are {k_cache.dtype}/{v_cache.dtype}, the model runs {self.kv_dtype}")
         positions = batch.positions
         max_pos = int(positions.max()) + 1 if positions.numel() else 0
         if self.sliding_window and max_pos > self.sliding_window:
@@ -145,13 +207,13 @@ class LlamaForward:
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin[positions].unsqueeze(1)
         num_rows = batch.input_ids.shape[0]
-        h = self.embed[batch.input_ids]
+        h = self.embed[batch.input_ids].float()  # the residual stream stays fp32
         nh, nkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
         q_size, kv_size = nh * d, nkv * d
         slots = batch.slot_mapping
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.input_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = self._linear(x, "qkv", li, layer.qkv_bias)
             q = qkv[:, :q_size].view(num_rows, nh, d)
             k = qkv[:, q_size : q_size + kv_size].view(num_rows, nkv, d)
             v = qkv[:, q_size + kv_size :].view(num_rows, nkv, d)
@@ -159,8 +221,8 @@ class LlamaForward:
             k = self._rope(k, cos, sin)
             k_layer, v_layer = k_cache[li], v_cache[li]
             k_layer[:, slots] = k.transpose(0, 1)
-            v_layer[:, slots] = v.transpose(0, 1)
-            attn = torch.empty(num_rows, nh, d, device=h.device, dtype=h.dtype)
+            v_layer[:, slots] = v.transpose(0, 1).to(self.dtype)
+            attn = torch.empty(num_rows, nh, d, device=h.device, dtype=self.dtype)
             # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
             qs = [q[seq.q_start : seq.q_start + seq.q_len].view(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
                   .reshape(nkv, g * seq.q_len, d) for seq in batch.seqs]
@@ -169,9 +231,9 @@ class LlamaForward:
                 n = seq.q_len
                 out = attend(qs[i], k_layer, v_layer, seq, g, self.scale, shared.get(i))
                 attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
-            h = h + F.linear(attn.view(num_rows, q_size), layer.o)
+            h = h + self._linear(attn.view(num_rows, q_size), "o", li)
             x = self._rmsnorm(h, layer.post_norm)
-            gate_up = F.linear(x, layer.gate_up)
-            h = h + F.linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], layer.down)
+            gate_up = self._linear(x, "gate_up", li)
+            h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
         last = h[batch.logit_rows]
-        return F.linear(self._rmsnorm(last, self.final_norm), self.lm_head)
+        return self._linear(self._rmsnorm(last, self.final_norm), "lm_head").float()

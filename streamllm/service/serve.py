@@ -153,6 +153,9 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
             groups: list[FeedGroup], registered: int) -> str:
     http = server.url.replace("ws://", "http://", 1)
     lines = [f"streamllm serving {server.engine.model_name} on {server.engine.device} at {server.url}"]
+    choice = getattr(getattr(server.engine, "model", None), "dtype_choice", None)
+    if choice is not None:
+        lines.append(f"  dtype: {choice.reason}")
     if tenants.auth:
         lines.append(f"  auth: {len(tenants.tokens)} tokens, tenants {', '.join(tenants.names)}; "
                      f"config sessions belong to {owner.name!r}")
@@ -181,7 +184,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
 
     owner = tenants.tenant(args.owner) if args.owner else (
         next((t for t in tenants.tokens.values() if not t.read_only), LOCAL) if tenants.auth else LOCAL)
-    engine = Engine(args.model, device=args.device, max_cells=args.max_cells, progress=True)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True)
     recovered = None
     if args.log_dir:  # rebuild sessions from the ingest log before anyone can connect
         from streamllm.durability.ingest_log import IngestLog
@@ -239,6 +242,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, HF dir or .gguf")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
     parser.add_argument("--max-cells", type=int, default=65536, help="KV cells in the shared pool")
     parser.add_argument("--tokens", help="TOML token file ([tokens] \"token\" = \"tenant\"); also $STREAMLLM_TOKENS")
     parser.add_argument("--owner", help="tenant owning the config's sessions (default: first tenant)")

@@ -171,7 +171,7 @@ class StreamServer:
         sessions = self.engine.list_sessions()
         backlog = {s.name: s.backlog_lines for s in sessions}
         out: dict[str, Any] = {
-            "status": "ok", "model": stats["model"], "device": stats["device"],
+            "status": "ok", "model": stats["model"], "device": stats["device"], "dtype": stats.get("dtype"),
             "uptime_s": round(time.time() - self.started_at, 1), "auth": self.tenants.auth,
             "sessions": len(sessions), "connections": len(self.conns),
             "questions_waiting": stats["questions_waiting"], "questions_running": stats["questions_running"],
