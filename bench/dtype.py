@@ -25,7 +25,7 @@ from streamllm.config import QuestionSpec, load_config
 from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
-from streamllm.engine.sequence import PromptLayout
+from streamllm.engine.prompt import PromptLayout
 from streamllm.model.llama import LlamaForward
 
 QUERIES = Path(__file__).resolve().parents[1] / "queries"
