@@ -103,7 +103,7 @@ def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
         v = pool.v[:, :, slots].to("cpu", copy=True)
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
-            "model": engine.model_name, "session": s.name, "system": s.system, "max_context": s.max_context,
+            "model": engine.model_name, "adapter": getattr(engine, "adapter_id", None), "session": s.name, "system": s.system, "max_context": s.max_context,
             "prefix_len": s.prefix_len, "num_tokens": s.num_tokens, "num_computed": n,
             "version_ends": s.version_ends, "version_lines": s.version_lines, "line_ends": s.line_ends,
             "data_version": s.data_version, "lines_ingested": s.lines_ingested, "compactions": s.compactions,
@@ -162,6 +162,9 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     if meta.get("config_hash") != config_hash(engine):
         raise bad(f"written by model {meta.get('model')!r} with another config or tokenizer; this engine runs "
                   f"{engine.model_name!r}")
+    if meta.get("adapter") != getattr(engine, "adapter_id", None):
+        raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
+                  f"{getattr(engine, 'adapter_id', None)!r} (its standing answers would not be the same)")
     if set(tensors) != {"k", "v", "token_ids"}:
         raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids")
     if _tensor_digest(tensors) != meta.get("sha256"):

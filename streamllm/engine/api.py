@@ -68,6 +68,17 @@ class SessionInfo:
     lines_ingested: int
 
 
+def _load_adapter(adapter, model_name: str, model: LlamaForward):
+    if adapter is None:
+        return None
+    from streamllm.model.adapter import Adapter, check_adapter, load_adapter
+
+    loaded = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    check_adapter(loaded, model_name, model.config.hidden_size)
+    loaded.heads = [h.to(model.device, model.dtype) for h in loaded.heads]
+    return loaded
+
+
 class Engine(EngineLoop):
     def __init__(
         self,
@@ -85,6 +96,7 @@ class Engine(EngineLoop):
         retain: float = 0.5,
         progress: bool = False,
         ingest_log=None,
+        adapter=None,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
@@ -110,7 +122,10 @@ class Engine(EngineLoop):
         # Cells kept free for branches (questions, entries); sessions cannot reserve them.
         self.branch_cells = branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8)
         self.sessions: dict[str, Session] = {}
-        self.prepos = Prepositioner(self.store, self.layout)
+        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads for the gate.
+        self.adapter = _load_adapter(adapter, loaded.name, self.model)
+        self.adapter_id = None if self.adapter is None else self.adapter.id
+        self.prepos = Prepositioner(self.store, self.layout, self.adapter)
         self.hub = SubscriptionHub()
         self._events: list[tuple] = []  # (session, kind, payload) published after the lock is released
         self.fast_answers = 0

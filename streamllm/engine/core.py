@@ -174,9 +174,9 @@ class EngineLoop:
                 continue
             t_step = time.perf_counter()
             try:
-                logits = self.runner.execute(
-                    [Work(i.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
-                )
+                works = [Work(i.table, i.token_ids, i.start_pos, i.want_logits,
+                              want_hidden=self.prepos.wants_hidden(i.owner)) for i in plan.items]
+                logits = self.runner.execute(works)
             except Exception as exc:  # a failed step fails its questions, never the engine
                 log.exception("forward failed")
                 with self._cv:
@@ -186,7 +186,7 @@ class EngineLoop:
             step_ms = (time.perf_counter() - t_step) * 1000
             with self._cv:
                 self._in_step = False
-                self._update(plan, logits)
+                self._update(plan, logits, [w.hidden for w in works])
                 self._swap_compactions()
                 self.steps += 1
                 self.step_ms_total += step_ms
@@ -196,8 +196,9 @@ class EngineLoop:
             for session, kind, *payload in events:
                 self.hub.publish(session, kind, *payload)
 
-    def _update(self, plan: Plan, logits: list) -> None:
-        for item, lg in zip(plan.items, logits, strict=True):
+    def _update(self, plan: Plan, logits: list, hidden: list | None = None) -> None:
+        hidden = hidden or [None] * len(plan.items)
+        for item, lg, hd in zip(plan.items, logits, hidden, strict=True):
             if item.kind == INGEST:
                 session: Session = item.owner
                 before = session.data_version
@@ -216,7 +217,7 @@ class EngineLoop:
             if lg is None:
                 continue
             if br.purpose == "entry":
-                self._on_entry_ready(br, lg.clone())
+                self._on_entry_ready(br, lg.clone(), hd)
                 continue
             if br.keep_logits and br.first_logits is None:
                 br.first_logits = lg.clone()
@@ -272,8 +273,8 @@ class EngineLoop:
                 log.warning("session %s: compacted, but could not re-reserve its full budget", name)
             self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
 
-    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> None:
-        st = self.prepos.on_entry_ready(entry, logits)
+    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        st = self.prepos.on_entry_ready(entry, logits, hidden)
         if st is None:
             return
         waiters, st.waiters = st.waiters, []

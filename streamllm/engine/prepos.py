@@ -54,6 +54,7 @@ class Standing:
     answer: StandingAnswer | None = None
     waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
+    ready_hidden: torch.Tensor | None = None  # final normed hidden state at `ready`'s decision point (heads only)
 
     @property
     def ready_logits(self) -> torch.Tensor | None:
@@ -66,9 +67,10 @@ class Standing:
 class Prepositioner:
     """Standing questions per session, their entries and standing answers (bookkeeping only)."""
 
-    def __init__(self, store: KVStore, layout: PromptLayout) -> None:
+    def __init__(self, store: KVStore, layout: PromptLayout, adapter=None) -> None:
         self.store = store
         self.layout = layout
+        self.adapter = adapter  # streamllm.model.adapter.Adapter: choice heads by question text and choices
         self.by_session: dict[str, dict[str, Standing]] = {}
         self.entry_tokens = 0  # idle compute spent on entries (tokens)
         self.entries_evicted = 0
@@ -80,6 +82,8 @@ class Prepositioner:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
         with self.layout.lock:  # the gate encodes choices with the shared tokenizer
             gate = Gate.for_question(spec, self.layout.tokenizer)
+        if self.adapter is not None and spec.choices:
+            gate.head = self.adapter.head_for(spec.text, spec.choices)
         st = Standing(session, spec, gate, self.layout.question_ids(spec.text))
         questions[spec.id] = st
         return st
@@ -154,7 +158,11 @@ class Prepositioner:
         idle += [st.decoding for st in self.all() if st.decoding is not None]
         return urgent, idle
 
-    def on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> Standing | None:
+    def wants_hidden(self, job: object) -> bool:
+        """An entry whose question has a head needs the hidden state of its last row."""
+        return isinstance(job, Branch) and job.purpose == "entry" and job.standing.gate.head is not None
+
+    def on_entry_ready(self, entry: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> Standing | None:
         st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
         if st.computing is not entry:  # unregistered (or its session closed) meanwhile
@@ -163,6 +171,7 @@ class Prepositioner:
         entry.first_logits = logits
         self.release(st.ready)
         st.ready, st.computing = entry, None
+        st.ready_hidden = None if hidden is None else hidden.clone()
         st.entries_computed += 1
         return st
 
@@ -175,13 +184,13 @@ class Prepositioner:
             before = self.store.manager.num_free_blocks
             self.release(st.ready)
             freed += self.store.manager.num_free_blocks - before
-            st.ready = None
+            st.ready, st.ready_hidden = None, None
             self.entries_evicted += 1
         return freed
 
     # -- answers ---------------------------------------------------------------
     def decide(self, st: Standing) -> GateDecision:
-        return st.gate.decide(st.ready_logits)
+        return st.gate.decide(st.ready_logits, st.ready_hidden)
 
     def fork_from_entry(self, st: Standing, kind_branch: Branch) -> None:
         """Give `kind_branch` (an ask or decode) the entry's KV and its first greedy token."""

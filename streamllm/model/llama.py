@@ -129,10 +129,13 @@ class LlamaForward:
         return weight * (x * torch.rsqrt(var + self.eps))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch, writing its K/V into the caches; returns logits [R, vocab] for logit_rows.
 
-        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors).
+        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors). With return_hidden,
+        returns (logits, the final-normed hidden states [R, H] of the same rows): what a
+        choice head reads; they are computed anyway, so asking for them costs nothing.
         """
         positions = batch.positions
         max_pos = int(positions.max()) + 1 if positions.numel() else 0
@@ -173,5 +176,6 @@ class LlamaForward:
             x = self._rmsnorm(h, layer.post_norm)
             gate_up = F.linear(x, layer.gate_up)
             h = h + F.linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], layer.down)
-        last = h[batch.logit_rows]
-        return F.linear(self._rmsnorm(last, self.final_norm), self.lm_head)
+        normed = self._rmsnorm(h[batch.logit_rows], self.final_norm)
+        logits = F.linear(normed, self.lm_head)
+        return (logits, normed) if return_hidden else logits
