@@ -133,7 +133,11 @@ def test_the_gate_decides_from_the_head(tiny_model, spec, bars, tmp_path):
         answer = engine.ask("test", "trend")
         assert answer.path == "fast" and answer.text == ("up", "down")[int(scores.argmax())]
         assert answer.confidence == pytest.approx(float(scores.max() - scores.min()), abs=1e-5)
-        assert engine.ask("test", "sma").path == "entry"  # head never fires: decode from the entry
+        sma = engine.prepos.find("test", "sma")
+        choice = ("yes", "no")[int(heads[1].logits(sma.ready_hidden).argmax())]
+        answer = engine.ask("test", "sma")
+        assert answer.path == "entry"  # the head is never confident enough: decode from the entry,
+        assert answer.tokens[0] in sma.gate.candidates(choice)  # starting from the head's choice
         assert engine.prepos.find("test", "free").gate.head is None  # no head for the free question
     finally:
         engine.shutdown()

@@ -66,7 +66,7 @@ class EngineLoop:
         br.prepaid = br.num_computed
         if not br.keep_logits:
             br.first_logits = None
-        first = decision.token_id if decision.fired else int(torch.argmax(st.ready_logits))
+        first = self.prepos.first_token(st, decision)
         self._running.append(br)
         self._on_token(br, first)
         self._cv.notify_all()
@@ -297,7 +297,7 @@ class EngineLoop:
                 return
             dec.prepaid = dec.num_computed
             st.decoding = dec
-            self._on_token(dec, decision.token_id if decision.fired else int(torch.argmax(logits)))
+            self._on_token(dec, self.prepos.first_token(st, decision))
         else:  # nobody is pushed this answer: keep the gate's view for snapshots
             text = decision.answer or ""
             self._standing_changed(st, text, "fast" if decision.fired else "gate", decision.gap, entry.data_version)

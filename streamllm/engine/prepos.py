@@ -192,6 +192,13 @@ class Prepositioner:
     def decide(self, st: Standing) -> GateDecision:
         return st.gate.decide(st.ready_logits, st.ready_hidden)
 
+    def first_token(self, st: Standing, decision: GateDecision) -> int:
+        """The first answer token when decoding on from the entry: the gate's choice when it fired or
+        when a head chose it (a head's pick beats the LM's even unconfident), else the LM's greedy one."""
+        if decision.fired or (st.gate.head is not None and st.ready_hidden is not None):
+            return decision.token_id
+        return int(torch.argmax(st.ready_logits))
+
     def fork_from_entry(self, st: Standing, kind_branch: Branch) -> None:
         """Give `kind_branch` (an ask or decode) the entry's KV and its first greedy token."""
         entry = st.ready

@@ -17,7 +17,7 @@ import torch
 
 from streamllm.engine.gate import risk_coverage, threshold_for_precision
 
-L2_GRID = (1e-3, 1e-2, 1e-1, 1.0)
+L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 MIN_FIRED = 10  # a threshold resting on fewer fired dev samples is noise: the gate stays closed
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from streamllm.config import ConfigError, QuestionSpec, SessionSpec, load_config
+from streamllm.config import ConfigError, QuestionSpec, SessionSpec, load_config, normalize_question
 
 SPLIT = (0.7, 0.8)  # train | dev | later, as fractions of each data file's bars
 
@@ -128,10 +128,12 @@ def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rn
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
-    p.add_argument("--data", nargs="+", required=True, help="bar tables (CSV/Parquet) to train and validate on")
+    p.add_argument("--data", nargs="+", required=True,
+                   help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py)")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
     p.add_argument("--method", choices=("head",), default="head")
-    p.add_argument("--session", help="session of the config (default: the first with labelled questions)")
+    p.add_argument("--session", action="append", help="session of the config (repeatable; default: every session "
+                                                      "with labelled questions)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--minutes", type=float, default=20.0, help="time budget; training windows stop when it is spent")
     p.add_argument("--seed", type=int, default=0)
@@ -146,17 +148,75 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables")
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's)")
     p.add_argument("--synthetic-bars", type=int, default=160, help="synthetic bars per instrument (0: none)")
+    p.add_argument("--judge-bars", type=int, help="bars per --judge / synthetic window (default: --window)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
-def _session(config: Any, name: str | None) -> SessionSpec:
-    specs = [config.session(name)] if name else [s for s in config.sessions if any(q.label for q in s.questions)]
-    if not specs or not any(q.label for q in specs[0].questions):
+def _sessions(config: Any, names: list[str] | None) -> list[SessionSpec]:
+    try:
+        specs = [config.session(n) for n in names] if names else list(config.sessions)
+    except KeyError as exc:
+        raise TuneError(str(exc.args[0])) from None
+    specs = [s for s in specs if any(q.label is not None and q.choices for q in s.questions)]
+    if not specs:
         raise TuneError(f"{config.source}: no session with labelled questions to tune")
-    if specs[0].render.mode != "bars":
-        raise TuneError(f"session {specs[0].name!r} renders {specs[0].render.mode!r}; tune trains on bars")
-    return specs[0]
+    for spec in specs:
+        if spec.render.mode != "bars":
+            raise TuneError(f"session {spec.name!r} renders {spec.render.mode!r}; tune trains on bars")
+    return specs
+
+
+@dataclass(slots=True)
+class Task:
+    """One session of the config: its prompt, labelled questions, data and windows."""
+
+    spec: SessionSpec
+    questions: list[QuestionSpec]
+    sources: dict[str, list[Any]]
+    plans: list[WindowPlan]
+    fingerprint: str = ""
+    extractor: Any = None
+
+
+def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Task:
+    questions = [q for q in spec.questions if q.label is not None and q.choices]
+    history = max(q.label.bars_needed for q in questions)
+    if args.window <= history:
+        raise TuneError(f"--window {args.window} leaves no decision point after the labels' {history}-bar history")
+    bar_s = float(spec.render.bar_seconds or 60)
+    files = [d for d in args.data if not d.startswith("synthetic")]
+    sources = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns))
+    for d in args.data:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
+        if d.startswith("synthetic"):
+            try:
+                seed = int(d.partition(":")[2] or 0)
+            except ValueError:
+                raise TuneError(f"--data {d}: write synthetic:SEED with an integer seed") from None
+            if args.synthetic_bars > 0 and seed == args.seed + 1:
+                raise TuneError(f"--data {d}: seed {seed} is the judged synthetic market (--seed + 1); use another")
+            bars_each = (args.train_windows + args.dev_windows + args.later_windows) * args.window * 2
+            simulated = synthetic_bars(seed, bars_each, bar_s)
+            name = f"synthetic:{spec.instrument}"
+            if name not in simulated:
+                raise TuneError(f"--data {d}: the synthetic market has no {spec.instrument!r} "
+                                f"(has {sorted(simulated)})")
+            sources[f"synthetic-{seed}:{spec.instrument}"] = simulated[name]
+    plans: list[WindowPlan] = []
+    for name, bars in sources.items():
+        plans += plan_windows(name, len(bars), args.window, {"train": args.train_windows, "dev": args.dev_windows,
+                                                              "later": args.later_windows}, rng)
+    if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
+        raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
+    judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={})
+    if args.synthetic_bars > 0:  # judged on the market of seed --seed + 1 (never a training one)
+        judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
+    for name, bars in judged.items():
+        if len(bars) > history:
+            plans.append(WindowPlan("synthetic" if name.startswith("synthetic") else "other", name, 0,
+                                    min(len(bars), args.judge_bars or args.window)))
+    sources.update(judged)
+    return Task(spec, questions, sources, plans)
 
 
 def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
@@ -171,66 +231,65 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         raise TuneError("need --window >= 2, --stride >= 1 and --minutes > 0")
     t0 = time.perf_counter()
     config = load_config(args.questions)
-    spec = _session(config, args.session)
-    questions = [q for q in spec.questions if q.label is not None and q.choices]
-    history = max(q.label.bars_needed for q in questions)
-    if args.window <= history:
-        raise TuneError(f"--window {args.window} leaves no decision point after the labels' {history}-bar history")
-    bar_s = float(spec.render.bar_seconds or 60)
     rng = random.Random(args.seed)
-    sources = load_bars(args.data, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns))
-    plans: list[WindowPlan] = []
-    for name, bars in sources.items():
-        plans += plan_windows(name, len(bars), args.window, {"train": args.train_windows, "dev": args.dev_windows,
-                                                              "later": args.later_windows}, rng)
-    if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
-        raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
-    judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={})
-    if args.synthetic_bars > 0:
-        judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
-    for name, bars in judged.items():
-        if len(bars) > history:
-            plans.append(WindowPlan("synthetic" if name.startswith("synthetic:") else "other", name, 0,
-                                    min(len(bars), args.window)))
-    sources.update(judged)
-    order = {"dev": 0, "later": 1, "other": 2, "synthetic": 3, "train": 4}  # train last: the budget cuts it
-    plans.sort(key=lambda p: order[p.set])
+    tasks = [_plan(args, spec, rng) for spec in _sessions(config, args.session)]
+    # The budget cuts training windows only; the judged sets after them are small and always run.
+    order = {"dev": 0, "later": 1, "train": 2, "other": 3, "synthetic": 4}
+    # Sessions interleaved within each set, so a spent budget leaves every session some training windows.
+    work = sorted(((t, p) for t in tasks for p in t.plans),
+                  key=lambda tp: (order[tp[1].set], tp[0].plans.index(tp[1]), tasks.index(tp[0])))
 
     loaded = loaded if loaded is not None else load_model(args.model, progress=not args.no_progress)
     states_dir = args.out / "states"
-    fingerprint = hashlib.sha256(json.dumps([loaded.name, spec.system_prompt, args.stride,
-                                             [(q.id, q.text, q.choices, q.label.text) for q in questions]]).encode()).hexdigest()[:12]
     if states_dir.exists() and not args.resume:
         for f in states_dir.glob("*.pt"):
             f.unlink()
     states_dir.mkdir(parents=True, exist_ok=True)
-    max_tokens = max(8192, spec.max_context_tokens)
-    extractor = StateExtractor(loaded, spec, questions, max_window_tokens=max_tokens)
-    got: dict[WindowPlan, WindowStates] = {}
+    for t in tasks:
+        t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, [
+            (q.id, q.text, q.choices, q.label.text) for q in t.questions]]).encode()).hexdigest()[:12]
+        t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens))
+    got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
-    tokens = 0
-    bar = tqdm(plans, desc="extract", unit="window", disable=args.no_progress)
-    for plan in bar:
-        path = states_dir / f"{plan.key}-{fingerprint}.pt"
+    tokens, spent = 0, False
+    bar = tqdm(work, desc="extract", unit="window", disable=args.no_progress)
+    for task, plan in bar:
+        path = states_dir / f"{plan.key}-{task.fingerprint}.pt"
         if path.is_file():
-            got[plan] = WindowStates.from_dict(torch.load(path))
+            got[task.spec.name, plan] = WindowStates.from_dict(torch.load(path))
             continue
-        if plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for p in got):
-            bar.write(f"time budget {args.minutes:g} min spent: stopping at {sum(p.set == 'train' for p in got)} train windows")
-            break
-        window = sources[plan.source][plan.start: plan.start + plan.bars]
-        states = extractor.extract(window, stride=args.stride)
+        if plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for _, p in got):
+            if not spent:
+                bar.write(f"time budget {args.minutes:g} min spent: stopping at "
+                          f"{sum(p.set == 'train' for _, p in got)} train windows")
+            spent = True
+            continue
+        window = task.sources[plan.source][plan.start: plan.start + plan.bars]
+        states = task.extractor.extract(window, stride=args.stride)
         torch.save(states.to_dict(), path)  # the checkpoint: --resume starts after it
-        got[plan] = states
+        got[task.spec.name, plan] = states
         tokens += states.tokens
         bar.set_postfix(set=plan.set, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
-    extract_s = time.perf_counter() - t0
-    return _fit_and_write(args, loaded, spec, questions, extractor, got, extract_s, tokens, t0)
+    return _fit_and_write(args, loaded, tasks, got, time.perf_counter() - t0, tokens, t0)
 
 
-def _gather(got: dict, set_name: str, qid: str, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [(s.features[qid], s.labels[qid]) for p, s in got.items() if p.set == set_name]
+def _groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
+    """Questions by (text, choices, label) across sessions: one head each, trained on all their states
+    (the engine matches a head by text and choices, so every session asking it gets the same head)."""
+    groups: dict[tuple, tuple[QuestionSpec, list[tuple[str, str]]]] = {}
+    for t in tasks:
+        for q in t.questions:
+            key = (normalize_question(q.text), q.choices, q.label.text)
+            groups.setdefault(key, (q, []))[1].append((t.spec.name, q.id))
+    ids = [q.id for q, _ in groups.values()]
+    return [(q.id if ids.count(q.id) == 1 else f"{members[0][0]}.{q.id}", q, members)
+            for q, members in groups.values()]
+
+
+def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if p.set == set_name
+             for name, qid in members if name == session]
     if not parts:
         return torch.empty(0, hidden), torch.empty(0, dtype=torch.long)
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -246,35 +305,37 @@ def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tens
     return torch.stack([scores[:, owner == c].max(1).values for c in range(len(q.choices))], dim=1)
 
 
-def _fit_and_write(args, loaded, spec, questions, extractor, got, extract_s, tokens, t0) -> dict[str, Any]:
+def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
     from streamllm.market.headfit import calibrate_threshold, fit_head, judge
     from streamllm.model.adapter import CARD_FILE, ChoiceHead, save_heads
 
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
-    sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for p in got)]
-    for q in questions:
-        x, y = _gather(got, "train", q.id, hidden)
-        xd, yd = _gather(got, "dev", q.id, hidden)
+    sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
+    for head_id, q, members in _groups(tasks):
+        x, y = _gather(got, "train", members, hidden)
+        xd, yd = _gather(got, "dev", members, hidden)
         fit = fit_head(x, y, xd, yd, len(q.choices))
         steps += fit.steps
         threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, args.target_precision)
-        heads.append(ChoiceHead(q.id, q.text, q.choices, fit.weight, fit.bias, threshold))
-        entry = {"label": q.label.text, "choices": list(q.choices), "l2": fit.l2, "train_samples": len(y),
-                 "threshold": None if math.isinf(threshold) else round(threshold, 4), "judged": {}, "base_model": {}}
+        heads.append(ChoiceHead(head_id, q.text, q.choices, fit.weight, fit.bias, threshold))
+        entry = {"label": q.label.text, "choices": list(q.choices), "sessions": [m[0] for m in members],
+                 "l2": fit.l2, "train_samples": len(y), "judged": {}, "base_model": {},
+                 "threshold": None if math.isinf(threshold) else round(threshold, 4)}
         for s in sets:
-            xs, ys = _gather(got, s, q.id, hidden)
+            xs, ys = _gather(got, s, members, hidden)
             entry["judged"][s] = judge(xs @ fit.weight.T + fit.bias, ys, q.choices, threshold, args.target_precision)
-            entry["base_model"][s] = judge(_base_logits(extractor, q, xs), ys, q.choices, math.inf, args.target_precision)
-        report[q.id] = entry
+            entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
+                                           args.target_precision)
+        report[head_id] = entry
     path = save_heads(args.out, heads, model=loaded.name)
     card = {
-        "method": "head", "model": loaded.name, "config": str(args.questions), "session": spec.name,
+        "method": "head", "model": loaded.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
         "data": [str(d) for d in args.data], "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
-        "windows": {s: sorted(p.key for p in got if p.set == s) for s in ("train", *sets)},
-        "decision_points": {s: sum(len(st.labels[q.id]) for p, st in got.items() if p.set == s for q in questions)
+        "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets)},
+        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if p.set == s for y in st.labels.values())
                             for s in ("train", *sets)},
         "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
         "minutes": round((time.perf_counter() - t0) / 60, 2), "extract_minutes": round(extract_s / 60, 2),
@@ -286,7 +347,7 @@ def _fit_and_write(args, loaded, spec, questions, extractor, got, extract_s, tok
 
 
 def card_markdown(card: dict[str, Any]) -> str:
-    lines = [f"# Choice heads for {card['config']} (session {card['session']})", "",
+    lines = [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
              f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
              f"question's decision point. {card['minutes']} min ({card['extract_minutes']} extracting "
              f"{card['tokens_extracted']} tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
