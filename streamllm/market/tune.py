@@ -338,6 +338,7 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
         "decision_points": {s: sum(len(y) for (_, p), st in got.items() if p.set == s for y in st.labels.values())
                             for s in ("train", *sets)},
         "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
+        "tokens_all_windows": sum(st.tokens for st in got.values()),  # this run's and --resume'd checkpoints
         "minutes": round((time.perf_counter() - t0) / 60, 2), "extract_minutes": round(extract_s / 60, 2),
         "adapter_bytes": path.stat().st_size, "questions": report,
     }
@@ -349,8 +350,9 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
 def card_markdown(card: dict[str, Any]) -> str:
     lines = [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
              f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
-             f"question's decision point. {card['minutes']} min ({card['extract_minutes']} extracting "
-             f"{card['tokens_extracted']} tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
+             f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
+             f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
+             f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
              f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and synthetic "
              f"regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
              f"decision points per set: {card['decision_points']}.", "",
