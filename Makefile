@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint model clean install peer peer-stop
+.PHONY: demo test test-fast lint model clean install peer peer-stop tune
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,19 @@ model: $(STAMP)
 
 demo: model
 	$(BIN)/streamllm demo
+
+# Choice heads for the shipped configs (docs/tuning.md); the results are committed under
+# queries/adapters/, so `make demo` needs no tuning. Minutes per config on a 2-core CPU.
+SHARED ?= ../shared/data
+CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
+BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
+tune: model
+	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
+	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
+	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --later-windows 3 --synthetic-bars 40 --judge-bars 40 --minutes 28
+	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
+	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --train-windows 10 --dev-windows 1 --later-windows 1 \
+	    --synthetic-bars 0 --judge-bars 60 --minutes 30
 
 # Full suite: unit tests plus the integration tests on the default model.
 test: model

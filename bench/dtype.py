@@ -24,8 +24,8 @@ import torch
 from streamllm.config import QuestionSpec, load_config
 from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
-from streamllm.engine.runner import Runner, Work
 from streamllm.engine.prompt import PromptLayout
+from streamllm.engine.runner import Runner, Work
 from streamllm.model.llama import LlamaForward
 
 QUERIES = Path(__file__).resolve().parents[1] / "queries"

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
     "inspect": ("streamllm.market.inspect", "what a capture, table or DBN file holds: streams, times, gaps, errors"),
     "calibrate": ("streamllm.market.calibrate", "replay data and calibrate gate thresholds"),
+    "tune": ("streamllm.market.tune", "teach the model a config's labelled questions (choice heads) from recorded bars"),
     "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
     "ask": ("streamllm.service.client", "ask a question on a running server's session"),
     "watch": ("streamllm.service.watch", "live table of a session's standing answers on a running server"),

@@ -114,6 +114,7 @@ class SessionSpec:
 class QueryConfig:
     source: str
     sessions: tuple[SessionSpec, ...]
+    adapter: Path | None = None  # [model] adapter = "DIR": choice heads made by `streamllm tune`
 
     def session(self, name: str) -> SessionSpec:
         for session in self.sessions:
@@ -156,7 +157,8 @@ def parse_config(
     else:
         data = text_or_dict
     table = reader.table(data, "")
-    reader.keys(table, "", ("sessions",))
+    reader.keys(table, "", ("sessions", "model"))
+    adapter = reader.model(table.get("model", {}), "model")
     sessions_data = reader.array_of_tables(table, "", "sessions", required=True)
     if not sessions_data:
         raise ConfigError(source, "sessions", "needs at least one session")
@@ -166,7 +168,7 @@ def parse_config(
         if any(s.name == session.name for s in sessions):
             raise ConfigError(source, f"sessions[{index}].name", f"duplicate session name {session.name!r}")
         sessions.append(session)
-    return QueryConfig(source, tuple(sessions))
+    return QueryConfig(source, tuple(sessions), adapter)
 
 
 def parse_question(data: Mapping[str, Any], source: str = "<question>", key_path: str = "question") -> QuestionSpec:
@@ -238,6 +240,16 @@ class _Reader:
         for index, item in enumerate(value):
             self.table(item, f"{_join(path, key)}[{index}]")
         return value
+
+    def model(self, data: Any, path: str) -> Path | None:
+        table = self.table(data, path)
+        self.keys(table, path, ("adapter",))
+        if "adapter" not in table:
+            return None
+        adapter = Path(self.text(table, path, "adapter")).expanduser()
+        if self.base_dir is not None and not adapter.is_absolute():
+            adapter = Path(os.path.normpath(self.base_dir.absolute() / adapter))
+        return adapter
 
     def session(self, data: Any, path: str) -> SessionSpec:
         table = self.table(data, path)

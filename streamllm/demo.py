@@ -157,13 +157,21 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
+    p.add_argument("--adapter", help="choice heads from `streamllm tune` (default: the config's [model] adapter)")
     p.add_argument("--live", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty(),
                    help="live table (default on a terminal) or one line per change")
     args = p.parse_args(argv)
     config = load_config(args.config)
     print(f"loading {args.model} ...", flush=True)
     t0 = time.monotonic()
-    engine = Engine(args.model, dtype=args.dtype, max_cells=65536, progress=True)
+    from streamllm.model.adapter import pick_adapter
+    from streamllm.model.loader import load_model
+
+    loaded = load_model(args.model, progress=True)
+    adapter = pick_adapter(args.adapter, config.adapter, loaded.name)
+    engine = Engine(loaded, dtype=args.dtype, max_cells=65536, progress=True, adapter=adapter)
+    if adapter is not None:
+        print(f"adapter {adapter.path}: choice heads for " + ", ".join(h.question_id for h in adapter.heads))
     print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}; sessions: "
           + ", ".join(f"{s.name} ({s.instrument}, {len(s.questions)} standing questions)" for s in config.sessions))
     try:

@@ -116,6 +116,7 @@ def _write(engine: Any, state: SessionState, path: Path, t0: float,
     meta.update(extra or {})
     meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
                  "model": engine.model_name, "dtype": engine_dtype(engine),
+                 "adapter": getattr(engine, "adapter_id", None),
                  "questions": [question_dict(q) for q in state.questions]})
     token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
     tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
@@ -174,6 +175,9 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     if meta.get("config_hash") != config_hash(engine):
         raise bad(f"written by model {meta.get('model')!r} with another config or tokenizer; this engine runs "
                   f"{engine.model_name!r}")
+    if meta.get("adapter") != getattr(engine, "adapter_id", None):
+        raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
+                  f"{getattr(engine, 'adapter_id', None)!r} (its standing answers would not be the same)")
     if set(tensors) != {"k", "v", "token_ids"}:
         raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids")
     if _tensor_digest(tensors) != meta.get("sha256"):

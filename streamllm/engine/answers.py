@@ -120,9 +120,9 @@ class Answering:
                 st.waiters.clear()
 
     # -- results of a step ------------------------------------------------------------
-    def on_logits(self, br: Branch, logits: torch.Tensor) -> None:
+    def on_logits(self, br: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
         if br.kind == ENTRY:
-            self._on_entry_ready(br, logits.clone())
+            self._on_entry_ready(br, logits.clone(), hidden)
             return
         if br.keep_logits and br.first_logits is None:
             br.first_logits = logits.clone()
@@ -134,8 +134,8 @@ class Answering:
             return
         self._on_token(br, int(torch.argmax(logits)))
 
-    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> None:
-        st = self.prepos.on_entry_ready(entry, logits)
+    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+        st = self.prepos.on_entry_ready(entry, logits, hidden)
         if st is None:
             return
         self.ready_records[(st.session.name, st.spec.id)] = st.record

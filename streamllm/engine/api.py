@@ -97,6 +97,7 @@ class Engine:
         retain: float = 0.5,
         progress: bool = False,
         ingest_log=None,
+        adapter=None,
         check_integrity_every_step: bool = False,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
@@ -109,6 +110,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
         self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device, dtype=dtype)
+        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads the gate decides with.
+        self.adapter = _load_adapter(adapter, loaded.name, self.model)
+        self.adapter_id = None if self.adapter is None else self.adapter.id
         num_blocks = max(1, max_cells // block_size)
         store = KVStore(
             BlockManager(num_blocks, block_size),
@@ -292,6 +296,8 @@ class Engine:
     def _gate(self, spec: QuestionSpec) -> tuple[Gate, list[int]]:
         with self.layout.lock:  # the gate encodes choices with the shared tokenizer
             gate = Gate.for_question(spec, self.tokenizer)
+        if self.adapter is not None and spec.choices:
+            gate.head = self.adapter.head_for(spec.text, spec.choices)
         return gate, self.layout.question_ids(spec.text)
 
     def standing(self, name: str) -> list[StandingAnswer]:
@@ -456,7 +462,7 @@ class Engine:
     def stats(self) -> dict:
         """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""
         out: dict[str, Any] = {"model": self.model_name, "device": str(self.device),
-                               "dtype": self.model.dtype_choice.name}
+                               "dtype": self.model.dtype_choice.name, "adapter": self.adapter_id or ""}
         out.update(self.core.counters)
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
@@ -486,6 +492,17 @@ class Engine:
 
     def _log_lock(self, name: str):
         return self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
+
+
+def _load_adapter(adapter, model_name: str, model: LlamaForward):
+    if adapter is None:
+        return None
+    from streamllm.model.adapter import Adapter, check_adapter, load_adapter
+
+    loaded = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    check_adapter(loaded, model_name, model.config.hidden_size)
+    loaded.heads = [h.to(model.device, torch.float32) for h in loaded.heads]  # hidden states come back fp32
+    return loaded
 
 
 def _log_failure(future: Future) -> None:

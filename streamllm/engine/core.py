@@ -305,7 +305,8 @@ class EngineCore(Answering):
         return [*self.running, *self.prepos.jobs(), *self.sessions.values(), *self.compactions.values()]
 
     def _step(self, plan: Plan) -> None:
-        works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits) for i in plan.items]
+        works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits,
+                      want_hidden=i.want_logits == "last" and self.prepos.wants_hidden(i.seq)) for i in plan.items]
         t0 = time.perf_counter()
         try:
             logits = self.runner.execute(works)
@@ -315,7 +316,7 @@ class EngineCore(Answering):
             self._fail_plan(plan, exc)
             return
         step_s = time.perf_counter() - t0
-        self._update(plan, logits)
+        self._update(plan, logits, [w.hidden for w in works])
         self._swap_compactions()
         self.steps += 1
         self.step_ms_total += step_s * 1000
@@ -324,8 +325,8 @@ class EngineCore(Answering):
         if self.check_every_step:
             self.check_integrity()
 
-    def _update(self, plan: Plan, logits: list) -> None:
-        for item, lg in zip(plan.items, logits, strict=True):
+    def _update(self, plan: Plan, logits: list, hidden: list) -> None:
+        for item, lg, hd in zip(plan.items, logits, hidden, strict=True):
             seq, n = item.seq, len(item.token_ids)
             if isinstance(seq, Session):
                 had_prefix = seq.ready
@@ -339,7 +340,7 @@ class EngineCore(Answering):
             else:
                 seq.num_computed += n
                 if lg is not None:
-                    self.on_logits(seq, lg)
+                    self.on_logits(seq, lg, hd)
 
     def _fail_plan(self, plan: Plan, exc: Exception) -> None:
         for item in plan.items:

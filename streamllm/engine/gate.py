@@ -12,6 +12,11 @@ clear enough to return without a model call:
 
 It fires when gap >= threshold. Candidate sets are built once per question at load
 time; `decide` is one gather (or one topk) on the logits plus a few Python floats.
+
+A question with a choice head (`streamllm tune`, streamllm/model/adapter.py) decides
+from the head instead: choice logits = W h + b over the decision point's final normed
+hidden state h, gap = best minus second-best choice logit, threshold = the head's
+calibrated one (the config's threshold is for the LM's own logits).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class Gate:
     candidate_owner: tuple[int, ...]  # choice index of each candidate, same order
     candidate_list: tuple[int, ...]  # candidate_ids as Python ints
     tokenizer: Any
+    head: Any = None  # streamllm.model.adapter.ChoiceHead, when an adapter trained one for this question
 
     @classmethod
     def for_question(cls, spec: QuestionLike, tokenizer: Any) -> Gate:
@@ -113,8 +119,10 @@ class Gate:
         index = self.choices.index(choice)
         return tuple(t for t, o in zip(self.candidate_list, self.candidate_owner, strict=True) if o == index)
 
-    def decide(self, logits: torch.Tensor) -> GateDecision:
-        """Decide from the logits at the decision point, shape [vocab]."""
+    def decide(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> GateDecision:
+        """Decide from the logits at the decision point, shape [vocab] (and its hidden state, for a head)."""
+        if self.head is not None and hidden is not None:
+            return self._decide_head(logits, hidden)
         if self.candidate_ids is None:
             best, token_id, second = top_two(logits)
             gap = best - second
@@ -130,11 +138,25 @@ class Gate:
         winner = max(range(len(best_of)), key=best_of.__getitem__)
         runner_up = max(s for i, s in enumerate(best_of) if i != winner)
         gap = best_of[winner] - runner_up
-        top = best_of[winner]
-        weights = [math.exp(s - top) for s in best_of]
-        total = sum(weights)
-        probs = {c: w / total for c, w in zip(self.choices, weights, strict=True)}
-        return GateDecision(gap >= self.threshold, self.choices[winner], best_token[winner], gap, probs)
+        return GateDecision(gap >= self.threshold, self.choices[winner], best_token[winner], gap,
+                            _softmax(self.choices, best_of))
+
+
+    def _decide_head(self, logits: torch.Tensor, hidden: torch.Tensor) -> GateDecision:
+        scores = self.head.logits(hidden).tolist()
+        winner = max(range(len(scores)), key=scores.__getitem__)
+        gap = scores[winner] - max(s for i, s in enumerate(scores) if i != winner)
+        # The token that starts the chosen answer, should the engine decode on from the entry.
+        candidates = self.candidates(self.choices[winner])
+        token_id = max(candidates, key=lambda t: float(logits[t]))
+        return GateDecision(gap >= self.head.threshold, self.choices[winner], token_id, gap, _softmax(self.choices, scores))
+
+
+def _softmax(choices: Sequence[str], scores: Sequence[float]) -> dict[str, float]:
+    top = max(scores)
+    weights = [math.exp(x - top) for x in scores]
+    total = sum(weights)
+    return {c: w / total for c, w in zip(choices, weights, strict=True)}
 
 
 def top_two(logits: torch.Tensor) -> tuple[float, int, float]:

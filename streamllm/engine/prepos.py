@@ -40,6 +40,7 @@ class Standing:
     decoding: Branch | None = None  # standing-answer decode (free-text push questions)
     answer: StandingAnswer | None = None
     record: ReadyRecord | None = None  # published view of `ready`
+    ready_hidden: torch.Tensor | None = None  # final normed hidden state at `ready`'s decision point (heads only)
     waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
 
@@ -143,7 +144,12 @@ class Prepositioner:
         out = [st.computing for st in self.all() if st.computing is not None]
         return out + [st.decoding for st in self.all() if st.decoding is not None]
 
-    def on_entry_ready(self, entry: Branch, logits: torch.Tensor) -> Standing | None:
+    def wants_hidden(self, seq: object) -> bool:
+        """An entry whose question has a choice head needs the hidden state of its last row."""
+        return isinstance(seq, Branch) and seq.kind == ENTRY and seq.standing.gate.head is not None
+
+    def on_entry_ready(self, entry: Branch, logits: torch.Tensor,
+                       hidden: torch.Tensor | None = None) -> Standing | None:
         st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
         if st.computing is not entry:  # unregistered (or its session closed) meanwhile
@@ -152,6 +158,7 @@ class Prepositioner:
         entry.first_logits = logits
         self.release(st.ready)
         st.ready, st.computing = entry, None
+        st.ready_hidden = None if hidden is None else hidden.clone()
         st.entries_computed += 1
         st.record = self._record(st)
         return st
@@ -177,7 +184,7 @@ class Prepositioner:
             before = self.store.manager.num_free_blocks
             self.release(st.ready)
             freed += self.store.manager.num_free_blocks - before
-            st.ready = None
+            st.ready, st.ready_hidden = None, None
             st.record = None
             self.entries_evicted += 1
         return freed
@@ -190,10 +197,11 @@ class Prepositioner:
             for br in st.branches():
                 self.release(br)
             st.computing = st.ready = st.decoding = None
+            st.ready_hidden = None
 
     # -- answers ---------------------------------------------------------------
     def decide(self, st: Standing) -> GateDecision:
-        return st.gate.decide(st.ready_logits)
+        return st.gate.decide(st.ready_logits, st.ready_hidden)
 
     def fork_from_entry(self, st: Standing, branch: Branch) -> None:
         """Give `branch` (an ask or decode) the entry's KV; its next token comes from the ready logits."""

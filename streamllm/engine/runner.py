@@ -21,6 +21,8 @@ class Work:
     token_ids: list[int]  # tokens computed in this step
     start_pos: int  # position of token_ids[0]; table holds slots up to start_pos + len
     want_logits: str = "last"  # "last" | "all" | "none"
+    want_hidden: bool = False  # with "last": also the final-normed hidden state of that row (choice heads)
+    hidden: torch.Tensor | None = None  # [H], filled by execute when want_hidden
 
 
 class Runner:
@@ -75,7 +77,13 @@ class Runner:
         if not works:
             return []
         batch, logit_slices = self.build_batch(works)
-        logits = self.model.forward(batch, self.store.pool.k, self.store.pool.v)
+        want_hidden = any(w.want_hidden for w in works)
+        logits = self.model.forward(batch, self.store.pool.k, self.store.pool.v, return_hidden=want_hidden)
+        if want_hidden:
+            logits, hidden = logits
+            for w, sl in zip(works, logit_slices, strict=True):
+                if w.want_hidden and sl is not None:
+                    w.hidden = hidden[sl.stop - 1]
         self.forward_calls += 1
         self.tokens_computed += int(batch.input_ids.shape[0])
         out: list[torch.Tensor | None] = []

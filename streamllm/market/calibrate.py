@@ -170,7 +170,7 @@ def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[
                 if truth is None:
                     record.unknown += 1
                     continue
-                decision = st.gate.decide(st.ready_logits)
+                decision = engine.prepos.decide(st)  # the head's, when an adapter trained one
                 record.gaps.append(decision.gap)
                 record.answers.append(decision.answer)
                 record.truths.append(truth)
@@ -209,6 +209,13 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
             out[f"{r.id}.{key}"] = _num(getattr(r, key))
         curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
                         for name in ("threshold", "coverage", "precision")}
+    # The issue-13 summary keys: per question at the target precision, and the weakest question.
+    for r in reports:
+        out[f"coverage_at_target.{r.id}"] = _num(r.coverage)
+        out[f"precision_at_target.{r.id}"] = _num(r.precision)
+        out[f"accuracy.{r.id}"] = _num(r.accuracy)
+        out[f"base_rate.{r.id}"] = _num(r.base_rate)
+    out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["curves"] = curves
     return out
 
@@ -285,6 +292,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--session", help="session of the config (default: the first with labelled questions)")
     p.add_argument("--warmup", type=int, help="bars pushed as one batch before recording "
                                               "(default: the longest label history minus one)")
+    p.add_argument("--start", type=int, default=0, help="skip this many bars of the file first (judge on later data)")
+    p.add_argument("--adapter", help="choice heads from `streamllm tune`: the gate decides from them")
     p.add_argument("--no-progress", action="store_true")
     from feeds.sources import add_read_args
 
@@ -324,6 +333,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
+    from streamllm.model.adapter import AdapterError
     from streamllm.model.loader import load_model
 
     if not 0 < args.target_precision <= 1:
@@ -347,6 +357,9 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
               f"{table.stats.error_samples[0]}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars ({table.stats.errors} rows refused)")
+    if not 0 <= args.start < len(bars):
+        raise CalibrationError(f"--start {args.start} is outside the file's {len(bars)} bars")
+    bars = bars[args.start:]
     questions = labelled_questions(spec)
     history = max(q.label.bars_needed for q in questions)
     warmup = history - 1 if args.warmup is None else args.warmup
@@ -386,13 +399,17 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     # Each question holds up to two entries (ready + computing), each its question plus copied tail
     # blocks; doubled, since an entry that cannot get cells is retried and wait_idle would never return.
     branch_cells = 2 * block * sum(2 * (-(-n // block) + ENTRY_SLACK_BLOCKS) for n in entry_tokens)
-    engine = Engine(loaded, max_cells=spec.max_context_tokens + branch_cells + block, block_size=block,
-                    max_context=spec.max_context_tokens, branch_cells=branch_cells)
+    try:
+        engine = Engine(loaded, max_cells=spec.max_context_tokens + branch_cells + block, block_size=block,
+                        max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=args.adapter)
+    except AdapterError as exc:
+        raise CalibrationError(str(exc)) from None
     try:
         run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
     finally:
         engine.shutdown()
-    meta = {"config": str(args.questions), "data": str(path), "target_precision": args.target_precision}
+    meta = {"config": str(args.questions), "data": str(path), "target_precision": args.target_precision,
+            "start": args.start, "adapter": args.adapter, "adapter_id": engine.adapter_id}
     return run, [summarize(r, args.target_precision) for r in run.records], meta
 
 

@@ -189,10 +189,13 @@ class LlamaForward:
         return weight * (x * torch.rsqrt(var + self.eps))
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch, writing its K/V into the caches; returns fp32 logits [R, vocab] for logit_rows.
 
-        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype).
+        k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype). With
+        return_hidden, returns (logits, the final-normed hidden states [R, H] of the same rows, fp32):
+        what a choice head reads; they are computed anyway, so asking for them costs nothing.
         """
         if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
             raise ValueError(f"KV cells are {k_cache.dtype}/{v_cache.dtype}, the model runs {self.kv_dtype}")
@@ -235,5 +238,6 @@ class LlamaForward:
             x = self._rmsnorm(h, layer.post_norm)
             gate_up = self._linear(x, "gate_up", li)
             h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
-        last = h[batch.logit_rows]
-        return self._linear(self._rmsnorm(last, self.final_norm), "lm_head").float()
+        normed = self._rmsnorm(h[batch.logit_rows], self.final_norm)
+        logits = self._linear(normed, "lm_head").float()
+        return (logits, normed.float()) if return_hidden else logits

@@ -184,7 +184,17 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
 
     owner = tenants.tenant(args.owner) if args.owner else (
         next((t for t in tenants.tokens.values() if not t.read_only), LOCAL) if tenants.auth else LOCAL)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True)
+    from streamllm.model.adapter import AdapterError, pick_adapter
+    from streamllm.model.loader import load_model
+
+    loaded = load_model(args.model, progress=True)
+    try:
+        adapter = pick_adapter(args.adapter, config.adapter if config is not None else None, loaded.name,
+                               warn=lambda m: print(f"streamllm serve: {m}", file=sys.stderr))
+    except AdapterError as exc:
+        print(f"streamllm serve: {exc}", file=sys.stderr)
+        return 2
+    engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True, adapter=adapter)
     recovered = None
     if args.log_dir:  # rebuild sessions from the ingest log before anyone can connect
         from streamllm.durability.ingest_log import IngestLog
@@ -244,6 +254,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
+    parser.add_argument("--adapter", help="choice heads from `streamllm tune` (default: the config's [model] adapter)")
     parser.add_argument("--max-cells", type=int, default=65536, help="KV cells in the shared pool")
     parser.add_argument("--tokens", help="TOML token file ([tokens] \"token\" = \"tenant\"); also $STREAMLLM_TOKENS")
     parser.add_argument("--owner", help="tenant owning the config's sessions (default: first tenant)")

@@ -1,0 +1,157 @@
+"""Decision-point states for `streamllm tune`: the hidden state a choice head reads.
+
+For one window of bars it builds exactly what the engine would hold for a session
+opened at the window's first bar (the config's system prompt, one rendered line per
+bar, the engine's PromptLayout), computes that session's KV once on the project's own
+model, runner and KV store, then branches every labelled question off every
+`stride`-th bar: each branch forks the session's cells at that bar's line end and
+prefills only the question, so many decision points share one pass over the data.
+
+    session  [prefix | bar 0 | bar 1 | ... | bar W-1]              computed once
+    branch   [prefix | bar 0 .. bar i | Question: ...<assistant>]  -> final normed hidden @ last row
+
+Labels are computed here from the bars (the teacher); nothing in the engine calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from streamllm.config import QuestionSpec, SessionSpec
+from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.prompt import PromptLayout
+from streamllm.engine.runner import Runner, Work
+from streamllm.market.render import Renderer
+from streamllm.model.llama import LlamaForward
+
+CHUNK_TOKENS = 512  # session prefill per forward
+BRANCH_TOKENS = 1536  # question tokens per forward (many branches side by side)
+
+
+@dataclass(slots=True)
+class WindowStates:
+    """Per question: hidden states [n, H] at its decision points, the true choice index [n], and the bar index [n]."""
+
+    features: dict[str, torch.Tensor]
+    labels: dict[str, torch.Tensor]
+    bars: dict[str, torch.Tensor]
+    tokens: int  # tokens computed for this window (session + branches)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"features": self.features, "labels": self.labels, "bars": self.bars, "tokens": self.tokens}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WindowStates:
+        return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]))
+
+
+def render_window(bars: Sequence[Any]) -> list[str]:
+    """Lines as a session opened at bars[0] would receive them (a fresh renderer per session)."""
+    renderer = Renderer()
+    return [renderer.render(b) for b in bars]
+
+
+class StateExtractor:
+    def __init__(self, loaded: Any, spec: SessionSpec, questions: Sequence[QuestionSpec], *,
+                 max_window_tokens: int = 8192, device: str = "cpu") -> None:
+        self.spec = spec
+        self.questions = list(questions)
+        self.layout = PromptLayout(loaded.tokenizer)
+        self.model = LlamaForward(loaded.config, loaded.state_dict, device=device)
+        self.question_ids = {q.id: self.layout.question_ids(q.text) for q in self.questions}
+        self.prefix = self.layout.prefix_ids(spec.system_prompt)
+        block = 16
+        cells = max_window_tokens + BRANCH_TOKENS + 2 * block * (BRANCH_TOKENS // 8 + 2)
+        num_blocks = -(-cells // block)
+        self.store = KVStore(BlockManager(num_blocks, block),
+                             KVPool(self.model.num_layers, num_blocks * block, self.model.num_kv_heads,
+                                    self.model.head_dim, dtype=self.model.dtype, device=self.model.device))
+        self.runner = Runner(self.model, self.store)
+        self.max_window_tokens = max_window_tokens
+
+    # -- prompts ---------------------------------------------------------------------
+    def session_ids(self, lines: Sequence[str]) -> tuple[list[int], list[int]]:
+        """(token ids of prefix + lines, token index after each line)."""
+        ids = list(self.prefix)
+        ends = []
+        for line_ids in self.layout.lines_ids(list(lines)):
+            ids.extend(line_ids)
+            ends.append(len(ids))
+        return ids, ends
+
+    def decision_prompt(self, lines: Sequence[str], upto: int, question: QuestionSpec) -> list[int]:
+        """The full token sequence of the entry for `question` after line `upto` (inclusive)."""
+        ids, ends = self.session_ids(lines[: upto + 1])
+        return ids + self.layout.question_ids(question.text)
+
+    # -- extraction ------------------------------------------------------------------
+    def extract(self, bars: Sequence[Any], *, stride: int = 2, first: int | None = None) -> WindowStates:
+        """States at bars first, first+stride, ... of the window (default first: the longest label history - 1)."""
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        lines = render_window(bars)
+        ids, ends = self.session_ids(lines)
+        if len(ids) > self.max_window_tokens:
+            raise ValueError(f"window of {len(bars)} bars is {len(ids)} tokens, over {self.max_window_tokens}")
+        history = max(q.label.bars_needed for q in self.questions)
+        first = history - 1 if first is None else first
+        manager = self.store.manager
+        session = BlockTable()
+        computed = 0
+        try:
+            manager.append(session, len(ids))
+            for start in range(0, len(ids), CHUNK_TOKENS):
+                chunk = ids[start: start + CHUNK_TOKENS]
+                self.runner.execute([Work(session, chunk, start, "none")])
+                computed += len(chunk)
+            pending: list[tuple[str, int, int]] = []  # (question id, bar index, choice index)
+            for i in range(first, len(bars), stride):
+                for q in self.questions:
+                    truth = q.expected_answer(bars[: i + 1])  # the teacher: labels are only read here
+                    if truth is not None:
+                        pending.append((q.id, i, q.choices.index(truth)))
+            hidden = self._branch_states(session, ends, pending)
+            computed += sum(len(self.question_ids[qid]) for qid, _, _ in pending)
+        finally:
+            manager.free(session)
+        out = WindowStates({}, {}, {}, computed)
+        for q in self.questions:
+            rows = [k for k, (qid, _, _) in enumerate(pending) if qid == q.id]
+            out.features[q.id] = torch.stack([hidden[k] for k in rows]) if rows else torch.empty(0, self.model.config.hidden_size)
+            out.labels[q.id] = torch.tensor([pending[k][2] for k in rows], dtype=torch.long)
+            out.bars[q.id] = torch.tensor([pending[k][1] for k in rows], dtype=torch.long)
+        return out
+
+    def _branch_states(self, session: BlockTable, ends: list[int], pending: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        manager = self.store.manager
+        states: list[torch.Tensor] = []
+        batch: list[tuple[BlockTable, Work]] = []
+        used = 0
+
+        def flush() -> None:
+            nonlocal batch, used
+            if not batch:
+                return
+            try:
+                self.runner.execute([w for _, w in batch])
+                states.extend(w.hidden.float().cpu() for _, w in batch)
+            finally:
+                for table, _ in batch:
+                    manager.free(table)
+                batch, used = [], 0
+
+        for qid, bar, _ in pending:
+            qids = self.question_ids[qid]
+            if used + len(qids) > BRANCH_TOKENS:
+                flush()
+            base = ends[bar]
+            table = self.store.fork(session, base)
+            manager.append(table, len(qids))
+            batch.append((table, Work(table, qids, base, "last", want_hidden=True)))
+            used += len(qids)
+        flush()
+        return states

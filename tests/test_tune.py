@@ -1,0 +1,284 @@
+"""`streamllm tune --method head` and choice heads in the engine, on the tiny model."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from feeds.sources import TableSource
+from streamllm.config import load_config, parse_config
+from streamllm.durability.snapshot import SnapshotError
+from streamllm.engine import Engine
+from streamllm.market import labels as labels_module
+from streamllm.market.calibrate import _parser as calibrate_parser
+from streamllm.market.calibrate import calibrate, to_json
+from streamllm.market.extract import StateExtractor, render_window
+from streamllm.market.headfit import calibrate_threshold, fit_head, judge
+from streamllm.market.tune import cli_main, plan_windows
+from streamllm.model.adapter import AdapterError, ChoiceHead, load_adapter, pick_adapter, save_heads
+
+CONFIG = """
+[[sessions]]
+name = "test"
+instrument = "TEST"
+max_context_tokens = 4096
+system_prompt = "You watch 1-minute bars for {instrument}."
+
+[[sessions.questions]]
+id = "trend"
+text = "Is the price going up or down over the last 5 bars?"
+choices = ["up", "down"]
+label = "trend_up(n=5)"
+
+[[sessions.questions]]
+id = "sma"
+text = "Is the last close above the average close of the last 8 bars?"
+choices = ["yes", "no"]
+label = "above_sma(n=8)"
+
+[[sessions.questions]]
+id = "free"
+text = "What is the last close?"
+"""
+
+
+def write_bars(path: Path, rows: int) -> Path:
+    lines = ["timestamp,open,high,low,close,volume"]
+    close, t0 = 100.0, dt.datetime(2024, 1, 2, 10, 0)
+    for i in range(rows):
+        step = (3.0 if (i // 4) % 2 == 0 else -2.0) + (i % 3 - 1) * 0.5  # zig-zag: both answers occur
+        open_, close = close, close + step
+        ts = (t0 + dt.timedelta(minutes=i)).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"{ts},{open_:.1f},{max(open_, close) + 0.5:.1f},{min(open_, close) - 0.5:.1f},"
+                     f"{close:.1f},{1000 + 37 * (i % 7)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def spec(tmp_path):
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    return load_config(config).sessions[0]
+
+
+@pytest.fixture
+def bars(tmp_path):
+    return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
+
+
+def random_heads(spec, hidden: int, threshold: float = 0.0, seed: int = 0) -> list[ChoiceHead]:
+    g = torch.Generator().manual_seed(seed)
+    return [ChoiceHead(q.id, q.text, q.choices, torch.randn(2, hidden, generator=g), torch.randn(2, generator=g),
+                       threshold) for q in spec.questions if q.label is not None]
+
+
+def engine_with(tiny_model, adapter=None) -> Engine:
+    return Engine(tiny_model, max_cells=8192, max_context=2048, adapter=adapter)
+
+
+def test_training_prompt_and_state_are_the_engines_entry(tiny_model, spec, bars, tmp_path):
+    """The head is trained on exactly what it reads when serving: same tokens, same hidden state."""
+    labelled = [q for q in spec.questions if q.label is not None]
+    extractor = StateExtractor(tiny_model, spec, labelled)
+    states = extractor.extract(bars[:20], stride=1)
+    save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    engine = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        for q in labelled:
+            engine.register("test", q)
+        lines = render_window(bars[:20])
+        for upto, batch in ((9, lines[:10]), (14, lines[10:15])):  # two pushes: batching changes nothing
+            engine.push("test", batch)
+            engine.wait_idle()
+            for q in labelled:
+                st = engine.prepos.find("test", q.id)
+                entry_ids = st.session.token_ids[: st.ready.base_len] + st.ready.prompt_ids
+                assert entry_ids == extractor.decision_prompt(lines, upto, q)
+                row = states.bars[q.id].tolist().index(upto)
+                torch.testing.assert_close(st.ready_hidden, states.features[q.id][row], atol=1e-5, rtol=1e-5)
+    finally:
+        engine.shutdown()
+
+
+def test_labels_follow_the_bars_and_history(tiny_model, spec, bars):
+    extractor = StateExtractor(tiny_model, spec, [q for q in spec.questions if q.label is not None])
+    states = extractor.extract(bars[:30], stride=3)
+    assert states.bars["trend"].tolist() == list(range(7, 30, 3))  # first = longest history (8) - 1
+    for q in (q for q in spec.questions if q.label is not None):
+        expected = [q.choices.index(q.expected_answer(bars[: i + 1])) for i in states.bars[q.id].tolist()]
+        assert states.labels[q.id].tolist() == expected
+        assert states.features[q.id].shape == (len(expected), tiny_model.config.hidden_size)
+
+
+def test_the_gate_decides_from_the_head(tiny_model, spec, bars, tmp_path):
+    heads = random_heads(spec, tiny_model.config.hidden_size, threshold=0.0)
+    heads[1].threshold = math.inf  # sma: never confident enough
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    engine = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        for q in spec.questions:
+            engine.register("test", q)
+        engine.push("test", render_window(bars[:12]))
+        engine.wait_idle()
+        trend = engine.prepos.find("test", "trend")
+        scores = heads[0].logits(trend.ready_hidden)
+        answer = engine.ask("test", "trend")
+        assert answer.path == "fast" and answer.text == ("up", "down")[int(scores.argmax())]
+        assert answer.confidence == pytest.approx(float(scores.max() - scores.min()), abs=1e-5)
+        sma = engine.prepos.find("test", "sma")
+        choice = ("yes", "no")[int(heads[1].logits(sma.ready_hidden).argmax())]
+        answer = engine.ask("test", "sma")
+        assert answer.path == "entry"  # the head is never confident enough: the gate stays closed,
+        assert answer.text == choice and answer.tokens_computed == 0  # yet the head's choice is the answer
+        assert engine.prepos.find("test", "free").gate.head is None  # no head for the free question
+    finally:
+        engine.shutdown()
+
+
+def test_no_answer_path_calls_a_label(tiny_model, spec, bars, tmp_path, monkeypatch):
+    """Labels teach and judge; answering (fast, entry, cold, standing pushes) never reads one."""
+    save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size, threshold=0.5), model=tiny_model.name)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an answer path called a label function")
+
+    for name, definition in labels_module.LABELS.items():
+        monkeypatch.setitem(labels_module.LABELS, name, definition.__class__(
+            definition.name, definition.doc, definition.params, forbidden, forbidden))
+    monkeypatch.setattr(labels_module.LabelSpec, "evaluate", forbidden)
+    monkeypatch.setattr(labels_module.LabelSpec, "answer", forbidden)
+    with pytest.raises(AssertionError):  # the trap is armed
+        spec.questions[0].expected_answer(bars)
+    for adapter in (None, tmp_path / "ad"):
+        engine = engine_with(tiny_model, adapter)
+        try:
+            engine.open_session("test", system=spec.system_prompt)
+            for q in spec.questions:
+                engine.register("test", q)
+            lines = render_window(bars[:16])
+            engine.push("test", lines[:10])
+            engine.wait_idle()
+            paths = {engine.ask("test", q.id).path for q in spec.questions}
+            engine.push("test", lines[10:])
+            paths.add(engine.ask("test", "Is the last bar green?", max_tokens=3).path)
+            engine.wait_idle()
+            assert "cold" in paths and paths & {"fast", "entry"}
+            assert all(st.answer is not None for st in engine.prepos.standing("test"))
+        finally:
+            engine.shutdown()
+
+
+def test_snapshots_refuse_another_adapter(tiny_model, spec, bars, tmp_path):
+    save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    engine = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        engine.push("test", render_window(bars[:5]))
+        engine.wait_idle()
+        engine.snapshot_session("test", tmp_path / "s.safetensors")
+    finally:
+        engine.shutdown()
+    plain = engine_with(tiny_model)
+    try:
+        with pytest.raises(SnapshotError, match="adapter"):
+            plain.restore_session(tmp_path / "s.safetensors")
+    finally:
+        plain.shutdown()
+    again = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        assert again.restore_session(tmp_path / "s.safetensors").session == "test"
+    finally:
+        again.shutdown()
+
+
+def test_adapters_of_another_model_are_refused(tiny_model, spec, tmp_path):
+    save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size), model="smollm2-135m")
+    with pytest.raises(AdapterError, match="trained on 'smollm2-135m'"):
+        engine_with(tiny_model, tmp_path / "ad")
+    warnings = []
+    assert pick_adapter(None, tmp_path / "ad", "tiny", warn=warnings.append) is None and warnings
+    with pytest.raises(AdapterError, match="no head.safetensors"):
+        load_adapter(tmp_path / "missing")
+
+
+def test_config_model_adapter_resolves_against_the_file(tmp_path):
+    text = '[model]\nadapter = "adapters/x"\n' + CONFIG
+    assert parse_config(text, base_dir=tmp_path).adapter == tmp_path / "adapters" / "x"
+    assert parse_config(CONFIG).adapter is None
+
+
+def test_fit_recovers_a_linear_rule_and_calibrates_its_threshold():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, generator=g)
+
+    def sample(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, 16, generator=g) * 3 + 1
+        return x, (x @ w + 0.3 * torch.randn(n, generator=g) < 0).long()  # class 1 when the score is negative
+
+    (x, y), (xd, yd), (xt, yt) = sample(2000), sample(500), sample(500)
+    fit = fit_head(x, y, xd, yd, 2)
+    threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, 0.99)
+    result = judge(xt @ fit.weight.T + fit.bias, yt, ("a", "b"), threshold, 0.99)
+    assert result["accuracy"] > 0.95 and result["base_rate"] < 0.7
+    assert result["precision"] >= 0.97 and 0.5 < result["coverage"] < 1.0
+    noise = torch.randint(0, 2, (500,), generator=g)
+    assert calibrate_threshold(torch.randn(500, 2, generator=g), noise, 0.99) == math.inf  # no signal: closed
+
+
+def test_windows_never_straddle_the_split():
+    import random
+
+    plans = plan_windows("f", 1000, 50, {"train": 99, "dev": 99, "later": 99}, random.Random(0))
+    ranges = {"train": (0, 700), "dev": (700, 800), "later": (800, 1000)}
+    for p in plans:
+        lo, hi = ranges[p.set]
+        assert lo <= p.start and p.start + p.bars <= hi
+    assert sum(p.set == "train" for p in plans) == 14 and sum(p.set == "later" for p in plans) == 4
+
+
+def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatch):
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    data = write_bars(tmp_path / "bars.csv", 600)
+    argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
+            "--window", "40", "--stride", "2", "--train-windows", "6", "--dev-windows", "2", "--later-windows", "2",
+            "--synthetic-bars", "0", "--no-progress", "--target-precision", "0.8"]
+    assert cli_main(argv) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert card["method"] == "head" and set(card["questions"]) == {"trend", "sma"}
+    assert card["decision_points"]["train"] == 6 * 2 * 17  # windows x questions x decision points
+    later = card["questions"]["trend"]["judged"]["later"]
+    assert later["samples"] == 2 * 17 and 0 <= later["accuracy"] <= 1 and "coverage_at_target" in later
+    adapter = load_adapter(tmp_path / "out")
+    assert [h.question_id for h in adapter.heads] == ["trend", "sma"] and adapter.model == "tiny"
+    assert (tmp_path / "out" / "card.md").read_text().startswith("# Choice heads")
+    assert cli_main([*argv, "--resume"]) == 0  # every window comes from its checkpoint
+    assert json.loads((tmp_path / "out" / "card.json").read_text())["tokens_extracted"] == 0
+
+
+def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path):
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    spec = load_config(config).sessions[0]
+    save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    args = calibrate_parser().parse_args(["--questions", str(config), "--data", str(write_bars(tmp_path / "b.csv", 60)),
+                                          "--model", "tiny", "--no-progress", "--adapter", str(tmp_path / "ad"),
+                                          "--start", "20", "--bars", "25"])
+    run, reports, meta = calibrate(args, model=tiny_model)
+    out = to_json(run, reports, meta)
+    assert meta["adapter_id"] == load_adapter(tmp_path / "ad").id and run.updates == 25 - 8 + 1
+    for q in ("trend", "sma"):
+        for key in ("coverage_at_target", "precision_at_target", "accuracy", "base_rate"):
+            assert f"{key}.{q}" in out
+    assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
