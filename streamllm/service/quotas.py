@@ -146,7 +146,7 @@ class QuotaBook:
             return
         try:
             if any(q.id == question_id for q in self.engine.standing_questions(engine_name)):
-                return  # re-registering an id replaces it: no new question
+                return  # an id it already has: the engine's own error says so
         except Exception:
             return  # unknown session: the engine's own error says so
         used = self.standing_questions(tenant)
