@@ -123,6 +123,11 @@ def test_standing_questions_quota_freed_by_unregister(engine):
         await alice.ok("register", session="b", question=question("q3"))
         stats = await alice.ok("stats")
         assert stats["standing_questions"] == 2 and stats["quota"]["use"]["standing_questions"] == 2
+        assert {s["name"]: s["standing_questions"] for s in stats["sessions"]} == {"a": ["q1"], "b": ["q3"]}
+        carol_stats = await carol.ok("stats")
+        assert [(s["name"], s["standing_questions"]) for s in carol_stats["sessions"]] == [("a", ["c0", "c1", "c2"])]
+        assert carol_stats["quota"] == {"limits": {}, "use": {"sessions": 1, "standing_questions": 3,
+                                                              "connections": 1}}
         await alice.ok("close", session="a")  # closing a session frees its questions too
         await alice.ok("register", session="b", question=question("q4"))
         for w, names in ((alice, ("b",)), (carol, ("a",))):
@@ -147,7 +152,10 @@ def test_connections_quota_refused_at_hello_and_bearer(engine):
             await bearer.recv()
         bob = await Wire.hello(server, "tok-b")  # another tenant is not counted against alice
         await first.ws.close()
-        await asyncio.sleep(0.2)  # the server drops the closed connection
+        for _ in range(200):  # until the server has dropped the closed connection
+            if sum(1 for c in server.conns if c.tenant is not None and c.tenant.name == "alice") == 0:
+                break
+            await asyncio.sleep(0.01)
         again = await Wire.hello(server, "tok-a")
         assert (await again.ok("stats"))["server"]["connections"] == 1
         await again.ws.close()

@@ -197,8 +197,10 @@ class WebSocketApp:
         if len(lines) > p.MAX_LINES_PER_PUSH:
             raise ProtocolError(p.TOO_LARGE, f"push: {len(lines)} lines, over the limit of {p.MAX_LINES_PER_PUSH}")
         name = _ename(conn, session)
-        self.engine.session_info(name)  # unknown session: its own error, and no quota spent
-        self.server.quotas.take_push(conn.tenant.name, len(lines))  # type: ignore[union-attr]
+        quotas, tenant = self.server.quotas, conn.tenant.name  # type: ignore[union-attr]
+        if quotas.quota(tenant).push_lines_per_s is not None:
+            self.engine.session_info(name)  # unknown session: its own error, and no quota spent
+            quotas.take_push(tenant, len(lines))
         ack = await asyncio.to_thread(self.engine.push, name, lines)  # may fsync the ingest log
         self.server.bars.record(name, lines)
         self.metrics.lines_pushed.inc(ack.lines)
@@ -330,7 +332,9 @@ class WebSocketApp:
         for info in self.engine.list_sessions():
             local = conn.tenant.local_name(info.name)
             if local is not None:
-                mine.append(info_dict(info, local))
+                data = info_dict(info, local)
+                data["standing_questions"] = [q.id for q in self._questions(info.name)]
+                mine.append(data)
         if not self.server.tenants.auth:  # one local tenant: the engine-wide figures are all its own
             return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
                     "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
@@ -340,6 +344,13 @@ class WebSocketApp:
         return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine,
                 "standing_questions": quota["use"]["standing_questions"], "quota": quota,
                 "server": {"connections": own, "outgoing_queued": conn.out.qsize()}}
+
+    def _questions(self, name: str) -> list[Any]:
+        fn = getattr(self.engine, "standing_questions", None)
+        try:
+            return list(fn(name)) if fn is not None else []
+        except Exception:  # closed since it was listed
+            return []
 
     # -- engine events (on the loop, scheduled from the engine thread) -----
     def _on_standing(self, conn: Conn, sub: Subscription, answer: Any) -> None:
