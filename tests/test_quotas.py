@@ -237,3 +237,21 @@ def test_no_quota_means_unlimited_and_local_keeps_engine_stats(engine):
             await asyncio.wait_for(scenario(server), TIMEOUT)
 
     asyncio.run(main())
+
+
+def test_counts_come_from_the_engine_not_the_server(engine):
+    """Sessions the engine already holds (restored at startup, or opened by --config) count at once."""
+    engine.open_session("alice/restored")
+    try:
+        async def scenario(server):
+            alice = await Wire.hello(server, "tok-a")
+            quota_error(await alice.req("open", session="new"), "1 sessions open", "sessions = 1")
+            assert [s["name"] for s in (await alice.ok("stats"))["sessions"]] == ["restored"]
+            await alice.ok("close", session="restored")
+            await alice.ok("open", session="new")
+            await alice.ok("close", session="new")
+
+        run(scenario, engine, {"alice": Quota(sessions=1)})
+    finally:
+        if "alice/restored" in engine.sessions:
+            engine.close_session("alice/restored")
