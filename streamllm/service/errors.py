@@ -9,6 +9,7 @@ from streamllm.config import ConfigError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
 from streamllm.service import protocol as p
+from streamllm.service.quotas import QuotaExceeded
 
 log = logging.getLogger("streamllm.service.server")
 _ENGINE_NAME = re.compile(r"'[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/([A-Za-z0-9.][A-Za-z0-9_.-]{0,63})'")
@@ -16,6 +17,8 @@ _ENGINE_NAME = re.compile(r"'[A-Za-z0-9][A-Za-z0-9_.-]{0,63}/([A-Za-z0-9.][A-Za-
 
 def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
     """(code, message) for an exception raised by the engine or by validation."""
+    if isinstance(exc, QuotaExceeded):
+        return p.QUOTA, str(exc)
     if isinstance(exc, SessionError):
         return p.UNKNOWN_SESSION, client_text(str(exc))
     if isinstance(exc, AdmissionError | KVCapacityError):

@@ -25,10 +25,11 @@ UNAUTHORIZED = "unauthorized"
 FORBIDDEN = "forbidden"
 CAPACITY = "capacity"
 BUSY = "busy"
+QUOTA = "quota"
 CONFIG_ERROR = "config_error"
 INTERNAL = "internal"
 ERROR_CODES = (BAD_JSON, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, UNKNOWN_SESSION, SESSION_EXISTS,
-               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, CONFIG_ERROR, INTERNAL)
+               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, QUOTA, CONFIG_ERROR, INTERNAL)
 
 CLIENT_TYPES = ("hello", "open", "close", "push", "register", "unregister", "ask", "subscribe",
                 "unsubscribe", "stats")

@@ -37,6 +37,7 @@ from streamllm.service.bars import BarBook
 from streamllm.service.connection import Conn
 from streamllm.service.httpauth import EXCEPTION_HANDLERS
 from streamllm.service.metrics import ServerMetrics
+from streamllm.service.quotas import QuotaBook
 from streamllm.service.tenants import Tenants
 from streamllm.service.ws import CLOSE_GOING_AWAY, WebSocketApp
 
@@ -79,6 +80,7 @@ class StreamServer:
         self.engine = engine
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
+        self.quotas = QuotaBook(self.tenants.quotas, engine)  # per-tenant limits, checked by ws.py
         self.metrics = ServerMetrics(engine.stats)
         self.conns: set[Conn] = set()
         self.bars = BarBook()

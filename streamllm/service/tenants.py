@@ -10,6 +10,9 @@ Tokens come from a TOML file and/or `STREAMLLM_TOKENS="tok1=alice,tok2=bob"`:
     [tokens]
     "tok-alice" = "alice"
     "tok-audit" = { tenant = "alice", read_only = true }   # may ask and subscribe only
+
+    [quotas.alice]                                         # optional limits (see quotas.py)
+    sessions = 4
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import hmac
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streamllm.service.protocol import SESSION_NAME
+from streamllm.service.quotas import DEFAULT, Quota, parse_quotas
 
 ENV_VAR = "STREAMLLM_TOKENS"
 LOCAL_TENANT = "local"
@@ -52,6 +56,7 @@ LOCAL = Tenant(LOCAL_TENANT)
 @dataclass(frozen=True, slots=True)
 class Tenants:
     tokens: Mapping[str, Tenant]
+    quotas: Mapping[str, Quota] = field(default_factory=dict)  # tenant or "*" -> limits; none: unlimited
 
     @property
     def auth(self) -> bool:
@@ -81,12 +86,18 @@ class Tenants:
     def load(cls, path: str | Path | None = None, env: str | None = None) -> Tenants:
         """Tokens from `path` (TOML) and from `env` (default: $STREAMLLM_TOKENS); none means no auth."""
         tokens: dict[str, Tenant] = {}
+        quotas: dict[str, Quota] = {}
         if path is not None:
-            _merge(tokens, _from_file(Path(path)), str(path))
+            file_tokens, quotas = _from_file(Path(path))
+            _merge(tokens, file_tokens, str(path))
         env_value = os.environ.get(ENV_VAR, "") if env is None else env
         if env_value.strip():
             _merge(tokens, _from_env(env_value), ENV_VAR)
-        return cls(tokens)
+        known = {t.name for t in tokens.values()}
+        for name in quotas:
+            if name != DEFAULT and name not in known:
+                raise TokenConfigError(f"{path}: quotas.{name}: no token names tenant {name!r}")
+        return cls(tokens, quotas)
 
 
 def _tenant_name(name: Any, where: str) -> str:
@@ -101,16 +112,17 @@ def _check_token(token: str, where: str) -> str:
     return token
 
 
-def _from_file(path: Path) -> dict[str, Tenant]:
+def _from_file(path: Path) -> tuple[dict[str, Tenant], dict[str, Quota]]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenConfigError(f"{path}: cannot read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise TokenConfigError(f"{path}: invalid TOML: {exc}") from None
-    unknown = set(data) - {"tokens"}
+    unknown = set(data) - {"tokens", "quotas"}
     if unknown:
-        raise TokenConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}; expected a [tokens] table")
+        raise TokenConfigError(f"{path}: unknown key {sorted(unknown)[0]!r}; expected [tokens] and [quotas.<tenant>]")
+    quotas = parse_quotas(data["quotas"], str(path), _tenant_name) if "quotas" in data else {}
     table = data.get("tokens")
     if not isinstance(table, dict) or not table:
         raise TokenConfigError(f"{path}: needs a non-empty [tokens] table: \"token\" = \"tenant\"")
@@ -130,7 +142,7 @@ def _from_file(path: Path) -> dict[str, Tenant]:
             out[token] = Tenant(_tenant_name(value.get("tenant"), where), read_only)
         else:
             raise TokenConfigError(f"{where}: expected a tenant name or {{ tenant = ..., read_only = ... }}")
-    return out
+    return out, quotas
 
 
 def _from_env(value: str) -> dict[str, Tenant]:

@@ -29,6 +29,7 @@ from streamllm.service import protocol as p
 from streamllm.service.connection import Conn, Subscription, bridge, close_handles, threadsafe
 from streamllm.service.errors import engine_error
 from streamllm.service.protocol import ProtocolError, Request
+from streamllm.service.quotas import QuotaExceeded
 from streamllm.service.tenants import LOCAL
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ class WebSocketApp:
             return
         await send({"type": "websocket.accept"})
         conn = Conn(send, scope.get("client"), tenant, self.config.max_queue, self.metrics)
+        if tenant is not None and tenants.auth and not self._admit(conn, tenant, None):
+            conn.tenant = None  # refused: everything but the close is `unauthorized`
         self.server.conns.add(conn)
         self.metrics.connections.inc()
         hello_timer = None
@@ -142,11 +145,25 @@ class WebSocketApp:
                 return None
             if conn.tenant is not None and conn.tenant != tenant:
                 raise ProtocolError(p.FORBIDDEN, "this connection already belongs to another tenant")
+            if conn.tenant is None and not self._admit(conn, tenant, req.id):
+                return None
             conn.tenant = tenant
         assert conn.tenant is not None
         return {"type": "welcome", "protocol": PROTOCOL_VERSION, "tenant": conn.tenant.name,
                 "read_only": conn.tenant.read_only, "auth": tenants.auth, "model": self.engine.model_name,
                 "max_message_bytes": self.config.max_message_bytes, "max_queue": self.config.max_queue}
+
+    def _admit(self, conn: Conn, tenant: Any, req_id: Any) -> bool:
+        """Check the tenant's `connections` quota for a connection about to become its; refuse and close if over."""
+        used = sum(1 for c in self.server.conns if c is not conn and c.tenant is not None and c.tenant.name == tenant.name)
+        try:
+            self.server.quotas.check_connect(tenant.name, used)
+        except QuotaExceeded as exc:
+            self.metrics.errors.labels(p.QUOTA).inc()
+            conn.send(p.error(p.QUOTA, str(exc), req_id))
+            conn.finish(CLOSE_POLICY, "connection quota")
+            return False
+        return True
 
     async def _open(self, conn: Conn, req: Request) -> dict:
         session = req.session()
@@ -154,8 +171,12 @@ class WebSocketApp:
         system = req.field("system", str, "a system prompt string", None)
         if system is not None:
             kw["system"] = system
+        assert conn.tenant is not None
+        quotas = self.server.quotas
         try:
-            info = await asyncio.to_thread(self.engine.open_session, _ename(conn, session), **kw)
+            async with quotas.lock(conn.tenant.name):  # check and open as one step per tenant
+                quotas.check_open(conn.tenant.name)
+                info = await asyncio.to_thread(self.engine.open_session, _ename(conn, session), **kw)
         except SessionError:
             raise ProtocolError(p.SESSION_EXISTS, f"session {session!r} is already open") from None
         return {"type": "ok", "session": session, "info": info_dict(info, session)}
@@ -176,6 +197,10 @@ class WebSocketApp:
         if len(lines) > p.MAX_LINES_PER_PUSH:
             raise ProtocolError(p.TOO_LARGE, f"push: {len(lines)} lines, over the limit of {p.MAX_LINES_PER_PUSH}")
         name = _ename(conn, session)
+        quotas, tenant = self.server.quotas, conn.tenant.name  # type: ignore[union-attr]
+        if quotas.quota(tenant).push_lines_per_s is not None:
+            self.engine.session_info(name)  # unknown session: its own error, and no quota spent
+            quotas.take_push(tenant, len(lines))
         ack = await asyncio.to_thread(self.engine.push, name, lines)  # may fsync the ingest log
         self.server.bars.record(name, lines)
         self.metrics.lines_pushed.inc(ack.lines)
@@ -186,7 +211,11 @@ class WebSocketApp:
         session = req.session()
         spec = parse_question(req.field("question", dict, "a question object (id, text, choices, ...)"),
                               source="register", key_path="question")
-        await asyncio.to_thread(self._require("register"), _ename(conn, session), spec)
+        assert conn.tenant is not None
+        quotas = self.server.quotas
+        async with quotas.lock(conn.tenant.name):
+            quotas.check_register(conn.tenant.name, _ename(conn, session), spec.id)
+            await asyncio.to_thread(self._require("register"), _ename(conn, session), spec)
         return {"type": "ok", "session": session, "question_id": spec.id}
 
     async def _unregister(self, conn: Conn, req: Request) -> dict:
@@ -303,9 +332,25 @@ class WebSocketApp:
         for info in self.engine.list_sessions():
             local = conn.tenant.local_name(info.name)
             if local is not None:
-                mine.append(info_dict(info, local))
-        return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
-                "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
+                data = info_dict(info, local)
+                data["standing_questions"] = [q.id for q in self._questions(info.name)]
+                mine.append(data)
+        if not self.server.tenants.auth:  # one local tenant: the engine-wide figures are all its own
+            return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
+                    "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
+        # With tenants, nothing global: another tenant's load, sessions or counters are not this one's business.
+        own = sum(1 for c in self.server.conns if c.tenant is not None and c.tenant.name == conn.tenant.name)
+        quota = self.server.quotas.use(conn.tenant.name, own)
+        return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine,
+                "standing_questions": quota["use"]["standing_questions"], "quota": quota,
+                "server": {"connections": own, "outgoing_queued": conn.out.qsize()}}
+
+    def _questions(self, name: str) -> list[Any]:
+        fn = getattr(self.engine, "standing_questions", None)
+        try:
+            return list(fn(name)) if fn is not None else []
+        except Exception:  # closed since it was listed
+            return []
 
     # -- engine events (on the loop, scheduled from the engine thread) -----
     def _on_standing(self, conn: Conn, sub: Subscription, answer: Any) -> None:
