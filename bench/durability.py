@@ -55,7 +55,7 @@ def power_loss(loaded: Any, work: Path, pushes: int = 60) -> dict[str, float]:
 
 def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, float]:
     from streamllm.durability.ingest_log import IngestLog
-    from streamllm.durability.recovery import push_when_room, recover
+    from streamllm.durability.recovery import recover
     from streamllm.engine import Engine
 
     # A minute of bars already fills the context (compaction from then on): a session's size is
@@ -71,7 +71,7 @@ def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, 
     tail = every // 2  # the crash comes half a checkpoint interval after the last one could have run
     t0 = time.perf_counter()
     for v in range(1, seconds - tail + 1):
-        push_when_room(eng, "s", _bar(v))
+        eng.push("s", _bar(v))
     eng.wait_idle()
     deadline = time.monotonic() + 60
     while log.checkpointer and seconds - tail - log.checkpointer.last.get("s", (0, 0))[0] >= every \
@@ -80,7 +80,7 @@ def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, 
     if log.checkpointer:
         log.checkpointer.stop()
     for v in range(seconds - tail + 1, seconds + 1):
-        push_when_room(eng, "s", _bar(v))
+        eng.push("s", _bar(v))
     eng.wait_idle()
     fill_s = time.perf_counter() - t0
     eng.shutdown()

@@ -259,7 +259,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     from bench.common import market_lines
     from streamllm.config import parse_question
     from streamllm.durability.ingest_log import IngestLog
-    from streamllm.durability.recovery import push_when_room, recover
+    from streamllm.durability.recovery import recover
     from streamllm.engine import Engine
     from streamllm.model import load_model
 
@@ -273,7 +273,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     pushed = 0
     while pushed < lines:
         batch = [next(source) for _ in range(8)]
-        push_when_room(eng, "s", batch)
+        eng.push("s", batch)
         pushed += len(batch)
     eng.wait_idle()
     tokens = eng.session_info("s").num_tokens

@@ -18,7 +18,6 @@ from websockets.asyncio.server import ServerConnection
 
 from feeds.adapters import FeedAdapter
 from feeds.server import ReplayServer
-from streamllm.durability.recovery import push_when_room
 from streamllm.engine import Engine
 
 CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot" / "btcusdt_20240808.gz"
@@ -93,7 +92,7 @@ async def run_feed(server: ReplayServer, engine: Engine, session: str, *, idle_t
 
         def flush() -> None:  # one summary line per 20 events, like a bar
             kinds = sorted(set(batch))
-            push_when_room(engine, session, [f"{len(batch)} events: {' '.join(kinds)}"])
+            engine.push(session, [f"{len(batch)} events: {' '.join(kinds)}"])
             batch.clear()
 
         async def consume() -> None:

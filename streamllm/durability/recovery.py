@@ -31,10 +31,8 @@ from streamllm.durability.checkpoint import snapshot_files, start_checkpoints
 from streamllm.durability.ingest_log import IngestLog, Record
 from streamllm.durability.log_reader import SessionLog, read_session, session_folders
 from streamllm.durability.snapshot import SnapshotError, load_snapshot, restore_loaded
-from streamllm.engine.kv import KVCapacityError
 
 log = logging.getLogger("streamllm.durability.recovery")
-CAPACITY_RETRIES = 50
 
 
 @dataclass(slots=True)
@@ -170,21 +168,11 @@ def _apply(engine: Any, name: str, rec: Record, report: RecoveryReport) -> None:
             engine.unregister(name, rec.meta["id"])
             report.questions -= 1
     elif rec.kind == "push":
-        ack = push_when_room(engine, name, rec.lines)
+        ack = engine.push(name, rec.lines)
         report.batches += 1
         report.lines += len(rec.lines)
         if ack.data_version != rec.data_version:
             report.version_mismatches += 1
 
 
-def push_when_room(engine: Any, name: str, lines: list[str]) -> Any:
-    """Replay pushes faster than compaction: past the budget, let the engine catch up and retry."""
-    for _ in range(CAPACITY_RETRIES):
-        try:
-            return engine.push(name, lines)
-        except KVCapacityError:
-            engine.wait_idle(timeout=5)
-    return engine.push(name, lines)
-
-
-__all__ = ["RecoveryReport", "SessionLog", "push_when_room", "recover"]
+__all__ = ["RecoveryReport", "SessionLog", "recover"]
