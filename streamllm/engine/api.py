@@ -255,16 +255,16 @@ class Engine:
         h = self._handle(name)
         h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
         self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
-        record = self.core.records.get(name)
-        done = record.info.lines_ingested if record is not None else 0
-        return PushAck(name, version, max(h.lines_pushed - done, len(lines)), len(lines))
+        return PushAck(name, version, max(self._backlog(name, h), len(lines)), len(lines))
 
     def backlog(self, name: str) -> int:
         """Lines accepted but not yet ingested (from the last published record)."""
         with self._lock:
-            h = self._handle(name)
-            record = self.core.records.get(name)
-            return max(0, h.lines_pushed - (record.info.lines_ingested if record else 0))
+            return self._backlog(name, self._handle(name))
+
+    def _backlog(self, name: str, h: _Handle) -> int:
+        record = self.core.records.get(name)
+        return max(0, h.lines_pushed - (record.info.lines_ingested if record else 0))
 
     def session_info(self, name: str) -> SessionInfo:
         with self._lock:

@@ -141,8 +141,9 @@ class Prepositioner:
 
     def jobs(self) -> list[Branch]:
         """Entries computing and standing-answer decodes (their class follows from waiters)."""
-        out = [st.computing for st in self.all() if st.computing is not None]
-        return out + [st.decoding for st in self.all() if st.decoding is not None]
+        standing = self.all()
+        return ([st.computing for st in standing if st.computing is not None]
+                + [st.decoding for st in standing if st.decoding is not None])
 
     def wants_hidden(self, seq: object) -> bool:
         """An entry whose question has a choice head needs the hidden state of its last row."""

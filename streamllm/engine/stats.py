@@ -9,11 +9,12 @@ from streamllm.engine.sequence import BACKGROUND
 
 def core_counters(core: Any) -> dict[str, float]:
     m, sched = core.store.manager, core.scheduler.stats
+    standing = core.prepos.all()  # once: this runs every turn of the core's loop
     jobs = core.prepos.jobs()
     return {
         "sessions": len(core.sessions),
-        "standing_questions": sum(len(q) for q in core.prepos.by_session.values()),
-        "questions_waiting": len(core.waiting) + sum(len(st.waiters) for st in core.prepos.all()),
+        "standing_questions": len(standing),
+        "questions_waiting": len(core.waiting) + sum(len(st.waiters) for st in standing),
         "questions_running": len(core.running),
         "queue_background": sum(1 for j in jobs if j.sched_class == BACKGROUND),
         "ingest_backlog_tokens": sum(s.pending_tokens for s in core.sessions.values()),
@@ -32,7 +33,7 @@ def core_counters(core: Any) -> dict[str, float]:
         "forward_calls": core.runner.forward_calls,
         "tokens_computed": core.runner.tokens_computed,
         "questions_answered": core.questions_answered,
-        "entries_computed": sum(st.entries_computed for st in core.prepos.all()),
+        "entries_computed": sum(st.entries_computed for st in standing),
         "entries_evicted": core.prepos.entries_evicted,
         "entry_tokens": core.prepos.entry_tokens,
         "admissions_refused": core.admissions_refused,
