@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import threading
 
 import pytest
 
@@ -18,3 +21,33 @@ from streamllm.model import LoadedModel, load_model
 def tiny_model() -> LoadedModel:
     """Shared across tests: treat its tensors and tokenizer as read-only."""
     return load_model("tiny", progress=False)
+
+
+@contextlib.contextmanager
+def serving_in_thread(server):
+    """A StreamServer on its own event loop in a thread, so blocking clients can run in the test
+    thread; closed (and its loop stopped) on exit."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.start())
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    assert ready.wait(30), "the server did not start"
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def serve_in_thread():
+    """serving_in_thread, for module-scoped server fixtures: `with serve_in_thread(server): ...`."""
+    return serving_in_thread

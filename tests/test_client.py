@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -26,28 +25,15 @@ needs_standing = pytest.mark.skipif(not hasattr(Engine, "register"), reason="eng
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model):
+def served(tiny_model, serve_in_thread):
     """A server on its own loop in a thread, so blocking clients can run in the test thread."""
     engine = Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=64)
     tenants = Tenants({"tok-a": Tenant("alice")})
-    loop = asyncio.new_event_loop()
-    server = StreamServer(engine, tenants, ServerConfig(port=0))
-    ready = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    engine.shutdown()
+    try:
+        with serve_in_thread(StreamServer(engine, tenants, ServerConfig(port=0))) as server:
+            yield server
+    finally:
+        engine.shutdown()
 
 
 @needs_standing

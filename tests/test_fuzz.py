@@ -7,11 +7,9 @@ a code or message.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import random
-import threading
 
 import orjson
 import pytest
@@ -118,31 +116,18 @@ def test_config_arbitrary_structures_raise_only_config_errors(value):
 
 
 @pytest.fixture(scope="module")
-def live_server(tiny_model):
+def live_server(tiny_model, serve_in_thread):
     engine = Engine(tiny_model, max_cells=8192, max_context=512)
-    loop = asyncio.new_event_loop()
     server = StreamServer(engine)
     server.config.port = 0
     server.config.max_message_bytes = 4096
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    with connect(server.url, max_size=None) as ws:
-        ws.send(orjson.dumps({"type": "open", "id": 0, "session": "btc"}).decode())
-        assert orjson.loads(ws.recv(10))["type"] == "ok"
-        yield server, ws
-    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    engine.shutdown()
+    try:
+        with serve_in_thread(server), connect(server.url, max_size=None) as ws:
+            ws.send(orjson.dumps({"type": "open", "id": 0, "session": "btc"}).decode())
+            assert orjson.loads(ws.recv(10))["type"] == "ok"
+            yield server, ws
+    finally:
+        engine.shutdown()
 
 
 message_fields = st.fixed_dictionaries(

@@ -28,31 +28,18 @@ NEVER = {"id": "never", "text": "Higher or lower?", "choices": ["higher", "lower
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model):
+def served(tiny_model, serve_in_thread):
     engine = Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64)
     engine.open_session("alice/btc")
     engine.push("alice/btc", LINES[:6])
     for q in (SURE, NEVER):
         engine.register("alice/btc", parse_question(q, source="test", key_path="question"))
-    loop = asyncio.new_event_loop()
-    server = StreamServer(engine, TENANTS, ServerConfig(port=0, max_message_bytes=4096))
-    ready = threading.Event()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.start())
-        ready.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    _wait_standing(engine, "alice/btc", 1)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    engine.shutdown()
+    try:
+        with serve_in_thread(StreamServer(engine, TENANTS, ServerConfig(port=0, max_message_bytes=4096))) as server:
+            _wait_standing(engine, "alice/btc", 1)
+            yield server
+    finally:
+        engine.shutdown()
 
 
 def _wait_standing(engine: Engine, name: str, version: int) -> None:
