@@ -112,8 +112,13 @@ def fill_session(engine, name: str, target_tokens: int, lines: Iterator[str], ba
 
 
 def budget_for(tokens: int, slack: int = 512) -> int:
-    """A session max_context that holds `tokens` without triggering compaction (at 75%)."""
-    return int(tokens / 0.75) + slack
+    """A session max_context that holds `tokens` without triggering compaction.
+
+    Compaction may start as soon as a session holds more than `retain` of its budget (when the
+    measured push rate would fill it, as a fast fill does), so stay at or below `retain`."""
+    from streamllm.engine.compaction import CompactionPolicy
+
+    return int(tokens / CompactionPolicy().retain) + slack
 
 
 def parse_ints(text: str) -> list[int]:
