@@ -33,7 +33,6 @@ from bench.common import median
 from bench.loadgen import AskEvent, poisson_schedule, run_schedule
 from streamllm.config import QueryConfig, QuestionSpec
 from streamllm.engine.gate import Gate
-from streamllm.engine.kv import KVCapacityError
 from streamllm.engine.outputs import PushAck
 from streamllm.market.attach import Attachment, AttachSpec, attach
 
@@ -121,30 +120,19 @@ class TokenSink:
 
 
 class RecordingAttachment(Attachment):
-    """Keeps every closed bar and which bars each data_version holds; stops cleanly when full."""
+    """Keeps every closed bar and which bars each data_version holds."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.bars: list[Any] = []
         self.bars_at_version: dict[int, int] = {0: 0}
-        self.full: str | None = None
-
-    def offer(self, ev: Any) -> None:
-        if self.full is None:
-            super().offer(ev)
 
     def _take_bars(self, closed: list[Any]) -> None:
         self.bars.extend(closed)
         super()._take_bars(closed)
 
     def flush(self) -> Any:
-        if self.full is not None:
-            return None
-        try:
-            ack = super().flush()
-        except KVCapacityError as exc:  # the session is at max_context: stop feeding it
-            self.full = str(exc)
-            return None
+        ack = super().flush()
         if ack is not None:  # a flush pushes every bar closed so far
             self.bars_at_version[ack.data_version] = len(self.bars)
         return ack
@@ -154,10 +142,11 @@ class RecordingAttachment(Attachment):
         return self.bars[: self.bars_at_version[max(known)]]
 
 
-def attachments_for(config: QueryConfig, sink) -> dict[str, RecordingAttachment]:
+def attachments_for(config: QueryConfig, sink, truths: bool = False) -> dict[str, RecordingAttachment]:
+    """truths: pushes carry labelled questions' truths (ours: live calibration, auto thresholds)."""
     return {s.name: RecordingAttachment(sink, AttachSpec(
         session=s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 60),
-        instruments=frozenset({s.instrument}))) for s in config.sessions}
+        instruments=frozenset({s.instrument})), questions=s.questions if truths else ()) for s in config.sessions}
 
 
 def live_schedule(seed: int, standing_rate: float, adhoc_rate: float, window_s: float,
@@ -279,7 +268,7 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
             engine.open_session(s.name, system=s.system_prompt, max_context=s.max_context_tokens)
             for q in s.questions:
                 engine.register(s.name, q)
-    atts = attachments_for(config, sink)
+    atts = attachments_for(config, sink, truths=system == "ours")
     asyncio.run(attach(iter(warm), list(atts.values())))  # the history every system starts from
     warm_lines = sum(a.stats.lines_pushed for a in atts.values())
     every = args.stateless_every if system == "stateless" else 1
@@ -324,9 +313,6 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
     run.lines_pushed = run.lines_total - warm_lines  # the paced part's
     run.events_in = max((a.stats.events_in for a in atts.values()), default=0)  # each sees every event
     run.summary_lines = sum(a.stats.summaries for a in atts.values())
-    for name, att in atts.items():
-        if att.full:
-            run.notes.append(f"{system}: session {name} reached its max_context and stopped taking data")
     return run
 
 

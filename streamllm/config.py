@@ -78,6 +78,14 @@ class QuestionSpec:
     max_tokens: int = DEFAULT_MAX_TOKENS_FREE
     label: LabelSpec | None = None  # True -> choices[0], False -> choices[1]
     push: bool = True
+    # threshold = "auto:P": the engine sets the threshold live from labelled answers to reach
+    # precision P (engine/calibration.py); `threshold` is then inf (closed) until there is evidence.
+    target_precision: float | None = None
+
+    @property
+    def threshold_text(self) -> float | str:
+        """The threshold as a config writes it (a number, or "auto:P")."""
+        return self.threshold if self.target_precision is None else f"auto:{self.target_precision:g}"
 
     @property
     def normalized_text(self) -> str:
@@ -331,14 +339,34 @@ class _Reader:
         question_id = self.name(table, path, "id")
         text = self.text(table, path, "text")
         choices = self.choices(table, path)
-        threshold = float(self.get(table, path, "threshold", (int, float), "a number", DEFAULT_THRESHOLD))
-        if not math.isfinite(threshold) or threshold < 0:
-            raise self.fail(_join(path, "threshold"), f"must be a finite logit gap >= 0, got {threshold}")
+        threshold, target = self.threshold(table, path)
         default_tokens = DEFAULT_MAX_TOKENS_CHOICES if choices else DEFAULT_MAX_TOKENS_FREE
         max_tokens = self.integer(table, path, "max_tokens", default_tokens, 1)
         label = self.label(table, path, choices)
         push = self.get(table, path, "push", (bool,), "true or false", True)
-        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push)
+        if target is not None and label is None:
+            raise self.fail(_join(path, "threshold"), "auto thresholds learn from the label: give the question "
+                                                      "a `label` (see docs/questions.md) or a number")
+        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push, target)
+
+    def threshold(self, table: Mapping[str, Any], path: str) -> tuple[float, float | None]:
+        """(threshold, target precision): a logit gap >= 0, or "auto:P" with 0.5 <= P < 1 (closed: inf)."""
+        key = _join(path, "threshold")
+        value = self.get(table, path, "threshold", (int, float, str), 'a number or "auto:P"', DEFAULT_THRESHOLD)
+        if isinstance(value, str):
+            kind, _, target = value.partition(":")
+            try:
+                precision = float(target)
+            except ValueError:
+                precision = math.nan
+            if kind.strip() != "auto" or not 0.5 <= precision < 1:
+                raise self.fail(key, f'expected a number or "auto:P" with 0.5 <= P < 1 (e.g. "auto:0.9"), '
+                                     f"got {value!r}")
+            return math.inf, precision
+        threshold = float(value)
+        if not math.isfinite(threshold) or threshold < 0:
+            raise self.fail(key, f"must be a finite logit gap >= 0, got {threshold}")
+        return threshold, None
 
     def choices(self, table: Mapping[str, Any], path: str) -> tuple[str, ...]:
         key = _join(path, "choices")

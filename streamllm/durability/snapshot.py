@@ -63,7 +63,7 @@ class SnapshotInfo:
 
 def question_dict(spec: QuestionSpec) -> dict[str, Any]:
     """A standing question in the form `parse_question` reads back (logs, snapshots)."""
-    out: dict[str, Any] = {"id": spec.id, "text": spec.text, "threshold": spec.threshold,
+    out: dict[str, Any] = {"id": spec.id, "text": spec.text, "threshold": spec.threshold_text,
                            "max_tokens": spec.max_tokens, "push": spec.push}
     if spec.choices:
         out["choices"] = list(spec.choices)

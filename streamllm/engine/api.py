@@ -78,6 +78,17 @@ class _Handle:
     lines_pushed: int
 
 
+@dataclass(slots=True)
+class _Batch:
+    """A push on its way from the caller to the core."""
+
+    lines: list[str]
+    ids_per_line: list[list[int]]
+    new_tokens: int
+    source: tuple[str, int] | None
+    truths: dict[str, str] | None
+
+
 class Engine:
     def __init__(
         self,
@@ -208,36 +219,55 @@ class Engine:
                 self.ingest_log.record_close(name)
             self.last_asked.pop(name, None)
 
-    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None) -> PushAck:
+    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
+             truths: dict[str, str] | None = None) -> PushAck:
         """Accept a batch of lines; returns at once with the data_version it will become.
 
         source: (feed id, feed position after this batch), logged with it; with an ingest log a
-        batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds)."""
+        batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds).
+        truths: question id -> the right choice on the data as of this batch, for labelled standing
+        questions: their answers at this version are scored (live calibration), never answered from."""
         lines = validate_lines(lines)
         if not lines:
             raise ValueError("push at least one line")
+        truths = (self._check_truths(name, truths) or None) if truths else None
         ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
-        new_tokens = sum(len(ids) for ids in ids_per_line)
+        batch = _Batch(lines, ids_per_line, sum(len(ids) for ids in ids_per_line), source, truths)
         while True:  # an eviction that slips in between: restore the session and start again
             self._ensure_resident(name)
-            ack = self._push_resident(name, lines, ids_per_line, new_tokens, source)
+            ack = self._push_resident(name, batch)
             if ack is not None:
                 return ack
 
-    def _push_resident(self, name: str, lines: list[str], ids_per_line, new_tokens: int,
-                       source: tuple[str, int] | None) -> PushAck | None:
+    def _check_truths(self, name: str, truths: dict[str, str]) -> dict[str, str]:
+        """Truths for questions the session does not have (unregistered meanwhile) are dropped: a
+        feed must not stall over them. A choice the question does not offer is an error."""
+        if not isinstance(truths, dict):
+            raise ValueError(f"truths must map question ids to choices, got {type(truths).__name__}")
+        record = self.core.records.get(name)
+        specs = {q.id: q for q in record.questions} if record is not None else {}
+        kept = {}
+        for question_id, choice in truths.items():
+            spec = specs.get(question_id)
+            if spec is not None and choice not in spec.choices:
+                raise ValueError(f"truths[{question_id!r}]: {choice!r} is not one of its choices {list(spec.choices)}")
+            if spec is not None:
+                kept[question_id] = choice
+        return kept
+
+    def _push_resident(self, name: str, batch: _Batch) -> PushAck | None:
         """None: the session was evicted meanwhile (the caller restores it and tries again)."""
         with self._log_lock(name):  # with a log: version order == log order == inbox order
             if self.ingest_log is None:  # one critical section: assign, enqueue, ack
                 with self._lock:
-                    return None if name in self._evicted else self._enqueue(name, lines, ids_per_line, new_tokens)
+                    return None if name in self._evicted else self._enqueue(name, batch)
             with self._lock:  # (evict_session also takes the log lock: no eviction between the blocks)
                 if name in self._evicted:
                     return None
-                version = self._next_version(name, new_tokens)
-            self.ingest_log.record_push(name, version, lines, source)  # on disk before the ack
+                version = self._next_version(name, batch.new_tokens)
+            self.ingest_log.record_push(name, version, batch.lines, batch.source)  # on disk before the ack
             with self._lock:
-                return self._enqueue(name, lines, ids_per_line, new_tokens, version)
+                return self._enqueue(name, batch, version)
 
     def _next_version(self, name: str, new_tokens: int) -> int:
         """Under self._lock: the version the batch will get, or a clear refusal."""
@@ -248,14 +278,13 @@ class Engine:
                              f"({room} data tokens); push it in smaller batches")
         return h.pushed_version + 1
 
-    def _enqueue(self, name: str, lines: list[str], ids_per_line, new_tokens: int,
-                 version: int | None = None) -> PushAck:
+    def _enqueue(self, name: str, batch: _Batch, version: int | None = None) -> PushAck:
         """Under self._lock: record the ack and hand the batch to the core (inbox order = version order)."""
-        version = version if version is not None else self._next_version(name, new_tokens)
+        version = version if version is not None else self._next_version(name, batch.new_tokens)
         h = self._handle(name)
-        h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(lines)
-        self.core.submit(Push(name, ids_per_line, version)).add_done_callback(_log_failure)
-        return PushAck(name, version, max(self._backlog(name, h), len(lines)), len(lines))
+        h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(batch.lines)
+        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths)).add_done_callback(_log_failure)
+        return PushAck(name, version, max(self._backlog(name, h), len(batch.lines)), len(batch.lines))
 
     def backlog(self, name: str) -> int:
         """Lines accepted but not yet ingested (from the last published record)."""
@@ -305,6 +334,16 @@ class Engine:
         self._known(name)
         record = self.core.records.get(name)
         return list(record.standing) if record else []
+
+    def calibration(self) -> dict[str, dict[str, dict]]:
+        """Live figures of labelled standing questions, {session: {question_id: summary}}
+        (engine/calibration.py), as of their latest answers."""
+        out: dict[str, dict[str, dict]] = {}
+        for name, record in list(self.core.records.items()):
+            scored = {a.question_id: a.calibration for a in record.standing if a.calibration}
+            if scored:
+                out[name] = scored
+        return out
 
     def standing_questions(self, name: str) -> list[QuestionSpec]:
         self._known(name)

@@ -48,6 +48,7 @@ class Push(Command):
     name: str
     ids_per_line: list[list[int]]
     version: int  # the version the facade acked; the core checks it agrees
+    truths: dict[str, str] | None = None  # question id -> right choice at this version (live calibration)
 
 
 @dataclass(slots=True, eq=False)

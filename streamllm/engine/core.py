@@ -246,6 +246,8 @@ class EngineCore(Answering):
         version = session.append_batch(cmd.ids_per_line, time.monotonic())
         if version != cmd.version:  # the facade assigns versions in inbox order: a mismatch is a bug
             raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
+        if cmd.truths:
+            self.prepos.expect(cmd.name, version, cmd.truths)
         self._maybe_compact(session)
         self._dirty.add(cmd.name)
         return version

@@ -16,7 +16,9 @@ time; `decide` is one gather (or one topk) on the logits plus a few Python float
 A question with a choice head (`streamllm tune`, streamllm/model/adapter.py) decides
 from the head instead: choice logits = W h + b over the decision point's final normed
 hidden state h, gap = best minus second-best choice logit, threshold = the head's
-calibrated one (the config's threshold is for the LM's own logits).
+calibrated one (the config's threshold is for the LM's own logits), unless the config
+says `threshold = "auto:P"`: then the engine sets it live from scored answers
+(engine/calibration.py), for a head's gaps or the LM's alike.
 """
 
 from __future__ import annotations
@@ -84,12 +86,14 @@ class Gate:
     candidate_list: tuple[int, ...]  # candidate_ids as Python ints
     tokenizer: Any
     head: Any = None  # streamllm.model.adapter.ChoiceHead, when an adapter trained one for this question
+    auto: bool = False  # threshold = "auto:P": `threshold` is set live (engine/calibration.py), head or not
 
     @classmethod
     def for_question(cls, spec: QuestionLike, tokenizer: Any) -> Gate:
         choices = tuple(spec.choices or ())
+        auto = getattr(spec, "target_precision", None) is not None
         if not choices:
-            return cls(spec.id, float(spec.threshold), (), None, (), (), tokenizer)
+            return cls(spec.id, float(spec.threshold), (), None, (), (), tokenizer, auto=auto)
         owner_of: dict[int, int] = {}
         for index, choice in enumerate(choices):
             candidates = candidate_first_tokens(tokenizer, choice)
@@ -113,6 +117,7 @@ class Gate:
             tuple(owner_of.values()),
             ids,
             tokenizer,
+            auto=auto,
         )
 
     def candidates(self, choice: str) -> tuple[int, ...]:
@@ -149,7 +154,13 @@ class Gate:
         # The token that starts the chosen answer, should the engine decode on from the entry.
         candidates = self.candidates(self.choices[winner])
         token_id = max(candidates, key=lambda t: float(logits[t]))
-        return GateDecision(gap >= self.head.threshold, self.choices[winner], token_id, gap, _softmax(self.choices, scores))
+        threshold = self.threshold if self.auto else self.head.threshold
+        return GateDecision(gap >= threshold, self.choices[winner], token_id, gap, _softmax(self.choices, scores))
+
+    @property
+    def effective_threshold(self) -> float:
+        """The gap the gate fires at now (a head's calibrated one unless the threshold is live)."""
+        return self.head.threshold if self.head is not None and not self.auto else self.threshold
 
 
 def _softmax(choices: Sequence[str], scores: Sequence[float]) -> dict[str, float]:

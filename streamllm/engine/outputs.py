@@ -78,6 +78,7 @@ class StandingAnswer:
     data_version: int
     updated_at: float = field(default_factory=time.time)
     choices: dict[str, float] | None = None
+    calibration: dict | None = None  # live figures of a labelled question (engine/calibration.py)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamllm.config import QuestionSpec, normalize_question
+from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.gate import Gate, GateDecision
 from streamllm.engine.kv import KVCapacityError, KVStore
 from streamllm.engine.outputs import ReadyRecord, StandingAnswer
@@ -43,6 +44,7 @@ class Standing:
     ready_hidden: torch.Tensor | None = None  # final normed hidden state at `ready`'s decision point (heads only)
     waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
+    calibration: LiveCalibration = field(default_factory=LiveCalibration)  # answers scored against labels
 
     @property
     def ready_logits(self) -> torch.Tensor | None:
@@ -70,7 +72,8 @@ class Prepositioner:
         questions = self.by_session.setdefault(session.name, {})
         if spec.id in questions:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
-        st = Standing(session, spec, gate, list(prompt_ids))
+        st = Standing(session, spec, gate, list(prompt_ids),
+                      calibration=LiveCalibration(spec.target_precision))
         questions[spec.id] = st
         return st
 
@@ -162,8 +165,25 @@ class Prepositioner:
         st.ready_hidden = None if hidden is None else hidden.clone()
         st.entries_computed += 1
         st.record = self._record(st)
+        self._score(st)
         return st
 
+    def expect(self, session: str, version: int, truths: dict[str, str]) -> None:
+        """Truths sent with the push that makes `version` (question id -> the right choice there)."""
+        questions = self.by_session.get(session, {})
+        for question_id, choice in truths.items():
+            st = questions.get(question_id)
+            if st is not None and st.spec.choices:  # unregistered meanwhile: nothing to score
+                st.calibration.expect(version, choice)
+
+    def _score(self, st: Standing) -> None:
+        """Score the new ready answer against its version's truth; a live threshold follows the evidence."""
+        rec, cal = st.record, st.calibration
+        if not st.spec.choices or not cal.score(rec.data_version, rec.text, rec.confidence, rec.fired,
+                                                st.gate.effective_threshold):
+            return
+        if st.gate.auto and st.gate.threshold != cal.threshold:
+            st.gate.threshold = cal.threshold  # the next decision uses it
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)
         final = bool(st.spec.choices) or (d.fired and (st.spec.max_tokens == 1 or d.token_id in self.eos_ids))
@@ -217,7 +237,9 @@ class Prepositioner:
                    choices: dict[str, float] | None = None) -> StandingAnswer | None:
         """Record the standing answer; returns it when it changed (what subscribers hear)."""
         previous = st.answer
-        st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version, choices=choices)
+        summary = st.calibration.summary
+        st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version, choices=choices,
+                                   calibration=None if summary is None else summary.to_dict())
         if previous is not None and previous.text == text:
             return None
         return st.answer

@@ -32,6 +32,7 @@ replayed. Keys assume one instrument per attachment in bars mode (what `serve` b
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -107,12 +108,20 @@ class Attachment:
     feed_id: str | None = None  # set: batches carry (feed_id, position) for exactly-once delivery
     resume_from: int | None = None  # lines with a key up to this were delivered before a restart
     _seen: int = 0  # feed events offered so far (the next event's index)
+    # Labelled standing questions (config QuestionSpec): each push carries their truths on the bars
+    # it completes, so the engine scores its answers live (engine/calibration.py). Needs bars: bars
+    # mode, or bar files replayed one line per bar.
+    questions: tuple[Any, ...] = ()
+    _recent: deque | None = None  # the last bars the labels need
 
     def __post_init__(self) -> None:
         if self.renderer is None:
             self.renderer = Renderer(with_symbol=self.spec.with_symbol)
         if self.spec.mode == "bars":
             self._agg = BarAggregator(self.spec.bar_s)
+        self.questions = tuple(q for q in self.questions if q.label is not None and q.choices)
+        if self.questions:
+            self._recent = deque(maxlen=max(q.label.bars_needed for q in self.questions))
 
     # --- in ---
     def offer(self, ev: Any) -> None:
@@ -124,9 +133,13 @@ class Attachment:
             self.stats.ignored += 1
             return
         if self._agg is None:
+            if self._recent is not None and type(ev) is Bar:  # a bar file replayed one line per bar
+                self._recent.append(ev)
             self._add(_Item(1, key=index, event=ev))
             return
         if type(ev) is Bar:  # a table of ready-made bars: each is already a bar line
+            if self._recent is not None:
+                self._recent.append(ev)
             self._pending.append(_Item(1, bar=ev))
             return
         if type(ev) is not Trade:
@@ -147,6 +160,8 @@ class Attachment:
 
     def _take_bars(self, closed: list[Bar]) -> None:
         for bar in closed:
+            if self._recent is not None:
+                self._recent.append(bar)
             n = bar.trades if bar.trades > 0 else 0
             self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
             self._add(_Item(n, key=bar.ts_open, bar=bar))
@@ -170,11 +185,12 @@ class Attachment:
                 self._coalesce()
             return None
         lines = [self._line(item) for item in self._pending]
+        kw = {"truths": truths} if (truths := self.truths()) else {}
         if self.feed_id is None:
-            ack = self.sink.push(self.spec.session, lines)  # raises: pending kept for the next try
+            ack = self.sink.push(self.spec.session, lines, **kw)  # raises: pending kept for the next try
         else:
             try:
-                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self._pending[-1].key))
+                ack = self.sink.push(self.spec.session, lines, source=(self.feed_id, self._pending[-1].key), **kw)
             except DuplicateBatch:  # delivered before a restart: the log has it already
                 self.stats.duplicates += 1
                 self._pending.clear()
@@ -187,6 +203,18 @@ class Attachment:
         self._pending.clear()
         self.last_ack = ack
         return ack
+
+    def truths(self) -> dict[str, str]:
+        """Each labelled question's right choice on the bars taken so far (what a flush completes)."""
+        if not self._recent:
+            return {}
+        bars = list(self._recent)
+        out = {}
+        for q in self.questions:
+            truth = q.expected_answer(bars)  # the judge of the engine's answers, never sent as one
+            if truth is not None:
+                out[q.id] = truth
+        return out
 
     def _line(self, item: _Item) -> str:
         if item.line is not None:

@@ -31,7 +31,6 @@ from streamllm.engine.gate import (
     risk_coverage,
     threshold_for_precision,
 )
-from streamllm.engine.kv import KVCapacityError
 
 DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
 ESTIMATE_AFTER = 5  # updates timed before the run-time estimate is printed
@@ -89,7 +88,6 @@ class CalibrationRun:
     context_tokens: int
     seconds: float
     records: list[QuestionRecord]
-    stopped: str | None = None  # why the replay ended early, if it did
 
 
 def gate_at(gaps: Sequence[float], correct: Sequence[bool], threshold: float) -> tuple[float, float | None, int]:
@@ -154,11 +152,7 @@ def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[
     t_first = time.perf_counter()
     try:
         for i in range(warmup, len(bars)):
-            try:
-                ack = engine.push(spec.name, [lines[i]])
-            except KVCapacityError as exc:
-                run.stopped = f"stopped after {i} bars: {exc}"
-                break
+            ack = engine.push(spec.name, [lines[i]])
             engine.wait_idle()
             window = bars[max(0, i + 1 - history): i + 1]
             for record in records:
@@ -199,7 +193,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
     """Flat `question.metric` pairs plus the curves under `curves` (null where undefined)."""
     out: dict[str, Any] = dict(meta)
     out.update(session=run.session, model=run.model, bars=run.bars, warmup=run.warmup, updates=run.updates,
-               context_tokens=run.context_tokens, seconds=round(run.seconds, 2), stopped=run.stopped)
+               context_tokens=run.context_tokens, seconds=round(run.seconds, 2))
     curves: dict[str, dict[str, list[float]]] = {}
     for r in reports:
         for key in ("samples", "unknown", "fired", "majority", "top_answer"):
@@ -420,8 +414,6 @@ def cli_main(argv: list[str]) -> int:
     except (CalibrationError, ConfigError, GateError) as exc:
         print(f"streamllm calibrate: error: {exc}", file=sys.stderr)
         return 2
-    if run.stopped:
-        print(run.stopped, file=sys.stderr)
     print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup) in {run.seconds:.0f}s, "
           f"model {run.model}, target precision {args.target_precision:g}")
     print(table(reports, args.target_precision))

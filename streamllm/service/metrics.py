@@ -27,8 +27,29 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(f"streamllm_engine_{key}", f"engine.stats()[{key!r}]", value=value)
 
 
+class _CalibrationCollector(Collector):
+    """Live precision / coverage / accuracy / threshold per labelled standing question."""
+
+    FIGURES = ("precision", "coverage", "accuracy", "threshold", "samples")
+
+    def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]]) -> None:
+        self._calibration = calibration
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {f: GaugeMetricFamily(f"streamllm_question_{f}", f"live calibration: {f} over the rolling "
+                                         "window of scored standing answers", labels=["session", "question"])
+                    for f in self.FIGURES}
+        for session, questions in self._calibration().items():
+            for question_id, figures in questions.items():
+                for f in self.FIGURES:
+                    if figures.get(f) is not None:
+                        families[f].add_metric([session, question_id], figures[f])
+        yield from families.values()
+
+
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]],
+                 calibration: Callable[[], dict[str, dict[str, dict]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.connections = Gauge("streamllm_connections", "open websocket connections", registry=r)
@@ -43,6 +64,8 @@ class ServerMetrics:
                                         "connections cut because their outgoing queue filled", registry=r)
         self.lines_pushed = Counter("streamllm_lines_pushed", "data lines accepted by push", registry=r)
         r.register(_EngineCollector(engine_stats))
+        if calibration is not None:  # per-session labels: only where /metrics shows no tenant's names
+            r.register(_CalibrationCollector(calibration))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -81,7 +81,8 @@ class StreamServer:
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
         self.quotas = QuotaBook(self.tenants.quotas, engine)  # per-tenant limits, checked by ws.py
-        self.metrics = ServerMetrics(engine.stats)
+        calibration = getattr(engine, "calibration", None)
+        self.metrics = ServerMetrics(engine.stats, None if self.tenants.auth else calibration)
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health

@@ -201,7 +201,10 @@ class WebSocketApp:
         if quotas.quota(tenant).push_lines_per_s is not None:
             self.engine.session_info(name)  # unknown session: its own error, and no quota spent
             quotas.take_push(tenant, len(lines))
-        ack = await asyncio.to_thread(self.engine.push, name, lines)  # may fsync the ingest log
+        # Labelled questions' right choices on this batch's data: scored against the answers (live calibration).
+        truths = req.field("truths", dict, "an object of question id -> right choice", None)
+        kw = {"truths": truths} if truths else {}
+        ack = await asyncio.to_thread(self.engine.push, name, lines, **kw)  # may fsync the ingest log
         self.server.bars.record(name, lines)
         self.metrics.lines_pushed.inc(ack.lines)
         return {"type": "ok", "session": session, "data_version": ack.data_version,
@@ -329,11 +332,13 @@ class WebSocketApp:
     async def _stats(self, conn: Conn, req: Request) -> dict:
         assert conn.tenant is not None
         mine = []
+        calibration = self.engine.calibration() if hasattr(self.engine, "calibration") else {}
         for info in self.engine.list_sessions():
             local = conn.tenant.local_name(info.name)
             if local is not None:
                 data = info_dict(info, local)
                 data["standing_questions"] = [q.id for q in self._questions(info.name)]
+                data["calibration"] = calibration.get(info.name, {})
                 mine.append(data)
         if not self.server.tenants.auth:  # one local tenant: the engine-wide figures are all its own
             return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),

@@ -1,0 +1,101 @@
+"""Live calibration: each standing answer of a labelled question, scored as it is made.
+
+Whoever feeds a session knows the market it renders; the engine only knows lines. So
+the feeder (market/attach.py, or any client) sends with a batch the *truth* of each
+labelled question on the data as of that batch (`push(..., truths={question_id: choice})`,
+the label computed on the bars the batch completes). When the question's entry for that
+data version is ready, its answer is scored against the truth there:
+
+    sample = (gap, correct, fired)           one per pre-positioned data version
+
+Over a rolling window the engine reports precision (correct among answers the gate
+fired on), coverage (fired / answered) and accuracy (correct / answered). A question
+configured with `threshold = "auto:P"` has its threshold set from the same window: the
+most-covering threshold whose fired samples reach precision P on at least
+MIN_EVIDENCE of them (engine/gate.py `risk_coverage`), or closed (inf) until then.
+
+The truth is the judge, never the answer: nothing on an answer path reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from streamllm.engine.gate import risk_coverage, threshold_for_precision
+
+WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
+MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
+RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
+MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationSummary:
+    """A question's live figures over its window (None where nothing was fired/answered yet)."""
+
+    samples: int  # scored answers in the window
+    scored: int  # scored answers ever
+    precision: float | None  # correct / fired
+    coverage: float | None  # fired / samples
+    accuracy: float | None  # correct / samples
+    threshold: float | None  # the gate's threshold now (None: closed)
+    target: float | None  # the auto target precision, if any
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class LiveCalibration:
+    target: float | None = None  # threshold = "auto:P"
+    window: int = WINDOW
+    min_evidence: int = MIN_EVIDENCE
+    threshold: float = math.inf  # the live threshold while `target` is set (inf: closed)
+    scored: int = 0
+    samples: deque[tuple[float, bool, bool]] = field(default_factory=deque)  # (gap, correct, fired)
+    truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
+    summary: CalibrationSummary | None = None
+
+    def expect(self, version: int, choice: str) -> None:
+        """The truth at `version` (sent with the push that makes it)."""
+        self.truths[version] = choice
+        if len(self.truths) > MAX_PENDING:  # entries skipped these versions (lag): forget the oldest
+            del self.truths[min(self.truths)]
+
+    def score(self, version: int, answer: str, gap: float, fired: bool, threshold: float) -> bool:
+        """Score the answer made at `version`; False when no truth was sent for it."""
+        truth = self.truths.pop(version, None)
+        for stale in [v for v in self.truths if v < version]:  # older versions will get no answer now
+            del self.truths[stale]
+        if truth is None:
+            return False
+        self.samples.append((gap, answer.casefold() == truth.casefold(), fired))
+        if len(self.samples) > self.window:
+            self.samples.popleft()
+        self.scored += 1
+        if self.target is not None and (self.scored % RETUNE_EVERY == 0 or math.isinf(self.threshold)):
+            self.threshold = self.fit()
+        self.summary = self._summary(self.threshold if self.target is not None else threshold)
+        return True
+
+    def fit(self) -> float:
+        """The lowest threshold whose window samples at or above it reach the target precision on
+        at least min_evidence of them; inf (closed) when none does."""
+        if len(self.samples) < self.min_evidence:
+            return math.inf
+        gaps = [g for g, _, _ in self.samples]
+        curve = risk_coverage(gaps, [c for _, c, _ in self.samples])
+        n = len(gaps)
+        trusted = [p for p in curve if p.coverage * n >= self.min_evidence - 1e-9]
+        point = threshold_for_precision(trusted, self.target)
+        return math.inf if point is None else point.threshold
+
+    def _summary(self, threshold: float) -> CalibrationSummary:
+        n = len(self.samples)
+        fired = [c for _, c, f in self.samples if f]
+        correct = sum(c for _, c, _ in self.samples)
+        return CalibrationSummary(
+            n, self.scored, sum(fired) / len(fired) if fired else None, len(fired) / n if n else None,
+            correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)

@@ -1,0 +1,198 @@
+"""Live calibration: answers scored against labels as they are made, `threshold = "auto:P"`.
+
+The references: the offline risk-coverage curve (engine/gate.py) for the auto threshold;
+a first run of the same pushes for which answer each version gets; an independent bar
+aggregation for the truths a feed attachment sends.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import urllib.request
+
+import pytest
+
+from feeds.bars import BarAggregator
+from feeds.events import Trade
+from feeds.synthetic import synthetic_events
+from streamllm.config import ConfigError, parse_question
+from streamllm.engine import Engine
+from streamllm.engine.calibration import LiveCalibration
+from streamllm.engine.gate import risk_coverage, threshold_for_precision
+from streamllm.market.attach import Attachment, AttachSpec
+from streamllm.service.server import StreamServer
+
+QUESTION = {"id": "trend", "text": "Is the trend up or down?", "choices": ["up", "down"], "label": "trend_up(n=3)"}
+PUSHES = 44
+
+
+def _lines(i: int) -> list[str]:
+    return [f"00:{i % 60:02d} {100 + (i * 7) % 13}.5 +{i % 3} v{i % 5 + 1}"]
+
+
+def _run(tiny_model, truths_for, threshold) -> tuple[list[tuple[int, str, str]], Engine]:
+    """Push PUSHES batches, each ingested and pre-positioned before the next; returns
+    (version, standing answer text, path) per version and the (still running) engine."""
+    engine = Engine(tiny_model, max_cells=4096, max_context=2048)
+    engine.open_session("s")
+    engine.register("s", parse_question({**QUESTION, "threshold": threshold}))
+    seen = []
+    for i in range(PUSHES):
+        truths = truths_for(i)
+        ack = engine.push("s", _lines(i), **({"truths": truths} if truths else {}))
+        assert engine.wait_idle(timeout=60)
+        (answer,) = engine.standing("s")
+        assert answer.data_version == ack.data_version
+        seen.append((ack.data_version, answer.text, answer.path))
+    return seen, engine
+
+
+def test_config_reads_auto_thresholds_and_needs_a_label() -> None:
+    spec = parse_question({**QUESTION, "threshold": "auto:0.9"})
+    assert spec.target_precision == 0.9 and math.isinf(spec.threshold) and spec.threshold_text == "auto:0.9"
+    assert parse_question({**QUESTION, "threshold": spec.threshold_text}) == spec  # logs and snapshots round-trip
+    with pytest.raises(ConfigError, match="auto thresholds learn from the label"):
+        parse_question({"id": "q", "text": "up or down?", "choices": ["up", "down"], "threshold": "auto:0.9"})
+
+
+def test_auto_threshold_is_the_offline_curves_point_with_enough_evidence() -> None:
+    rng = random.Random(7)
+    cal = LiveCalibration(target=0.9, window=200, min_evidence=30)
+    gaps, correct = [], []
+    for version in range(1, 301):
+        gap = rng.uniform(0, 4)
+        right = rng.random() < min(0.99, 0.4 + gap / 5)  # confident answers are right more often
+        answer = "up" if right else "down"
+        cal.expect(version, "up")
+        assert cal.score(version, answer, gap, fired=gap >= cal.threshold, threshold=cal.threshold)
+        gaps.append(gap)
+        correct.append(right)
+    window_gaps, window_correct = gaps[-200:], correct[-200:]
+    curve = [p for p in risk_coverage(window_gaps, window_correct) if p.coverage * 200 >= 30 - 1e-9]
+    assert cal.fit() == threshold_for_precision(curve, 0.9).threshold
+    s = cal.summary
+    assert s.samples == 200 and s.scored == 300
+    assert s.accuracy == pytest.approx(sum(window_correct) / 200)
+    fired = [(c, f) for (_, c, f) in cal.samples if f]
+    assert s.coverage == pytest.approx(len(fired) / 200)
+    assert s.precision == pytest.approx(sum(c for c, _ in fired) / len(fired))
+
+
+def test_too_little_evidence_keeps_the_gate_closed() -> None:
+    cal = LiveCalibration(target=0.9, min_evidence=30)
+    for version in range(1, 30):
+        cal.expect(version, "up")
+        cal.score(version, "up", 5.0, fired=False, threshold=cal.threshold)
+    assert math.isinf(cal.threshold) and cal.summary.threshold is None and cal.summary.accuracy == 1.0
+    assert not cal.score(99, "up", 5.0, False, cal.threshold)  # no truth sent for that version: not scored
+
+
+def test_engine_opens_an_auto_gate_on_right_answers_and_keeps_it_shut_on_wrong_ones(tiny_model) -> None:
+    reference, engine = _run(tiny_model, lambda i: None, 2.0)
+    engine.shutdown()
+    answer_at = {v: text for v, text, _ in reference}
+    assert set(answer_at.values()) <= {"up", "down"}
+
+    # Truths equal to the answers each version gets: every scored answer is right.
+    right, engine = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9")
+    try:
+        assert [(v, t) for v, t, _ in right] == [(v, t) for v, t, _ in reference]  # the truth never changes an answer
+        paths = [p for _, _, p in right]
+        assert "fast" not in paths[:29]  # closed until 30 scored answers are evidence
+        assert paths[-1] == "fast"
+        cal = engine.calibration()["s"]["trend"]
+        assert cal["scored"] == PUSHES and cal["accuracy"] == 1.0 and cal["precision"] == 1.0
+        assert cal["target"] == 0.9 and cal["threshold"] is not None
+        assert engine.standing("s")[0].calibration == cal
+        assert engine.ask("s", "trend").path == "fast"
+    finally:
+        engine.shutdown()
+
+    wrong, engine = _run(tiny_model, lambda i: {"trend": "down" if answer_at[i + 1] == "up" else "up"}, "auto:0.9")
+    try:
+        assert all(p != "fast" for _, _, p in wrong)
+        cal = engine.calibration()["s"]["trend"]
+        assert cal["accuracy"] == 0.0 and cal["precision"] is None and cal["threshold"] is None
+    finally:
+        engine.shutdown()
+
+
+def test_push_rejects_a_truth_that_is_not_a_choice_and_drops_unknown_questions(tiny_model) -> None:
+    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question(QUESTION))
+        with pytest.raises(ValueError, match=r"truths\['trend'\]: 'sideways' is not one of its choices"):
+            engine.push("s", ["09:30 100"], truths={"trend": "sideways"})
+        assert engine.session_info("s").pushed_version == 0  # refused before anything was accepted
+        ack = engine.push("s", ["09:30 100"], truths={"gone": "up", "trend": "up"})
+        assert ack.data_version == 1 and engine.wait_idle(timeout=30)
+        assert engine.calibration()["s"]["trend"]["scored"] == 1
+
+
+def test_attachment_sends_the_labels_truth_on_the_bars_each_push_completes() -> None:
+    spec = parse_question(QUESTION)
+    pushes: list[dict | None] = []
+
+    class Sink:  # records what the attachment sends; the engine's side is tested above
+        def push(self, session, lines, truths=None):
+            pushes.append(truths)
+            return len(pushes)
+
+        def backlog(self, session):
+            return 0
+
+    att = Attachment(Sink(), AttachSpec("s", bar_s=60, instruments=frozenset({"BTCUSDT"})), questions=(spec,))
+    reference, closed, bars_at_push = BarAggregator(60), [], []
+    for n, ev in enumerate(synthetic_events(seed=3, duration_s=1200)):
+        att.offer(ev)
+        if type(ev) is Trade and ev.instrument == "BTCUSDT":
+            closed += reference.update(ev)
+        if n % 50 == 49 and att.flush() is not None:
+            bars_at_push.append(list(closed))  # what the push just sent completes these bars
+    assert len(pushes) >= 5 and len(pushes) == len(bars_at_push)
+    for truths, bars in zip(pushes, bars_at_push, strict=True):
+        expected = spec.expected_answer(bars)
+        assert truths == ({"trend": expected} if expected is not None else None)
+    assert sum(t is not None for t in pushes) >= 3
+
+
+def test_metrics_and_stats_carry_the_live_figures(tiny_model, serve_in_thread) -> None:
+    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question({**QUESTION, "threshold": "auto:0.9"}))
+        for i in range(3):
+            engine.push("s", _lines(i), truths={"trend": "up"})
+            engine.wait_idle(timeout=30)
+        cal = engine.calibration()["s"]["trend"]
+        server = StreamServer(engine)
+        with serve_in_thread(server), urllib.request.urlopen(server.http_url + "/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert f'streamllm_question_accuracy{{question="trend",session="s"}} {float(cal["accuracy"])}' in text
+        assert 'streamllm_question_samples{question="trend",session="s"} 3.0' in text
+        assert "streamllm_question_threshold{" not in text  # closed: no figure rather than +Inf
+
+
+def test_websocket_push_carries_truths_and_stats_report_the_figures(tiny_model, serve_in_thread) -> None:
+    import json
+
+    from websockets.sync.client import connect
+
+    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+        server = StreamServer(engine)
+        with serve_in_thread(server), connect(server.url) as ws:
+            def call(msg: dict) -> dict:
+                ws.send(json.dumps(msg))
+                return json.loads(ws.recv(timeout=30))
+
+            assert call({"type": "open", "session": "s"})["type"] == "ok"
+            assert call({"type": "register", "session": "s", "question": QUESTION})["type"] == "ok"
+            bad = call({"type": "push", "session": "s", "lines": ["09:30 100"], "truths": {"trend": "flat"}})
+            assert bad["type"] == "error" and "'flat' is not one of its choices" in bad["message"]
+            ok = call({"type": "push", "session": "s", "lines": ["09:30 100"], "truths": {"trend": "up"}})
+            assert ok["type"] == "ok" and ok["data_version"] == 1
+            engine.wait_idle(timeout=30)
+            stats = call({"type": "stats"})
+            (mine,) = stats["sessions"]
+            assert mine["calibration"]["trend"]["scored"] == 1
+            assert mine["calibration"]["trend"]["accuracy"] in (0.0, 1.0)
