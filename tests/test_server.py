@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import urllib.request
 
 import pytest
@@ -372,3 +373,18 @@ def test_health_and_metrics_over_http(engine):
         await w.close()
 
     run(scenario, engine)
+
+
+def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
+    # A pool with no room for a compaction copy: the session fills its budget and its pushes wait.
+    with Engine(tiny_model, max_cells=320, max_context=256, branch_cells=64) as engine:
+        engine.open_session("s")
+        for i in range(40):
+            engine.push("s", [f"09:{i:02d} 100.{i} +1 v2"])
+        deadline = time.monotonic() + 30
+        while engine.stats()["sessions_at_budget"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = StreamServer(engine).health()
+        assert health["status"] == "degraded" and health["sessions_at_budget"] == 1
+        assert any("at their context budget" in r for r in health["reasons"])
+        assert health["queue_depths"]["s"] == engine.backlog("s") > 0

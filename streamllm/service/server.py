@@ -196,11 +196,16 @@ class StreamServer:
             out["feeds"] = entries
             lags = [e["lag_s"] for e in entries if e["lag_s"] is not None]
             out["feed_lag_s"] = max(lags) if lags else None
+        at_budget = int(stats.get("sessions_at_budget", 0))
+        out["sessions_at_budget"] = at_budget
+        if at_budget:  # their pushes wait (accepted, not ingested) until a compaction copy swaps in
+            reasons.append(f"{at_budget} session(s) at their context budget: ingest waits for compaction "
+                           f"({stats.get('compactions_running', 0)} copies running)")
         if reasons:
             out["status"] = "degraded"
             out["reasons"] = reasons
         if not self.tenants.auth:  # with tenants, health is public: names stay private
-            out["queue_depths"] = {name.partition("/")[2]: n for name, n in backlog.items()}
+            out["queue_depths"] = {name.partition("/")[2] or name: n for name, n in backlog.items()}
         return out
 
 
