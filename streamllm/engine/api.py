@@ -24,7 +24,6 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +35,6 @@ from streamllm.engine.commands import (
     Cancel,
     CloseSession,
     OpenSession,
-    Push,
     Register,
     Stop,
     Unregister,
@@ -46,6 +44,7 @@ from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.core import EngineCore
 from streamllm.engine.fastpath import fast_answer, find_standing
 from streamllm.engine.gate import Gate
+from streamllm.engine.intake import Intake, _Handle
 from streamllm.engine.kv import BlockManager, KVPool, KVStore
 from streamllm.engine.outputs import (
     AdmissionError,
@@ -57,7 +56,8 @@ from streamllm.engine.outputs import (
     StandingAnswer,
 )
 from streamllm.engine.prepos import Prepositioner
-from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout, validate_lines
+from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
+from streamllm.engine.residency import Residency
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
 from streamllm.engine.subscriptions import Subscription, SubscriptionHub, watch
@@ -68,28 +68,7 @@ __all__ = ["AdmissionError", "Answer", "Engine", "EngineStopped", "PushAck", "Se
 log = logging.getLogger("streamllm.engine")
 
 
-@dataclass(slots=True)
-class _Handle:
-    """What the facade knows of a session: enough to validate and ack a push without the core."""
-
-    max_context: int
-    prefix_len: int
-    pushed_version: int
-    lines_pushed: int
-
-
-@dataclass(slots=True)
-class _Batch:
-    """A push on its way from the caller to the core."""
-
-    lines: list[str]
-    ids_per_line: list[list[int]]
-    new_tokens: int
-    source: tuple[str, int] | None
-    truths: dict[str, str] | None
-
-
-class Engine:
+class Engine(Intake, Residency):
     def __init__(
         self,
         model: str | LoadedModel = "smollm2-135m",
@@ -219,82 +198,6 @@ class Engine:
                 self.ingest_log.record_close(name)
             self.last_asked.pop(name, None)
 
-    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> PushAck:
-        """Accept a batch of lines; returns at once with the data_version it will become.
-
-        source: (feed id, feed position after this batch), logged with it; with an ingest log a
-        batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds).
-        truths: question id -> the right choice on the data as of this batch, for labelled standing
-        questions: their answers at this version are scored (live calibration), never answered from."""
-        lines = validate_lines(lines)
-        if not lines:
-            raise ValueError("push at least one line")
-        truths = (self._check_truths(name, truths) or None) if truths else None
-        ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
-        batch = _Batch(lines, ids_per_line, sum(len(ids) for ids in ids_per_line), source, truths)
-        while True:  # an eviction that slips in between: restore the session and start again
-            self._ensure_resident(name)
-            ack = self._push_resident(name, batch)
-            if ack is not None:
-                return ack
-
-    def _check_truths(self, name: str, truths: dict[str, str]) -> dict[str, str]:
-        """Truths for questions the session does not have (unregistered meanwhile) are dropped: a
-        feed must not stall over them. A choice the question does not offer is an error."""
-        if not isinstance(truths, dict):
-            raise ValueError(f"truths must map question ids to choices, got {type(truths).__name__}")
-        record = self.core.records.get(name)
-        specs = {q.id: q for q in record.questions} if record is not None else {}
-        kept = {}
-        for question_id, choice in truths.items():
-            spec = specs.get(question_id)
-            if spec is not None and choice not in spec.choices:
-                raise ValueError(f"truths[{question_id!r}]: {choice!r} is not one of its choices {list(spec.choices)}")
-            if spec is not None:
-                kept[question_id] = choice
-        return kept
-
-    def _push_resident(self, name: str, batch: _Batch) -> PushAck | None:
-        """None: the session was evicted meanwhile (the caller restores it and tries again)."""
-        with self._log_lock(name):  # with a log: version order == log order == inbox order
-            if self.ingest_log is None:  # one critical section: assign, enqueue, ack
-                with self._lock:
-                    return None if name in self._evicted else self._enqueue(name, batch)
-            with self._lock:  # (evict_session also takes the log lock: no eviction between the blocks)
-                if name in self._evicted:
-                    return None
-                version = self._next_version(name, batch.new_tokens)
-            self.ingest_log.record_push(name, version, batch.lines, batch.source)  # on disk before the ack
-            with self._lock:
-                return self._enqueue(name, batch, version)
-
-    def _next_version(self, name: str, new_tokens: int) -> int:
-        """Under self._lock: the version the batch will get, or a clear refusal."""
-        h = self._handle(name)
-        room = h.max_context - h.prefix_len
-        if new_tokens > room:
-            raise ValueError(f"the batch is {new_tokens} tokens, more than session {name!r} can ever hold "
-                             f"({room} data tokens); push it in smaller batches")
-        return h.pushed_version + 1
-
-    def _enqueue(self, name: str, batch: _Batch, version: int | None = None) -> PushAck:
-        """Under self._lock: record the ack and hand the batch to the core (inbox order = version order)."""
-        version = version if version is not None else self._next_version(name, batch.new_tokens)
-        h = self._handle(name)
-        h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(batch.lines)
-        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths)).add_done_callback(_log_failure)
-        return PushAck(name, version, max(self._backlog(name, h), len(batch.lines)), len(batch.lines))
-
-    def backlog(self, name: str) -> int:
-        """Lines accepted but not yet ingested (from the last published record)."""
-        with self._lock:
-            return self._backlog(name, self._handle(name))
-
-    def _backlog(self, name: str, h: _Handle) -> int:
-        record = self.core.records.get(name)
-        return max(0, h.lines_pushed - (record.info.lines_ingested if record else 0))
-
     def session_info(self, name: str) -> SessionInfo:
         with self._lock:
             pushed = self._handle(name).pushed_version if name not in self._evicted else None
@@ -411,58 +314,6 @@ class Engine:
     async def ask_async(self, name: str, question: str, **kw) -> Answer:
         return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
 
-    # -- snapshots (files: streamllm.durability.snapshot) --------------------------------
-    def snapshot_session(self, name: str, path):
-        """Save the session's cells and bookkeeping to `path` (atomic); it keeps running."""
-        from streamllm.durability.snapshot import save_session
-
-        self._ensure_resident(name)
-        return save_session(self, name, path)
-
-    def restore_session(self, path, name: str | None = None):
-        """Open a session from a snapshot (validated first: model, checksum, counts, versions)."""
-        from streamllm.durability.snapshot import restore_session
-
-        info = restore_session(self, path, name)
-        if self.ingest_log is not None:
-            self.ingest_log.record_restore(info.session, path, info.data_version)
-        return info
-
-    def evict_session(self, name: str, directory) -> str:
-        """Free an idle session's cells: snapshot it to `directory`; its next push or ask restores it."""
-        from streamllm.durability.snapshot import evict_session
-
-        with self._log_lock(name), self._residency:  # close_session's lock order
-            return evict_session(self, name, directory)
-
-    def _submit_resident(self, name: str, cmd) -> Future:
-        """Submit a command on a resident session: no eviction slips between the check and the inbox."""
-        while True:
-            self._ensure_resident(name)
-            with self._lock:
-                if name not in self._evicted:
-                    self._handle(name)
-                    return self.core.submit(cmd)
-
-    def _ensure_resident(self, name: str) -> None:
-        if name not in self._evicted:
-            return
-        from streamllm.durability.snapshot import restore_evicted
-
-        with self._residency:
-            restore_evicted(self, name)
-
-    def _adopt(self, name: str, info: SessionInfo, *, evicted_path: str | None = None) -> None:
-        """Called by snapshot restore/evict: keep the facade's registry in step with the core."""
-        with self._lock:
-            if evicted_path is not None:
-                self._handles.pop(name, None)
-                self._evicted[name] = evicted_path
-                return
-            self._evicted.pop(name, None)
-            self._handles[name] = _Handle(info.max_context, info.prefix_tokens, info.pushed_version,
-                                          info.lines_ingested + info.backlog_lines)
-
     # -- the core -----------------------------------------------------------
     def call(self, fn, timeout: float | None = None):
         """Run fn(core) on the core thread between steps and return its result (benches, tests, snapshots).
@@ -542,8 +393,3 @@ def _load_adapter(adapter, model_name: str, model: LlamaForward):
     check_adapter(loaded, model_name, model.config.hidden_size)
     loaded.heads = [h.to(model.device, torch.float32) for h in loaded.heads]  # hidden states come back fp32
     return loaded
-
-
-def _log_failure(future: Future) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.error("a push the engine acked failed in the core: %r", future.exception())
