@@ -61,15 +61,15 @@ class Display:
         from rich.table import Table
 
         t = Table(title=f"streamllm demo: standing answers ({self.engine.model_name})", expand=False)
-        for col in ("session", "question", "answer", "path", "gap", "version", "age / latency"):
+        for col in ("session", "question", "answer", "path", "gap", "right (live)", "version", "age / latency"):
             t.add_column(col)
         now = time.time()
         for s in self.config.sessions:
             for a in self.engine.standing(s.name):
-                t.add_row(s.name, a.question_id, a.text[:40], a.path, f"{a.confidence:.2f}", str(a.data_version),
-                          f"{now - a.updated_at:.1f} s old")
+                t.add_row(s.name, a.question_id, a.text[:40], a.path, f"{a.confidence:.2f}", _right(a.calibration),
+                          str(a.data_version), f"{now - a.updated_at:.1f} s old")
         for session, question, path, ms, version, text in self.asks[-6:]:
-            t.add_row(session, f"ask: {question[:30]}", text[:40], path, "", str(version), f"took {ms:.2f} ms")
+            t.add_row(session, f"ask: {question[:30]}", text[:40], path, "", "", str(version), f"took {ms:.2f} ms")
         return t
 
     def on_change(self, answer) -> None:
@@ -144,6 +144,21 @@ def _summary(engine: Engine, display: Display) -> None:
         info = engine.session_info(name)
         print(f"  {name}: data_version {info.data_version}, {info.num_tokens} tokens, "
               f"{info.lines_ingested} lines ingested")
+    for name, questions in engine.calibration().items():  # answers scored against their labels, live
+        for qid, c in questions.items():
+            print(f"  {name}/{qid}: right {_right(c)}; gate fired on {_pct(c['coverage'])} "
+                  f"with precision {_pct(c['precision'])}")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _right(calibration: dict | None) -> str:
+    """Live accuracy of a labelled question's standing answers (docs/calibration.md)."""
+    if not calibration:
+        return ""
+    return f"{_pct(calibration['accuracy'])} of {calibration['samples']}"
 
 
 def cli_main(argv: list[str]) -> int:
