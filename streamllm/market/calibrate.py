@@ -185,6 +185,11 @@ def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[
 # -- reporting -------------------------------------------------------------------------
 
 
+def _cfg(r: QuestionReport) -> str:
+    """The configured threshold as written: a number, or an auto one (live, starts closed)."""
+    return f"{r.config_threshold:g}" if math.isfinite(r.config_threshold) else "auto (set live)"
+
+
 def _num(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, 6)
 
@@ -258,14 +263,14 @@ def table(reports: list[QuestionReport], target: float) -> str:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
         elif r.threshold is None:
             rows.append(f"{r.id}: the gate never reaches precision {target:g} (best "
-                        f"{_fmt(r.best_precision)}); keep threshold {r.config_threshold:g} or drop its fast path")
+                        f"{_fmt(r.best_precision)}); keep threshold {_cfg(r)} or drop its fast path")
         elif r.fired < 10:
             rows.append(f"{r.id}: threshold {r.threshold:.2f} rests on {r.fired} fired samples; too few to trust")
         elif r.precision is not None and r.base_rate is not None and r.precision <= r.base_rate:
             rows.append(f"{r.id}: precision {r.precision:.2f} is no better than always answering "
                         f"{r.majority!r} ({r.base_rate:.2f}); the model says {r.top_answer!r} "
                         f"{r.top_answer_share:.0%} of the time")
-        if r.samples and r.config_coverage == 0.0:
+        if r.samples and r.config_coverage == 0.0 and math.isfinite(r.config_threshold):
             rows.append(f"{r.id}: its configured threshold {r.config_threshold:g} never fires on these bars")
     return "\n".join(rows)
 
