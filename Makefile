@@ -30,7 +30,8 @@ BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
 tune: model
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
-	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --later-windows 3 --synthetic-bars 40 --judge-bars 40 --minutes 28
+	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 100 --train-windows 24 --dev-windows 6 \
+	    --later-windows 4 --synthetic-bars 40 --judge-bars 40 --minutes 40
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --train-windows 10 --dev-windows 1 --later-windows 1 \
 	    --synthetic-bars 0 --judge-bars 60 --minutes 30
