@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
     "ask": ("streamllm.service.client", "ask a question on a running server's session"),
     "watch": ("streamllm.service.watch", "live table of a session's standing answers on a running server"),
+    "sessions": ("streamllm.scale.sessions_cli", "operate a `serve --ray` front door: `sessions move NAME --to N`"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {

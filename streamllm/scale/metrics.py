@@ -1,0 +1,44 @@
+"""Per-replica Prometheus gauges for the front door's /metrics (registered by StreamServer).
+
+The service's own `streamllm_engine_*` gauges show the cluster's totals (ClusterEngine.stats);
+these add one series per replica: `streamllm_replica_<stat>{replica="N"}`, `streamllm_replica_up`,
+`streamllm_replica_restarts` and `streamllm_replica_last_recovery_seconds`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class ReplicaCollector(Collector):
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        replicas = self.cluster.replicas
+        up = GaugeMetricFamily("streamllm_replica_up", "1 while the replica serves, 0 while it restarts", labels=["replica"])
+        restarts = GaugeMetricFamily("streamllm_replica_restarts", "times the replica was seen down", labels=["replica"])
+        recovery = GaugeMetricFamily("streamllm_replica_last_recovery_seconds", "down to serving again, last time",
+                                     labels=["replica"])
+        families: dict[str, GaugeMetricFamily] = {}
+        for h in replicas:
+            label = [str(h.index)]
+            up.add_metric(label, float(h.state == "up"))
+            restarts.add_metric(label, float(h.restarts))
+            if h.last_recovery_s is not None:
+                recovery.add_metric(label, h.last_recovery_s)
+            for key, value in h.stats.items():  # refreshed by stats(), which the service calls just before
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    fam = families.get(key)
+                    if fam is None:
+                        fam = families[key] = GaugeMetricFamily(f"streamllm_replica_{key}", f"replica stats()[{key!r}]",
+                                                                labels=["replica"])
+                    fam.add_metric(label, float(value))
+        yield up
+        yield restarts
+        yield recovery
+        yield from families.values()
