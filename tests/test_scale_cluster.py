@@ -19,8 +19,11 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'stre
 
 from websockets.asyncio.client import connect  # noqa: E402
 
+from streamllm.config import load_config  # noqa: E402
 from streamllm.scale import sessions_cli  # noqa: E402
 from streamllm.scale.cluster import ClusterEngine  # noqa: E402
+from streamllm.scale.replica import FeedPlan  # noqa: E402
+from streamllm.service.serve import group_feeds, open_sessions  # noqa: E402
 from streamllm.service.server import ServerConfig, StreamServer  # noqa: E402
 from streamllm.service.tenants import LOCAL  # noqa: E402
 
@@ -33,11 +36,31 @@ def lines(batch: int, n: int = 2) -> list[str]:
     return [f"12:{batch // 60:02d}:{batch % 60:02d} 640{i}{batch % 10}.5 +1.{i} v{batch}" for i in range(n)]
 
 
+FED_CONFIG = """
+[[sessions]]
+name = "fed"
+instrument = "BTCUSDT"
+feed = "synthetic"
+max_context_tokens = 2048
+[sessions.render]
+mode = "bars"
+bar_seconds = 1
+"""
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def fed_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "fed.toml"
+    path.write_text(FED_CONFIG)
+    return load_config(path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, fed_config):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    feeds = FeedPlan(group_feeds(fed_config, None), LOCAL, speed=20.0, seed=1)  # runs in the replicas
     engine = ClusterEngine("tiny", replicas=2, log_dir=tmp_path_factory.mktemp("cluster"), engine=ENGINE,
-                           call_timeout_s=20, poll_s=0.5)
+                           call_timeout_s=20, poll_s=0.5, feeds=feeds)
     yield engine
     engine.shutdown()
     ray.shutdown()
@@ -188,6 +211,32 @@ def test_move_session_keeps_its_logits(cluster, server):
     with urllib.request.urlopen(server.http_url + "/v1/admin/replicas") as resp:
         assert [r["sessions"] for r in json.loads(resp.read())["data"]] == cluster.placement.counts()
     assert sessions_cli.cli_main(["move", "nope", "--to", "0", "--url", server.url]) == 1  # unknown: an error
+
+
+def wait_for(predicate, timeout: float = 30.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting")
+
+
+def test_feeds_run_beside_their_sessions_and_follow_a_move(cluster, server, fed_config):
+    name = LOCAL.engine_name("fed")
+    open_sessions(cluster, LOCAL, fed_config)  # what `serve --ray --config` does, then start_feeds
+    pushed_at_front_door = server.metrics.lines_pushed._value.get()
+    assert cluster.start_feeds() == ["synthetic"]
+    home = replica_of(cluster, "fed")
+    wait_for(lambda: cluster.session_info(name).data_version >= 3)
+    feeds = cluster.feed_health()
+    assert [(f["replica"], f["sessions"]) for f in feeds] == [(home, [name])] and feeds[0]["events"] > 0
+    assert server.metrics.lines_pushed._value.get() == pushed_at_front_door  # no market data through the door
+    assert cluster.move_session(name, 1 - home)["to"] == 1 - home
+    moved_at = cluster.session_info(name).data_version
+    wait_for(lambda: cluster.session_info(name).data_version >= moved_at + 3)  # the feed followed it
+    assert [(f["replica"], f["sessions"]) for f in cluster.feed_health()] == [(1 - home, [name])]
 
 
 def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(cluster, server):
