@@ -95,7 +95,7 @@ class ClusterEngine:
         self.replicas: list[ReplicaHandle] = []
         for i in range(replicas):
             spec = ReplicaSpec(i, model, str(self.log_dir / f"replica-{i}"), dict(engine or {}), adapter, log_flush,
-                               checkpoint_versions, checkpoint_s, feeds)
+                               checkpoint_versions, checkpoint_s, feeds, max(1, int(cpus_per_replica)))
             actor = actor_cls.options(name=f"streamllm-replica-{i}-{tag}", max_restarts=-1, max_task_retries=0,
                                       max_concurrency=max_concurrency, num_cpus=cpus_per_replica).remote(spec)
             self.replicas.append(ReplicaHandle(i, actor))

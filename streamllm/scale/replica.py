@@ -49,6 +49,7 @@ class ReplicaSpec:
     checkpoint_versions: int = 0
     checkpoint_s: float = 0.0
     feeds: FeedPlan | None = None
+    torch_threads: int | None = None  # the CPUs Ray reserved for it (None: torch's default)
 
 
 class Replica:
@@ -59,7 +60,11 @@ class Replica:
         from streamllm.model.loader import load_model
         from streamllm.service.bars import BarBook
 
-        t0 = time.perf_counter()
+        t0, self.init_at = time.perf_counter(), time.time()
+        if spec.torch_threads:
+            import torch
+
+            torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.journal = EventJournal()
         self.engine = Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine)
@@ -85,7 +90,9 @@ class Replica:
         return {"index": self.spec.index, "incarnation": self.journal.incarnation, "pid": os.getpid(),
                 "node": _node_id(), "model": stats["model"], "device": stats["device"], "dtype": stats["dtype"],
                 "sessions": [i.name for i in self.engine.list_sessions()], "start_s": self.start_s,
-                "recovery": self.recovery.summary(), "recovered_sessions": self.recovery.sessions}
+                "init_at": self.init_at,
+                "recovery": self.recovery.summary(), "recovered_sessions": self.recovery.sessions,
+                "torch_threads": _torch_threads()}
 
     def stats(self) -> dict[str, Any]:
         out = self.engine.stats()
@@ -265,6 +272,12 @@ def _backlog_or_zero(engine: Any, name: str) -> int:
         return engine.backlog(name)
     except Exception:
         return 0
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _node_id() -> str:
