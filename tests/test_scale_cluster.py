@@ -27,7 +27,7 @@ from streamllm.service.serve import group_feeds, open_sessions  # noqa: E402
 from streamllm.service.server import ServerConfig, StreamServer  # noqa: E402
 from streamllm.service.tenants import LOCAL  # noqa: E402
 
-ENGINE = {"dtype": "float32", "max_cells": 16384, "block_size": 8, "max_context": 8192, "chunk_tokens": 64}
+ENGINE = {"dtype": "float32", "max_cells": 65536, "block_size": 8, "max_context": 8192, "chunk_tokens": 64}
 QUESTION = {"id": "up", "text": "Is the price going up?", "choices": ["yes", "no"]}
 TIMEOUT = 60
 
@@ -148,6 +148,15 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
         await w.ws.close()
 
     run(scenario)
+    # The OpenAI-compatible face routes the same way: a standing question by id, and a stateless
+    # request (a temporary session placed on a replica, closed after the answer).
+    for body in ({"session": "s3", "question_id": "up"}, {"messages": [{"role": "user", "content": "Hi?"}]}):
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "up"}], **body}
+        req = urllib.request.Request(server.http_url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(req, timeout=TIMEOUT).read())
+        assert reply["choices"][0]["message"]["content"], reply
+    assert sorted(cluster.placement.names()) == [LOCAL.engine_name(n) for n in ("big", "s1", "s2", "s3")]
     executed = cluster.asks_executed()
     for name in ("big", "s1", "s2", "s3"):
         home = replica_of(cluster, name)
@@ -270,10 +279,18 @@ def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(c
     async def scenario():
         watcher = await Wire.open(server.url)
         start = (await watcher.ok("subscribe", session=other_session))["data_version"]
+        await watcher.ok("subscribe", session=victim_session)
         stop = asyncio.Event()
         results = await asyncio.gather(pusher(victim_session, stop, 10), pusher(other_session, stop, None))
-        last = results[1][0][-1]
-        await watcher.drain(30, lambda e: e.get("session") == other_session and e.get("data_version") == last)
+        last = {other_session: results[1][0][-1], victim_session: results[0][0][-1]}
+        seen: set[str] = set()
+
+        def both_at_last(e: dict) -> bool:
+            if e.get("type") == "data" and e.get("data_version") == last.get(e.get("session")):
+                seen.add(e["session"])
+            return len(seen) == 2
+
+        await watcher.drain(30, both_at_last)
         await watcher.ws.close()
         return results, watcher.events, start
 
@@ -302,6 +319,9 @@ def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(c
     metrics = urllib.request.urlopen(server.http_url + "/metrics").read().decode()
     assert f'streamllm_replica_restarts{{replica="{victim.index}"}} 1.0' in metrics
     assert f'streamllm_replica_up{{replica="{victim.index}"}} 1.0' in metrics
+    # Its subscriber was carried across the restart: events resumed up to the last acked batch.
+    victim_events = [e["data_version"] for e in events if e["type"] == "data" and e["session"] == victim_session]
+    assert victim_events[-1] == acks[-1] and victim_events == sorted(victim_events)
     # Its other sessions came back too, standing questions and all.
     for name in ("s3",):
         assert [q.id for q in cluster.standing_questions(LOCAL.engine_name(name))] == ["up"]
