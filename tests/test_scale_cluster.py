@@ -325,3 +325,22 @@ def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(c
     # Its other sessions came back too, standing questions and all.
     for name in ("s3",):
         assert [q.id for q in cluster.standing_questions(LOCAL.engine_name(name))] == ["up"]
+
+
+def test_a_restarted_front_door_finds_its_sessions_where_the_placement_table_says(cluster, server):
+    """The front door goes away (its replicas die with it); a new one on the same log directory
+    recovers every session on the replica placement.json names, at the same data version."""
+    before = {n: (cluster.placement.get(n), cluster.session_info(n).data_version) for n in cluster.placement.names()}
+    log_dir = cluster.log_dir
+    cluster.shutdown()  # the module's server keeps pointing at it; nothing uses it after this test
+    again = ClusterEngine("tiny", replicas=2, log_dir=log_dir, engine=ENGINE, call_timeout_s=20, poll_s=0.5)
+    try:
+        after = {n: (again.placement.get(n), again.session_info(n).data_version) for n in again.placement.names()}
+        fed = LOCAL.engine_name("fed")  # its feed pushed until the end: at least what was seen, and on
+        assert after.pop(fed)[1] >= before.pop(fed)[1]  # it now runs again on its replica
+        assert after == before
+        assert {i.name for i in again.list_sessions()} == set(before) | {fed}
+        name = LOCAL.engine_name("s3")
+        assert again.push(name, lines(900)).data_version == before[name][1] + 1
+    finally:
+        again.shutdown()

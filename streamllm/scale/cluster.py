@@ -37,7 +37,6 @@ from streamllm.scale.placement import PlacementTable
 from streamllm.scale.replica import FeedPlan, Replica, ReplicaSpec
 
 log = logging.getLogger("streamllm.scale.cluster")
-NUMBERS_NOT_SUMMED = ("cells_total", "kv_bytes_per_token", "replica_start_s", "core_alive")
 
 
 def import_ray() -> Any:
@@ -337,33 +336,15 @@ class ClusterEngine:
 
     # -- figures --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """Totals over the replicas (a replica that is down counts with its last figures), plus replica counts."""
-        out: dict[str, Any] = {"model": self.model_name, "device": self.device, "dtype": self.dtype, "adapter": ""}
-        totals: dict[str, float] = {}
-        for h in self.replicas:
-            if h.state == "up":
-                with contextlib.suppress(ReplicaUnavailable):
-                    h.stats = self._call(h, "stats", timeout=5.0)
-            for key, value in h.stats.items():
-                if isinstance(value, int | float) and not isinstance(value, bool):
-                    totals[key] = totals.get(key, 0) + value
-        out.update(totals)
-        out["replicas"] = len(self.replicas)
-        out["replicas_up"] = sum(h.state == "up" for h in self.replicas)
-        out["replica_restarts"] = sum(h.restarts for h in self.replicas)
-        out["core_alive"] = int(out["replicas_up"] == len(self.replicas))
-        return out
+        """Totals over the replicas (one that is down counts with its last figures), plus replica counts."""
+        from streamllm.scale.metrics import cluster_stats
+
+        return cluster_stats(self)
 
     def replica_health(self) -> list[dict[str, Any]]:
-        out = []
-        for h in self.replicas:
-            entry = {"replica": h.index, "state": h.state, "sessions": len(self.placement.names(h.index)),
-                     "restarts": h.restarts, "last_recovery_s": h.last_recovery_s, "node": h.info.get("node", ""),
-                     "pid": h.info.get("pid"), "recovery": h.info.get("recovery", "")}
-            if h.state != "up":
-                entry["reason"] = h.last_down_reason
-            out.append(entry)
-        return out
+        from streamllm.scale.metrics import replica_health
+
+        return replica_health(self)
 
     def feed_health(self) -> list[dict[str, Any]]:
         out = []
@@ -388,6 +369,8 @@ class ClusterEngine:
         return all(self._call(h, "wait_idle", timeout, timeout=(timeout or 600) + 5) for h in self.replicas)
 
     def shutdown(self) -> None:
+        if self._closing:
+            return
         ray = import_ray()
         self._closing = True
         for pump in self.pumps:

@@ -1,4 +1,4 @@
-"""Per-replica Prometheus gauges for the front door's /metrics (registered by StreamServer).
+"""The cluster's figures: stats() totals, /health's replica entries, and per-replica Prometheus gauges.
 
 The service's own `streamllm_engine_*` gauges show the cluster's totals (ClusterEngine.stats);
 these add one series per replica: `streamllm_replica_<stat>{replica="N"}`, `streamllm_replica_up`,
@@ -7,11 +7,45 @@ these add one series per replica: `streamllm_replica_<stat>{replica="N"}`, `stre
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from streamllm.scale.errors import ReplicaUnavailable
+
+
+def cluster_stats(cluster: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": cluster.model_name, "device": cluster.device, "dtype": cluster.dtype,
+                           "adapter": ""}
+    totals: dict[str, float] = {}
+    for h in cluster.replicas:
+        if h.state == "up":
+            with contextlib.suppress(ReplicaUnavailable):
+                h.stats = cluster._call(h, "stats", timeout=5.0)
+        for key, value in h.stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                totals[key] = totals.get(key, 0) + value
+    out.update(totals)
+    out["replicas"] = len(cluster.replicas)
+    out["replicas_up"] = sum(h.state == "up" for h in cluster.replicas)
+    out["replica_restarts"] = sum(h.restarts for h in cluster.replicas)
+    out["core_alive"] = int(out["replicas_up"] == len(cluster.replicas))
+    return out
+
+
+def replica_health(cluster: Any) -> list[dict[str, Any]]:
+    out = []
+    for h in cluster.replicas:
+        entry = {"replica": h.index, "state": h.state, "sessions": len(cluster.placement.names(h.index)),
+                 "restarts": h.restarts, "last_recovery_s": h.last_recovery_s, "node": h.info.get("node", ""),
+                 "pid": h.info.get("pid"), "recovery": h.info.get("recovery", "")}
+        if h.state != "up":
+            entry["reason"] = h.last_down_reason
+        out.append(entry)
+    return out
 
 
 class ReplicaCollector(Collector):
