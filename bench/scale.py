@@ -11,8 +11,8 @@ to match), `--sessions` sessions (placed by free cells) with one standing questi
   route_overhead_ms_p50         a fast-path answer (gate fires: choices, threshold 0) through the front
                                 door (ClusterEngine.ask: a Ray actor call) minus the same ask on an Engine
                                 in this process; both p50 of --asks, also reported raw
-  replica_kill_events_lost      with the largest N >= 2: pushes run on every session while replica 0 is
-                                killed; acked batches missing after its recovery + events the surviving
+  replica_kill_events_lost      with the largest N >= 2: pushes run on every session (at --kill-load of
+                                the measured updates/s) while replica 0 is killed; acked batches missing after its recovery + events the surviving
                                 replicas published that their subscribers did not get (the goal is 0)
   replica_recovery_s            replica 0 down -> serving again, as the front door saw it
   replica_respawn_s             ... of which Ray took to start its new process (kill -> constructor starts)
@@ -89,8 +89,8 @@ def fast_asks_ms(engine: Any, name: str, asks: int) -> list[float]:
     return out
 
 
-def kill_run(cluster: Any, names: list[str], seconds: float) -> dict[str, float]:
-    """Push to every session while replica 0 is killed; count what was lost."""
+def kill_run(cluster: Any, names: list[str], seconds: float, rate: float) -> dict[str, float]:
+    """Push to every session at `rate` updates/s in all while replica 0 is killed; count what was lost."""
     import ray
 
     from streamllm.scale.errors import ReplicaUnavailable
@@ -115,7 +115,7 @@ def kill_run(cluster: Any, names: list[str], seconds: float) -> dict[str, float]
                     if refused_ms[-1] > 5000:
                         print(f"  slow refusal {name} on {cluster.placement.get(name)}: {exc}", flush=True)
             i += 1
-            time.sleep(0.02)
+            time.sleep(len(names) / rate)
 
     victim = cluster.replicas[0]
     thread = threading.Thread(target=pusher, daemon=True)
@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
                 t0 = time.perf_counter()
                 cluster = ClusterEngine(args.model, replicas=n, log_dir=Path(tmp), cpus_per_replica=per,
-                                        engine=engine_kw(args), poll_s=0.5)
+                                        engine=engine_kw(args), poll_s=0.5,
+                                        checkpoint_versions=args.checkpoint_versions)
                 start_s = time.perf_counter() - t0
                 phase(f"{n} replica(s) up", t_run)
                 try:
@@ -194,7 +195,11 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                         report["fast_ms_p50_in_process"] = percentile(local_ms, 50)
                         report["route_overhead_ms_p50"] = percentile(front_ms, 50) - percentile(local_ms, 50)
                     if n == max(args.replicas) and n >= 2 and not args.no_kill:
-                        report |= kill_run(cluster, names, args.kill_seconds)
+                        # Half the measured capacity: a pace the replicas sustain, so what recovery
+                        # replays is the log, not a backlog the pusher piled up.
+                        rate = args.kill_load * report[f"throughput_updates_per_s@{n}"]
+                        report["replica_kill_push_rate"] = rate
+                        report |= kill_run(cluster, names, args.kill_seconds, rate)
                         phase(f"{n} replicas: kill run done", t_run)
                 finally:
                     cluster.shutdown()
@@ -226,7 +231,11 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--asks", type=int, default=300, help="fast-path asks, front door and in process")
     ap.add_argument("--kill-seconds", type=float, default=6.0, help="pushing around the kill (split in thirds)")
+    ap.add_argument("--kill-load", type=float, default=0.5,
+                    help="push rate during the kill run, as a fraction of the measured updates/s")
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--checkpoint-versions", type=int, default=0,
+                    help="replicas snapshot each session every N versions (bounds the log replay at recovery)")
     ap.add_argument("--json", type=Path, help="write the flat metric report here")
     args = ap.parse_args(argv)
     if args.max_context is None:
@@ -235,5 +244,6 @@ def cli_main(argv: list[str]) -> int:
         ap.error("--replicas: counts >= 1, e.g. 1,2")
     report = run(args)
     write_json(args.json, report, {"model": args.model, "sessions": args.sessions, "replicas": args.replicas,
-                                   "batches": args.batches, "reps": args.reps})
+                                   "batches": args.batches, "lines": args.lines, "reps": args.reps,
+                                   "checkpoint_versions": args.checkpoint_versions})
     return 0
