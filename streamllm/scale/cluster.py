@@ -37,6 +37,7 @@ from streamllm.scale.placement import PlacementTable
 from streamllm.scale.replica import FeedPlan, Replica, ReplicaSpec
 
 log = logging.getLogger("streamllm.scale.cluster")
+READ_TIMEOUT_S = 5.0  # session_info, standing, ...: calls the service makes on its event loop
 
 
 def import_ray() -> Any:
@@ -151,10 +152,11 @@ class ClusterEngine:
         return self._get(h, getattr(h.actor, method).remote(*args), timeout or self.call_timeout_s)
 
     def _get(self, h: ReplicaHandle, ref: Any, timeout: float) -> Any:
+        import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         try:
-            return ref_result(ref, timeout)
+            return ray.get(ref, timeout=timeout)
         except RayTaskError as exc:
             raise exc.cause from None
         except GetTimeoutError:
@@ -167,6 +169,12 @@ class ClusterEngine:
     def _route(self, name: str, method: str, *args: Any) -> Any:
         h = self.replica_of(name)
         return self._call(h, method, name, *args)
+
+    def _read(self, name: str, method: str) -> Any:
+        """A read the service may make on its event loop: a short timeout, so a replica that hangs
+        without dying holds the loop for READ_TIMEOUT_S at most (then `unavailable`)."""
+        h = self.replica_of(name)
+        return self._call(h, method, name, timeout=min(READ_TIMEOUT_S, self.call_timeout_s))
 
     @contextlib.contextmanager
     def _writing(self, name: str):
@@ -231,26 +239,26 @@ class ClusterEngine:
             self._route(name, "unregister", question_id)
 
     def session_info(self, name: str) -> Any:
-        return self._route(name, "session_info")
+        return self._read(name, "session_info")
 
     def backlog(self, name: str) -> int:
-        return self._route(name, "backlog")
+        return self._read(name, "backlog")
 
     def standing(self, name: str) -> list[Any]:
-        return self._route(name, "standing")
+        return self._read(name, "standing")
 
     def standing_questions(self, name: str) -> list[Any]:
-        return self._route(name, "standing_questions")
+        return self._read(name, "standing_questions")
 
     def bar_closes(self, name: str) -> tuple[list[tuple[float, float]], int]:
-        return self._route(name, "bar_closes")
+        return self._read(name, "bar_closes")
 
     def list_sessions(self) -> list[Any]:
         out = []
         for h in self.replicas:
             if h.state == "up":
                 with contextlib.suppress(ReplicaUnavailable):
-                    h.sessions = self._call(h, "list_sessions", timeout=5.0)
+                    h.sessions = self._call(h, "list_sessions", timeout=READ_TIMEOUT_S)
             out += h.sessions  # a replica that is down: its sessions as last seen
         return out
 
@@ -390,9 +398,3 @@ class ClusterEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def ref_result(ref: Any, timeout: float) -> Any:
-    import ray
-
-    return ray.get(ref, timeout=timeout)
