@@ -164,6 +164,22 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
         assert LOCAL.engine_name(name) not in executed[1 - home], executed  # never ran on the other replica
 
 
+def test_streamed_answers_arrive_token_by_token_through_the_front_door(cluster, server):
+    async def scenario():
+        w = await Wire.open(server.url)
+        whole = await w.ok("ask", session="s3", question="Describe it.", max_tokens=6, min_version=3)
+        tokens = [await w.ok("ask", session="s3", question="Describe it.", max_tokens=6, min_version=3, stream=True)]
+        while tokens[-1]["type"] == "token":  # token messages carry the ask's id, then the answer does
+            tokens.append(json.loads(await w.ws.recv()))
+        await w.ws.close()
+        return whole, tokens.pop(), tokens
+
+    whole, streamed, tokens = asyncio.run(scenario())
+    assert streamed["text"] == whole["text"] and streamed["path"] == "cold"
+    assert "".join(t["text"] for t in tokens) == whole["text"]
+    assert len(tokens) >= 2  # piece by piece, across Ray, not one blob at the end
+
+
 def test_subscriptions_fan_in_one_ordered_stream_per_session(cluster, server):
     names = ("big", "s1")  # one on each replica
     assert replica_of(cluster, names[0]) != replica_of(cluster, names[1])

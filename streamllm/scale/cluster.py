@@ -26,7 +26,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
@@ -281,28 +280,48 @@ class ClusterEngine:
 
     # -- questions ----------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
-                   min_version: int | None = None, return_logits: bool = False) -> Future:
-        """The question runs on the session's replica; the Future resolves from Ray's ObjectRef."""
-        from ray.exceptions import RayActorError, RayTaskError
-
+                   min_version: int | None = None, return_logits: bool = False, on_text=None) -> Future:
+        """The question runs on the session's replica; the Future resolves from Ray's ObjectRef.
+        on_text(piece): the answer's text as it is decoded (a Ray streaming generator, read by a thread)."""
         h = self.replica_of(name)
         kw = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version, "return_logits": return_logits}
         out: Future = Future()
-
-        def resolve(done: Future) -> None:
-            try:
-                out.set_result(done.result())
-            except RayTaskError as exc:
-                out.set_exception(exc.cause)
-            except RayActorError as exc:
-                self.mark_down(h, exc)
-                out.set_exception(ReplicaUnavailable(f"session {name!r}: replica {h.index} died during the question; "
-                                                     "it is restarting", replica=h.index))
-            except BaseException as exc:
-                out.set_exception(exc)
-
-        h.actor.ask.remote(name, question, kw).future().add_done_callback(resolve)
+        if on_text is None:
+            ref = h.actor.ask.remote(name, question, kw)
+            ref.future().add_done_callback(lambda done: self._settle(out, h, name, done.result))
+            return out
+        pieces = h.actor.ask_stream.options(num_returns="streaming").remote(name, question, kw)
+        threading.Thread(target=self._read_stream, args=(out, h, name, pieces, on_text), daemon=True,
+                         name="streamllm-ask-stream").start()
         return out
+
+    def _read_stream(self, out: Future, h: ReplicaHandle, name: str, pieces: Any, on_text) -> None:
+        import ray
+
+        def next_item() -> Any:
+            for ref in pieces:
+                item = ray.get(ref)
+                if not isinstance(item, str):
+                    return item
+                on_text(item)
+            raise RuntimeError("the replica's answer stream ended without an answer")
+
+        self._settle(out, h, name, next_item)
+
+    def _settle(self, out: Future, h: ReplicaHandle, name: str, result) -> None:
+        """Resolve `out` with result(), Ray's errors turned into the engine's (or `unavailable`)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            out.set_result(result())
+        except RayTaskError as exc:
+            out.set_exception(exc.cause)
+        except RayActorError as exc:
+            self.mark_down(h, exc)
+            out.set_exception(ReplicaUnavailable(f"session {name!r}: replica {h.index} died during the question; "
+                                                 "it is restarting", replica=h.index))
+        except BaseException as exc:
+            out.set_exception(exc)
 
     def ask(self, name: str, question: str, *, timeout: float | None = None, **kw) -> Any:
         return self.submit_ask(name, question, **kw).result(timeout or self.call_timeout_s)
@@ -313,34 +332,9 @@ class ClusterEngine:
     # -- moving a session -------------------------------------------------------
     def move_session(self, name: str, to: int) -> dict[str, Any]:
         """Snapshot `name` on its replica, restore it on replica `to`, update the placement, close the source copy."""
-        if not isinstance(to, int) or not 0 <= to < len(self.replicas):
-            raise ValueError(f"move {name!r}: replica must be 0..{len(self.replicas) - 1}, got {to!r}")
-        t0 = time.perf_counter()
-        with self._place_lock:
-            src = self.replica_of(name)
-            if src.index == to:
-                raise ValueError(f"move {name!r}: it is already on replica {to}")
-            dst = self.replicas[to]
-            if dst.state != "up":
-                raise ReplicaUnavailable(f"move {name!r}: replica {to} is not up", replica=to)
-            self._moving.add(name)
-            try:
-                with self._writes_cond:  # pushes already routed to the source land before the snapshot
-                    self._writes_cond.wait_for(lambda: not self._writes.get(name), self.call_timeout_s)
-                path = self.log_dir / "moves" / f"{quote(name, safe='')}-{time.time_ns()}.safetensors"
-                snap, positions = self._call(src, "snapshot_for_move", name, str(path), timeout=300)
-                try:
-                    self._call(dst, "restore_session", str(path), name, positions, timeout=300)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        self._call(src, "start_feeds")
-                    raise
-                self.placement.place(name, to)  # the move commits here
-                self._call(src, "finish_move_out", name, timeout=300)
-            finally:
-                self._moving.discard(name)
-        return {"session": name, "from": src.index, "to": to, "data_version": snap.data_version,
-                "snapshot": str(path), "seconds": round(time.perf_counter() - t0, 3)}
+        from streamllm.scale.move import move_session
+
+        return move_session(self, name, to)
 
     # -- figures --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 from streamllm.scale.journal import EventBatch, EventJournal
 
 log = logging.getLogger("streamllm.scale.replica")
+_DONE = object()
 
 
 @dataclass(slots=True)
@@ -153,6 +155,22 @@ class Replica:
         with self._asks_lock:
             self.asks_by_session[name] += 1
         return future.result()
+
+    def ask_stream(self, name: str, question: str, kw: dict[str, Any]):
+        """`ask` with the answer's text as it is decoded: yields text pieces, then the Answer (a Ray
+        streaming generator: the front door receives each piece as it is yielded)."""
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
+        future = self.engine.submit_ask(name, question, on_text=pieces.put, **kw)
+        with self._asks_lock:
+            self.asks_by_session[name] += 1
+        future.add_done_callback(lambda _f: pieces.put(_DONE))
+        while (piece := pieces.get()) is not _DONE:
+            yield piece
+        while not pieces.empty():  # a token callback that raced the answer
+            piece = pieces.get()
+            if piece is not _DONE:
+                yield piece
+        yield future.result()
 
     def standing(self, name: str) -> list[Any]:
         return self.engine.standing(name)
