@@ -83,11 +83,11 @@ class StreamServer:
         self.config = config or ServerConfig()
         self.quotas = QuotaBook(self.tenants.quotas, engine)  # per-tenant limits, checked by ws.py
         self.metrics = ServerMetrics(engine.stats)
-        if hasattr(engine, "metrics_collector"):  # serve --ray: per-replica series (streamllm.scale)
-            self.metrics.registry.register(engine.metrics_collector())
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
+        if hasattr(engine, "metrics_collector"):  # serve --ray: per-replica series (streamllm.scale)
+            self.metrics.registry.register(engine.metrics_collector())
         self.started_at = time.time()
         self.closing = asyncio.Event()  # set by close(): SSE streams end (binds to a loop on first use)
         self.ws = WebSocketApp(self)
@@ -186,19 +186,6 @@ class StreamServer:
             "outgoing_queue_max": max((c.out.qsize() for c in self.conns), default=0),
         }
         reasons: list[str] = []
-        if self.feeds:
-            entries = []
-            for feed in self.feeds:
-                entry, why = feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES)
-                if self.tenants.auth:  # health is public: no tenant's names in it
-                    entry.pop("sessions", None)
-                    entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
-                    why = [w.split(" (", 1)[0] if "behind" in w else w for w in why]
-                entries.append(entry)
-                reasons += why
-            out["feeds"] = entries
-            lags = [e["lag_s"] for e in entries if e["lag_s"] is not None]
-            out["feed_lag_s"] = max(lags) if lags else None
         if hasattr(self.engine, "replica_health"):  # serve --ray: the replicas behind this front door
             out["replicas"] = self.engine.replica_health()
             reasons += [f"replica {r['replica']} is {r['state']} (restarting; its sessions answer `unavailable`)"
@@ -214,6 +201,19 @@ class StreamServer:
                     out["feeds"].append(entry)
                 lags = [e["lag_s"] for e in out["feeds"] if e["lag_s"] is not None]
                 out["feed_lag_s"] = max(lags) if lags else None
+        if self.feeds:
+            entries = []
+            for feed in self.feeds:
+                entry, why = feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES)
+                if self.tenants.auth:  # health is public: no tenant's names in it
+                    entry.pop("sessions", None)
+                    entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
+                    why = [w.split(" (", 1)[0] if "behind" in w else w for w in why]
+                entries.append(entry)
+                reasons += why
+            out["feeds"] = entries
+            lags = [e["lag_s"] for e in entries if e["lag_s"] is not None]
+            out["feed_lag_s"] = max(lags) if lags else None
         if reasons:
             out["status"] = "degraded"
             out["reasons"] = reasons
