@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The Ray extra (serve --ray, tests/test_scale_*.py): part of `make test`, not of `make demo`.
+RAY_STAMP := $(VENV)/.installed-ray
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,ray]'
+	touch $(RAY_STAMP)
+
 model: $(STAMP)
 	$(BIN)/streamllm model fetch smollm2-135m
 
@@ -37,11 +43,11 @@ tune: model
 	    --synthetic-bars 0 --judge-bars 60 --minutes 30
 
 # Full suite: unit tests plus the integration tests on the default model.
-test: model
+test: model $(RAY_STAMP)
 	$(BIN)/python -m pytest -q
 
 # Unit tests only (no model download).
-test-fast: $(STAMP)
+test-fast: $(RAY_STAMP)
 	$(BIN)/python -m pytest -q -m "not integration"
 
 lint: $(STAMP)

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
     "ask": ("streamllm.service.client", "ask a question on a running server's session"),
     "watch": ("streamllm.service.watch", "live table of a session's standing answers on a running server"),
+    "sessions": ("streamllm.scale.sessions_cli", "operate a `serve --ray` front door: `sessions move NAME --to N`"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -30,6 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "faults": ("bench.faults", "SIGKILL + log recovery, snapshot restore vs replay, fuzzing, websocket load"),
     "stress": ("bench.stress", "threads + asyncio tasks storm one engine: no death, hang, leak or refused push"),
     "wal": ("bench.wal", "the Arrow ingest log vs stdlib sqlite3 (WAL): appends/s per flush policy, read-back"),
+    "scale": ("bench.scale", "serve --ray: updates/s at 1..N replicas, routing overhead, a replica killed mid-push"),
     "replay": ("bench.replay", "every system answers the same asks live under the same recorded feed; accuracy, report"),
 }
 

@@ -8,6 +8,7 @@ import re
 from streamllm.config import ConfigError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
+from streamllm.scale.errors import ReplicaUnavailable
 from streamllm.service import protocol as p
 from streamllm.service.quotas import QuotaExceeded
 
@@ -19,6 +20,8 @@ def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
     """(code, message) for an exception raised by the engine or by validation."""
     if isinstance(exc, QuotaExceeded):
         return p.QUOTA, str(exc)
+    if isinstance(exc, ReplicaUnavailable):  # serve --ray: the session's replica is recovering
+        return p.UNAVAILABLE, client_text(str(exc))
     if isinstance(exc, SessionError):
         return p.UNKNOWN_SESSION, client_text(str(exc))
     if isinstance(exc, AdmissionError | KVCapacityError):

@@ -28,7 +28,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "server_error", 500: "server_error"}
 CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LARGE: 413, p.UNAUTHORIZED: 401,
                p.FORBIDDEN: 403, p.UNKNOWN_SESSION: 404, p.UNKNOWN_QUESTION: 404, p.SESSION_EXISTS: 409,
-               p.CAPACITY: 503, p.BUSY: 429, p.INTERNAL: 500}
+               p.CAPACITY: 503, p.BUSY: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503}
 
 
 class JsonResponse(Response):

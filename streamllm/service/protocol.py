@@ -28,8 +28,9 @@ BUSY = "busy"
 QUOTA = "quota"
 CONFIG_ERROR = "config_error"
 INTERNAL = "internal"
+UNAVAILABLE = "unavailable"  # the session's replica is restarting (serve --ray); retry shortly
 ERROR_CODES = (BAD_JSON, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, UNKNOWN_SESSION, SESSION_EXISTS,
-               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, QUOTA, CONFIG_ERROR, INTERNAL)
+               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, QUOTA, CONFIG_ERROR, INTERNAL, UNAVAILABLE)
 
 CLIENT_TYPES = ("hello", "open", "close", "push", "register", "unregister", "ask", "subscribe",
                 "unsubscribe", "stats")

@@ -195,16 +195,21 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     except AdapterError as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True, adapter=adapter)
     recovered = None
-    if args.log_dir:  # rebuild sessions from the ingest log before anyone can connect
+    if args.ray:  # N engine replicas as Ray actors; each recovers its own sessions from its own log
+        engine = await asyncio.to_thread(build_cluster, args, loaded.name, adapter, config, groups, owner)
+        del loaded
+    else:
+        engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True,
+                        adapter=adapter)
+    if args.log_dir and not args.ray:  # rebuild sessions from the ingest log before anyone can connect
         from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
 
         ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
                                checkpoint_s=args.checkpoint_s)
         recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
-    if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use
+    if args.spill_dir and not args.ray:  # memory pressure: idle sessions to disk, restored on use
         from streamllm.durability.pressure import enable_auto_evict
 
         enable_auto_evict(engine, args.spill_dir)
@@ -218,13 +223,21 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 1
-        for group in groups:
+        if args.ray and groups:  # feeds run inside the replicas, beside their sessions
+            await asyncio.to_thread(engine.start_feeds)
+        for group in groups if not args.ray else []:
             runner = feed_runner(server, owner, group, args.speed, args.seed)
             server.feeds.append(runner)
             feed_tasks.append(asyncio.create_task(runner.run()))
         print(summary(server, tenants, owner, config, groups, registered), flush=True)
         if recovered is not None:
             print(f"  ingest log {args.log_dir} ({args.log_flush}): {recovered.summary()}", flush=True)
+        if args.ray:
+            for r in engine.replica_health():
+                print(f"  replica {r['replica']}: {r['sessions']} sessions, node {r['node'][:12]}, pid {r['pid']}; "
+                      f"{r['recovery']}", flush=True)
+            print(f"  ingest logs and placement under {engine.log_dir}; "
+                  f"move a session: streamllm sessions move NAME --to REPLICA --url {server.url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -243,6 +256,21 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         if engine.ingest_log is not None:
             engine.ingest_log.close()
     return 0
+
+
+def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, config: QueryConfig | None,
+                  groups: list[FeedGroup], owner: Tenant) -> Any:
+    """`serve --ray`: the ClusterEngine (streamllm.scale; imports Ray) in place of an Engine."""
+    from streamllm.scale.cluster import ClusterEngine
+    from streamllm.scale.replica import FeedPlan
+
+    adapter_path = args.adapter or (str(config.adapter) if adapter is not None and config is not None else None)
+    return ClusterEngine(
+        args.model, replicas=args.replicas, address=args.address, log_dir=args.log_dir,
+        cpus_per_replica=args.replica_cpus, adapter=adapter_path, log_flush=args.log_flush,
+        checkpoint_versions=args.checkpoint_versions, checkpoint_s=args.checkpoint_s,
+        engine={"device": args.device, "dtype": args.dtype, "max_cells": args.max_cells},
+        feeds=FeedPlan(groups, owner, args.speed, args.seed) if groups else None)
 
 
 def main(argv: list[str]) -> int:
@@ -272,11 +300,27 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repair", action="store_true",
                         help="open sessions whose log has a hole up to the hole (default: refuse them)")
     parser.add_argument("--spill-dir", help="evict idle sessions here when cells run out (restored on use)")
+    parser.add_argument("--ray", action="store_true",
+                        help="serve from N engine replicas on Ray (pip install 'streamllm[ray]'; docs/scale.md)")
+    parser.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (Ray actors)")
+    parser.add_argument("--address", default=None,
+                        help="with --ray: Ray cluster to join (auto, ray://host:10001); default: start one here")
+    parser.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
     parser.add_argument("--log-level", default="INFO")
     from feeds.sources import add_read_args, read_options
 
     add_read_args(parser)
     args = parser.parse_args(argv)
+    if not args.ray and (args.address or args.replicas != 2 or args.replica_cpus != 1.0):
+        print("streamllm serve: --replicas, --address and --replica-cpus need --ray", file=sys.stderr)
+        return 2
+    if args.ray and args.replicas < 1:
+        print(f"streamllm serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
+        return 2
+    if args.ray and args.spill_dir:
+        print("streamllm serve: --spill-dir is not supported with --ray yet (each replica admits by its own cells)",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         tenants = Tenants.load(args.tokens)

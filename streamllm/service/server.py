@@ -33,6 +33,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from streamllm.engine import Engine
 from streamllm.service import openai_api, page, sse
+from streamllm.service.admin import admin_routes
 from streamllm.service.bars import BarBook
 from streamllm.service.connection import Conn
 from streamllm.service.httpauth import EXCEPTION_HANDLERS
@@ -86,6 +87,8 @@ class StreamServer:
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
+        if hasattr(engine, "metrics_collector"):  # serve --ray: per-replica series (streamllm.scale)
+            self.metrics.registry.register(engine.metrics_collector())
         self.started_at = time.time()
         self.closing = asyncio.Event()  # set by close(): SSE streams end (binds to a loop on first use)
         self.ws = WebSocketApp(self)
@@ -93,6 +96,7 @@ class StreamServer:
             Route("/health", self._health, methods=["GET"]),
             Route("/metrics", self._metrics, methods=["GET"]),
             *openai_api.routes(self), *sse.routes(self), *page.routes(self),
+            *admin_routes(self),
         ], exception_handlers=EXCEPTION_HANDLERS)
         self._uv: uvicorn.Server | None = None
         self._sock: socket.socket | None = None
@@ -183,6 +187,21 @@ class StreamServer:
             "outgoing_queue_max": max((c.out.qsize() for c in self.conns), default=0),
         }
         reasons: list[str] = []
+        if hasattr(self.engine, "replica_health"):  # serve --ray: the replicas behind this front door
+            out["replicas"] = self.engine.replica_health()
+            reasons += [f"replica {r['replica']} is {r['state']} (restarting; its sessions answer `unavailable`)"
+                        for r in out["replicas"] if r["state"] != "up"]
+            replica_feeds = self.engine.feed_health()
+            if replica_feeds:
+                out.setdefault("feeds", [])
+                for entry in replica_feeds:
+                    reasons += entry.pop("reasons", [])
+                    if self.tenants.auth:
+                        entry.pop("sessions", None)
+                        entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
+                    out["feeds"].append(entry)
+                lags = [e["lag_s"] for e in out["feeds"] if e["lag_s"] is not None]
+                out["feed_lag_s"] = max(lags) if lags else None
         if self.feeds:
             entries = []
             for feed in self.feeds:

@@ -1,0 +1,62 @@
+"""Operator routes of the front door (`serve --ray`): the replicas, and moving a session between them.
+
+    GET  /v1/admin/replicas                 each replica's state, sessions, restarts, last recovery
+    POST /v1/admin/sessions/{name}/move     {"to": REPLICA}: snapshot + restore + placement (ClusterEngine.move_session)
+
+With tokens, a write token of the session's tenant is needed (the CLI: `streamllm sessions move`).
+A server without --ray answers 404 with a message saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from streamllm.service import protocol as p
+from streamllm.service.httpauth import (
+    ApiError,
+    JsonResponse,
+    from_engine,
+    json_body,
+    session_name,
+    tenant_of,
+)
+
+if TYPE_CHECKING:
+    from streamllm.service.server import StreamServer
+
+
+def admin_routes(server: StreamServer) -> list[Route]:
+    def cluster():
+        if not hasattr(server.engine, "move_session"):
+            raise ApiError(404, "this server runs one engine (no --ray): there are no replicas to list or move "
+                                "sessions between", code="not_found")
+        return server.engine
+
+    async def replicas(request: Request) -> Response:
+        tenant_of(server, request)
+        engine = cluster()
+        return JsonResponse({"object": "list", "data": engine.replica_health()})
+
+    async def move(request: Request) -> Response:
+        tenant = tenant_of(server, request, write=True)
+        engine = cluster()
+        local = session_name(request.path_params["name"], "name")
+        body = await json_body(request, server.config.max_message_bytes)
+        to = body.get("to")
+        if not isinstance(to, int) or isinstance(to, bool):
+            raise ApiError(400, f"'to' must be a replica index (0..{len(engine.replicas) - 1}), got {to!r}",
+                           code=p.BAD_FIELD, param="to")
+        try:
+            result = await asyncio.to_thread(engine.move_session, tenant.engine_name(local), to)
+        except Exception as exc:
+            raise from_engine(exc, "move") from None
+        result["session"] = local
+        return JsonResponse(result)
+
+    return [Route("/v1/admin/replicas", replicas, methods=["GET"]),
+            Route("/v1/admin/sessions/{name}/move", move, methods=["POST"])]
