@@ -136,7 +136,8 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
         for name in ("big", "s1", "s2", "s3"):
             await w.ok("register", session=name, question=QUESTION)
             for batch in range(3):
-                assert (await w.ok("push", session=name, lines=lines(batch)))["data_version"] == batch + 1
+                pushed = await w.ok("push", session=name, lines=lines(batch), truths={"up": "yes"})
+                assert pushed["data_version"] == batch + 1
         for name in ("big", "s1", "s2", "s3"):
             answer = await w.ok("ask", session=name, question="up", min_version=3)
             assert answer["type"] == "answer" and answer["text"] in ("yes", "no") and answer["data_version"] == 3
@@ -144,6 +145,8 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
             assert cold["path"] == "cold" and cold["session"] == name
         stats = await w.ok("stats")
         assert {s["name"] for s in stats["sessions"]} == {"big", "s1", "s2", "s3"}
+        # truths sent through the front door reach the replica: its answers are scored (live calibration)
+        assert all(s["calibration"]["up"]["scored"] >= 1 for s in stats["sessions"]), stats["sessions"]
         assert stats["engine"]["replicas_up"] == 2
         await w.ws.close()
 

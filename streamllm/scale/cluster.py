@@ -225,9 +225,9 @@ class ClusterEngine:
             self.placement.remove(name)
             self.hub.drop_session(name)
 
-    def push(self, name: str, lines: list[str]) -> Any:
+    def push(self, name: str, lines: list[str], truths: dict[str, str] | None = None) -> Any:
         with self._writing(name):
-            return self._route(name, "push", lines)
+            return self._route(name, "push", lines, truths)
 
     def register(self, name: str, spec: Any) -> None:
         with self._writing(name):
@@ -251,6 +251,15 @@ class ClusterEngine:
 
     def bar_closes(self, name: str) -> tuple[list[tuple[float, float]], int]:
         return self._read(name, "bar_closes")
+
+    def calibration(self) -> dict[str, dict[str, dict]]:
+        """Live calibration of every replica's labelled questions (sessions are on one replica each)."""
+        out: dict[str, dict[str, dict]] = {}
+        for h in self.replicas:
+            if h.state == "up":
+                with contextlib.suppress(ReplicaUnavailable):
+                    out.update(self._call(h, "calibration", timeout=READ_TIMEOUT_S))
+        return out
 
     def list_sessions(self) -> list[Any]:
         out = []

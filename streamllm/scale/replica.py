@@ -139,8 +139,8 @@ class Replica:
             sub.close()
         self.bars.forget(name)
 
-    def push(self, name: str, lines: list[str]) -> Any:
-        ack = self.engine.push(name, lines)
+    def push(self, name: str, lines: list[str], truths: dict[str, str] | None = None) -> Any:
+        ack = self.engine.push(name, lines, truths=truths)
         self.bars.record(name, lines)
         return ack
 
@@ -174,6 +174,9 @@ class Replica:
 
     def standing(self, name: str) -> list[Any]:
         return self.engine.standing(name)
+
+    def calibration(self) -> dict[str, dict[str, dict]]:
+        return self.engine.calibration()
 
     def standing_questions(self, name: str) -> list[Any]:
         return self.engine.standing_questions(name)
