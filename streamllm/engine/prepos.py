@@ -182,8 +182,9 @@ class Prepositioner:
         if not st.spec.choices or not cal.score(rec.data_version, rec.text, rec.confidence, rec.fired,
                                                 st.gate.effective_threshold):
             return
-        if st.gate.auto and st.gate.threshold != cal.threshold:
+        if st.gate.auto:
             st.gate.threshold = cal.threshold  # the next decision uses it
+
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)
         final = bool(st.spec.choices) or (d.fired and (st.spec.max_tokens == 1 or d.token_id in self.eos_ids))

@@ -187,33 +187,22 @@ class StreamServer:
             "outgoing_queue_max": max((c.out.qsize() for c in self.conns), default=0),
         }
         reasons: list[str] = []
+        feeds: list[tuple[dict[str, Any], list[str]]] = []  # (entry, reasons) of each feed
         if hasattr(self.engine, "replica_health"):  # serve --ray: the replicas behind this front door
             out["replicas"] = self.engine.replica_health()
             reasons += [f"replica {r['replica']} is {r['state']} (restarting; its sessions answer `unavailable`)"
                         for r in out["replicas"] if r["state"] != "up"]
-            replica_feeds = self.engine.feed_health()
-            if replica_feeds:
-                out.setdefault("feeds", [])
-                for entry in replica_feeds:
-                    reasons += entry.pop("reasons", [])
-                    if self.tenants.auth:
-                        entry.pop("sessions", None)
-                        entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
-                    out["feeds"].append(entry)
-                lags = [e["lag_s"] for e in out["feeds"] if e["lag_s"] is not None]
-                out["feed_lag_s"] = max(lags) if lags else None
-        if self.feeds:
-            entries = []
-            for feed in self.feeds:
-                entry, why = feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES)
+            feeds += [(entry, entry.pop("reasons", [])) for entry in self.engine.feed_health()]  # run in replicas
+        feeds += [feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES) for feed in self.feeds]
+        if feeds:
+            for entry, why in feeds:
                 if self.tenants.auth:  # health is public: no tenant's names in it
                     entry.pop("sessions", None)
                     entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
                     why = [w.split(" (", 1)[0] if "behind" in w else w for w in why]
-                entries.append(entry)
                 reasons += why
-            out["feeds"] = entries
-            lags = [e["lag_s"] for e in entries if e["lag_s"] is not None]
+            out["feeds"] = [entry for entry, _ in feeds]
+            lags = [e["lag_s"] for e in out["feeds"] if e["lag_s"] is not None]
             out["feed_lag_s"] = max(lags) if lags else None
         at_budget = int(stats.get("sessions_at_budget", 0))
         out["sessions_at_budget"] = at_budget
