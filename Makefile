@@ -19,7 +19,7 @@ install: $(STAMP)
 # The Ray extra (serve --ray, tests/test_scale_*.py): part of `make test`, not of `make demo`.
 RAY_STAMP := $(VENV)/.installed-ray
 $(RAY_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,ray]'
+	$(BIN)/pip install -q -e '.[dev,ray,tune]'
 	touch $(RAY_STAMP)
 
 model: $(STAMP)

@@ -99,9 +99,17 @@ class Engine(Intake, Residency):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
-        self.model = LlamaForward(loaded.config, loaded.state_dict, device=self.device, dtype=dtype)
-        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads the gate decides with.
-        self.adapter = _load_adapter(adapter, loaded.name, self.model)
+        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads the gate decides with,
+        # and/or a LoRA merged into the weights here (no per-step cost).
+        self.adapter = _load_adapter(adapter, loaded)
+        weights = loaded.state_dict
+        if self.adapter is not None and self.adapter.lora:
+            from streamllm.model.lora import merged_state_dict
+
+            weights = merged_state_dict(loaded, self.adapter.path)
+        self.model = LlamaForward(loaded.config, weights, device=self.device, dtype=dtype)
+        if self.adapter is not None:  # hidden states come back fp32
+            self.adapter.heads = [h.to(self.model.device, torch.float32) for h in self.adapter.heads]
         self.adapter_id = None if self.adapter is None else self.adapter.id
         num_blocks = max(1, max_cells // block_size)
         store = KVStore(
@@ -384,12 +392,11 @@ class Engine(Intake, Residency):
         return self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()
 
 
-def _load_adapter(adapter, model_name: str, model: LlamaForward):
+def _load_adapter(adapter, model: LoadedModel):
     if adapter is None:
         return None
     from streamllm.model.adapter import Adapter, check_adapter, load_adapter
 
-    loaded = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    check_adapter(loaded, model_name, model.config.hidden_size)
-    loaded.heads = [h.to(model.device, torch.float32) for h in loaded.heads]  # hidden states come back fp32
-    return loaded
+    out = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
+    check_adapter(out, model.name, model.config.hidden_size)
+    return out

@@ -49,6 +49,16 @@ class WindowStates:
         return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]))
 
 
+def session_ids(layout: PromptLayout, prefix: list[int], lines: Sequence[str]) -> tuple[list[int], list[int]]:
+    """(token ids of prefix + lines, token index after each line): the session as the engine holds it."""
+    ids = list(prefix)
+    ends = []
+    for line_ids in layout.lines_ids(list(lines)):
+        ids.extend(line_ids)
+        ends.append(len(ids))
+    return ids, ends
+
+
 def render_window(bars: Sequence[Any]) -> list[str]:
     """Lines as a session opened at bars[0] would receive them (a fresh renderer per session)."""
     renderer = Renderer()
@@ -76,12 +86,7 @@ class StateExtractor:
     # -- prompts ---------------------------------------------------------------------
     def session_ids(self, lines: Sequence[str]) -> tuple[list[int], list[int]]:
         """(token ids of prefix + lines, token index after each line)."""
-        ids = list(self.prefix)
-        ends = []
-        for line_ids in self.layout.lines_ids(list(lines)):
-            ids.extend(line_ids)
-            ends.append(len(ids))
-        return ids, ends
+        return session_ids(self.layout, self.prefix, lines)
 
     def decision_prompt(self, lines: Sequence[str], upto: int, question: QuestionSpec) -> list[int]:
         """The full token sequence of the entry for `question` after line `upto` (inclusive)."""

@@ -131,7 +131,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", required=True,
                    help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py)")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
-    p.add_argument("--method", choices=("head",), default="head")
+    p.add_argument("--method", choices=("head", "lora"), default="head",
+                   help="head: a readout per question (minutes on a CPU); lora: peft's LoRA on the top layers")
     p.add_argument("--session", action="append", help="session of the config (repeatable; default: every session "
                                                       "with labelled questions)")
     p.add_argument("--model", default="smollm2-135m")
@@ -149,6 +150,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's)")
     p.add_argument("--synthetic-bars", type=int, default=160, help="synthetic bars per instrument (0: none)")
     p.add_argument("--judge-bars", type=int, help="bars per --judge / synthetic window (default: --window)")
+    lora = p.add_argument_group("--method lora")
+    lora.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers (the rest run once per window)")
+    lora.add_argument("--rank", type=int, default=8)
+    lora.add_argument("--alpha", type=float, default=16.0)
+    lora.add_argument("--lr", type=float, default=3e-4)
+    lora.add_argument("--points", type=int, default=48, help="decision points per step")
+    lora.add_argument("--kl", type=float, default=0.1, help="weight of the KL term to the base model")
+    lora.add_argument("--eval-every", type=int, default=20, help="steps between dev evaluations (early stopping)")
+    lora.add_argument("--max-steps", type=int, help="stop after this many steps even with budget left")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -248,6 +258,9 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     for t in tasks:
         t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, [
             (q.id, q.text, q.choices, q.label.text) for q in t.questions]]).encode()).hexdigest()[:12]
+    if args.method == "lora":
+        return _lora(args, loaded, tasks, t0)
+    for t in tasks:
         t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens))
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
@@ -272,6 +285,22 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         bar.set_postfix(set=plan.set, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     return _fit_and_write(args, loaded, tasks, got, time.perf_counter() - t0, tokens, t0)
+
+
+def _lora(args: argparse.Namespace, loaded: Any, tasks: list[Task], t0: float) -> dict[str, Any]:
+    from streamllm.market.tune_lora import run_lora
+    from streamllm.model.adapter import CARD_FILE
+
+    # The lower layers' states depend on these; the adapter's training settings do not.
+    fingerprint = f"L{args.lora_layers}"
+    try:
+        card = run_lora(args, loaded, tasks, t0, fingerprint)
+    except ValueError as exc:
+        raise TuneError(str(exc)) from exc
+    card["split"] = {"train": [0, SPLIT[0]], "dev": list(SPLIT), "later": [SPLIT[1], 1]}
+    (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
+    (args.out / "card.md").write_text(card_markdown(card))
+    return card
 
 
 def _groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
@@ -347,17 +376,34 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
     return card
 
 
+def _card_intro(card: dict[str, Any]) -> list[str]:
+    data = (f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and "
+            f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
+            f"decision points per set: {card['decision_points']}.")
+    if card["method"] == "lora":
+        lo = card["lora"]
+        return [f"# LoRA for {card['config']} (sessions {', '.join(card['sessions'])})", "",
+                f"Method `lora` on `{card['model']}`: peft LoRA r={lo['rank']} alpha={lo['alpha']} on every projection "
+                f"of layers {lo['adapted_layers'][0]}-{lo['adapted_layers'][-1]}, merged into the weights at load. "
+                f"This run: {card['minutes']} min ({card['train_minutes']} preparing and training), {card['steps']} "
+                f"steps of {lo['points']} decision points (lr {lo['lr']}, KL {lo['kl']}, bf16 autocast "
+                f"{lo['autocast_bf16']}); best dev loss {card['best_dev_loss']} at step {card['best_step']}; "
+                f"{card['adapter_bytes']} bytes.", data, "",
+                "The gate scores a choice by its best first token's logit (the engine's own rule); threshold: the "
+                f"margin reaching precision {card['target_precision']} on the dev range (none: never on at least 10 "
+                "fired samples). Base model: the same rule on the unadapted model, its own dev threshold. Questions "
+                "named adhoc_* were never trained on: they show whether the model stayed general.", ""]
+    return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
+            f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
+            f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
+            f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
+            f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.", data, "",
+            f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
+            "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
+
+
 def card_markdown(card: dict[str, Any]) -> str:
-    lines = [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
-             f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
-             f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
-             f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
-             f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
-             f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and synthetic "
-             f"regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
-             f"decision points per set: {card['decision_points']}.", "",
-             f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
-             "(none: it never did on at least 10 fired samples, so the gate stays closed).", "",
+    lines = _card_intro(card) + [
              "| question | set | n | accuracy | base rate | base model acc | coverage @thr | precision @thr | "
              "coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|"]
     for qid, q in card["questions"].items():
@@ -380,5 +426,6 @@ def cli_main(argv: list[str]) -> int:
         print(f"streamllm tune: error: {exc}", file=sys.stderr)
         return 2
     print(card_markdown(card))
-    print(f"wrote {args.out}/head.safetensors, card.json, card.md")
+    made = "lora/ (peft)" if card["method"] == "lora" else "head.safetensors"
+    print(f"wrote {args.out}/{made}, card.json, card.md")
     return 0

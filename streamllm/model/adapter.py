@@ -10,6 +10,8 @@ KV cache, the fast path's scan and the decode path are unchanged.
       head.safetensors   {qid}.weight [choices, hidden], {qid}.bias [choices]; metadata "streamllm"
       card.json          what was trained on what, validation figures, thresholds
       card.md            the same for people
+      lora/              or and: a LoRA from `tune --method lora` (peft's format, model/lora.py),
+                         merged into the weights when the engine loads the model
 
 A head applies to a registered question whose text (up to case and spaces) and
 choices match the one it was trained on; its gate threshold is the margin (best minus
@@ -71,6 +73,7 @@ class Adapter:
     model: str  # the model the heads were trained on
     hidden_size: int
     heads: list[ChoiceHead]
+    lora: bool = False  # a lora/ to merge into the weights at load (model/lora.py)
 
     def head_for(self, text: str, choices: tuple[str, ...]) -> ChoiceHead | None:
         return next((h for h in self.heads if h.matches(text, choices)), None)
@@ -98,13 +101,30 @@ def save_heads(directory: str | Path, heads: list[ChoiceHead], *, model: str) ->
 
 
 def load_adapter(directory: str | Path) -> Adapter:
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
+    from streamllm.model.lora import has_lora, lora_digest, lora_meta
 
     directory = Path(directory)
     path = directory / HEAD_FILE
-    if not path.is_file():
-        raise AdapterError(f"adapter {directory}: no {HEAD_FILE} (make one with `streamllm tune`)")
+    lora = has_lora(directory)
+    if not path.is_file() and not lora:
+        raise AdapterError(f"adapter {directory}: no {HEAD_FILE} and no lora/ (make one with `streamllm tune`)")
+    heads, model, hidden, digest = [], None, None, ""
+    if path.is_file():
+        model, hidden, heads = _read_heads(path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    if lora:
+        meta = lora_meta(directory)
+        if model is not None and (meta.get("model"), meta.get("hidden_size")) != (model, hidden):
+            raise AdapterError(f"adapter {directory}: its heads and its LoRA were trained on different models")
+        model, hidden = str(meta.get("model")), int(meta["hidden_size"])
+        digest = hashlib.sha256((digest + lora_digest(directory)).encode()).hexdigest()[:16]
+    return Adapter(directory, digest, model, hidden, heads, lora)
+
+
+def _read_heads(path: Path) -> tuple[str, int, list[ChoiceHead]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads((fh.metadata() or {})["streamllm"])
@@ -122,8 +142,7 @@ def load_adapter(directory: str | Path) -> Adapter:
             raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
         threshold = math.inf if q["threshold"] is None else float(q["threshold"])
         heads.append(ChoiceHead(q["id"], q["text"], tuple(q["choices"]), weight, bias, threshold))
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    return Adapter(directory, digest, str(meta.get("model")), int(meta["hidden_size"]), heads)
+    return str(meta.get("model")), int(meta["hidden_size"]), heads
 
 
 def check_adapter(adapter: Adapter, model_name: str, hidden_size: int) -> None:
