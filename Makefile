@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint model clean install peer peer-stop tune
+.PHONY: demo test test-fast lint model clean install peer peer-stop tune tune-lora
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The Ray extra (serve --ray, tests/test_scale_*.py): part of `make test`, not of `make demo`.
+# The ray and tune extras (serve --ray, tune --method lora; tests/test_scale_*.py, test_tune_lora.py):
+# part of `make test`, not of `make demo`.
 RAY_STAMP := $(VENV)/.installed-ray
 $(RAY_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,ray,tune]'
@@ -41,6 +42,13 @@ tune: model
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --train-windows 10 --dev-windows 1 --later-windows 1 \
 	    --synthetic-bars 0 --judge-bars 60 --minutes 30
+
+# The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
+tune-lora: model $(RAY_STAMP)
+	@test -f $(BTC_BARS) || { echo "make tune-lora: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
+	$(BIN)/streamllm tune --method lora --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars-lora \
+	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 100 --stride 3 --train-windows 16 \
+	    --dev-windows 3 --later-windows 4 --synthetic-bars 100 --judge-bars 100 --minutes 40 --lr 6e-4
 
 # Full suite: unit tests plus the integration tests on the default model.
 test: model $(RAY_STAMP)
