@@ -72,17 +72,31 @@ def test_questions_are_answered_while_a_compaction_runs(engine):
 
 
 def test_closing_a_session_mid_compaction_frees_everything(engine):
+    """A copy is in flight for a few steps only (it shares the prefix and copies what the session
+    computed): each try checks for it and closes in back-to-back commands (no step between them
+    unless the core drains them apart), until one close lands mid-copy."""
+    from streamllm.engine.commands import Call
+
     free = engine.store.manager.num_free_blocks
-    engine.open_session("s")
-    i = 0
-    while engine.call(lambda core: not core.compactions) and i < 4000:  # until a copy is in flight
-        engine.push("s", LINES[i % 396 : i % 396 + 4])
-        i += 4
-    assert engine.call(lambda core: bool(core.compactions))
-    engine.close_session("s")
-    engine.wait_idle()
-    assert engine.store.manager.num_free_blocks == free
-    engine.check_integrity()
+    mid_copy = 0
+    for attempt in range(10):
+        engine.open_session("s")
+        i = 0
+        while engine.call(lambda core: not core.compactions) and i < 4000:  # until a copy is in flight
+            engine.push("s", LINES[i % 396 : i % 396 + 4])
+            i += 4
+            info = engine.session_info("s")  # ingested before the next push: the copy has data to copy
+            while info.data_version < info.pushed_version and engine.call(lambda core: not core.compactions):
+                info = engine.session_info("s")
+        in_flight = engine.core.submit(Call(lambda core: bool(core.compactions)))
+        engine.close_session("s")
+        mid_copy += in_flight.result()
+        engine.wait_idle()
+        assert engine.store.manager.num_free_blocks == free, f"try {attempt}"
+        engine.check_integrity()
+        if mid_copy:
+            break
+    assert mid_copy
 
 
 def test_a_steady_stream_of_three_budgets_is_never_refused_and_keeps_answering(tiny_model):

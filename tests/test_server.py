@@ -376,9 +376,15 @@ def test_health_and_metrics_over_http(engine):
 
 
 def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
-    # A pool with no room for a compaction copy: the session fills its budget and its pushes wait.
-    with Engine(tiny_model, max_cells=320, max_context=256, branch_cells=64) as engine:
+    # No room for a compaction copy (admission keeps it, so the test holds every free cell, as a
+    # leak would): the session fills its budget and its pushes wait.
+    from streamllm.engine.kv import BlockTable
+
+    with Engine(tiny_model, max_cells=512, max_context=256, branch_cells=64) as engine:
         engine.open_session("s")
+        held = BlockTable()
+        m = engine.store.manager
+        engine.call(lambda core: m.reserve(held, m.num_free_blocks * m.block_size))
         for i in range(40):
             engine.push("s", [f"09:{i:02d} 100.{i} +1 v2"])
         deadline = time.monotonic() + 30

@@ -53,7 +53,8 @@ class AutoEvict:
 
     @staticmethod
     def _fits(engine: Any, cells: int) -> bool:
-        return engine.call(lambda core: core.store.manager.can_reserve(cells, keep_free_tokens=core.branch_cells))
+        return engine.call(lambda core: core.store.manager.can_reserve(
+            cells, keep_free_tokens=core.admission_keep_free(cells)))  # the core's own admission rule
 
 
 def enable_auto_evict(engine: Any, directory: str | Path) -> AutoEvict:

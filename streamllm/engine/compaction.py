@@ -9,10 +9,17 @@ on its old blocks; branches already forked keep their own references.
     old:   [prefix | oldest ... | cut | recent lines | new lines ...]
     copy:  [prefix |                  recent lines | new lines ...]   -> swapped in
 
+The copy starts on the session's own prefix blocks (shared, not recomputed) and copies
+only what the session has computed: started when the session is at its budget, it needs
+at most `retain` x max_context cells (`CompactionPolicy.copy_cells`), which admission
+keeps free beside every session's reservation (`EngineCore.admission_keep_free`).
+
 When to start: early enough, at the session's measured push rate, to finish before
 the session reaches max_context (`CompactionPolicy.should_start`). A session that
 reaches its budget anyway keeps accepting pushes; its pending data waits (and its
-copy is promoted to the ingest class) until the swap makes room.
+copy is promoted to the ingest class) until the swap makes room. If its copy finds no
+cells, copies are recomputable work: the core preempts them as vLLM preempts requests
+(`EngineCore._keep_compactions_moving`).
 """
 
 from __future__ import annotations
@@ -37,7 +44,9 @@ class CompactionCopy(Sequence):
 
     @property
     def pending_ids(self) -> list[int]:  # type: ignore[override]
-        return self.target_ids[self.num_computed : self.session.max_context]
+        # Never past what the session has computed: the session ingests the rest after the swap,
+        # so a copy's size is bounded by its cut, not by how much is pushed meanwhile.
+        return self.target_ids[self.num_computed : self.session_computed_mapped()]
 
     @property
     def next_pos(self) -> int:  # type: ignore[override]
@@ -58,12 +67,16 @@ class CompactionCopy(Sequence):
         return s.prefix_len + max(0, s.num_computed - self.cut)
 
     def cells_to_go(self) -> int:
-        """Cells this copy still needs from the pool (at most its session's budget)."""
-        s = self.session
-        return max(0, min(s.max_context, s.prefix_len + s.num_tokens - self.cut) - self.table.num_tokens)
+        """Cells this copy still needs, as far as its session can compute what is pushed now."""
+        return max(0, copy_size(self.session, self.cut) - self.table.num_tokens)
 
     def caught_up(self) -> bool:
         return self.num_computed >= self.session_computed_mapped()
+
+
+def copy_size(session: Session, cut: int) -> int:
+    """Tokens a copy cut at `cut` holds when it catches up with everything its session can compute."""
+    return session.prefix_len + max(0, min(session.num_tokens, session.max_context) - cut)
 
 
 @dataclass(slots=True)
@@ -79,6 +92,11 @@ class CompactionPolicy:
 
     def keep_tokens(self, session: Session) -> int:
         return int(self.retain * session.max_context) - session.prefix_len
+
+    def copy_cells(self, max_context: int) -> int:
+        """The most cells a copy started at its session's budget holds (prefix included): the cut is
+        taken from everything pushed, so at most keep_tokens of data follow it."""
+        return int(self.retain * max_context)
 
     def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
         """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes."""

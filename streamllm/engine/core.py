@@ -35,7 +35,7 @@ from streamllm.engine.commands import (
     WaitIdle,
     settle,
 )
-from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
+from streamllm.engine.compaction import CompactionCopy, CompactionPolicy, copy_size
 from streamllm.engine.kv import BlockTable, KVCapacityError
 from streamllm.engine.outputs import (
     AdmissionError,
@@ -82,6 +82,8 @@ class EngineCore(Answering):
         self._dirty: set[str] = set()
         self.steps = self.questions_answered = self.fast_answers = self.entry_answers = 0
         self.admissions_refused = self.commands = self.failed_steps = self.compactions_deferred = 0
+        self.compactions_preempted = 0
+        self.stuck: set[str] = set()  # sessions at their budget with no room for a copy (logged once)
         self.step_ms_total = self.step_ms_last = 0.0
         self.step_tokens_last = 0
         self._step_s_ema = 0.05
@@ -207,12 +209,13 @@ class EngineCore(Answering):
         if name in self.sessions:
             raise SessionError(f"session {name!r} is already open")
         manager = self.store.manager
-        if not manager.can_reserve(max_context, keep_free_tokens=self.branch_cells):
+        keep = self.admission_keep_free(max_context)
+        if not manager.can_reserve(max_context, keep_free_tokens=keep):
             self.admissions_refused += 1
             raise AdmissionError(
                 f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "
-                f"{manager.num_free_blocks * manager.block_size} free and keeps {self.branch_cells} for "
-                "questions; close a session, lower max_context or raise max_cells")
+                f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for questions "
+                "and compaction copies; close a session, lower max_context or raise max_cells")
         table = BlockTable()
         computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
         manager.reserve(table, max_context)
@@ -222,9 +225,19 @@ class EngineCore(Answering):
         self._dirty.add(name)
         return self.info(session)
 
+    def admission_keep_free(self, max_context: int) -> int:
+        """Cells an admission leaves free beside every session's reservation: the cells kept for
+        questions, or a compaction copy of the largest session at its budget, whichever is more.
+
+        Questions and copies take turns with these cells: idle entries are evicted for a copy and
+        questions finish. Without room for one copy, a session at its budget could never move."""
+        largest = max([max_context, *(s.max_context for s in self.sessions.values())])
+        return max(self.branch_cells, self.policy.copy_cells(largest))
+
     def close_session(self, name: str, *, evicting: bool = False) -> None:
         session = self.session(name)
         del self.sessions[name]
+        self.stuck.discard(name)
         gone = SessionError(f"session {name!r} was closed")
         for st in self.prepos.drop_session(name):
             for br in st.waiters:
@@ -234,9 +247,8 @@ class EngineCore(Answering):
             self._drop_ask(br, gone)
         if not evicting:
             self.hub.drop_session(name)
-        job = self.compactions.pop(name, None)
-        if job is not None:
-            self.store.manager.free(job.table)
+        if name in self.compactions:
+            self._drop_copy(name, preempted=False)
         self.store.manager.free(session.table)  # safe: no step is in flight while commands apply
         self.prefixes.forget_unused()
         self.records.pop(name, None)
@@ -290,11 +302,12 @@ class EngineCore(Answering):
     # -- planning -------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.running or self.compactions or any(self._can_start(b) for b in self.waiting)
-                    or any(s.pending_tokens and not s.at_budget for s in self.sessions.values())
+                    or any(s.pending_tokens for s in self.sessions.values())  # at budget too: not idle
                     or any(st.session.ready and (not st.fresh() or st.computing or st.decoding)
                            for st in self.prepos.all()))
 
     def _prepare(self) -> None:
+        self._swap_compactions()  # a copy may have nothing to compute (its cut is past the session's data)
         self._keep_compactions_moving()
         self._start_waiting()
         self._make_room_for_questions()
@@ -374,7 +387,7 @@ class EngineCore(Answering):
 
     # -- compaction -------------------------------------------------------------------
     def _maybe_compact(self, session: Session) -> None:
-        if session.name in self.compactions:
+        if session.name in self.compactions or not session.ready:
             return
         copy_rate = self.scheduler.config.background_floor / max(self._step_s_ema, 1e-3)
         if not self.policy.should_start(session, copy_rate):
@@ -386,29 +399,77 @@ class EngineCore(Answering):
         # when the pool can hold it beside the copies in flight (else retry each turn). Starting
         # them all at once under pressure left every copy half built and every session stuck.
         manager = self.store.manager
-        need = min(session.max_context, session.prefix_len + session.num_tokens - cut)
-        need += sum(c.cells_to_go() for c in self.compactions.values())
-        if manager.num_free_blocks * manager.block_size < need:
+        need = manager.blocks_for(copy_size(session, cut)) - session.prefix_len // manager.block_size
+        need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.compactions.values())
+        if manager.num_free_blocks < need:
             self.compactions_deferred += 1
             return
-        self.compactions[session.name] = CompactionCopy(session, cut)
+        # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
+        table = self.store.fork(session.table, session.prefix_len)
+        self.compactions[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
+        self.stuck.discard(session.name)
+
+    def _copy_blocked(self, copy: CompactionCopy) -> bool:
+        need = min(len(copy.pending_ids), self.scheduler.config.chunk_tokens)
+        return bool(need) and not self.store.manager.can_append(copy.table, need)
+
+    def _stalled_at_budget(self) -> list[Session]:
+        """Sessions at their budget whose copy cannot start or cannot take its next chunk (copies
+        are (re)started here first, when they fit)."""
+        stalled = []
+        for session in self.sessions.values():
+            if not session.at_budget:
+                continue
+            if session.name not in self.compactions:
+                self._maybe_compact(session)
+            copy = self.compactions.get(session.name)
+            if copy is None or self._copy_blocked(copy):
+                stalled.append(session)
+        return stalled
 
     def _keep_compactions_moving(self) -> None:
-        """Sessions at their budget depend on compaction: (re)try to start theirs, and let a blocked
-        copy take the cells of idle entries (recomputable) before anything else."""
-        chunk = self.scheduler.config.chunk_tokens
-        for session in self.sessions.values():
-            if session.at_budget and session.name not in self.compactions:
-                self._maybe_compact(session)
-                if session.name not in self.compactions and self.prepos.evict_idle_entries(set(), computing=True):
-                    self._drop_evicted_records()  # deferred for want of cells: entries make room
-                    self._maybe_compact(session)
-        for copy in self.compactions.values():
-            need = min(len(copy.pending_ids), chunk)
-            if copy.session.at_budget and need and not self.store.manager.can_append(copy.table, need):
-                if self.prepos.evict_idle_entries(set(), computing=True):
-                    self._drop_evicted_records()
-                return
+        """A session at its budget ingests nothing until its copy swaps in: make sure one can.
+
+        Recomputable work gives way, cheapest first: idle entries, then (when no question in
+        flight will give cells back and no session at budget is moving) other compaction copies,
+        as vLLM and nano-vllm preempt requests when blocks run out: their cells are freed and they
+        are started again, one at a time, when they fit. The oldest copy at budget is kept; if it
+        still cannot move, its cut predates its session filling up, and it is cut afresh: a copy
+        started at budget needs at most `retain` x max_context cells, which admission keeps free.
+        Anything still stuck is logged (once) and counted, never dropped: its pushes stay pending."""
+        stalled = self._stalled_at_budget()
+        if not stalled:
+            return
+        if self.prepos.evict_idle_entries(set(), computing=True):
+            self._drop_evicted_records()
+            stalled = self._stalled_at_budget()
+        if not stalled or self.running or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
+            return  # questions (and entries they wait for) give their cells back when they finish
+        at_budget = [c for c in self.compactions.values() if c.session.at_budget]
+        if any(not self._copy_blocked(c) for c in at_budget):
+            return  # one is moving: its swap gives cells back
+        keep = at_budget[0] if at_budget else None
+        for name, copy in list(self.compactions.items()):
+            if copy is not keep:
+                self._drop_copy(name)
+        if keep is not None and self._copy_blocked(keep):
+            session = keep.session
+            if session.compaction_cut(self.policy.keep_tokens(session)) != keep.cut:
+                self._drop_copy(session.name)
+        manager = self.store.manager
+        for session in self._stalled_at_budget():  # nothing left to give way: say so, once
+            if session.name not in self.stuck:
+                self.stuck.add(session.name)
+                log.error("session %s is at its budget of %d cells and the pool has %d free, not enough for "
+                          "a compaction copy (up to %d): its pushes wait, accepted, until cells free up; close "
+                          "a session or raise max_cells", session.name, session.max_context,
+                          manager.num_free_blocks * manager.block_size, self.policy.copy_cells(session.max_context))
+
+    def _drop_copy(self, name: str, preempted: bool = True) -> None:
+        """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
+        job = self.compactions.pop(name)
+        self.store.manager.free(job.table)
+        self.compactions_preempted += preempted
 
     def _swap_compactions(self) -> None:
         for name, job in list(self.compactions.items()):
@@ -417,7 +478,7 @@ class EngineCore(Answering):
             session = job.session
             del self.compactions[name]
             old, version = session.table, session.data_version
-            session.apply_compaction(job.cut, job.table, job.num_computed)  # the copy may have ingested ahead
+            session.apply_compaction(job.cut, job.table, job.num_computed)
             if session.data_version != version:
                 self.events.append((name, "data", name, session.data_version))
             self.store.manager.free(old)  # asks forked from it hold their own references until they end

@@ -74,10 +74,12 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
         raise SessionError(f"session {name!r} is already open; close it or restore under another name")
     manager, pool = core.store.manager, core.store.pool
     n, max_context = int(meta["num_computed"]), int(meta["max_context"])
-    if not manager.can_reserve(max_context, keep_free_tokens=core.branch_cells):
+    keep = core.admission_keep_free(max_context)
+    if not manager.can_reserve(max_context, keep_free_tokens=keep):
         core.admissions_refused += 1
         raise AdmissionError(f"cannot restore session {name!r}: it reserves {max_context} cells, the pool has "
-                             f"{manager.num_free_blocks * manager.block_size} free")
+                             f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for "
+                             "questions and compaction copies")
     table = BlockTable()
     manager.reserve(table, max_context)
     try:

@@ -40,6 +40,8 @@ def core_counters(core: Any) -> dict[str, float]:
         "compactions": sum(s.compactions for s in core.sessions.values()),
         "compactions_running": len(core.compactions),
         "compactions_deferred": core.compactions_deferred,
+        "compactions_preempted": core.compactions_preempted,
+        "sessions_stuck": len(core.stuck),  # at budget with no room for a copy (logged): see core.py
         "prefix_cache_hits": core.prefixes.hits,
         "cells_total": m.num_blocks * m.block_size,
         "cells_free": m.num_free_blocks * m.block_size,
