@@ -394,3 +394,10 @@ def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
         assert health["status"] == "degraded" and health["sessions_at_budget"] == 1
         assert any("at their context budget" in r for r in health["reasons"])
         assert health["queue_depths"]["s"] == engine.backlog("s") > 0
+        while engine.stats()["sessions_stuck"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # nothing to preempt: the core gives up on a copy and says so
+        health = StreamServer(engine).health()
+        assert health["sessions_stuck"] == 1 and any("no free cells" in r for r in health["reasons"])
+        engine.call(lambda core: m.free(held))
+        assert engine.wait_idle(timeout=30)  # the cells came back: every push applied
+        assert StreamServer(engine).health()["sessions_stuck"] == 0

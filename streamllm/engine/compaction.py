@@ -91,7 +91,9 @@ class CompactionPolicy:
                              f"compact_at={self.compact_at}")
 
     def keep_tokens(self, session: Session) -> int:
-        return int(self.retain * session.max_context) - session.prefix_len
+        # A system prompt over retain x max_context keeps no data, rather than never compacting
+        # (a session that cannot compact waits at its budget forever).
+        return max(0, int(self.retain * session.max_context) - session.prefix_len)
 
     def copy_cells(self, max_context: int) -> int:
         """The most cells a copy started at its session's budget holds (prefix included): the cut is

@@ -209,6 +209,11 @@ class StreamServer:
         if at_budget:  # their pushes wait (accepted, not ingested) until a compaction copy swaps in
             reasons.append(f"{at_budget} session(s) at their context budget: ingest waits for compaction "
                            f"({stats.get('compactions_running', 0)} copies running)")
+        stuck = int(stats.get("sessions_stuck", 0))
+        out["sessions_stuck"] = stuck
+        if stuck:  # no cells for a copy even after preempting: something outside the sessions holds them
+            reasons.append(f"{stuck} session(s) at their budget with no free cells for a compaction copy "
+                           "(logged; their pushes apply once cells are freed)")
         if reasons:
             out["status"] = "degraded"
             out["reasons"] = reasons
