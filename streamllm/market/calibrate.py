@@ -399,8 +399,8 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     # Each question holds up to two entries (ready + computing), each its question plus copied tail
     # blocks; doubled, since an entry that cannot get cells is retried and wait_idle would never return.
     branch_cells = 2 * block * sum(2 * (-(-n // block) + ENTRY_SLACK_BLOCKS) for n in entry_tokens)
-    # Admission also keeps room for one compaction copy of the session (the larger of the two counts).
-    keep_free = max(branch_cells, CompactionPolicy().copy_cells(spec.max_context_tokens))
+    # Admission also keeps room for one compaction copy of the session (the engine's own rule).
+    keep_free = CompactionPolicy().keep_free(branch_cells, spec.max_context_tokens)
     try:
         engine = Engine(loaded, max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
                         max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=args.adapter)

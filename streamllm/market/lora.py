@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -220,10 +219,6 @@ def window_labels(packed: Packed) -> dict[str, torch.Tensor]:
 
 def pack(layout: Any, spec: Any, bars: Any, questions: list[QuestionSpec], stride: int) -> Packed:
     return pack_window(layout, spec.system_prompt, bars, questions, stride)
-
-
-def elapsed_min(t0: float) -> float:
-    return (time.perf_counter() - t0) / 60
 
 
 def finite(x: float) -> float | None:

@@ -325,13 +325,10 @@ def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: in
 
 
 def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tensor:
-    """The base model's own choice scores at the same states (the LM head rows of each choice's candidates)."""
-    from streamllm.engine.gate import Gate
+    """The base model's own choice scores at the same states (the gate's rule, on its LM head rows)."""
+    from streamllm.market.lora import ChoiceScorer
 
-    gate = Gate.for_question(q, extractor.layout.tokenizer)
-    scores = x @ extractor.model.lm_head[gate.candidate_ids].float().T  # [n, candidates]
-    owner = torch.tensor(gate.candidate_owner)
-    return torch.stack([scores[:, owner == c].max(1).values for c in range(len(q.choices))], dim=1)
+    return ChoiceScorer([q], extractor.layout.tokenizer)(q.id, x, extractor.model.lm_head)
 
 
 def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:

@@ -69,7 +69,7 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
     budget = args.minutes * 60
     windows: dict[str, list[Packed]] = {}
 
-    def prepare(task: Any, plan: Any, desc: str) -> None:
+    def prepare(task: Any, plan: Any) -> None:
         path = states / f"lora-{plan.key}-{fingerprint}-{task.fingerprint}.pt"
         if path.is_file():
             windows.setdefault(plan.set, []).append(_load_packed(path))
@@ -86,7 +86,7 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
     for task, plan in tqdm(order, desc="prepare", unit="window", disable=args.no_progress):
         if plan.set == "train" and windows.get("train") and time.perf_counter() - t0 > PREPARE_SHARE * budget:
             continue
-        prepare(task, plan, plan.set)
+        prepare(task, plan)
     train, dev = windows.get("train", []), windows.get("dev", [])
     if not train or not dev:
         raise ValueError("no training or dev decision points: windows too short for the labels' history?")
@@ -130,7 +130,7 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
 
     for task, plan in tqdm([(t, p) for t in tasks for p in t.plans if p.set in JUDGED], desc="judge",
                            unit="window", disable=args.no_progress):
-        prepare(task, plan, plan.set)
+        prepare(task, plan)
     save_lora(trainer.peft, args.out)
     report: dict[str, Any] = {}
     sets = [s for s in ("dev", *JUDGED) if windows.get(s)]
