@@ -96,9 +96,15 @@ class CompactionPolicy:
         return max(0, int(self.retain * session.max_context) - session.prefix_len)
 
     def copy_cells(self, max_context: int) -> int:
-        """The most cells a copy started at its session's budget holds (prefix included): the cut is
-        taken from everything pushed, so at most keep_tokens of data follow it."""
+        """The most cells a copy started at its session's budget takes from the pool: its prefix
+        blocks are shared, and the cut is taken from everything pushed, so at most keep_tokens of
+        data follow it."""
         return int(self.retain * max_context)
+
+    def keep_free(self, branch_cells: int, largest_max_context: int) -> int:
+        """Cells admission leaves free beside every session's reservation: those kept for questions,
+        or a compaction copy of the largest session at its budget, whichever is more."""
+        return max(branch_cells, self.copy_cells(largest_max_context))
 
     def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
         """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes."""

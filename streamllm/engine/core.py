@@ -232,7 +232,7 @@ class EngineCore(Answering):
         Questions and copies take turns with these cells: idle entries are evicted for a copy and
         questions finish. Without room for one copy, a session at its budget could never move."""
         largest = max([max_context, *(s.max_context for s in self.sessions.values())])
-        return max(self.branch_cells, self.policy.copy_cells(largest))
+        return self.policy.keep_free(self.branch_cells, largest)
 
     def close_session(self, name: str, *, evicting: bool = False) -> None:
         session = self.session(name)
