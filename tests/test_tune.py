@@ -252,7 +252,7 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     config.write_text(CONFIG)
     data = write_bars(tmp_path / "bars.csv", 600)
     argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
-            "--window", "40", "--stride", "2", "--train-windows", "6", "--dev-windows", "2", "--later-windows", "2",
+            "--method", "head", "--window", "40", "--stride", "2", "--train-windows", "6", "--dev-windows", "2", "--later-windows", "2",
             "--synthetic-bars", "0", "--no-progress", "--target-precision", "0.8"]
     assert cli_main(argv) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())

@@ -122,11 +122,12 @@ class Engine(Intake, Residency):
         self.hub = SubscriptionHub()
         self.core = EngineCore(
             model_name=self.model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
-            runner=Runner(self.model, store), scheduler=Scheduler(store.manager, config),
+            runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
             prepos=Prepositioner(store, self.layout.eos_ids), hub=self.hub, policy=policy,
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
             branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
             stale_policy=stale_policy, check_every_step=check_integrity_every_step)
+        self.core.line_taps = self.adapter.tap_lines if self.adapter is not None else 0
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self.ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
@@ -398,5 +399,5 @@ def _load_adapter(adapter, model: LoadedModel):
     from streamllm.model.adapter import Adapter, check_adapter, load_adapter
 
     out = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
-    check_adapter(out, model.name, model.config.hidden_size)
+    check_adapter(out, model.name, model.config.hidden_size, model.config.num_hidden_layers)
     return out

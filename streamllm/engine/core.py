@@ -49,6 +49,7 @@ from streamllm.engine.runner import Work
 from streamllm.engine.scheduler import Plan
 from streamllm.engine.sequence import ASK, DECODE, ENTRY, Branch, Session
 from streamllm.engine.stats import core_counters
+from streamllm.engine.taps import LineTaps
 
 log = logging.getLogger("streamllm.engine")
 
@@ -63,6 +64,7 @@ class EngineCore(Answering):
         self.store, self.runner, self.scheduler, self.prepos, self.hub = store, runner, scheduler, prepos, hub
         self.policy, self.branch_cells, self.stale_policy = policy, branch_cells, stale_policy
         self.check_every_step = check_every_step
+        self.line_taps = 0  # lines of features each session keeps for series heads (0: none served)
         self.sessions: dict[str, Session] = {}
         self.running: list[Branch] = []  # asks being prefilled or decoded
         self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
@@ -220,6 +222,7 @@ class EngineCore(Answering):
         computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
         manager.reserve(table, max_context)
         session = Session(name, system, prefix, max_context, table)
+        session.taps = LineTaps(self.line_taps) if self.line_taps else None
         session.num_computed = computed
         self.sessions[name] = session
         self._dirty.add(name)
@@ -321,7 +324,8 @@ class EngineCore(Answering):
 
     def _step(self, plan: Plan) -> None:
         works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits,
-                      want_hidden=i.want_logits == "last" and self.prepos.wants_hidden(i.seq)) for i in plan.items]
+                      want_hidden=i.want_logits == "last" and self.prepos.wants_hidden(i.seq),
+                      want_tap=isinstance(i.seq, Session) and i.seq.taps is not None) for i in plan.items]
         t0 = time.perf_counter()
         try:
             logits = self.runner.execute(works)
@@ -331,7 +335,7 @@ class EngineCore(Answering):
             self._fail_plan(plan, exc)
             return
         step_s = time.perf_counter() - t0
-        self._update(plan, logits, [w.hidden for w in works])
+        self._update(plan, logits, works)
         self._swap_compactions()
         self.steps += 1
         self.step_ms_total += step_s * 1000
@@ -340,10 +344,12 @@ class EngineCore(Answering):
         if self.check_every_step:
             self.check_integrity()
 
-    def _update(self, plan: Plan, logits: list, hidden: list) -> None:
-        for item, lg, hd in zip(plan.items, logits, hidden, strict=True):
+    def _update(self, plan: Plan, logits: list, works: list[Work]) -> None:
+        for item, lg, work in zip(plan.items, logits, works, strict=True):
             seq, n = item.seq, len(item.token_ids)
             if isinstance(seq, Session):
+                if work.tap is not None:  # before advance: an entry made at the new version reads these lines
+                    seq.tap(work.tap, item.start_pos)
                 had_prefix = seq.ready
                 if seq.advance(n):
                     self.events.append((seq.name, "data", seq.name, seq.data_version))
@@ -355,7 +361,7 @@ class EngineCore(Answering):
             else:
                 seq.num_computed += n
                 if lg is not None:
-                    self.on_logits(seq, lg, hd)
+                    self.on_logits(seq, lg, work.hidden)
 
     def _fail_plan(self, plan: Plan, exc: Exception) -> None:
         for item in plan.items:

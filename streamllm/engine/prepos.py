@@ -41,7 +41,9 @@ class Standing:
     decoding: Branch | None = None  # standing-answer decode (free-text push questions)
     answer: StandingAnswer | None = None
     record: ReadyRecord | None = None  # published view of `ready`
-    ready_hidden: torch.Tensor | None = None  # final normed hidden state at `ready`'s decision point (heads only)
+    # What `ready`'s head reads: the final normed hidden state at its decision point (entry head)
+    # or the session's line features up to it (series head); None without a head.
+    ready_hidden: torch.Tensor | None = None
     waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
     calibration: LiveCalibration = field(default_factory=LiveCalibration)  # answers scored against labels
@@ -149,8 +151,9 @@ class Prepositioner:
                 + [st.decoding for st in standing if st.decoding is not None])
 
     def wants_hidden(self, seq: object) -> bool:
-        """An entry whose question has a choice head needs the hidden state of its last row."""
-        return isinstance(seq, Branch) and seq.kind == ENTRY and seq.standing.gate.head is not None
+        """An entry whose question has an entry head needs the hidden state of its last row."""
+        return (isinstance(seq, Branch) and seq.kind == ENTRY and seq.standing.gate.head is not None
+                and seq.standing.gate.head.kind == "entry")
 
     def on_entry_ready(self, entry: Branch, logits: torch.Tensor,
                        hidden: torch.Tensor | None = None) -> Standing | None:
@@ -163,6 +166,10 @@ class Prepositioner:
         self.release(st.ready)
         st.ready, st.computing = entry, None
         st.ready_hidden = None if hidden is None else hidden.clone()
+        head = st.gate.head
+        if head is not None and head.kind == "series" and st.session.taps is not None:
+            # The lines the entry saw: those ending at or before its fork point (None until enough are held).
+            st.ready_hidden = st.session.taps.window(st.session.lines_upto(entry.base_len), head.lines)
         st.entries_computed += 1
         st.record = self._record(st)
         self._score(st)

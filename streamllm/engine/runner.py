@@ -23,13 +23,16 @@ class Work:
     want_logits: str = "last"  # "last" | "all" | "none"
     want_hidden: bool = False  # with "last": also the final-normed hidden state of that row (choice heads)
     hidden: torch.Tensor | None = None  # [H], filled by execute when want_hidden
+    want_tap: bool = False  # the residual of every row at the runner's tap_layer (series heads read lines)
+    tap: torch.Tensor | None = None  # [n, H] fp32, filled by execute when want_tap
 
 
 class Runner:
-    def __init__(self, model: LlamaForward, store: KVStore, grouped: bool = True) -> None:
+    def __init__(self, model: LlamaForward, store: KVStore, grouped: bool = True, tap_layer: int | None = None) -> None:
         self.model = model
         self.store = store
         self.grouped = grouped  # read a prefix shared by several sequences once per layer
+        self.tap_layer = tap_layer  # the layer whose residual want_tap works receive (series heads)
         self.forward_calls = 0
         self.tokens_computed = 0
 
@@ -76,14 +79,21 @@ class Runner:
         """Logits per work: [vocab] for "last", [n, vocab] for "all", None for "none"."""
         if not works:
             return []
+        want_tap = any(w.want_tap for w in works)
+        if want_tap and self.tap_layer is None:
+            raise ValueError("a work wants tapped rows but the runner has no tap_layer")
         batch, logit_slices = self.build_batch(works)
         want_hidden = any(w.want_hidden for w in works)
-        logits = self.model.forward(batch, self.store.pool.k, self.store.pool.v, return_hidden=want_hidden)
-        if want_hidden:
-            logits, hidden = logits
-            for w, sl in zip(works, logit_slices, strict=True):
+        tap_layer = self.tap_layer if want_tap else None
+        result = self.model.forward(batch, self.store.pool.k, self.store.pool.v, return_hidden=want_hidden,
+                                  tap_layer=tap_layer)
+        logits = result if isinstance(result, torch.Tensor) else result.logits
+        if want_hidden or tap_layer is not None:
+            for w, sl, seq in zip(works, logit_slices, batch.seqs, strict=True):
                 if w.want_hidden and sl is not None:
-                    w.hidden = hidden[sl.stop - 1]
+                    w.hidden = result.hidden[sl.stop - 1]
+                if w.want_tap:
+                    w.tap = result.tap[seq.q_start: seq.q_start + seq.q_len]
         self.forward_calls += 1
         self.tokens_computed += int(batch.input_ids.shape[0])
         out: list[torch.Tensor | None] = []

@@ -19,12 +19,16 @@ sequence the same way and never asks what it is.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import torch
+
 from streamllm.engine.kv import BlockTable
+from streamllm.engine.taps import LineTaps
 
 INTERACTIVE, INGEST, BACKGROUND = "interactive", "ingest", "background"
 ASK, ENTRY, DECODE = "ask", "entry", "decode"
@@ -60,7 +64,7 @@ class Session(Sequence):
 
     __slots__ = ("name", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
                  "version_ends", "version_lines", "data_version", "lines_ingested", "line_ends",
-                 "compactions", "tokens_dropped", "opened_at", "version_base", "push_times")
+                 "compactions", "tokens_dropped", "opened_at", "version_base", "push_times", "lines_cut", "taps")
     want_logits = "none"
     sched_class = INGEST  # type: ignore[assignment]
 
@@ -80,6 +84,8 @@ class Session(Sequence):
         self.data_version = 0
         self.lines_ingested = 0
         self.line_ends: deque[int] = deque()  # token index after each data line (compaction cuts there)
+        self.lines_cut = 0  # lines compacted away: line_ends[0] ends line number lines_cut
+        self.taps: LineTaps | None = None  # per-line features, when the engine serves series heads
         self.compactions = 0
         self.tokens_dropped = 0
         self.opened_at = time.time()
@@ -152,6 +158,14 @@ class Session(Sequence):
             self.lines_ingested += self.version_lines[self.data_version - self.version_base]
         return self.data_version != before
 
+    def lines_upto(self, token: int) -> int:
+        """Number of data lines (counted from the session's first) that end at or before `token`."""
+        return self.lines_cut + bisect_right(self.line_ends, token)
+
+    def tap(self, rows: torch.Tensor, start: int) -> None:
+        """Fold the tapped residual rows of tokens [start, start + len(rows)) into the line features."""
+        self.taps.add(rows, start, self.line_ends, self.lines_cut, self.prefix_len)
+
     def version_length(self, version: int) -> int:
         return self.version_ends[version - self.version_base]
 
@@ -182,7 +196,9 @@ class Session(Sequence):
         self.version_base += first
         self.version_ends = ends[first:]
         self.version_lines = self.version_lines[first:]
-        self.line_ends = deque(end - shift for end in self.line_ends if end > cut)
+        kept = deque(end - shift for end in self.line_ends if end > cut)
+        self.lines_cut += len(self.line_ends) - len(kept)
+        self.line_ends = kept
         self.table = table
         self.num_computed = num_computed
         self.tokens_dropped += shift

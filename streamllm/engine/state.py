@@ -16,6 +16,7 @@ import torch
 from streamllm.engine.kv import BlockTable, KVCapacityError
 from streamllm.engine.outputs import AdmissionError, SessionError, SessionInfo
 from streamllm.engine.sequence import Session
+from streamllm.engine.taps import LineTaps
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ def export_session(core: Any, name: str) -> SessionState:
         "session": s.name, "system": s.system, "max_context": s.max_context, "prefix_len": s.prefix_len,
         "num_tokens": s.num_tokens, "num_computed": n, "version_base": s.version_base,
         "version_ends": list(s.version_ends), "version_lines": list(s.version_lines),
-        "line_ends": list(s.line_ends), "data_version": s.data_version, "lines_ingested": s.lines_ingested,
+        "line_ends": list(s.line_ends), "lines_cut": s.lines_cut, "data_version": s.data_version, "lines_ingested": s.lines_ingested,
         "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
     }
     return SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
@@ -95,6 +96,9 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     s.version_base = int(meta.get("version_base", 0))
     s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
     s.line_ends.extend(meta["line_ends"])
+    s.lines_cut = int(meta.get("lines_cut", 0))
+    # Line features are not snapshotted: series heads answer again once `keep` new lines are computed.
+    s.taps = LineTaps(core.line_taps) if core.line_taps else None
     s.data_version, s.lines_ingested = int(meta["data_version"]), int(meta["lines_ingested"])
     s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
     core.sessions[name] = s

@@ -10,6 +10,9 @@ prefills only the question, so many decision points share one pass over the data
     session  [prefix | bar 0 | bar 1 | ... | bar W-1]              computed once
     branch   [prefix | bar 0 .. bar i | Question: ...<assistant>]  -> final normed hidden @ last row
 
+With a tap layer it also keeps every line's features (engine/taps.py, what a series head
+reads) and every bar's labels: a series head trains on every bar, not only decision points.
+
 Labels are computed here from the bars (the teacher); nothing in the engine calls them.
 """
 
@@ -25,6 +28,7 @@ from streamllm.config import QuestionSpec, SessionSpec
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.runner import Runner, Work
+from streamllm.engine.taps import LineTaps
 from streamllm.market.render import Renderer
 from streamllm.model.llama import LlamaForward
 
@@ -34,19 +38,23 @@ BRANCH_TOKENS = 1536  # question tokens per forward (many branches side by side)
 
 @dataclass(slots=True)
 class WindowStates:
-    """Per question: hidden states [n, H] at its decision points, the true choice index [n], and the bar index [n]."""
+    """Per question: hidden states [n, H] at its decision points, the true choice index [n], and the bar index [n];
+    with a tap layer, every bar's line features [W, 2H] and per question every bar's choice index [W] (-1: unknown)."""
 
     features: dict[str, torch.Tensor]
     labels: dict[str, torch.Tensor]
     bars: dict[str, torch.Tensor]
     tokens: int  # tokens computed for this window (session + branches)
+    lines: torch.Tensor | None = None
+    line_labels: dict[str, torch.Tensor] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"features": self.features, "labels": self.labels, "bars": self.bars, "tokens": self.tokens}
+        return {"features": self.features, "labels": self.labels, "bars": self.bars, "tokens": self.tokens,
+                "lines": self.lines, "line_labels": self.line_labels}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WindowStates:
-        return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]))
+        return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]), d.get("lines"), d.get("line_labels"))
 
 
 def session_ids(layout: PromptLayout, prefix: list[int], lines: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -67,11 +75,12 @@ def render_window(bars: Sequence[Any]) -> list[str]:
 
 class StateExtractor:
     def __init__(self, loaded: Any, spec: SessionSpec, questions: Sequence[QuestionSpec], *,
-                 max_window_tokens: int = 8192, device: str = "cpu") -> None:
+                 max_window_tokens: int = 8192, device: str = "cpu", tap_layer: int | None = None,
+                 dtype: str = "float32") -> None:
         self.spec = spec
         self.questions = list(questions)
         self.layout = PromptLayout(loaded.tokenizer)
-        self.model = LlamaForward(loaded.config, loaded.state_dict, device=device)
+        self.model = LlamaForward(loaded.config, loaded.state_dict, device=device, dtype=dtype)
         self.question_ids = {q.id: self.layout.question_ids(q.text) for q in self.questions}
         self.prefix = self.layout.prefix_ids(spec.system_prompt)
         block = 16
@@ -79,8 +88,9 @@ class StateExtractor:
         num_blocks = -(-cells // block)
         self.store = KVStore(BlockManager(num_blocks, block),
                              KVPool(self.model.num_layers, num_blocks * block, self.model.num_kv_heads,
-                                    self.model.head_dim, dtype=self.model.dtype, device=self.model.device))
-        self.runner = Runner(self.model, self.store)
+                                    self.model.head_dim, dtype=self.model.kv_dtype, device=self.model.device))
+        self.runner = Runner(self.model, self.store, tap_layer=tap_layer)
+        self.tap_layer = tap_layer
         self.max_window_tokens = max_window_tokens
 
     # -- prompts ---------------------------------------------------------------------
@@ -107,11 +117,15 @@ class StateExtractor:
         manager = self.store.manager
         session = BlockTable()
         computed = 0
+        taps = LineTaps(len(lines)) if self.tap_layer is not None else None
         try:
             manager.append(session, len(ids))
             for start in range(0, len(ids), CHUNK_TOKENS):
                 chunk = ids[start: start + CHUNK_TOKENS]
-                self.runner.execute([Work(session, chunk, start, "none")])
+                work = Work(session, chunk, start, "none", want_tap=taps is not None)
+                self.runner.execute([work])
+                if taps is not None:  # the engine's own rule for a session's line features
+                    taps.add(work.tap, start, ends, 0, len(self.prefix))
                 computed += len(chunk)
             pending: list[tuple[str, int, int]] = []  # (question id, bar index, choice index)
             for i in range(first, len(bars), stride):
@@ -129,6 +143,12 @@ class StateExtractor:
             out.features[q.id] = torch.stack([hidden[k] for k in rows]) if rows else torch.empty(0, self.model.config.hidden_size)
             out.labels[q.id] = torch.tensor([pending[k][2] for k in rows], dtype=torch.long)
             out.bars[q.id] = torch.tensor([pending[k][1] for k in rows], dtype=torch.long)
+        if taps is not None:
+            out.lines = taps.window(len(lines), len(lines))
+            out.line_labels = {}
+            for q in self.questions:
+                truths = [q.expected_answer(bars[: i + 1]) for i in range(len(bars))]
+                out.line_labels[q.id] = torch.tensor([-1 if t is None else q.choices.index(t) for t in truths])
         return out
 
     def _branch_states(self, session: BlockTable, ends: list[int], pending: list[tuple[str, int, int]]) -> list[torch.Tensor]:

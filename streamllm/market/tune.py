@@ -1,10 +1,14 @@
 """`streamllm tune`: teach the session model a config's labelled questions from recorded bars.
 
-`--method head` (the default, and the one for CPUs) learns one choice head per
-labelled question: a readout W h + b over the final normed hidden state h at the
-question's decision point, the LM head's rows for its choices re-trained. States
-come from the engine's own prompt layout, model, runner and KV store
-(streamllm/market/extract.py); the fit is convex (streamllm/market/headfit.py).
+`--method series` (the default, minutes on a CPU) learns one series head per labelled
+question: a readout over the session's last K lines, each line read as the residual
+stream at one layer over its tokens (engine/taps.py, market/seriesfit.py). The model
+reads the numbers; the head weighs them across lines, which a 135M model's single
+decision-point state does not do well. `--method head` learns a readout W h + b over
+the final normed hidden state h at the question's decision point (the LM head's rows
+for its choices re-trained; convex, market/headfit.py). `--method lora` adapts the
+model itself (market/tune_lora.py). States come from the engine's own prompt layout,
+model, runner and KV store (streamllm/market/extract.py).
 
 Time split, per data file (no window straddles a boundary):
 
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 
 from streamllm.config import ConfigError, QuestionSpec, SessionSpec, load_config, normalize_question
+from streamllm.market.card import card_markdown
 
 SPLIT = (0.7, 0.8)  # train | dev | later, as fractions of each data file's bars
 
@@ -131,11 +136,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="+", required=True,
                    help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py)")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
-    p.add_argument("--method", choices=("head", "lora"), default="head",
-                   help="head: a readout per question (minutes on a CPU); lora: peft's LoRA on the top layers")
+    p.add_argument("--method", choices=("series", "head", "lora"), default="series",
+                   help="series: a readout per question over the last lines' states (minutes on a CPU); head: over "
+                        "the decision point's state; lora: peft's LoRA on the top layers")
     p.add_argument("--session", action="append", help="session of the config (repeatable; default: every session "
                                                       "with labelled questions)")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", help="the forward's dtype for states (auto: the engine's default, so "
+                                                   "heads train on the numbers they will read)")
     p.add_argument("--minutes", type=float, default=20.0, help="time budget; training windows stop when it is spent")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="reuse the states already extracted under OUT/states")
@@ -150,6 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's)")
     p.add_argument("--synthetic-bars", type=int, default=160, help="synthetic bars per instrument (0: none)")
     p.add_argument("--judge-bars", type=int, help="bars per --judge / synthetic window (default: --window)")
+    series = p.add_argument_group("--method series")
+    series.add_argument("--tap-layer", type=int, default=12, help="read each line's residual stream after this layer")
+    series.add_argument("--lines", type=int, default=24, help="lines a head reads (at least the labels' history)")
+    series.add_argument("--series-rank", type=int, default=8, help="numbers a head takes from each line")
     lora = p.add_argument_group("--method lora")
     lora.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers (the rest run once per window)")
     lora.add_argument("--rank", type=int, default=8)
@@ -239,6 +251,9 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
     if args.window < 2 or args.stride < 1 or args.minutes <= 0:
         raise TuneError("need --window >= 2, --stride >= 1 and --minutes > 0")
+    if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.window <= args.lines):
+        raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1 and --window > --lines "
+                        f"(got {args.lines}, {args.series_rank}, {args.window})")
     t0 = time.perf_counter()
     config = load_config(args.questions)
     rng = random.Random(args.seed)
@@ -256,12 +271,22 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
             f.unlink()
     states_dir.mkdir(parents=True, exist_ok=True)
     for t in tasks:
-        t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, [
+        tap = args.tap_layer if args.method == "series" else None
+        t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, tap, [
             (q.id, q.text, q.choices, q.label.text) for q in t.questions]]).encode()).hexdigest()[:12]
     if args.method == "lora":
         return _lora(args, loaded, tasks, t0)
+    layers = loaded.config.num_hidden_layers
+    if args.method == "series" and not 0 <= args.tap_layer <= layers:
+        raise TuneError(f"--tap-layer {args.tap_layer} is outside 0..{layers} ({loaded.name} has {layers} layers)")
     for t in tasks:
-        t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens))
+        history = max(q.label.bars_needed for q in t.questions)
+        if args.method == "series" and args.lines < history:
+            raise TuneError(f"--lines {args.lines} is shorter than the labels' {history}-bar history "
+                            f"(session {t.spec.name})")
+    for t in tasks:
+        t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens),
+                                     tap_layer=args.tap_layer if args.method == "series" else None, dtype=args.dtype)
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
     tokens, spent = 0, False
@@ -331,32 +356,75 @@ def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tens
     return ChoiceScorer([q], extractor.layout.tokenizer)(q.id, x, extractor.model.lm_head)
 
 
+def _fit_entry(args, head_id, q, members, got, sets, hidden):
+    """An entry head: logistic regression on the decision points' states."""
+    from streamllm.market.headfit import calibrate_threshold, fit_head
+    from streamllm.model.adapter import ChoiceHead
+
+    x, y = _gather(got, "train", members, hidden)
+    xd, yd = _gather(got, "dev", members, hidden)
+    fit = fit_head(x, y, xd, yd, len(q.choices))
+    threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, args.target_precision)
+    head = ChoiceHead(head_id, q.text, q.choices, fit.weight, fit.bias, threshold)
+
+    def scores(set_name):
+        xs, ys = _gather(got, set_name, members, hidden)
+        return head.logits(xs), ys
+
+    return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
+
+
+def _fit_series(args, head_id, q, members, got, sets):
+    """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py)."""
+    from streamllm.market.headfit import calibrate_threshold
+    from streamllm.market.seriesfit import fit_series, samples
+    from streamllm.model.adapter import SeriesHead
+
+    def gather(set_name):
+        return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if p.set == set_name
+                        for name, qid in members if name == session], args.lines)
+
+    train, dev = gather("train"), gather("dev")
+    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed)
+    head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
+                      math.inf)
+    head.threshold = calibrate_threshold(head.logits(dev.windows()), dev.labels, args.target_precision)
+
+    def scores(set_name):  # judged through the served head itself: the engine's numbers
+        got_set = gather(set_name)
+        return head.logits(got_set.windows()), got_set.labels
+
+    return head, {"weight_decay": fit.weight_decay, "train_samples": len(train), "steps": fit.steps,
+                  "dev_loss": round(fit.dev_loss, 4)}, scores
+
+
 def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
-    from streamllm.market.headfit import calibrate_threshold, fit_head, judge
-    from streamllm.model.adapter import CARD_FILE, ChoiceHead, save_heads
+    from streamllm.market.headfit import judge
+    from streamllm.model.adapter import CARD_FILE, save_heads
 
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
     for head_id, q, members in _groups(tasks):
-        x, y = _gather(got, "train", members, hidden)
-        xd, yd = _gather(got, "dev", members, hidden)
-        fit = fit_head(x, y, xd, yd, len(q.choices))
-        steps += fit.steps
-        threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, args.target_precision)
-        heads.append(ChoiceHead(head_id, q.text, q.choices, fit.weight, fit.bias, threshold))
-        entry = {"label": q.label.text, "choices": list(q.choices), "sessions": [m[0] for m in members],
-                 "l2": fit.l2, "train_samples": len(y), "judged": {}, "base_model": {},
-                 "threshold": None if math.isinf(threshold) else round(threshold, 4)}
+        if args.method == "series":
+            head, entry, scores = _fit_series(args, head_id, q, members, got, sets)
+        else:
+            head, entry, scores = _fit_entry(args, head_id, q, members, got, sets, hidden)
+        steps += entry.pop("steps")
+        heads.append(head)
+        entry.update({"label": q.label.text, "choices": list(q.choices), "sessions": [m[0] for m in members],
+                      "judged": {}, "base_model": {},
+                      "threshold": None if math.isinf(head.threshold) else round(head.threshold, 4)})
         for s in sets:
-            xs, ys = _gather(got, s, members, hidden)
-            entry["judged"][s] = judge(xs @ fit.weight.T + fit.bias, ys, q.choices, threshold, args.target_precision)
+            logits, ys = scores(s)
+            entry["judged"][s] = judge(logits, ys, q.choices, head.threshold, args.target_precision)
+            xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)
         report[head_id] = entry
     path = save_heads(args.out, heads, model=loaded.name)
     card = {
-        "method": "head", "model": loaded.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
+        "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
         "data": [str(d) for d in args.data], "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
@@ -368,51 +436,11 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
         "minutes": round((time.perf_counter() - t0) / 60, 2), "extract_minutes": round(extract_s / 60, 2),
         "adapter_bytes": path.stat().st_size, "questions": report,
     }
+    if args.method == "series":
+        card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank}
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     (args.out / "card.md").write_text(card_markdown(card))
     return card
-
-
-def _card_intro(card: dict[str, Any]) -> list[str]:
-    data = (f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and "
-            f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
-            f"decision points per set: {card['decision_points']}.")
-    if card["method"] == "lora":
-        lo = card["lora"]
-        return [f"# LoRA for {card['config']} (sessions {', '.join(card['sessions'])})", "",
-                f"Method `lora` on `{card['model']}`: peft LoRA r={lo['rank']} alpha={lo['alpha']} on every projection "
-                f"of layers {lo['adapted_layers'][0]}-{lo['adapted_layers'][-1]}, merged into the weights at load. "
-                f"This run: {card['minutes']} min ({card['train_minutes']} preparing and training), {card['steps']} "
-                f"steps of {lo['points']} decision points (lr {lo['lr']}, KL {lo['kl']}, bf16 autocast "
-                f"{lo['autocast_bf16']}); best dev loss {card['best_dev_loss']} at step {card['best_step']}; "
-                f"{card['adapter_bytes']} bytes.", data, "",
-                "The gate scores a choice by its best first token's logit (the engine's own rule); threshold: the "
-                f"margin reaching precision {card['target_precision']} on the dev range (none: never on at least 10 "
-                "fired samples). Base model: the same rule on the unadapted model, its own dev threshold. Questions "
-                "named adhoc_* were never trained on: they show whether the model stayed general.", ""]
-    return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
-            f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
-            f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
-            f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
-            f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.", data, "",
-            f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
-            "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
-
-
-def card_markdown(card: dict[str, Any]) -> str:
-    lines = _card_intro(card) + [
-             "| question | set | n | accuracy | base rate | base model acc | coverage @thr | precision @thr | "
-             "coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|"]
-    for qid, q in card["questions"].items():
-        for s, j in q["judged"].items():
-            if not j.get("samples"):
-                continue
-            base = q["base_model"][s]
-            lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
-                         f"| {base['accuracy']:.2f} | {j['coverage']:.2f} | "
-                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
-    lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
-    return "\n".join(lines)
 
 
 def cli_main(argv: list[str]) -> int:

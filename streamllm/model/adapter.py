@@ -1,13 +1,23 @@
-"""Adapters made by `streamllm tune`: choice heads read at decision points.
+"""Adapters made by `streamllm tune`: choice heads, read at decision points or over recent lines.
 
-A head is a learned readout for one labelled choice question: over the final normed
-hidden state h at the question's decision point (the pre-positioned entry's last
-row), choice logits = W h + b, one row per choice. It is the LM head's rows for the
-question's choices, re-trained; everything else in the model stays as it was, so the
-KV cache, the fast path's scan and the decode path are unchanged.
+A head is a learned readout for one labelled choice question. Two kinds:
+
+- entry (`--method head`): over the final normed hidden state h at the question's
+  decision point (the pre-positioned entry's last row), choice logits = W h + b. It is
+  the LM head's rows for the question's choices, re-trained.
+- series (`--method series`): over the session's last K data lines. Per line the
+  engine keeps f = [mean, last] of the residual stream at one layer over the line's
+  tokens (engine/taps.py); the head projects each to z = P f + p (R numbers), and
+  choice logits = sum over lines k of A[:, k] . [z_k, |z_k|] + b. The model reads the
+  text; the head does the arithmetic across lines (sums, differences, magnitudes) that
+  a small model's single decision-point state does not hold.
+
+Everything else in the model stays as it was: the KV cache, the fast path's scan and
+the decode path are unchanged.
 
     adapter dir/
-      head.safetensors   {qid}.weight [choices, hidden], {qid}.bias [choices]; metadata "streamllm"
+      head.safetensors   entry: {qid}.weight [C, H], {qid}.bias [C]; series: {qid}.proj [R, 2H],
+                         {qid}.proj_bias [R], {qid}.lags [C, K, 2R], {qid}.bias [C]; metadata "streamllm"
       card.json          what was trained on what, validation figures, thresholds
       card.md            the same for people
       lora/              or and: a LoRA from `tune --method lora` (peft's format, model/lora.py),
@@ -25,14 +35,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: series heads; version 1 files (entry heads only) still load
 
 
 class AdapterError(ValueError):
@@ -47,6 +57,9 @@ def _normalize(text: str) -> str:
 
 @dataclass(slots=True)
 class ChoiceHead:
+    """An entry head: reads the decision point's final normed hidden state."""
+
+    kind: ClassVar[str] = "entry"
     question_id: str
     text: str
     choices: tuple[str, ...]
@@ -66,20 +79,73 @@ class ChoiceHead:
                           self.bias.to(device, dtype), self.threshold)
 
 
+def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, lags: torch.Tensor,
+                  bias: torch.Tensor) -> torch.Tensor:
+    """Choice logits from line features [..., K, 2H] (oldest line first): [..., C]. Training uses it too."""
+    z = lines @ proj.T + proj_bias  # [..., K, R]
+    return torch.einsum("...kr,ckr->...c", torch.cat([z, z.abs()], -1), lags) + bias
+
+
+@dataclass(slots=True)
+class SeriesHead:
+    """A series head: reads the session's last K lines' features at layer `layer` (engine/taps.py)."""
+
+    kind: ClassVar[str] = "series"
+    question_id: str
+    text: str
+    choices: tuple[str, ...]
+    layer: int  # the residual stream after this many layers (transformers' hidden_states[layer])
+    proj: torch.Tensor  # [R, 2H], standardization folded in
+    proj_bias: torch.Tensor  # [R]
+    lags: torch.Tensor  # [C, K, 2R]
+    bias: torch.Tensor  # [C]
+    threshold: float
+
+    @property
+    def lines(self) -> int:
+        return int(self.lags.shape[1])
+
+    def logits(self, lines: torch.Tensor) -> torch.Tensor:
+        """Choice logits for line features [K, 2H] (or a batch [N, K, 2H])."""
+        return series_logits(lines.to(self.proj.dtype), self.proj, self.proj_bias, self.lags, self.bias)
+
+    def matches(self, text: str, choices: tuple[str, ...]) -> bool:
+        return _normalize(text) == _normalize(self.text) and tuple(choices) == self.choices
+
+    def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> SeriesHead:
+        return SeriesHead(self.question_id, self.text, self.choices, self.layer, self.proj.to(device, dtype),
+                          self.proj_bias.to(device, dtype), self.lags.to(device, dtype), self.bias.to(device, dtype),
+                          self.threshold)
+
+
+Head = ChoiceHead | SeriesHead
+
+
 @dataclass(slots=True)
 class Adapter:
     path: Path
     id: str  # content hash of head.safetensors: snapshots record it
     model: str  # the model the heads were trained on
     hidden_size: int
-    heads: list[ChoiceHead]
+    heads: list[Head]
     lora: bool = False  # a lora/ to merge into the weights at load (model/lora.py)
 
-    def head_for(self, text: str, choices: tuple[str, ...]) -> ChoiceHead | None:
+    def head_for(self, text: str, choices: tuple[str, ...]) -> Head | None:
         return next((h for h in self.heads if h.matches(text, choices)), None)
 
+    @property
+    def tap_layer(self) -> int | None:
+        """The layer the series heads read (one per adapter), None without series heads."""
+        layers = {h.layer for h in self.heads if h.kind == "series"}
+        return layers.pop() if layers else None
 
-def save_heads(directory: str | Path, heads: list[ChoiceHead], *, model: str) -> Path:
+    @property
+    def tap_lines(self) -> int:
+        """Lines of features a session must keep for the longest series head (0: none)."""
+        return max((h.lines for h in self.heads if h.kind == "series"), default=0)
+
+
+def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -88,16 +154,26 @@ def save_heads(directory: str | Path, heads: list[ChoiceHead], *, model: str) ->
         raise AdapterError("no heads to save")
     tensors: dict[str, torch.Tensor] = {}
     questions = []
+    if len({h.layer for h in heads if h.kind == "series"}) > 1:
+        raise AdapterError("series heads of one adapter must read one layer (the engine taps one)")
     for h in heads:
-        tensors[f"{h.question_id}.weight"] = h.weight.detach().float().contiguous().cpu()
-        tensors[f"{h.question_id}.bias"] = h.bias.detach().float().contiguous().cpu()
-        questions.append({"id": h.question_id, "text": h.text, "choices": list(h.choices),
-                          "threshold": h.threshold if math.isfinite(h.threshold) else None})
+        names = ("weight", "bias") if h.kind == "entry" else ("proj", "proj_bias", "lags", "bias")
+        for name in names:
+            tensors[f"{h.question_id}.{name}"] = getattr(h, name).detach().float().contiguous().cpu()
+        q = {"id": h.question_id, "kind": h.kind, "text": h.text, "choices": list(h.choices),
+             "threshold": h.threshold if math.isfinite(h.threshold) else None}
+        if h.kind == "series":
+            q["layer"] = h.layer
+        questions.append(q)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
-            "hidden_size": int(heads[0].weight.shape[1]), "questions": questions}
+            "hidden_size": _hidden_of(heads[0]), "questions": questions}
     path = directory / HEAD_FILE
     save_file(tensors, str(path), metadata={"streamllm": json.dumps(meta)})
     return path
+
+
+def _hidden_of(head: Head) -> int:
+    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // 2
 
 
 def load_adapter(directory: str | Path) -> Adapter:
@@ -131,25 +207,47 @@ def _read_heads(path: Path) -> tuple[str, int, list[ChoiceHead]]:
             tensors = {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open is no dict
     except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as exc:
         raise AdapterError(f"adapter {path}: not a readable head file ({exc})") from None
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, FORMAT_VERSION):
         raise AdapterError(f"adapter {path}: format {meta.get('format')!r} v{meta.get('format_version')!r}, "
-                           f"this build reads {FORMAT} v{FORMAT_VERSION}")
-    heads = []
+                           f"this build reads {FORMAT} v1-v{FORMAT_VERSION}")
+    hidden = int(meta["hidden_size"])
+    heads: list[Head] = []
     for q in meta["questions"]:
-        weight, bias = tensors.get(f"{q['id']}.weight"), tensors.get(f"{q['id']}.bias")
-        if weight is None or bias is None or weight.shape != (len(q["choices"]), meta["hidden_size"]) \
-                or bias.shape != (len(q["choices"]),):
-            raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
-        threshold = math.inf if q["threshold"] is None else float(q["threshold"])
-        heads.append(ChoiceHead(q["id"], q["text"], tuple(q["choices"]), weight, bias, threshold))
-    return str(meta.get("model")), int(meta["hidden_size"]), heads
+        heads.append(_read_head(path, q, tensors, hidden))
+    if len({h.layer for h in heads if h.kind == "series"}) > 1:
+        raise AdapterError(f"adapter {path}: its series heads read different layers")
+    return str(meta.get("model")), hidden, heads
 
 
-def check_adapter(adapter: Adapter, model_name: str, hidden_size: int) -> None:
+def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], hidden: int) -> Head:
+    kind, c = q.get("kind", "entry"), len(q["choices"])
+    threshold = math.inf if q["threshold"] is None else float(q["threshold"])
+    got = {name: tensors.get(f"{q['id']}.{name}") for name in ("weight", "bias", "proj", "proj_bias", "lags")}
+
+    def shaped(name: str, *dims: int | None) -> bool:
+        t = got[name]
+        return t is not None and t.dim() == len(dims) and all(d is None or d == n for d, n in zip(dims, t.shape, strict=True))
+
+    if kind == "entry" and shaped("weight", c, hidden) and shaped("bias", c):
+        return ChoiceHead(q["id"], q["text"], tuple(q["choices"]), got["weight"], got["bias"], threshold)
+    if kind == "series" and shaped("proj", None, 2 * hidden) and shaped("bias", c):
+        r = got["proj"].shape[0]
+        if shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int):
+            return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
+                              got["lags"], got["bias"], threshold)
+    if kind not in ("entry", "series"):
+        raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
+    raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
+
+
+def check_adapter(adapter: Adapter, model_name: str, hidden_size: int, num_layers: int | None = None) -> None:
     """The heads read this model's hidden states: refuse another model's adapter."""
     if adapter.hidden_size != hidden_size or adapter.model != model_name:
         raise AdapterError(f"adapter {adapter.path} was trained on {adapter.model!r} (hidden {adapter.hidden_size}); "
                            f"this engine runs {model_name!r} (hidden {hidden_size})")
+    layer = adapter.tap_layer
+    if layer is not None and num_layers is not None and not 0 <= layer <= num_layers:
+        raise AdapterError(f"adapter {adapter.path}: series heads read layer {layer}; the model has {num_layers}")
 
 
 def card(directory: str | Path) -> dict[str, Any]:

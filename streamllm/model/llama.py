@@ -14,6 +14,7 @@ start-up probe found fp32 faster at that row count (`fp32_rows`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,14 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
     # (shared first run, member seq indices): read once for all members (cascade attention)
     groups: list = field(default_factory=list)
+
+
+class ForwardOut(NamedTuple):
+    """What a forward returns when more than logits is asked for."""
+
+    logits: torch.Tensor  # [R, vocab] fp32 for logit_rows
+    hidden: torch.Tensor | None  # [R, H] final-normed hidden states of the same rows (choice heads), fp32
+    tap: torch.Tensor | None  # [T, H] the residual stream of every row after `tap_layer` layers (series heads), fp32
 
 
 @dataclass(slots=True)
@@ -190,13 +199,18 @@ class LlamaForward:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                return_hidden: bool = False, tap_layer: int | None = None) -> torch.Tensor | ForwardOut:
         """Run the batch, writing its K/V into the caches; returns fp32 logits [R, vocab] for logit_rows.
 
         k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype). With
-        return_hidden, returns (logits, the final-normed hidden states [R, H] of the same rows, fp32):
-        what a choice head reads; they are computed anyway, so asking for them costs nothing.
+        return_hidden or tap_layer, returns a ForwardOut: the final-normed hidden states of the
+        logit rows (what a choice head reads) and/or the residual stream of every row after the
+        first `tap_layer` layers (transformers' hidden_states[tap_layer] below the last layer, where
+        transformers' is the normed one; what a series head reads).
+        Both are computed anyway, so asking for them costs nothing.
         """
+        if tap_layer is not None and not 0 <= tap_layer <= self.num_layers:
+            raise ValueError(f"tap_layer {tap_layer} is outside 0..{self.num_layers}")
         if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
             raise ValueError(f"KV cells are {k_cache.dtype}/{v_cache.dtype}, the model runs {self.kv_dtype}")
         positions = batch.positions
@@ -214,6 +228,7 @@ class LlamaForward:
         nh, nkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
         q_size, kv_size = nh * d, nkv * d
         slots = batch.slot_mapping
+        tap = h if tap_layer == 0 else None
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.input_norm)
             qkv = self._linear(x, "qkv", li, layer.qkv_bias)
@@ -238,6 +253,10 @@ class LlamaForward:
             x = self._rmsnorm(h, layer.post_norm)
             gate_up = self._linear(x, "gate_up", li)
             h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
+            if li + 1 == tap_layer:
+                tap = h  # a new tensor each layer: keeping the reference is the copy
         normed = self._rmsnorm(h[batch.logit_rows], self.final_norm)
         logits = self._linear(normed, "lm_head").float()
-        return (logits, normed.float()) if return_hidden else logits
+        if not return_hidden and tap_layer is None:
+            return logits
+        return ForwardOut(logits, normed.float() if return_hidden else None, tap)

@@ -1,0 +1,59 @@
+"""The adapter card `streamllm tune` writes beside an adapter: card.md from card.json's figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _intro(card: dict[str, Any]) -> list[str]:
+    data = (f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and "
+            f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
+            f"decision points per set: {card['decision_points']}.")
+    if card["method"] == "lora":
+        lo = card["lora"]
+        return [f"# LoRA for {card['config']} (sessions {', '.join(card['sessions'])})", "",
+                f"Method `lora` on `{card['model']}`: peft LoRA r={lo['rank']} alpha={lo['alpha']} on every projection "
+                f"of layers {lo['adapted_layers'][0]}-{lo['adapted_layers'][-1]}, merged into the weights at load. "
+                f"This run: {card['minutes']} min ({card['train_minutes']} preparing and training), {card['steps']} "
+                f"steps of {lo['points']} decision points (lr {lo['lr']}, KL {lo['kl']}, bf16 autocast "
+                f"{lo['autocast_bf16']}); best dev loss {card['best_dev_loss']} at step {card['best_step']}; "
+                f"{card['adapter_bytes']} bytes.", data, "",
+                "The gate scores a choice by its best first token's logit (the engine's own rule); threshold: the "
+                f"margin reaching precision {card['target_precision']} on the dev range (none: never on at least 10 "
+                "fired samples). Base model: the same rule on the unadapted model, its own dev threshold. Questions "
+                "named adhoc_* were never trained on: they show whether the model stayed general.", ""]
+    if card["method"] == "series":
+        se = card["series"]
+        return [f"# Series heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
+                f"Method `series` on `{card['model']}`: per question, a readout over the session's last {se['lines']} "
+                f"lines, each line read as [mean, last] of the residual stream after layer {se['tap_layer']} over its "
+                f"tokens, projected to {se['rank']} numbers (plus their magnitudes) and weighed per line. Judged at "
+                f"every bar with {se['lines']} lines of history (base model: at the decision points). This run: "
+                f"{card['minutes']} min ({card['extract_minutes']} extracting {card['tokens_extracted']} tokens; all "
+                f"windows, resumed ones included: {card['tokens_all_windows']} tokens), {card['fit_steps']} AdamW "
+                f"steps, {card['adapter_bytes']} bytes.", data, "",
+                f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
+                "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
+    return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
+            f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
+            f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
+            f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
+            f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.", data, "",
+            f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
+            "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
+
+
+def card_markdown(card: dict[str, Any]) -> str:
+    lines = _intro(card) + [
+             "| question | set | n | accuracy | base rate | base model acc | coverage @thr | precision @thr | "
+             "coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|"]
+    for qid, q in card["questions"].items():
+        for s, j in q["judged"].items():
+            if not j.get("samples"):
+                continue
+            base = q["base_model"][s]
+            lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
+                         f"| {base['accuracy']:.2f} | {j['coverage']:.2f} | "
+                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
+    lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
+    return "\n".join(lines)

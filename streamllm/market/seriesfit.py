@@ -1,0 +1,112 @@
+"""Fitting series heads on extracted line features (streamllm/model/adapter.py, engine/taps.py).
+
+A sample is one bar i of a window with a known label: its features are the window's
+lines i-K+1 .. i (oldest first), exactly what the engine's LineTaps.window gives an
+entry made after bar i. Every bar of every window is a sample (the features come
+from the session's own ingest: no branch per sample), so a few dozen windows give
+thousands. Lines are standardized on the training set (folded back into the saved
+projection), weight decay is picked by development log-loss, the best step by
+development loss (early stopping), the gate's margin threshold calibrated on the
+development range.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
+RANK = 8  # R: numbers the head takes from each line
+WEIGHT_DECAY = (1e-3, 1e-2, 1e-1)
+STEPS, BATCH, EVAL_EVERY, LR = 600, 256, 20, 3e-3
+
+
+@dataclass(slots=True)
+class Samples:
+    lines: torch.Tensor  # [M, 2H] every line of the set's windows
+    index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first
+    labels: torch.Tensor  # [N] choice index
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def windows(self) -> torch.Tensor:
+        """[N, K, 2H]: what LineTaps.window gives the engine for each sample (for judging with SeriesHead)."""
+        return self.lines[self.index]
+
+
+def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES) -> Samples:
+    """From (line features [W, 2H], labels [W] with -1 unknown) per window: every bar with k lines and a label."""
+    lines, index, labels, offset = [], [], [], 0
+    for feats, y in windows:
+        for i in range(k - 1, len(y)):
+            if y[i] >= 0:
+                index.append(torch.arange(offset + i - k + 1, offset + i + 1))
+                labels.append(int(y[i]))
+        lines.append(feats.float())
+        offset += len(feats)
+    width = lines[0].shape[1] if lines else 0
+    return Samples(torch.cat(lines) if lines else torch.empty(0, width),
+                   torch.stack(index) if index else torch.empty(0, k, dtype=torch.long),
+                   torch.tensor(labels, dtype=torch.long))
+
+
+@dataclass(slots=True)
+class SeriesFit:
+    proj: torch.Tensor  # [R, 2H] on raw line features
+    proj_bias: torch.Tensor  # [R]
+    lags: torch.Tensor  # [C, K, 2R]
+    bias: torch.Tensor  # [C]
+    weight_decay: float
+    steps: int
+    dev_loss: float
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, width: int, classes: int, k: int, rank: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, rank)
+        self.lags = torch.nn.Parameter(torch.zeros(classes, k, 2 * rank))
+        self.bias = torch.nn.Parameter(torch.zeros(classes))
+
+    def forward(self, lines: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # series_logits, with each line projected once however many samples read it
+        z = self.proj(lines)
+        g = torch.cat([z, z.abs()], -1)[index]  # [N, K, 2R]
+        return torch.einsum("nkr,ckr->nc", g, self.lags) + self.bias
+
+
+def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
+               grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0) -> SeriesFit:
+    if len(train) == 0 or len(dev) == 0:
+        raise ValueError("a series head needs training and development samples")
+    mu = train.lines.mean(0)
+    sd = train.lines.std(0).clamp_min(1e-4)
+    lines, dev_lines = (train.lines - mu) / sd, (dev.lines - mu) / sd
+    ce = torch.nn.functional.cross_entropy
+    best: tuple[float, float, dict] | None = None
+    total = 0
+    gen = torch.Generator().manual_seed(seed)
+    with torch.enable_grad():
+        for wd in grid:
+            torch.manual_seed(seed)
+            model = _Model(lines.shape[1], classes, k, rank)
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
+            for step in range(1, steps + 1):
+                pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
+                loss = ce(model(lines, train.index[pick]), train.labels[pick])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                total += 1
+                if step % EVAL_EVERY == 0 or step == steps:
+                    with torch.no_grad():
+                        dev_loss = float(ce(model(dev_lines, dev.index), dev.labels))
+                    if best is None or dev_loss < best[0]:
+                        best = (dev_loss, wd, {n: p.detach().clone() for n, p in model.state_dict().items()})
+    assert best is not None
+    dev_loss, wd, state = best
+    proj = state["proj.weight"] / sd  # fold the standardization in: P (f - mu) / sd + p
+    return SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, dev_loss)

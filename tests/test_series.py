@@ -1,0 +1,208 @@
+"""Series heads: per-line features tapped from the session's own ingest, and a readout over the last K lines.
+
+References: transformers' hidden_states for the tapped rows, a one-shot computation for
+the incremental line features, the extractor (what `tune` trains on) for the engine's
+features, and the trainer's own forward for the saved head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from feeds.sources import TableSource
+from streamllm.config import load_config
+from streamllm.engine import Engine
+from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.runner import Runner, Work
+from streamllm.engine.taps import LineTaps
+from streamllm.market.extract import StateExtractor, render_window, session_ids
+from streamllm.market.seriesfit import _Model, fit_series, samples
+from streamllm.market.tune import cli_main
+from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
+from streamllm.model.llama import LlamaForward
+from streamllm.model.lora import hf_model
+from tests.test_tune import CONFIG, write_bars
+
+LAYER, LINES = 1, 6
+
+
+@pytest.fixture
+def spec(tmp_path):
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    return load_config(config).sessions[0]
+
+
+@pytest.fixture
+def bars(tmp_path):
+    return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
+
+
+def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0) -> list[SeriesHead]:
+    g = torch.Generator().manual_seed(seed)
+    return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, 2 * hidden, generator=g) * 0.05,
+                       torch.randn(rank, generator=g), torch.randn(2, LINES, 2 * rank, generator=g),
+                       torch.randn(2, generator=g), threshold) for q in spec.questions if q.label is not None]
+
+
+def test_tapped_rows_are_transformers_hidden_states(tiny_model):
+    model = LlamaForward(tiny_model.config, tiny_model.state_dict)
+    store = KVStore(BlockManager(16, 16), KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim))
+    ids = tiny_model.tokenizer("10:00 100 +3 v1.0K\n10:01 102 +2 v1.1K\n")["input_ids"]
+    reference = hf_model(tiny_model)(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for layer in range(model.num_layers):  # transformers' last hidden state is the normed one
+        runner = Runner(model, store, tap_layer=layer)
+        table = BlockTable()
+        store.manager.append(table, len(ids))
+        first, second = Work(table, ids[:7], 0, "none", want_tap=True), Work(table, ids[7:], 7, "last", want_tap=True)
+        runner.execute([first])
+        runner.execute([second])  # a second chunk reads the first's cells
+        store.manager.free(table)
+        torch.testing.assert_close(torch.cat([first.tap, second.tap]), reference[layer][0], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="no tap_layer"):
+        Runner(model, store).execute([Work(BlockTable(), ids[:1], 0, want_tap=True)])
+
+
+def test_line_features_in_any_chunking_equal_one_shot():
+    torch.manual_seed(0)
+    prefix, ends = 5, [9, 12, 20, 21, 30]
+    rows = torch.randn(30, 4)
+    one = LineTaps(10)
+    one.add(rows, 0, ends, 0, prefix)
+    begins = [prefix, *ends[:-1]]
+    expected = torch.stack([torch.cat([rows[b:e].mean(0), rows[e - 1]]) for b, e in zip(begins, ends, strict=True)])
+    torch.testing.assert_close(one.window(5, 5), expected)
+    for cuts in ([3, 10, 11, 25], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 29], [20]):
+        taps = LineTaps(10)
+        for a, b in zip([0, *cuts], [*cuts, 30], strict=True):
+            taps.add(rows[a:b], a, ends, 0, prefix)
+        torch.testing.assert_close(taps.window(5, 5), expected)
+    assert one.window(3, 2) is not None and one.window(3, 4) is None  # only lines 1, 2 before line 3; not 4
+    # Met mid-line (a restored session): that line has no features, so a window across it is None.
+    restored = LineTaps(10)
+    restored.add(rows[15:], 15, ends, 0, prefix)
+    assert restored.num_lines == 5 and restored.window(5, 2) is not None and restored.window(5, 3) is None
+    # After a compaction the line numbers go on: line_ends shifted, lines_before counts the cut ones.
+    taps = LineTaps(3)
+    taps.add(rows[:12], 0, ends, 0, prefix)
+    taps.add(rows[12:20], 5, [13, 14, 23], 2, prefix)  # cut at token 12: 7 tokens and 2 lines gone
+    assert [i for i, _ in taps.lines] == [0, 1, 2] and taps.window(3, 3) is not None
+
+
+def engine_with(tiny_model, adapter, **kw) -> Engine:
+    return Engine(tiny_model, max_cells=8192, max_context=kw.pop("max_context", 2048), adapter=adapter, **kw)
+
+
+def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_path):
+    """Same features in serving as in training, and the gate answers with the series head."""
+    labelled = [q for q in spec.questions if q.label is not None]
+    heads = random_series(spec, tiny_model.config.hidden_size)
+    heads[1].threshold = math.inf
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    assert [h.kind for h in load_adapter(tmp_path / "ad").heads] == ["series", "series"]
+    states = StateExtractor(tiny_model, spec, labelled, tap_layer=LAYER).extract(bars[:20], stride=5)
+    engine = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        for q in spec.questions:
+            engine.register("test", q)
+        lines = render_window(bars[:20])
+        for upto, batch in ((9, lines[:10]), (16, lines[10:17])):  # two pushes: batching changes nothing
+            engine.push("test", batch)
+            engine.wait_idle()
+            trend = engine.prepos.find("test", "trend")
+            torch.testing.assert_close(trend.ready_hidden, states.lines[upto + 1 - LINES: upto + 1], atol=1e-5, rtol=1e-5)
+        scores = heads[0].logits(trend.ready_hidden)
+        answer = engine.ask("test", "trend")
+        assert answer.path == "fast" and answer.text == ("up", "down")[int(scores.argmax())]
+        assert answer.confidence == pytest.approx(float(scores.max() - scores.min()), abs=1e-4)
+        sma = engine.prepos.find("test", "sma")
+        answer = engine.ask("test", "sma")  # never confident: the entry answers, still with the head's choice
+        assert answer.path == "entry" and answer.text == ("yes", "no")[int(heads[1].logits(sma.ready_hidden).argmax())]
+        assert engine.prepos.find("test", "free").gate.head is None
+    finally:
+        engine.shutdown()
+
+
+def test_line_numbers_survive_compaction(tiny_model, spec, bars, tmp_path):
+    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    engine = engine_with(tiny_model, tmp_path / "ad", max_context=512)
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        engine.register("test", spec.questions[0])
+        lines = render_window(bars)
+        for i in range(0, 40, 2):  # pushes well under the budget: every line is computed before a cut
+            engine.push("test", lines[i: i + 2])
+            engine.wait_idle()
+        st = engine.prepos.find("test", "trend")
+        s = st.session
+        assert s.compactions >= 1
+        assert s.lines_upto(s.num_tokens) == 40 and s.taps.num_lines == 40
+        assert st.ready_hidden is not None and st.ready_hidden.shape == (LINES, 2 * tiny_model.config.hidden_size)
+    finally:
+        engine.shutdown()
+
+
+def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained_one():
+    g = torch.Generator().manual_seed(0)
+
+    def window(n):  # label: the sum of feature 0 over the last 4 lines is positive
+        feats = torch.randn(n, 10, generator=g) * torch.tensor([1.0] + [3.0] * 9) + 5.0
+        sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() - 5.0 * 4 for i in range(n)])
+        return feats, (sums <= 0).long()
+
+    train, dev = samples([window(60) for _ in range(20)], 6), samples([window(60) for _ in range(4)], 6)
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=300)
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0)
+    accuracy = (head.logits(dev.windows()).argmax(1) == dev.labels).float().mean()
+    assert accuracy > 0.9
+    model = _Model(10, 2, 6, 2)  # the trainer's forward on raw features, with the folded weights
+    model.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
+    with torch.no_grad():
+        torch.testing.assert_close(model(dev.lines, dev.index), head.logits(dev.windows()), atol=1e-4, rtol=1e-4)
+
+
+def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr("streamllm.model.loader.load_model", lambda *a, **k: tiny_model)
+    config, data = tmp_path / "q.toml", write_bars(tmp_path / "bars.csv", 600)
+    config.write_text(CONFIG)
+    out = tmp_path / "out"
+    argv = ["--questions", str(config), "--data", str(data), "--out", str(out), "--model", "tiny",
+            "--method", "series", "--tap-layer", "1", "--lines", "10", "--window", "40", "--stride", "8",
+            "--train-windows", "6", "--dev-windows", "2", "--later-windows", "2", "--synthetic-bars", "0",
+            "--no-progress", "--target-precision", "0.8"]
+    assert cli_main(argv) == 0
+    adapter = load_adapter(out)
+    assert {h.kind for h in adapter.heads} == {"series"} and adapter.tap_layer == 1 and adapter.tap_lines == 10
+    card = (out / "card.md").read_text()
+    assert "Series heads" in card and "| trend | later |" in card
+    engine = engine_with(tiny_model, out)
+    try:
+        spec = load_config(config).sessions[0]
+        engine.open_session("test", system=spec.system_prompt)
+        engine.register("test", spec.questions[0])
+        engine.push("test", render_window(TableSource(data, "bar", instrument="TEST").events()[:12]))
+        engine.wait_idle()
+        assert engine.ask("test", "trend").text in ("up", "down")
+    finally:
+        engine.shutdown()
+    with pytest.raises(SystemExit):
+        cli_main([*argv[:-2], "--tap-layer", "x"])
+    assert cli_main([*argv, "--lines", "4"]) == 2  # shorter than the labels' history
+
+
+def test_series_files_are_checked(tiny_model, spec, tmp_path):
+    heads = random_series(spec, tiny_model.config.hidden_size)
+    heads[1].layer = 2
+    with pytest.raises(AdapterError, match="one layer"):
+        save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    heads[1].layer = 7
+    heads[0].layer = 7
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    with pytest.raises(AdapterError, match="layer 7"):
+        engine_with(tiny_model, tmp_path / "ad")
+    ids, ends = session_ids(StateExtractor(tiny_model, spec, []).layout, [1, 2], ["a", "b"])
+    assert ends[-1] == len(ids)
