@@ -65,6 +65,7 @@ from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 
 __all__ = ["AdmissionError", "Answer", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
+LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
 
@@ -127,7 +128,10 @@ class Engine(Intake, Residency):
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
             branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
             stale_policy=stale_policy, check_every_step=check_integrity_every_step)
-        self.core.line_taps = self.adapter.tap_lines if self.adapter is not None else 0
+        # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
+        # and ingest may have computed a few updates past it by the time the entry is ready.
+        lines = self.adapter.tap_lines if self.adapter is not None else 0
+        self.core.line_taps = lines + LINE_SLACK if lines else 0
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self.ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
