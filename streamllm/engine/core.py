@@ -11,7 +11,8 @@ commands cannot starve the model), so a command never races a forward pass.
 
 This file is the thread, the commands and the step loop. The core's other roles are base
 classes sharing its state, on its thread: answering (entries, decoding, the gate) in
-`answers.Answering`, and keeping sessions inside their budgets in `compacting.Compacting`.
+`answers.Answering`, keeping sessions inside their budgets in `compacting.Compacting`, and
+what other threads read in `publishing.Publishing`.
 """
 
 from __future__ import annotations
@@ -49,16 +50,16 @@ from streamllm.engine.outputs import (
     SessionRecord,
 )
 from streamllm.engine.prefixes import SharedPrefixes
+from streamllm.engine.publishing import Publishing
 from streamllm.engine.runner import Work
 from streamllm.engine.scheduler import Plan
-from streamllm.engine.sequence import ASK, DECODE, ENTRY, Branch, Session
-from streamllm.engine.stats import core_counters
+from streamllm.engine.sequence import ASK, Branch, Session
 from streamllm.engine.taps import LineTaps
 
 log = logging.getLogger("streamllm.engine")
 
 
-class EngineCore(Answering, Compacting):
+class EngineCore(Answering, Compacting, Publishing):
     max_commands_per_drain = 256
 
     def __init__(self, *, model_name: str, tokenizer: Any, layout: Any, store: Any, runner: Any, scheduler: Any,
@@ -385,42 +386,3 @@ class EngineCore(Answering, Compacting):
         for fut in self._idle_waiters:
             settle(fut, error=exc)
         self._idle_waiters.clear()
-
-    # -- what others read -----------------------------------------------------------------
-    def info(self, s: Session) -> SessionInfo:
-        return SessionInfo(s.name, s.data_version, s.pushed_version, s.num_tokens, s.num_computed,
-                           s.prefix_len, s.max_context, s.backlog_lines, s.lines_ingested, s.compactions)
-
-    def _publish(self) -> None:
-        self._publish_records()
-        self.counters = core_counters(self)
-        events, self.events = self.events, []
-        for session, kind, *payload in events:
-            self.hub.publish(session, kind, *payload)
-        if self._idle_waiters and not self.has_work():
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for fut in waiters:
-                settle(fut, result=True)
-
-    def _publish_records(self) -> None:
-        for name in self._dirty:
-            s = self.sessions.get(name)
-            if s is not None:
-                sts = self.prepos.standing(name)
-                self.records[name] = SessionRecord(self.info(s), tuple(st.answer for st in sts if st.answer),
-                                                   tuple(st.spec for st in sts))
-        self._dirty.clear()
-
-    def check_integrity(self) -> None:
-        tables = [s.table for s in self.sessions.values()]
-        tables += [b.table for b in self.running + self.waiting if b.table is not None]
-        tables += [job.table for job in self.compactions.values()]
-        tables += self.prefixes.tables()
-        for st in self.prepos.all():
-            tables += [b.table for b in st.branches() if b.table is not None]
-        self.store.manager.check_integrity(tables)
-        for br in self.running:
-            assert br.kind == ASK and br.table is not None, f"running branch without cells: {br.question!r}"
-        for st in self.prepos.all():
-            assert st.computing is None or st.computing.kind == ENTRY
-            assert st.decoding is None or st.decoding.kind == DECODE
