@@ -12,14 +12,14 @@ on its old blocks; branches already forked keep their own references.
 The copy starts on the session's own prefix blocks (shared, not recomputed) and copies
 only what the session has computed: started when the session is at its budget, it needs
 at most `retain` x max_context cells (`CompactionPolicy.copy_cells`), which admission
-keeps free beside every session's reservation (`EngineCore.admission_keep_free`).
+keeps free beside every session's reservation (`Compacting.admission_keep_free`, compacting.py).
 
 When to start: early enough, at the session's measured push rate, to finish before
 the session reaches max_context (`CompactionPolicy.should_start`). A session that
 reaches its budget anyway keeps accepting pushes; its pending data waits (and its
 copy is promoted to the ingest class) until the swap makes room. If its copy finds no
 cells, copies are recomputable work: the core preempts them as vLLM preempts requests
-(`EngineCore._keep_compactions_moving`).
+(`Compacting._keep_compactions_moving`, compacting.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ Nothing else touches a block table: the facade (`api.Engine`), the server and th
 attachments only submit commands and read what the core publishes. The core drains
 its inbox between steps (at most `max_commands_per_drain` at a time, so a storm of
 commands cannot starve the model), so a command never races a forward pass.
-Answering logic (entries, decoding, the gate) lives in `answers.Answering`.
+
+This file is the thread, the commands and the step loop. The core's other roles are base
+classes sharing its state, on its thread: answering (entries, decoding, the gate) in
+`answers.Answering`, keeping sessions inside their budgets in `compacting.Compacting`, and
+what other threads read in `publishing.Publishing`.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from streamllm.engine.commands import (
     WaitIdle,
     settle,
 )
-from streamllm.engine.compaction import CompactionCopy, CompactionPolicy, copy_size
-from streamllm.engine.kv import BlockTable, KVCapacityError
+from streamllm.engine.compacting import Compacting
+from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
+from streamllm.engine.kv import BlockTable
 from streamllm.engine.outputs import (
     AdmissionError,
     EngineStopped,
@@ -45,16 +50,16 @@ from streamllm.engine.outputs import (
     SessionRecord,
 )
 from streamllm.engine.prefixes import SharedPrefixes
+from streamllm.engine.publishing import Publishing
 from streamllm.engine.runner import Work
 from streamllm.engine.scheduler import Plan
-from streamllm.engine.sequence import ASK, DECODE, ENTRY, Branch, Session
-from streamllm.engine.stats import core_counters
+from streamllm.engine.sequence import ASK, Branch, Session
 from streamllm.engine.taps import LineTaps
 
 log = logging.getLogger("streamllm.engine")
 
 
-class EngineCore(Answering):
+class EngineCore(Answering, Compacting, Publishing):
     max_commands_per_drain = 256
 
     def __init__(self, *, model_name: str, tokenizer: Any, layout: Any, store: Any, runner: Any, scheduler: Any,
@@ -228,15 +233,6 @@ class EngineCore(Answering):
         self._dirty.add(name)
         return self.info(session)
 
-    def admission_keep_free(self, max_context: int) -> int:
-        """Cells an admission leaves free beside every session's reservation: the cells kept for
-        questions, or a compaction copy of the largest session at its budget, whichever is more.
-
-        Questions and copies take turns with these cells: idle entries are evicted for a copy and
-        questions finish. Without room for one copy, a session at its budget could never move."""
-        largest = max([max_context, *(s.max_context for s in self.sessions.values())])
-        return self.policy.keep_free(self.branch_cells, largest)
-
     def close_session(self, name: str, *, evicting: bool = False) -> None:
         session = self.session(name)
         del self.sessions[name]
@@ -390,147 +386,3 @@ class EngineCore(Answering):
         for fut in self._idle_waiters:
             settle(fut, error=exc)
         self._idle_waiters.clear()
-
-    # -- compaction -------------------------------------------------------------------
-    def _maybe_compact(self, session: Session) -> None:
-        if session.name in self.compactions or not session.ready:
-            return
-        copy_rate = self.scheduler.config.background_floor / max(self._step_s_ema, 1e-3)
-        if not self.policy.should_start(session, copy_rate):
-            return
-        cut = session.compaction_cut(self.policy.keep_tokens(session))
-        if cut is None:
-            return
-        # A copy takes cells from the free pool until its swap frees the old table: start one only
-        # when the pool can hold it beside the copies in flight (else retry each turn). Starting
-        # them all at once under pressure left every copy half built and every session stuck.
-        manager = self.store.manager
-        need = manager.blocks_for(copy_size(session, cut)) - session.prefix_len // manager.block_size
-        need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.compactions.values())
-        if manager.num_free_blocks < need:
-            self.compactions_deferred += 1
-            return
-        # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
-        table = self.store.fork(session.table, session.prefix_len)
-        self.compactions[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
-        self.stuck.discard(session.name)
-
-    def _copy_blocked(self, copy: CompactionCopy) -> bool:
-        need = min(len(copy.pending_ids), self.scheduler.config.chunk_tokens)
-        return bool(need) and not self.store.manager.can_append(copy.table, need)
-
-    def _stalled_at_budget(self) -> list[Session]:
-        """Sessions at their budget whose copy cannot start or cannot take its next chunk (copies
-        are (re)started here first, when they fit)."""
-        stalled = []
-        for session in self.sessions.values():
-            if not session.at_budget:
-                continue
-            if session.name not in self.compactions:
-                self._maybe_compact(session)
-            copy = self.compactions.get(session.name)
-            if copy is None or self._copy_blocked(copy):
-                stalled.append(session)
-        return stalled
-
-    def _keep_compactions_moving(self) -> None:
-        """A session at its budget ingests nothing until its copy swaps in: make sure one can.
-
-        Recomputable work gives way, cheapest first: idle entries, then (when no question in
-        flight will give cells back and no session at budget is moving) other compaction copies,
-        as vLLM and nano-vllm preempt requests when blocks run out: their cells are freed and they
-        are started again, one at a time, when they fit. The oldest copy at budget is kept; if it
-        still cannot move, its cut predates its session filling up, and it is cut afresh: a copy
-        started at budget needs at most `retain` x max_context cells, which admission keeps free.
-        Anything still stuck is logged (once) and counted, never dropped: its pushes stay pending."""
-        stalled = self._stalled_at_budget()
-        if not stalled:
-            return
-        if self.prepos.evict_idle_entries(set(), computing=True):
-            self._drop_evicted_records()
-            stalled = self._stalled_at_budget()
-        if not stalled or self.running or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
-            return  # questions (and entries they wait for) give their cells back when they finish
-        at_budget = [c for c in self.compactions.values() if c.session.at_budget]
-        if any(not self._copy_blocked(c) for c in at_budget):
-            return  # one is moving: its swap gives cells back
-        keep = at_budget[0] if at_budget else None
-        for name, copy in list(self.compactions.items()):
-            if copy is not keep:
-                self._drop_copy(name)
-        if keep is not None and self._copy_blocked(keep):
-            session = keep.session
-            if session.compaction_cut(self.policy.keep_tokens(session)) != keep.cut:
-                self._drop_copy(session.name)
-        manager = self.store.manager
-        for session in self._stalled_at_budget():  # nothing left to give way: say so, once
-            if session.name not in self.stuck:
-                self.stuck.add(session.name)
-                log.error("session %s is at its budget of %d cells and the pool has %d free, not enough for "
-                          "a compaction copy (up to %d): its pushes wait, accepted, until cells free up; close "
-                          "a session or raise max_cells", session.name, session.max_context,
-                          manager.num_free_blocks * manager.block_size, self.policy.copy_cells(session.max_context))
-
-    def _drop_copy(self, name: str, preempted: bool = True) -> None:
-        """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
-        job = self.compactions.pop(name)
-        self.store.manager.free(job.table)
-        self.compactions_preempted += preempted
-
-    def _swap_compactions(self) -> None:
-        for name, job in list(self.compactions.items()):
-            if not job.caught_up():
-                continue
-            session = job.session
-            del self.compactions[name]
-            old, version = session.table, session.data_version
-            session.apply_compaction(job.cut, job.table, job.num_computed)
-            if session.data_version != version:
-                self.events.append((name, "data", name, session.data_version))
-            self.store.manager.free(old)  # asks forked from it hold their own references until they end
-            self.prepos.rebase(name)
-            try:
-                self.store.manager.reserve(session.table, session.max_context)
-            except KVCapacityError:
-                log.warning("session %s: compacted, but could not re-reserve its full budget", name)
-            self._dirty.add(name)
-            self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
-
-    # -- what others read -----------------------------------------------------------------
-    def info(self, s: Session) -> SessionInfo:
-        return SessionInfo(s.name, s.data_version, s.pushed_version, s.num_tokens, s.num_computed,
-                           s.prefix_len, s.max_context, s.backlog_lines, s.lines_ingested, s.compactions)
-
-    def _publish(self) -> None:
-        self._publish_records()
-        self.counters = core_counters(self)
-        events, self.events = self.events, []
-        for session, kind, *payload in events:
-            self.hub.publish(session, kind, *payload)
-        if self._idle_waiters and not self.has_work():
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for fut in waiters:
-                settle(fut, result=True)
-
-    def _publish_records(self) -> None:
-        for name in self._dirty:
-            s = self.sessions.get(name)
-            if s is not None:
-                sts = self.prepos.standing(name)
-                self.records[name] = SessionRecord(self.info(s), tuple(st.answer for st in sts if st.answer),
-                                                   tuple(st.spec for st in sts))
-        self._dirty.clear()
-
-    def check_integrity(self) -> None:
-        tables = [s.table for s in self.sessions.values()]
-        tables += [b.table for b in self.running + self.waiting if b.table is not None]
-        tables += [job.table for job in self.compactions.values()]
-        tables += self.prefixes.tables()
-        for st in self.prepos.all():
-            tables += [b.table for b in st.branches() if b.table is not None]
-        self.store.manager.check_integrity(tables)
-        for br in self.running:
-            assert br.kind == ASK and br.table is not None, f"running branch without cells: {br.question!r}"
-        for st in self.prepos.all():
-            assert st.computing is None or st.computing.kind == ENTRY
-            assert st.decoding is None or st.decoding.kind == DECODE

@@ -41,7 +41,7 @@ def core_counters(core: Any) -> dict[str, float]:
         "compactions_running": len(core.compactions),
         "compactions_deferred": core.compactions_deferred,
         "compactions_preempted": core.compactions_preempted,
-        "sessions_stuck": len(core.stuck),  # at budget with no room for a copy (logged): see core.py
+        "sessions_stuck": len(core.stuck),  # at budget with no room for a copy (logged): see compacting.py
         "prefix_cache_hits": core.prefixes.hits,
         "cells_total": m.num_blocks * m.block_size,
         "cells_free": m.num_free_blocks * m.block_size,

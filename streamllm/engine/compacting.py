@@ -1,0 +1,137 @@
+"""How the core keeps sessions inside their budgets: starting, preempting and swapping compaction copies.
+
+    push / swap ──▶ _maybe_compact: policy says start, the pool holds it ──▶ compactions[name]
+    each turn ───▶ _keep_compactions_moving: a session at budget must move (preempt, recut, or log once)
+    each step ───▶ _swap_compactions: a copy caught up ──▶ becomes the session's table, old one freed
+
+The copy itself and the policy (when to start, what to keep) are `compaction.py`; this
+is the core-side half. It runs on the core thread only, between steps: it forks, frees
+and reserves block tables and swaps a session's table, and the core is their one writer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from streamllm.engine.compaction import CompactionCopy, copy_size
+from streamllm.engine.kv import KVCapacityError
+from streamllm.engine.sequence import Session
+
+log = logging.getLogger("streamllm.engine")
+
+
+class Compacting:
+    """The compaction half of EngineCore (a base class: it shares the core's state)."""
+
+    def admission_keep_free(self, max_context: int) -> int:
+        """Cells an admission leaves free beside every session's reservation: the cells kept for
+        questions, or a compaction copy of the largest session at its budget, whichever is more.
+
+        Questions and copies take turns with these cells: idle entries are evicted for a copy and
+        questions finish. Without room for one copy, a session at its budget could never move."""
+        largest = max([max_context, *(s.max_context for s in self.sessions.values())])
+        return self.policy.keep_free(self.branch_cells, largest)
+
+    def _maybe_compact(self, session: Session) -> None:
+        if session.name in self.compactions or not session.ready:
+            return
+        copy_rate = self.scheduler.config.background_floor / max(self._step_s_ema, 1e-3)
+        if not self.policy.should_start(session, copy_rate):
+            return
+        cut = session.compaction_cut(self.policy.keep_tokens(session))
+        if cut is None:
+            return
+        # A copy takes cells from the free pool until its swap frees the old table: start one only
+        # when the pool can hold it beside the copies in flight (else retry each turn). Starting
+        # them all at once under pressure left every copy half built and every session stuck.
+        manager = self.store.manager
+        need = manager.blocks_for(copy_size(session, cut)) - session.prefix_len // manager.block_size
+        need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.compactions.values())
+        if manager.num_free_blocks < need:
+            self.compactions_deferred += 1
+            return
+        # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
+        table = self.store.fork(session.table, session.prefix_len)
+        self.compactions[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
+        self.stuck.discard(session.name)
+
+    def _copy_blocked(self, copy: CompactionCopy) -> bool:
+        need = min(len(copy.pending_ids), self.scheduler.config.chunk_tokens)
+        return bool(need) and not self.store.manager.can_append(copy.table, need)
+
+    def _stalled_at_budget(self) -> list[Session]:
+        """Sessions at their budget whose copy cannot start or cannot take its next chunk (copies
+        are (re)started here first, when they fit)."""
+        stalled = []
+        for session in self.sessions.values():
+            if not session.at_budget:
+                continue
+            if session.name not in self.compactions:
+                self._maybe_compact(session)
+            copy = self.compactions.get(session.name)
+            if copy is None or self._copy_blocked(copy):
+                stalled.append(session)
+        return stalled
+
+    def _keep_compactions_moving(self) -> None:
+        """A session at its budget ingests nothing until its copy swaps in: make sure one can.
+
+        Recomputable work gives way, cheapest first: idle entries, then (when no question in
+        flight will give cells back and no session at budget is moving) other compaction copies,
+        as vLLM and nano-vllm preempt requests when blocks run out: their cells are freed and they
+        are started again, one at a time, when they fit. The oldest copy at budget is kept; if it
+        still cannot move, its cut predates its session filling up, and it is cut afresh: a copy
+        started at budget needs at most `retain` x max_context cells, which admission keeps free.
+        Anything still stuck is logged (once) and counted, never dropped: its pushes stay pending."""
+        stalled = self._stalled_at_budget()
+        if not stalled:
+            return
+        if self.prepos.evict_idle_entries(set(), computing=True):
+            self._drop_evicted_records()
+            stalled = self._stalled_at_budget()
+        if not stalled or self.running or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
+            return  # questions (and entries they wait for) give their cells back when they finish
+        at_budget = [c for c in self.compactions.values() if c.session.at_budget]
+        if any(not self._copy_blocked(c) for c in at_budget):
+            return  # one is moving: its swap gives cells back
+        keep = at_budget[0] if at_budget else None
+        for name, copy in list(self.compactions.items()):
+            if copy is not keep:
+                self._drop_copy(name)
+        if keep is not None and self._copy_blocked(keep):
+            session = keep.session
+            if session.compaction_cut(self.policy.keep_tokens(session)) != keep.cut:
+                self._drop_copy(session.name)
+        manager = self.store.manager
+        for session in self._stalled_at_budget():  # nothing left to give way: say so, once
+            if session.name not in self.stuck:
+                self.stuck.add(session.name)
+                log.error("session %s is at its budget of %d cells and the pool has %d free, not enough for "
+                          "a compaction copy (up to %d): its pushes wait, accepted, until cells free up; close "
+                          "a session or raise max_cells", session.name, session.max_context,
+                          manager.num_free_blocks * manager.block_size, self.policy.copy_cells(session.max_context))
+
+    def _drop_copy(self, name: str, preempted: bool = True) -> None:
+        """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
+        job = self.compactions.pop(name)
+        self.store.manager.free(job.table)
+        self.compactions_preempted += preempted
+
+    def _swap_compactions(self) -> None:
+        for name, job in list(self.compactions.items()):
+            if not job.caught_up():
+                continue
+            session = job.session
+            del self.compactions[name]
+            old, version = session.table, session.data_version
+            session.apply_compaction(job.cut, job.table, job.num_computed)
+            if session.data_version != version:
+                self.events.append((name, "data", name, session.data_version))
+            self.store.manager.free(old)  # asks forked from it hold their own references until they end
+            self.prepos.rebase(name)
+            try:
+                self.store.manager.reserve(session.table, session.max_context)
+            except KVCapacityError:
+                log.warning("session %s: compacted, but could not re-reserve its full budget", name)
+            self._dirty.add(name)
+            self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
