@@ -24,9 +24,7 @@ from streamllm.market.tune import cli_main
 from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
 from streamllm.model.llama import LlamaForward
 from streamllm.model.lora import hf_model
-from tests.test_tune import CONFIG, write_bars
-
-LAYER, LINES = 1, 6
+from tests.test_tune import CONFIG, LAYER, LINES, random_series, write_bars
 
 
 @pytest.fixture
@@ -39,13 +37,6 @@ def spec(tmp_path):
 @pytest.fixture
 def bars(tmp_path):
     return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
-
-
-def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0) -> list[SeriesHead]:
-    g = torch.Generator().manual_seed(seed)
-    return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, 2 * hidden, generator=g) * 0.05,
-                       torch.randn(rank, generator=g), torch.randn(2, LINES, 2 * rank, generator=g),
-                       torch.randn(2, generator=g), threshold) for q in spec.questions if q.label is not None]
 
 
 def test_tapped_rows_are_transformers_hidden_states(tiny_model):

@@ -20,7 +20,14 @@ from streamllm.market.calibrate import calibrate, to_json
 from streamllm.market.extract import StateExtractor, render_window
 from streamllm.market.headfit import calibrate_threshold, fit_head, judge
 from streamllm.market.tune import cli_main, plan_windows
-from streamllm.model.adapter import AdapterError, ChoiceHead, load_adapter, pick_adapter, save_heads
+from streamllm.model.adapter import (
+    AdapterError,
+    ChoiceHead,
+    SeriesHead,
+    load_adapter,
+    pick_adapter,
+    save_heads,
+)
 
 CONFIG = """
 [[sessions]]
@@ -76,6 +83,16 @@ def random_heads(spec, hidden: int, threshold: float = 0.0, seed: int = 0) -> li
     g = torch.Generator().manual_seed(seed)
     return [ChoiceHead(q.id, q.text, q.choices, torch.randn(2, hidden, generator=g), torch.randn(2, generator=g),
                        threshold) for q in spec.questions if q.label is not None]
+
+
+LAYER, LINES = 1, 6  # series heads on the tiny model: its first layer's residual, the last 6 lines
+
+
+def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0) -> list[SeriesHead]:
+    g = torch.Generator().manual_seed(seed)
+    return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, 2 * hidden, generator=g) * 0.05,
+                       torch.randn(rank, generator=g), torch.randn(2, LINES, 2 * rank, generator=g),
+                       torch.randn(2, generator=g), threshold) for q in spec.questions if q.label is not None]
 
 
 def engine_with(tiny_model, adapter=None) -> Engine:
@@ -146,6 +163,8 @@ def test_the_gate_decides_from_the_head(tiny_model, spec, bars, tmp_path):
 def test_no_answer_path_calls_a_label(tiny_model, spec, bars, tmp_path, monkeypatch):
     """Labels teach and judge; answering (fast, entry, cold, standing pushes) never reads one."""
     save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size, threshold=0.5), model=tiny_model.name)
+    save_heads(tmp_path / "series", random_series(spec, tiny_model.config.hidden_size, threshold=0.5),
+               model=tiny_model.name)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("an answer path called a label function")
@@ -157,7 +176,7 @@ def test_no_answer_path_calls_a_label(tiny_model, spec, bars, tmp_path, monkeypa
     monkeypatch.setattr(labels_module.LabelSpec, "answer", forbidden)
     with pytest.raises(AssertionError):  # the trap is armed
         spec.questions[0].expected_answer(bars)
-    for adapter in (None, tmp_path / "ad"):
+    for adapter in (None, tmp_path / "ad", tmp_path / "series"):
         engine = engine_with(tiny_model, adapter)
         try:
             engine.open_session("test", system=spec.system_prompt)
@@ -166,6 +185,8 @@ def test_no_answer_path_calls_a_label(tiny_model, spec, bars, tmp_path, monkeypa
             lines = render_window(bars[:16])
             engine.push("test", lines[:10])
             engine.wait_idle()
+            if adapter is not None:  # the head (entry or series) decides, not the LM fallback
+                assert engine.prepos.find("test", "trend").ready_hidden is not None
             paths = {engine.ask("test", q.id).path for q in spec.questions}
             engine.push("test", lines[10:])
             paths.add(engine.ask("test", "Is the last bar green?", max_tokens=3).path)
