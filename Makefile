@@ -37,11 +37,11 @@ BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
 tune: model
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
-	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 100 --train-windows 24 --dev-windows 6 \
-	    --later-windows 4 --synthetic-bars 40 --judge-bars 40 --minutes 40
+	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 250 --stride 12 --train-windows 24 \
+	    --dev-windows 4 --later-windows 5 --synthetic-bars 150 --judge-bars 150 --minutes 40
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
-	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --train-windows 10 --dev-windows 1 --later-windows 1 \
-	    --synthetic-bars 0 --judge-bars 60 --minutes 30
+	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --minutes 30
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
