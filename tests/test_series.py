@@ -197,3 +197,28 @@ def test_series_files_are_checked(tiny_model, spec, tmp_path):
         engine_with(tiny_model, tmp_path / "ad")
     ids, ends = session_ids(StateExtractor(tiny_model, spec, []).layout, [1, 2], ["a", "b"])
     assert ends[-1] == len(ids)
+
+
+def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_path):
+    """Snapshots carry the lines, so series heads answer right after a restore, as before it."""
+    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    engine = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        engine.register("test", spec.questions[0])
+        lines = render_window(bars[:20])
+        engine.push("test", lines[:12])
+        engine.wait_idle()
+        before = engine.prepos.find("test", "trend").ready_hidden.clone()
+        engine.snapshot_session("test", tmp_path / "s.safetensors")
+        engine.restore_session(tmp_path / "s.safetensors", "copy")
+        engine.wait_idle()
+        restored = engine.prepos.find("copy", "trend")
+        torch.testing.assert_close(restored.ready_hidden, before)
+        engine.push("copy", lines[12:14])  # and it goes on from there, line numbers and all
+        engine.push("test", lines[12:14])
+        engine.wait_idle()
+        torch.testing.assert_close(engine.prepos.find("copy", "trend").ready_hidden,
+                                   engine.prepos.find("test", "trend").ready_hidden, atol=1e-5, rtol=1e-5)
+    finally:
+        engine.shutdown()

@@ -2,6 +2,7 @@
 
     snapshot file (safetensors):  k, v          [layers, kv_heads, num_computed, head_dim]
                                   token_ids     [num_tokens] int64
+                                  line_features [n, 2H], line_index [n]  (series heads only, engine/taps.py)
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
                                                 dtype, config hash, sha256 of the tensors
 
@@ -120,6 +121,9 @@ def _write(engine: Any, state: SessionState, path: Path, t0: float,
                  "questions": [question_dict(q) for q in state.questions]})
     token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
     tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
+    if state.line_features is not None:  # series heads' line features (optional: older files have none)
+        tensors["line_features"] = state.line_features.contiguous()
+        tensors["line_index"] = state.line_index.contiguous()
     meta["sha256"] = _tensor_digest(tensors)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
@@ -142,6 +146,8 @@ class LoadedSnapshot:
     v: torch.Tensor
     token_ids: list[int]
     questions: list[QuestionSpec]
+    line_features: torch.Tensor | None = None
+    line_index: torch.Tensor | None = None
 
 
 def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
@@ -178,8 +184,8 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     if meta.get("adapter") != getattr(engine, "adapter_id", None):
         raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
                   f"{getattr(engine, 'adapter_id', None)!r} (its standing answers would not be the same)")
-    if set(tensors) != {"k", "v", "token_ids"}:
-        raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids")
+    if set(tensors) not in ({"k", "v", "token_ids"}, {"k", "v", "token_ids", "line_features", "line_index"}):
+        raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids (and line_features, line_index)")
     if _tensor_digest(tensors) != meta.get("sha256"):
         raise bad("checksum mismatch: the cells or token ids are corrupted")
     k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
@@ -210,7 +216,12 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
                      for i, q in enumerate(meta.get("questions", []))]
     except ConfigError as exc:
         raise bad(f"standing question does not parse: {exc}") from None
-    return LoadedSnapshot(meta, k, v, ids.tolist(), questions)
+    features, index = tensors.get("line_features"), tensors.get("line_index")
+    if features is not None and (features.ndim != 2 or features.shape[1] != 2 * engine.model.config.hidden_size
+                                 or index.shape != (features.shape[0],)):
+        raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, "
+                  f"{2 * engine.model.config.hidden_size}] / [n]")
+    return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index)
 
 
 def restore_session(engine: Any, path: str | Path, name: str | None = None) -> SnapshotInfo:
@@ -225,7 +236,8 @@ def restore_loaded(engine: Any, snap: LoadedSnapshot, path: str | Path, name: st
     t0 = time.perf_counter() if t0 is None else t0
     name = name or snap.meta["session"]
     gates = [(spec, *engine._gate(spec)) for spec in snap.questions]
-    state = SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions)
+    state = SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions, snap.line_features,
+                         snap.line_index)
     try:
         info = engine.call(lambda core: import_session(core, state, name, gates))
     except SessionError as exc:

@@ -26,6 +26,9 @@ class SessionState:
     v: torch.Tensor
     token_ids: list[int]
     questions: list[Any] = field(default_factory=list)  # QuestionSpec
+    # Series heads' line features (engine/taps.py): [n, 2H] and each line's number; None without them.
+    line_features: torch.Tensor | None = None
+    line_index: torch.Tensor | None = None
 
 
 def busy_reasons(core: Any, name: str) -> list[str]:
@@ -52,8 +55,12 @@ def export_session(core: Any, name: str) -> SessionState:
         "line_ends": list(s.line_ends), "lines_cut": s.lines_cut, "data_version": s.data_version, "lines_ingested": s.lines_ingested,
         "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
     }
-    return SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
-                        list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
+    state = SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
+                         list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
+    if s.taps is not None and s.taps.lines:
+        state.line_index = torch.tensor([i for i, _ in s.taps.lines], dtype=torch.int64)
+        state.line_features = torch.stack([f for _, f in s.taps.lines]).to("cpu", torch.float32)
+    return state
 
 
 def evict_session(core: Any, name: str) -> SessionState:
@@ -97,8 +104,11 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
     s.line_ends.extend(meta["line_ends"])
     s.lines_cut = int(meta.get("lines_cut", 0))
-    # Line features are not snapshotted: series heads answer again once `keep` new lines are computed.
     s.taps = LineTaps(core.line_taps) if core.line_taps else None
+    if s.taps is not None and state.line_features is not None:  # series heads answer at once, not K lines later
+        device = core.runner.model.device
+        for i, f in zip(state.line_index.tolist(), state.line_features, strict=True):
+            s.taps.lines.append((int(i), f.to(device)))
     s.data_version, s.lines_ingested = int(meta["data_version"]), int(meta["lines_ingested"])
     s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
     core.sessions[name] = s
