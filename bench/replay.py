@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import time
@@ -344,6 +345,8 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
                 engine.shutdown()
             run.runs.append(result)
             run.notes.extend(result.notes)
+            if args.asks_out:
+                _append_asks(args.asks_out, result)
             m = metrics_of(run)
             tag = speed_tag(speed)
             print(f"{system} @ {tag}x: {int(m[f'{system}_asks@{tag}'])} standing asks answered "
@@ -365,6 +368,18 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     metrics = metrics_of(run)
     _write(args, metrics, meta)
     return run, metrics
+
+
+def _append_asks(path: str, result: SystemRun) -> None:
+    """One JSON line per ask of a system's run: the aggregates' raw material (what fired, when, right or not)."""
+    with open(path, "a") as fh:
+        for a in result.asks:
+            fh.write(json.dumps({
+                "system": a.system, "speed": result.speed, "index": a.index, "session": a.session,
+                "question": a.question, "standing": a.spec is not None, "t_s": round(a.t0, 4),
+                "ms": None if math.isnan(a.ms) else round(a.ms, 4), "path": a.path,
+                "data_version": a.data_version, "pushed_at_ask": a.pushed_at_ask, "lag": a.lag, "text": a.text,
+                "confidence": a.confidence, "truth": a.truth, "correct": a.correct, "error": a.error}) + "\n")
 
 
 def _write(args: argparse.Namespace, metrics: dict[str, float], meta: dict) -> None:
@@ -408,6 +423,7 @@ def parser() -> argparse.ArgumentParser:
 
     add_read_args(p)
     p.add_argument("--json", help="write the flat metrics here (rewritten as the run goes)")
+    p.add_argument("--asks-out", help="append every ask of every system run here, one JSON line each")
     p.add_argument("--out", default="report", help="folder for report.md and the PNG plots")
     return p
 

@@ -12,6 +12,7 @@ import random
 import urllib.request
 
 import pytest
+import torch
 
 from feeds.bars import BarAggregator
 from feeds.events import Trade
@@ -19,7 +20,7 @@ from feeds.synthetic import synthetic_events
 from streamllm.config import ConfigError, parse_question
 from streamllm.engine import Engine
 from streamllm.engine.calibration import LiveCalibration
-from streamllm.engine.gate import risk_coverage, threshold_for_precision
+from streamllm.engine.gate import Gate, risk_coverage, threshold_for_precision
 from streamllm.market.attach import Attachment, AttachSpec
 from streamllm.service.server import StreamServer
 
@@ -56,27 +57,55 @@ def test_config_reads_auto_thresholds_and_needs_a_label() -> None:
         parse_question({"id": "q", "text": "up or down?", "choices": ["up", "down"], "threshold": "auto:0.9"})
 
 
-def test_auto_threshold_is_the_offline_curves_point_with_enough_evidence() -> None:
+def test_auto_thresholds_are_each_answers_offline_curve_point_with_enough_evidence() -> None:
     rng = random.Random(7)
     cal = LiveCalibration(target=0.9, window=200, min_evidence=30)
-    gaps, correct = [], []
+    rows = []
     for version in range(1, 301):
         gap = rng.uniform(0, 4)
+        truth = "up" if rng.random() < 0.6 else "down"
         right = rng.random() < min(0.99, 0.4 + gap / 5)  # confident answers are right more often
-        answer = "up" if right else "down"
-        cal.expect(version, "up")
-        assert cal.score(version, answer, gap, fired=gap >= cal.threshold, threshold=cal.threshold)
-        gaps.append(gap)
-        correct.append(right)
-    window_gaps, window_correct = gaps[-200:], correct[-200:]
-    curve = [p for p in risk_coverage(window_gaps, window_correct) if p.coverage * 200 >= 30 - 1e-9]
-    assert cal.fit() == threshold_for_precision(curve, 0.9).threshold
+        answer = truth if right else ("down" if truth == "up" else "up")
+        cal.expect(version, truth)
+        assert cal.score(version, answer, gap, fired=gap >= cal.threshold_for(answer), threshold=cal.threshold)
+        rows.append((gap, right, answer))
+    window = rows[-200:]
+    expected = {}
+    for answer in ("up", "down"):
+        mine = [(g, c) for g, c, a in window if a == answer]
+        curve = [p for p in risk_coverage([g for g, _ in mine], [c for _, c in mine]) if p.coverage * len(mine) >= 30 - 1e-9]
+        point = threshold_for_precision(curve, 0.9)
+        if point is not None:
+            expected[answer] = point.threshold
+    assert expected and cal.fit() == expected
     s = cal.summary
     assert s.samples == 200 and s.scored == 300
-    assert s.accuracy == pytest.approx(sum(window_correct) / 200)
-    fired = [(c, f) for (_, c, f) in cal.samples if f]
+    assert s.accuracy == pytest.approx(sum(c for _, c, _ in window) / 200)
+    fired = [(c, f) for (_, c, f, _) in cal.samples if f]
     assert s.coverage == pytest.approx(len(fired) / 200)
     assert s.precision == pytest.approx(sum(c for c, _ in fired) / len(fired))
+
+
+def test_evidence_for_one_answer_does_not_open_the_gate_for_another(tiny_model) -> None:
+    """The bench replay incident: right "no"s on a rare-event question opened a pooled threshold,
+    and the first "yes"s then fired, wrong. Each answer needs its own evidence."""
+    spike = {"id": "spike", "text": "Volume spike?", "choices": ["yes", "no"], "label": "volume_spike(k=3, n=5)",
+             "threshold": "auto:0.9"}
+    gate = Gate.for_question(parse_question(spike), tiny_model.tokenizer)
+    cal = LiveCalibration(target=0.9, min_evidence=30)
+    for version in range(1, 61):
+        cal.expect(version, "no")
+        cal.score(version, "no", 0.2 + version / 100, fired=False, threshold=math.inf)
+    gate.threshold, gate.choice_thresholds = cal.threshold, dict(cal.thresholds)
+    assert set(cal.thresholds) == {"no"} and cal.threshold == pytest.approx(0.21)  # every right "no" counts
+    assert gate._threshold_for("no", gate.threshold) == cal.thresholds["no"]
+    assert math.isinf(gate._threshold_for("yes", gate.threshold))  # a confident "yes" still does not fire
+    logits = torch.zeros(tiny_model.config.vocab_size)
+    logits[gate.candidates("yes")[0]] = 5.0  # "yes" by a gap of 5, far above the "no"s' threshold
+    decision = gate.decide(logits)
+    assert decision.answer == "yes" and decision.gap >= 5.0 and not decision.fired
+    logits[gate.candidates("yes")[0]], logits[gate.candidates("no")[0]] = 0.0, 5.0
+    assert gate.decide(logits).fired  # the answer with evidence fires
 
 
 def test_too_little_evidence_keeps_the_gate_closed() -> None:

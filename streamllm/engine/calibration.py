@@ -10,9 +10,12 @@ data version is ready, its answer is scored against the truth there:
 
 Over a rolling window the engine reports precision (correct among answers the gate
 fired on), coverage (fired / answered) and accuracy (correct / answered). A question
-configured with `threshold = "auto:P"` has its threshold set from the same window: the
-most-covering threshold whose fired samples reach precision P on at least
-MIN_EVIDENCE of them (engine/gate.py `risk_coverage`), or closed (inf) until then.
+configured with `threshold = "auto:P"` has its thresholds set from the same window, one
+per answer (choice): for each, the most-covering threshold whose fired samples *giving
+that answer* reach precision P on at least MIN_EVIDENCE of them (engine/gate.py
+`risk_coverage`), or closed (inf) until then. Per answer, because evidence is per answer:
+a window of right "no"s says nothing about a "yes" (a pooled threshold opened on a
+rare-event question's "no"s and then fired its first "yes"s, wrong, in `bench replay`).
 
 The truth is the judge, never the answer: nothing on an answer path reads it.
 """
@@ -52,9 +55,9 @@ class LiveCalibration:
     target: float | None = None  # threshold = "auto:P"
     window: int = WINDOW
     min_evidence: int = MIN_EVIDENCE
-    threshold: float = math.inf  # the live threshold while `target` is set (inf: closed)
+    thresholds: dict[str, float] = field(default_factory=dict)  # live, per answer, while `target` is set
     scored: int = 0
-    samples: deque[tuple[float, bool, bool]] = field(default_factory=deque)  # (gap, correct, fired)
+    samples: deque[tuple[float, bool, bool, str]] = field(default_factory=deque)  # (gap, correct, fired, answer)
     truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
     summary: CalibrationSummary | None = None
 
@@ -71,31 +74,43 @@ class LiveCalibration:
             del self.truths[stale]
         if truth is None:
             return False
-        self.samples.append((gap, answer.casefold() == truth.casefold(), fired))
+        self.samples.append((gap, answer.casefold() == truth.casefold(), fired, answer.casefold()))
         if len(self.samples) > self.window:
             self.samples.popleft()
         self.scored += 1
         if self.target is not None and (self.scored % RETUNE_EVERY == 0 or math.isinf(self.threshold)):
-            self.threshold = self.fit()
+            self.thresholds = self.fit()
         self.summary = self._summary(self.threshold if self.target is not None else threshold)
         return True
 
-    def fit(self) -> float:
-        """The lowest threshold whose window samples at or above it reach the target precision on
-        at least min_evidence of them; inf (closed) when none does."""
-        if len(self.samples) < self.min_evidence:
-            return math.inf
-        gaps = [g for g, _, _ in self.samples]
-        curve = risk_coverage(gaps, [c for _, c, _ in self.samples])
-        n = len(gaps)
-        trusted = [p for p in curve if p.coverage * n >= self.min_evidence - 1e-9]
-        point = threshold_for_precision(trusted, self.target)
-        return math.inf if point is None else point.threshold
+    @property
+    def threshold(self) -> float:
+        """The lowest live threshold over the answers (inf: the gate is closed for every answer)."""
+        return min(self.thresholds.values(), default=math.inf)
+
+    def threshold_for(self, answer: str) -> float:
+        return self.thresholds.get(answer.casefold(), math.inf)
+
+    def fit(self) -> dict[str, float]:
+        """Per answer: the lowest threshold whose window samples giving that answer, at or above
+        it, reach the target precision on at least min_evidence of them; answers with no such
+        threshold are absent (closed)."""
+        out: dict[str, float] = {}
+        for answer in {a for *_, a in self.samples}:
+            mine = [(g, c) for g, c, _, a in self.samples if a == answer]
+            if len(mine) < self.min_evidence:
+                continue
+            curve = risk_coverage([g for g, _ in mine], [c for _, c in mine])
+            trusted = [p for p in curve if p.coverage * len(mine) >= self.min_evidence - 1e-9]
+            point = threshold_for_precision(trusted, self.target)
+            if point is not None:
+                out[answer] = point.threshold
+        return out
 
     def _summary(self, threshold: float) -> CalibrationSummary:
         n = len(self.samples)
-        fired = [c for _, c, f in self.samples if f]
-        correct = sum(c for _, c, _ in self.samples)
+        fired = [c for _, c, f, _ in self.samples if f]
+        correct = sum(c for _, c, _, _ in self.samples)
         return CalibrationSummary(
             n, self.scored, sum(fired) / len(fired) if fired else None, len(fired) / n if n else None,
             correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)

@@ -87,6 +87,8 @@ class Gate:
     tokenizer: Any
     head: Any = None  # streamllm.model.adapter.ChoiceHead, when an adapter trained one for this question
     auto: bool = False  # threshold = "auto:P": `threshold` is set live (engine/calibration.py), head or not
+    # With auto: the live threshold of each answer (choice), absent = closed for it. Evidence is per answer.
+    choice_thresholds: dict[str, float] | None = None
 
     @classmethod
     def for_question(cls, spec: QuestionLike, tokenizer: Any) -> Gate:
@@ -143,8 +145,14 @@ class Gate:
         winner = max(range(len(best_of)), key=best_of.__getitem__)
         runner_up = max(s for i, s in enumerate(best_of) if i != winner)
         gap = best_of[winner] - runner_up
-        return GateDecision(gap >= self.threshold, self.choices[winner], best_token[winner], gap,
-                            _softmax(self.choices, best_of))
+        return GateDecision(gap >= self._threshold_for(self.choices[winner], self.threshold), self.choices[winner],
+                            best_token[winner], gap, _softmax(self.choices, best_of))
+
+    def _threshold_for(self, choice: str, fixed: float) -> float:
+        """The threshold the gate fires at for this answer: its own live one under auto, else `fixed`."""
+        if self.auto and self.choice_thresholds is not None:
+            return self.choice_thresholds.get(choice.casefold(), math.inf)
+        return fixed
 
 
     def _decide_head(self, logits: torch.Tensor, hidden: torch.Tensor) -> GateDecision:
@@ -154,7 +162,7 @@ class Gate:
         # The token that starts the chosen answer, should the engine decode on from the entry.
         candidates = self.candidates(self.choices[winner])
         token_id = max(candidates, key=lambda t: float(logits[t]))
-        threshold = self.threshold if self.auto else self.head.threshold
+        threshold = self._threshold_for(self.choices[winner], self.threshold) if self.auto else self.head.threshold
         return GateDecision(gap >= threshold, self.choices[winner], token_id, gap, _softmax(self.choices, scores))
 
     @property

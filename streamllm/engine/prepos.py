@@ -190,7 +190,8 @@ class Prepositioner:
                                                 st.gate.effective_threshold):
             return
         if st.gate.auto:
-            st.gate.threshold = cal.threshold  # the next decision uses it
+            st.gate.threshold = cal.threshold  # the next decision uses them
+            st.gate.choice_thresholds = dict(cal.thresholds)
 
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)
