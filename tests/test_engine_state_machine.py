@@ -136,7 +136,7 @@ def test_engine_api_state_machine(engine):
             assert {i.name for i in engine.list_sessions()} == set(self.sessions)
 
         def teardown(self):
-            for future, _, _ in self.pending:
+            for future, *_ in self.pending:
                 with contextlib.suppress(SessionError):  # a closed session's ask fails clearly
                     future.result(timeout=60)
             engine.check_integrity()
