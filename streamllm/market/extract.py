@@ -127,12 +127,13 @@ class StateExtractor:
                 if taps is not None:  # the engine's own rule for a session's line features
                     taps.add(work.tap, start, ends, 0, len(self.prefix))
                 computed += len(chunk)
-            pending: list[tuple[str, int, int]] = []  # (question id, bar index, choice index)
-            for i in range(first, len(bars), stride):
-                for q in self.questions:
-                    truth = q.expected_answer(bars[: i + 1])  # the teacher: labels are only read here
-                    if truth is not None:
-                        pending.append((q.id, i, q.choices.index(truth)))
+            # The teacher: labels are only read here. Every bar's choice index (-1: unknown), once;
+            # decision points take theirs, a series head trains on all of them.
+            labels = {q.id: [-1 if t is None else q.choices.index(t)
+                             for t in (q.expected_answer(bars[: i + 1]) for i in range(len(bars)))]
+                      for q in self.questions}
+            pending = [(q.id, i, labels[q.id][i]) for i in range(first, len(bars), stride)
+                       for q in self.questions if labels[q.id][i] >= 0]  # (question id, bar index, choice index)
             hidden = self._branch_states(session, ends, pending)
             computed += sum(len(self.question_ids[qid]) for qid, _, _ in pending)
         finally:
@@ -145,10 +146,7 @@ class StateExtractor:
             out.bars[q.id] = torch.tensor([pending[k][1] for k in rows], dtype=torch.long)
         if taps is not None:
             out.lines = taps.window(len(lines), len(lines))
-            out.line_labels = {}
-            for q in self.questions:
-                truths = [q.expected_answer(bars[: i + 1]) for i in range(len(bars))]
-                out.line_labels[q.id] = torch.tensor([-1 if t is None else q.choices.index(t) for t in truths])
+            out.line_labels = {qid: torch.tensor(y) for qid, y in labels.items()}
         return out
 
     def _branch_states(self, session: BlockTable, ends: list[int], pending: list[tuple[str, int, int]]) -> list[torch.Tensor]:
