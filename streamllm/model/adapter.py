@@ -55,8 +55,19 @@ def _normalize(text: str) -> str:
     return normalize_question(text)
 
 
+class _QuestionHead:
+    """What every head kind shares: which registered question it answers."""
+
+    __slots__ = ()
+    text: str
+    choices: tuple[str, ...]
+
+    def matches(self, text: str, choices: tuple[str, ...]) -> bool:
+        return _normalize(text) == _normalize(self.text) and tuple(choices) == self.choices
+
+
 @dataclass(slots=True)
-class ChoiceHead:
+class ChoiceHead(_QuestionHead):
     """An entry head: reads the decision point's final normed hidden state."""
 
     kind: ClassVar[str] = "entry"
@@ -71,9 +82,6 @@ class ChoiceHead:
         """Choice logits for a hidden state [H] (or a batch [N, H])."""
         return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
 
-    def matches(self, text: str, choices: tuple[str, ...]) -> bool:
-        return _normalize(text) == _normalize(self.text) and tuple(choices) == self.choices
-
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> ChoiceHead:
         return ChoiceHead(self.question_id, self.text, self.choices, self.weight.to(device, dtype),
                           self.bias.to(device, dtype), self.threshold)
@@ -87,7 +95,7 @@ def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tens
 
 
 @dataclass(slots=True)
-class SeriesHead:
+class SeriesHead(_QuestionHead):
     """A series head: reads the session's last K lines' features at layer `layer` (engine/taps.py)."""
 
     kind: ClassVar[str] = "series"
@@ -108,9 +116,6 @@ class SeriesHead:
     def logits(self, lines: torch.Tensor) -> torch.Tensor:
         """Choice logits for line features [K, 2H] (or a batch [N, K, 2H])."""
         return series_logits(lines.to(self.proj.dtype), self.proj, self.proj_bias, self.lags, self.bias)
-
-    def matches(self, text: str, choices: tuple[str, ...]) -> bool:
-        return _normalize(text) == _normalize(self.text) and tuple(choices) == self.choices
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> SeriesHead:
         return SeriesHead(self.question_id, self.text, self.choices, self.layer, self.proj.to(device, dtype),
