@@ -22,25 +22,22 @@ def _intro(card: dict[str, Any]) -> list[str]:
                 f"margin reaching precision {card['target_precision']} on the dev range (none: never on at least 10 "
                 "fired samples). Base model: the same rule on the unadapted model, its own dev threshold. Questions "
                 "named adhoc_* were never trained on: they show whether the model stayed general.", ""]
+    run = (f"This run: {card['minutes']} min ({card['extract_minutes']} extracting {card['tokens_extracted']} "
+           f"tokens; all windows, resumed ones included: {card['tokens_all_windows']} tokens)")
+    gate = (f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
+            "(none: it never did on at least 10 fired samples, so the gate stays closed).")
     if card["method"] == "series":
         se = card["series"]
         return [f"# Series heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
                 f"Method `series` on `{card['model']}`: per question, a readout over the session's last {se['lines']} "
                 f"lines, each line read as [mean, last] of the residual stream after layer {se['tap_layer']} over its "
                 f"tokens, projected to {se['rank']} numbers (plus their magnitudes) and weighed per line. Judged at "
-                f"every bar with {se['lines']} lines of history (base model: at the decision points). This run: "
-                f"{card['minutes']} min ({card['extract_minutes']} extracting {card['tokens_extracted']} tokens; all "
-                f"windows, resumed ones included: {card['tokens_all_windows']} tokens), {card['fit_steps']} AdamW "
-                f"steps, {card['adapter_bytes']} bytes.", data, "",
-                f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
-                "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
+                f"every bar with {se['lines']} lines of history (base model: at the decision points). {run}, "
+                f"{card['fit_steps']} AdamW steps, {card['adapter_bytes']} bytes.", data, "", gate, ""]
     return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
             f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
-            f"question's decision point. This run: {card['minutes']} min ({card['extract_minutes']} extracting "
-            f"{card['tokens_extracted']} tokens; all windows, resumed ones included: {card['tokens_all_windows']} "
-            f"tokens), {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.", data, "",
-            f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
-            "(none: it never did on at least 10 fired samples, so the gate stays closed).", ""]
+            f"question's decision point. {run}, {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
+            data, "", gate, ""]
 
 
 def card_markdown(card: dict[str, Any]) -> str:
