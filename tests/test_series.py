@@ -14,7 +14,6 @@ import torch
 
 from feeds.sources import TableSource
 from streamllm.config import load_config
-from streamllm.engine import Engine
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
 from streamllm.engine.taps import LineTaps
@@ -24,7 +23,7 @@ from streamllm.market.tune import cli_main
 from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
 from streamllm.model.llama import LlamaForward
 from streamllm.model.lora import hf_model
-from tests.test_tune import CONFIG, LAYER, LINES, random_series, write_bars
+from tests.test_tune import CONFIG, LAYER, LINES, engine_with, random_series, write_bars
 
 
 @pytest.fixture
@@ -81,10 +80,6 @@ def test_line_features_in_any_chunking_equal_one_shot():
     taps.add(rows[:12], 0, ends, 0, prefix)
     taps.add(rows[12:20], 5, [13, 14, 23], 2, prefix)  # cut at token 12: 7 tokens and 2 lines gone
     assert [i for i, _ in taps.lines] == [0, 1, 2] and taps.window(3, 3) is not None
-
-
-def engine_with(tiny_model, adapter, **kw) -> Engine:
-    return Engine(tiny_model, max_cells=8192, max_context=kw.pop("max_context", 2048), adapter=adapter, **kw)
 
 
 def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_path):
