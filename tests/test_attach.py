@@ -54,7 +54,7 @@ def test_bars_mode_pushes_bar_lines_on_time() -> None:
         a.offer(ev)
     a.offer(Quote("t", "BTCUSDT", T0, T0, 1, 1, 2, 1, 2, 3))  # not a trade: ignored, counted
     ack = a.flush()
-    assert ack.data_version == 1 and sink.lines["btc"] == ["2024-08-09 00:00 101 +1 v2 n2 b50"]
+    assert ack.data_version == 1 and sink.lines["btc"] == ["2024-08-09T00:00 101 +1 v2 n2 b50"]
     a.tick(T0 + 180 * S)
     a.flush()
     assert sink.lines["btc"][1:] == ["00:01 102 +1 o+1 v2 n1 b100", "00:02 102 no trades"]
@@ -94,7 +94,7 @@ def test_lagging_bars_merge_into_one_line() -> None:
     sink.ingest("btc")
     a.flush()
     summary, last = sink.lines["btc"]  # 4 bars coalesced when pending passed 3; the 5th after
-    assert summary == "2024-08-09 00:00:00 103 +3 v4 n4 b100 (4 bars to 00:00:04)"
+    assert summary == "2024-08-09T00:00:00 103 +3 v4 n4 b100 (4 bars to 00:00:04)"
     assert last == "00:00:04 104 +1 o+1 v1 n1 b100"
     assert a.stats.events_summarized == 4 and a.accounted() == a.stats.events_in == 6
 
@@ -123,6 +123,6 @@ def test_bars_mode_takes_a_bar_table_as_bars(tmp_path) -> None:
     sink = Sink()
     a = Attachment(sink, AttachSpec("btc", mode="bars", bar_s=60, instruments=frozenset({"BTCUSDT"})))
     asyncio.run(attach(src, [a]))
-    assert sink.lines["btc"] == ["2021-12-31 23:01 100.5 +0.5 h+0.5 l-1 v3", "23:02 101 +0.5 h+1 l-0.5 v4",
+    assert sink.lines["btc"] == ["2021-12-31T23:01 100.5 +0.5 h+0.5 l-1 v3", "23:02 101 +0.5 h+1 l-0.5 v4",
                                  "23:03 100 -1 v2"]
     assert a.accounted() == a.stats.events_in == 3 and a.stats.ignored == 0

@@ -91,8 +91,8 @@ def test_agg_trade_mark_price_and_force_order() -> None:
         9910.5, 0.014, SELL, 1568014460890 * MS, 1, 3)
     assert p.stats.errors == 0
     r = Renderer()
-    assert r.render(m) == "2019-07-05 05:43:00 mark 11794.15 index 11784.63 funding 0.0382%"
-    assert r.render(liq) == "2019-09-09 07:34:20 liquidation sell 9910.5 0.014"
+    assert r.render(m) == "2019-07-05T05:43:00 mark 11794.15 index 11784.63 funding 0.0382%"
+    assert r.render(liq) == "2019-09-09T07:34:20 liquidation sell 9910.5 0.014"
     spot = BinanceParser()
     assert spot.parse(json.dumps(mark), 1) == [] and "--market usdm" in spot.stats.error_samples[0]
 

@@ -47,7 +47,7 @@ def test_normalize_each_type_value_by_value() -> None:
     (q,) = normalize(cf_types.Ticker("OKX", "ETH-USDT", Decimal("2000.15"), Decimal("2000.2"), 1700000000.5,
                                      raw=None), 5)
     assert type(q) is Quote and (q.bid, q.ask, q.px_dp, q.ts_event) == (2000.15, 2000.2, 2, 1700000000_500_000_000)
-    assert math.isnan(q.bid_size) and Renderer().render(q) == "2023-11-14 22:13:20 bid 2000.15 ask 2000.2"
+    assert math.isnan(q.bid_size) and Renderer().render(q) == "2023-11-14T22:13:20 bid 2000.15 ask 2000.2"
     candle = cf_types.Candle("KRAKEN", "BTC-USD", 1700000040, 1700000099.999, "1m", 12, Decimal("100.5"),
                              Decimal("101"), Decimal("101.25"), Decimal("100"), Decimal("3.5"), True, 1700000100.0,
                              raw=None)

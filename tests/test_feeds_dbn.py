@@ -52,7 +52,7 @@ def test_trades_value_by_value(tmp_path: Path) -> None:
         ("ESZ3", 4500.5, 2.0, UNKNOWN_SIDE, T + 3, T + 7, 9, 2)]
     assert got[0].venue == "GLBX.MDP3" and src.schema == "trades"
     assert src.stats.error_kinds == {"bad_price": 1} and src.stats.messages == 4
-    assert render_lines(got)[:2] == ["2023-11-14 22:13:20 buy 4500.25 3", "22:13:20 sell 4500 1"]
+    assert render_lines(got)[:2] == ["2023-11-14T22:13:20 buy 4500.25 3", "22:13:20 sell 4500 1"]
 
 
 def test_mbp1_trades_and_top_of_book_changes(tmp_path: Path) -> None:

@@ -64,7 +64,7 @@ def test_cut_rows_and_impossible_values_are_counted_not_rendered(tmp_path: Path)
     assert src.stats.error_kinds == {"bad_bar": 4, "missing_value": 1}
     assert any("row 6: missing low, close, volume" in s for s in src.stats.error_samples)
     assert any("high=100.0 is below low 101.0" in s for s in src.stats.error_samples)
-    assert render_lines(out) == ["2021-12-31 23:01 100.5 +0.5 h+0.5 l-1 v3"]
+    assert render_lines(out) == ["2021-12-31T23:01 100.5 +0.5 h+0.5 l-1 v3"]
 
 
 def test_side_strings_and_maker_flags_map_and_unknown_stays_unknown(tmp_path: Path) -> None:

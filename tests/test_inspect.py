@@ -28,7 +28,7 @@ def test_inspect_capture_json_and_text(tmp_path: Path, capsys) -> None:
     trades = rep["streams"]["BTCUSDT trade"]
     assert (trades["events"], trades["first_ts"], trades["last_ts"]) == (2, 1700000000 * S, 1700000001 * S)
     assert trades["gaps"] == 1 and rep["streams"]["BTCUSDT quote"]["gaps"] == 0
-    assert [x["text"] for x in trades["lines"]] == ["2023-11-14 22:13:20 buy 100.55 0.5", "22:13:21 sell 100.6 0.1"]
+    assert [x["text"] for x in trades["lines"]] == ["2023-11-14T22:13:20 buy 100.55 0.5", "22:13:21 sell 100.6 0.1"]
     assert all(x["tokens"] > 0 for x in trades["lines"]) and trades["tokens_per_line"] > 0
     assert rep["streams"]["BTCUSDT quote"]["first_ts"] == 1000 and rep["tokens_per_line"] > 0
     assert "bad_price 1" in capsys.readouterr().out

@@ -29,7 +29,7 @@ def test_bar_lines_are_lossless_and_compact() -> None:
         _bar(2, 61661.00, 61661.00, 61661.00, 61661.00, 0.5, 1, 0.5),
     ])
     assert lines == [
-        "2024-08-09 00:00 61690.5 +4.51 h+9.5 l-5.99 v12.3 n321 b49",
+        "2024-08-09T00:00 61690.5 +4.51 h+9.5 l-5.99 v12.3 n321 b49",
         "00:01 61660 -30.5 l-9.75 v1.83M n5 b0",
         "00:02 61661 +1 o+1 v0.5 n1 b100",
     ]
@@ -48,7 +48,7 @@ def test_trade_quote_lines_and_symbol() -> None:
     r = Renderer(with_symbol=True)
     t = Trade("binance", "BTCUSDT", T0 + 1_500_000_000, 0, 61685.99, 0.00017, SELL, 1, 2, 5)
     q = Quote("binance", "BTCUSDT", T0 + 2 * S, 0, 61685.99, 1.25869, 61686.0, 2.4, 2, 5)
-    assert r.render(t) == "2024-08-09 00:00:01 BTCUSDT sell 61685.99 0.00017"
+    assert r.render(t) == "2024-08-09T00:00:01 BTCUSDT sell 61685.99 0.00017"
     assert r.render(q) == "00:00:02 BTCUSDT bid 61685.99 x1.25869 ask 61686 x2.4"
     assert Renderer(precision={"X": (0, 0)}).render(Trade("v", "X", 0, 0, 10.4, 2.0, BUY, 1, 2, 2)).endswith("buy 10 2")
 

@@ -16,8 +16,9 @@ The default tokenizer (SmolLM2) spends one token per digit, so lines carry few d
   mark   `23:59:01 mark 61840.1 index 61838.5 funding 0.01%` (futures mark price)
   liq    `23:59:01 liquidation sell 61790 0.5` (a forced order; sell: a long was closed)
 
-The first line of each UTC day carries the date in front (`2024-08-09 00:00 ...`), so no
-line needs the date yet none is ambiguous. The renderer is stateful per instrument (the
+The first line of each UTC day carries the date in front, joined to the time as in ISO
+8601 (`2024-08-09T00:00 ...`), so no line needs the date yet none is ambiguous, and every
+line of a kind has its fields at the same word (series heads read words by index). The renderer is stateful per instrument (the
 previous close, the precision seen so far); feed it lines in order, one per session.
 Precision: the most decimals the venue has shown for the instrument (trailing zeros of
 padded strings such as Binance's "61837.63000000" do not count), or a fixed override.
@@ -137,7 +138,7 @@ class Renderer:
         head = clock
         if d != self._last_day:
             self._last_day = d
-            head = f"{day(ts)} {clock}"
+            head = f"{day(ts)}T{clock}"
         return f"{head} {ev.instrument}" if self.with_symbol else head
 
     def bar(self, b: Bar) -> str:
