@@ -18,7 +18,7 @@ from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
 from streamllm.engine.taps import LineTaps
 from streamllm.market.extract import StateExtractor, render_window, session_ids
-from streamllm.market.seriesfit import _Model, fit_series, samples
+from streamllm.market.seriesfit import _Model, feature_sets, fit_series, samples
 from streamllm.market.tune import cli_main
 from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
 from streamllm.model.llama import LlamaForward
@@ -56,40 +56,83 @@ def test_tapped_rows_are_transformers_hidden_states(tiny_model):
         Runner(model, store).execute([Work(BlockTable(), ids[:1], 0, want_tap=True)])
 
 
-def test_line_features_in_any_chunking_equal_one_shot():
+# Token ids of a toy session: 9 starts a word (like "Ġ4"), 8 is the newline (also whitespace); 5 prefix tokens.
+TOY_IDS = [1, 1, 1, 1, 1,  2, 3, 9, 8,  2, 9, 8,  2, 2, 9, 3, 9, 3, 3, 8,  8,  2, 9, 9, 9, 3, 9, 3, 3, 8]
+TOY_ENDS, TOY_PREFIX = [9, 12, 20, 21, 30], 5
+
+
+def toy_expected(rows: torch.Tensor, words: tuple[int, ...]) -> torch.Tensor:
+    """[mean, last, then word w's last token: the token before the (w+1)-th word start after the line's first token]."""
+    out = []
+    for b, e in zip([TOY_PREFIX, *TOY_ENDS[:-1]], TOY_ENDS, strict=True):
+        starts = [t for t in range(b + 1, e) if TOY_IDS[t] in (8, 9)]
+        marks = [rows[starts[w] - 1] if w < len(starts) else torch.zeros(rows.shape[1]) for w in words]
+        out.append(torch.cat([rows[b:e].mean(0), rows[e - 1], *marks]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("words", [(), (0, 2), (1, 3)])
+def test_line_features_in_any_chunking_equal_one_shot(words):
     torch.manual_seed(0)
-    prefix, ends = 5, [9, 12, 20, 21, 30]
+    prefix, ends = TOY_PREFIX, TOY_ENDS
     rows = torch.randn(30, 4)
-    one = LineTaps(10)
-    one.add(rows, 0, ends, 0, prefix)
-    begins = [prefix, *ends[:-1]]
-    expected = torch.stack([torch.cat([rows[b:e].mean(0), rows[e - 1]]) for b, e in zip(begins, ends, strict=True)])
+
+    def taps_of(keep):
+        return LineTaps(keep, words, frozenset({8, 9}))
+
+    one = taps_of(10)
+    one.add(rows, 0, TOY_IDS, ends, 0, prefix)
+    expected = toy_expected(rows, words)
+    assert expected.shape == (5, (2 + len(words)) * 4)
     torch.testing.assert_close(one.window(5, 5), expected)
     for cuts in ([3, 10, 11, 25], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 29], [20]):
-        taps = LineTaps(10)
+        taps = taps_of(10)
         for a, b in zip([0, *cuts], [*cuts, 30], strict=True):
-            taps.add(rows[a:b], a, ends, 0, prefix)
+            taps.add(rows[a:b], a, TOY_IDS[a:b], ends, 0, prefix)
         torch.testing.assert_close(taps.window(5, 5), expected)
     assert one.window(3, 2) is not None and one.window(3, 4) is None  # only lines 1, 2 before line 3; not 4
     # Met mid-line (a restored session): that line has no features, so a window across it is None.
-    restored = LineTaps(10)
-    restored.add(rows[15:], 15, ends, 0, prefix)
+    restored = taps_of(10)
+    restored.add(rows[15:], 15, TOY_IDS[15:], ends, 0, prefix)
     assert restored.num_lines == 5 and restored.window(5, 2) is not None and restored.window(5, 3) is None
     # After a compaction the line numbers go on: line_ends shifted, lines_before counts the cut ones.
-    taps = LineTaps(3)
-    taps.add(rows[:12], 0, ends, 0, prefix)
-    taps.add(rows[12:20], 5, [13, 14, 23], 2, prefix)  # cut at token 12: 7 tokens and 2 lines gone
+    taps = taps_of(3)
+    taps.add(rows[:12], 0, TOY_IDS[:12], ends, 0, prefix)
+    taps.add(rows[12:20], 5, TOY_IDS[12:20], [13, 14, 23], 2, prefix)  # cut at token 12: 7 tokens and 2 lines gone
     assert [i for i, _ in taps.lines] == [0, 1, 2] and taps.window(3, 3) is not None
+    torch.testing.assert_close(taps.window(3, 3), expected[:3])
 
 
-def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_path):
+def test_word_starts_come_from_the_tokenizer(tiny_model):
+    from streamllm.engine.prompt import PromptLayout
+    from streamllm.engine.taps import word_start_ids
+
+    starts = word_start_ids(tiny_model.tokenizer)
+    ids = PromptLayout(tiny_model.tokenizer).lines_ids(["23:02 46411 +34 h+5"])[0]
+    pieces, word = [], []  # split the line's tokens where a word starts: the words come back whole
+    for i, t in enumerate(ids):
+        if i and t in starts:
+            pieces.append(word)
+            word = []
+        word.append(t)
+    pieces.append(word)
+    texts = [tiny_model.tokenizer.decode(p).strip() for p in pieces]
+    assert texts[:4] == ["23:02", "46411", "+34", "h+5"]
+    with pytest.raises(ValueError, match="word-start"):
+        LineTaps(4, (2,))
+
+
+@pytest.mark.parametrize("words", [(), (1, 2)])
+def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_path, words):
     """Same features in serving as in training, and the gate answers with the series head."""
     labelled = [q for q in spec.questions if q.label is not None]
-    heads = random_series(spec, tiny_model.config.hidden_size)
+    heads = random_series(spec, tiny_model.config.hidden_size, words=words)
     heads[1].threshold = math.inf
     save_heads(tmp_path / "ad", heads, model=tiny_model.name)
-    assert [h.kind for h in load_adapter(tmp_path / "ad").heads] == ["series", "series"]
-    states = StateExtractor(tiny_model, spec, labelled, tap_layer=LAYER).extract(bars[:20], stride=5)
+    adapter = load_adapter(tmp_path / "ad")
+    assert [h.kind for h in adapter.heads] == ["series", "series"] and adapter.tap_words == words
+    states = StateExtractor(tiny_model, spec, labelled, tap_layer=LAYER, words=words).extract(bars[:20], stride=5)
+    assert states.lines.shape[1] == (2 + len(words)) * tiny_model.config.hidden_size
     engine = engine_with(tiny_model, tmp_path / "ad")
     try:
         engine.open_session("test", system=spec.system_prompt)
@@ -151,6 +194,23 @@ def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained
         torch.testing.assert_close(model(dev.lines, dev.index), head.logits(dev.windows()), atol=1e-4, rtol=1e-4)
 
 
+def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
+    """Lines [mean, last, word] 4 wide each; the label sums the word's first number: the fit picks the words
+    alone (the development loss prefers fewer noisy weights) and the unread columns get zero weights."""
+    g = torch.Generator().manual_seed(1)
+
+    def window(n):
+        feats = torch.randn(n, 12, generator=g) * 3.0
+        sums = torch.stack([feats[max(0, i - 3): i + 1, 8].sum() for i in range(n)])
+        return feats, (sums <= 0).long()
+
+    train, dev = samples([window(40) for _ in range(6)], 6), samples([window(40) for _ in range(4)], 6)
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=300, sets=feature_sets(4, 1))
+    assert fit.features == "words" and fit.proj[:, :8].abs().max() == 0 and fit.proj[:, 8:].abs().max() > 0
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, (2,))
+    assert (head.logits(dev.windows()).argmax(1) == dev.labels).float().mean() > 0.9
+
+
 def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setattr("streamllm.model.loader.load_model", lambda *a, **k: tiny_model)
     config, data = tmp_path / "q.toml", write_bars(tmp_path / "bars.csv", 600)
@@ -163,8 +223,9 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     assert cli_main(argv) == 0
     adapter = load_adapter(out)
     assert {h.kind for h in adapter.heads} == {"series"} and adapter.tap_layer == 1 and adapter.tap_lines == 10
+    assert adapter.tap_words == (2,)  # the default: a bar line's change
     card = (out / "card.md").read_text()
-    assert "Series heads" in card and "| trend | later |" in card
+    assert "Series heads" in card and "| trend | later |" in card and "word 2's last token" in card
     engine = engine_with(tiny_model, out)
     try:
         spec = load_config(config).sessions[0]
@@ -178,6 +239,8 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     with pytest.raises(SystemExit):
         cli_main([*argv[:-2], "--tap-layer", "x"])
     assert cli_main([*argv, "--lines", "4"]) == 2  # shorter than the labels' history
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--words", "2,2"])
 
 
 def test_series_files_are_checked(tiny_model, spec, tmp_path):
@@ -192,6 +255,10 @@ def test_series_files_are_checked(tiny_model, spec, tmp_path):
         engine_with(tiny_model, tmp_path / "ad")
     ids, ends = session_ids(StateExtractor(tiny_model, spec, []).layout, [1, 2], ["a", "b"])
     assert ends[-1] == len(ids)
+    heads = random_series(spec, tiny_model.config.hidden_size, words=(2,))
+    heads[1] = random_series(spec, tiny_model.config.hidden_size)[1]
+    with pytest.raises(AdapterError, match="one layer and words"):
+        save_heads(tmp_path / "ad2", heads, model=tiny_model.name)
 
 
 def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_path):

@@ -88,11 +88,13 @@ def random_heads(spec, hidden: int, threshold: float = 0.0, seed: int = 0) -> li
 LAYER, LINES = 1, 6  # series heads on the tiny model: its first layer's residual, the last 6 lines
 
 
-def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0) -> list[SeriesHead]:
+def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0,
+                  words: tuple[int, ...] = ()) -> list[SeriesHead]:
     g = torch.Generator().manual_seed(seed)
-    return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, 2 * hidden, generator=g) * 0.05,
+    width = (2 + len(words)) * hidden
+    return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, width, generator=g) * 0.05,
                        torch.randn(rank, generator=g), torch.randn(2, LINES, 2 * rank, generator=g),
-                       torch.randn(2, generator=g), threshold) for q in spec.questions if q.label is not None]
+                       torch.randn(2, generator=g), threshold, words) for q in spec.questions if q.label is not None]
 
 
 def engine_with(tiny_model, adapter=None, max_context: int = 2048) -> Engine:

@@ -2,7 +2,7 @@
 
     snapshot file (safetensors):  k, v          [layers, kv_heads, num_computed, head_dim]
                                   token_ids     [num_tokens] int64
-                                  line_features [n, 2H], line_index [n]  (series heads only, engine/taps.py)
+                                  line_features [n, (2 + W) H], line_index [n]  (series heads only, engine/taps.py)
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
                                                 dtype, config hash, sha256 of the tensors
 

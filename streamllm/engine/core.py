@@ -70,6 +70,8 @@ class EngineCore(Answering, Compacting, Publishing):
         self.policy, self.branch_cells, self.stale_policy = policy, branch_cells, stale_policy
         self.check_every_step = check_every_step
         self.line_taps = 0  # lines of features each session keeps for series heads (0: none served)
+        self.tap_words: tuple[int, ...] = ()  # the words whose last token each line's features add
+        self.word_starts: frozenset[int] = frozenset()  # the tokenizer's word-start ids (with tap_words)
         self.sessions: dict[str, Session] = {}
         self.running: list[Branch] = []  # asks being prefilled or decoded
         self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
@@ -227,7 +229,7 @@ class EngineCore(Answering, Compacting, Publishing):
         computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
         manager.reserve(table, max_context)
         session = Session(name, system, prefix, max_context, table)
-        session.taps = LineTaps(self.line_taps) if self.line_taps else None
+        session.taps = self.new_taps()
         session.num_computed = computed
         self.sessions[name] = session
         self._dirty.add(name)
@@ -340,12 +342,16 @@ class EngineCore(Answering, Compacting, Publishing):
         if self.check_every_step:
             self.check_integrity()
 
+    def new_taps(self) -> LineTaps | None:
+        """A session's line features for the adapter's series heads (None when none are served)."""
+        return LineTaps(self.line_taps, self.tap_words, self.word_starts) if self.line_taps else None
+
     def _update(self, plan: Plan, logits: list, works: list[Work]) -> None:
         for item, lg, work in zip(plan.items, logits, works, strict=True):
             seq, n = item.seq, len(item.token_ids)
             if isinstance(seq, Session):
                 if work.tap is not None:  # before advance: an entry made at the new version reads these lines
-                    seq.tap(work.tap, item.start_pos)
+                    seq.tap(work.tap, item.start_pos, item.token_ids)
                 had_prefix = seq.ready
                 if seq.advance(n):
                     self.events.append((seq.name, "data", seq.name, seq.data_version))

@@ -162,9 +162,9 @@ class Session(Sequence):
         """Number of data lines (counted from the session's first) that end at or before `token`."""
         return self.lines_cut + bisect_right(self.line_ends, token)
 
-    def tap(self, rows: torch.Tensor, start: int) -> None:
-        """Fold the tapped residual rows of tokens [start, start + len(rows)) into the line features."""
-        self.taps.add(rows, start, self.line_ends, self.lines_cut, self.prefix_len)
+    def tap(self, rows: torch.Tensor, start: int, ids: list[int]) -> None:
+        """Fold the tapped residual rows of tokens [start, start + len(rows)) (ids: their tokens) into the line features."""
+        self.taps.add(rows, start, ids, self.line_ends, self.lines_cut, self.prefix_len)
 
     def version_length(self, version: int) -> int:
         return self.version_ends[version - self.version_base]

@@ -16,7 +16,6 @@ import torch
 from streamllm.engine.kv import BlockTable, KVCapacityError
 from streamllm.engine.outputs import AdmissionError, SessionError, SessionInfo
 from streamllm.engine.sequence import Session
-from streamllm.engine.taps import LineTaps
 
 
 @dataclass(slots=True)
@@ -26,7 +25,7 @@ class SessionState:
     v: torch.Tensor
     token_ids: list[int]
     questions: list[Any] = field(default_factory=list)  # QuestionSpec
-    # Series heads' line features (engine/taps.py): [n, 2H] and each line's number; None without them.
+    # Series heads' line features (engine/taps.py): [n, (2 + W) H] and each line's number; None without them.
     line_features: torch.Tensor | None = None
     line_index: torch.Tensor | None = None
 
@@ -104,7 +103,7 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
     s.line_ends.extend(meta["line_ends"])
     s.lines_cut = int(meta.get("lines_cut", 0))
-    s.taps = LineTaps(core.line_taps) if core.line_taps else None
+    s.taps = core.new_taps()
     if s.taps is not None and state.line_features is not None:  # series heads answer at once, not K lines later
         device = core.runner.model.device
         for i, f in zip(state.line_index.tolist(), state.line_features, strict=True):

@@ -5,6 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 
+def _line_features(series: dict[str, Any]) -> str:
+    words = series.get("words") or []
+    named = "".join(f", word {w}'s last token" for w in words)
+    return f"[mean over its tokens, last token{named}]" + (" (each head reads all, or the words alone: see features)"
+                                                            if words else "")
+
+
 def _intro(card: dict[str, Any]) -> list[str]:
     data = (f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and "
             f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
@@ -30,8 +37,8 @@ def _intro(card: dict[str, Any]) -> list[str]:
         se = card["series"]
         return [f"# Series heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
                 f"Method `series` on `{card['model']}`: per question, a readout over the session's last {se['lines']} "
-                f"lines, each line read as [mean, last] of the residual stream after layer {se['tap_layer']} over its "
-                f"tokens, projected to {se['rank']} numbers (plus their magnitudes) and weighed per line. Judged at "
+                f"lines, each line read as {_line_features(se)} of the residual stream after layer {se['tap_layer']}, "
+                f"projected to {se['rank']} numbers (plus their magnitudes) and weighed per line. Judged at "
                 f"every bar with {se['lines']} lines of history (base model: at the decision points). {run}, "
                 f"{card['fit_steps']} AdamW steps, {card['adapter_bytes']} bytes.", data, "", gate, ""]
     return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
@@ -53,4 +60,7 @@ def card_markdown(card: dict[str, Any]) -> str:
                          f"| {base['accuracy']:.2f} | {j['coverage']:.2f} | "
                          f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
+    if any("features" in q for q in card["questions"].values()):
+        lines += ["Features read: " + ", ".join(f"{qid} {q['features']}" for qid, q in card["questions"].items()
+                                                if "features" in q), ""]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from streamllm.config import QuestionSpec, SessionSpec
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.runner import Runner, Work
-from streamllm.engine.taps import LineTaps
+from streamllm.engine.taps import LineTaps, word_start_ids
 from streamllm.market.render import Renderer
 from streamllm.model.llama import LlamaForward
 
@@ -39,7 +39,7 @@ BRANCH_TOKENS = 1536  # question tokens per forward (many branches side by side)
 @dataclass(slots=True)
 class WindowStates:
     """Per question: hidden states [n, H] at its decision points, the true choice index [n], and the bar index [n];
-    with a tap layer, every bar's line features [W, 2H] and per question every bar's choice index [W] (-1: unknown)."""
+    with a tap layer, every bar's line features [W, (2 + words) H] and per question every bar's choice index [W] (-1: unknown)."""
 
     features: dict[str, torch.Tensor]
     labels: dict[str, torch.Tensor]
@@ -76,7 +76,7 @@ def render_window(bars: Sequence[Any]) -> list[str]:
 class StateExtractor:
     def __init__(self, loaded: Any, spec: SessionSpec, questions: Sequence[QuestionSpec], *,
                  max_window_tokens: int = 8192, device: str = "cpu", tap_layer: int | None = None,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", words: Sequence[int] = ()) -> None:
         self.spec = spec
         self.questions = list(questions)
         self.layout = PromptLayout(loaded.tokenizer)
@@ -91,6 +91,8 @@ class StateExtractor:
                                     self.model.head_dim, dtype=self.model.kv_dtype, device=self.model.device))
         self.runner = Runner(self.model, self.store, tap_layer=tap_layer)
         self.tap_layer = tap_layer
+        self.words = tuple(words)  # the words whose last token a line's features add (engine/taps.py)
+        self.word_starts = word_start_ids(loaded.tokenizer) if self.words else frozenset()
         self.max_window_tokens = max_window_tokens
 
     # -- prompts ---------------------------------------------------------------------
@@ -117,7 +119,7 @@ class StateExtractor:
         manager = self.store.manager
         session = BlockTable()
         computed = 0
-        taps = LineTaps(len(lines)) if self.tap_layer is not None else None
+        taps = LineTaps(len(lines), self.words, self.word_starts) if self.tap_layer is not None else None
         try:
             manager.append(session, len(ids))
             for start in range(0, len(ids), CHUNK_TOKENS):
@@ -125,7 +127,7 @@ class StateExtractor:
                 work = Work(session, chunk, start, "none", want_tap=taps is not None)
                 self.runner.execute([work])
                 if taps is not None:  # the engine's own rule for a session's line features
-                    taps.add(work.tap, start, ends, 0, len(self.prefix))
+                    taps.add(work.tap, start, chunk, ends, 0, len(self.prefix))
                 computed += len(chunk)
             # The teacher: labels are only read here. Every bar's choice index (-1: unknown), once;
             # decision points take theirs, a series head trains on all of them.

@@ -7,11 +7,15 @@ from the session's own ingest: no branch per sample), so a few dozen windows giv
 thousands. Lines are standardized on the training set (folded back into the saved
 projection), weight decay is picked by development log-loss, the best step by
 development loss (early stopping), the gate's margin threshold calibrated on the
-development range.
+development range. With word features (engine/taps.py) the fit also tries the words
+alone (a head that needs only a bar's change reads only that, fewer weights to fit
+from a month of bars) and keeps whichever set the development loss prefers; the
+unread features get zero weights, so the engine's features stay one layout.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +29,7 @@ STEPS, BATCH, EVAL_EVERY, LR = 600, 256, 20, 3e-3
 
 @dataclass(slots=True)
 class Samples:
-    lines: torch.Tensor  # [M, 2H] every line of the set's windows
+    lines: torch.Tensor  # [M, F] every line of the set's windows
     index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first
     labels: torch.Tensor  # [N] choice index
 
@@ -33,12 +37,12 @@ class Samples:
         return len(self.labels)
 
     def windows(self) -> torch.Tensor:
-        """[N, K, 2H]: what LineTaps.window gives the engine for each sample (for judging with SeriesHead)."""
+        """[N, K, F]: what LineTaps.window gives the engine for each sample (for judging with SeriesHead)."""
         return self.lines[self.index]
 
 
 def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES) -> Samples:
-    """From (line features [W, 2H], labels [W] with -1 unknown) per window: every bar with k lines and a label."""
+    """From (line features [W, F], labels [W] with -1 unknown) per window: every bar with k lines and a label."""
     lines, index, labels, offset = [], [], [], 0
     for feats, y in windows:
         for i in range(k - 1, len(y)):
@@ -55,13 +59,25 @@ def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES
 
 @dataclass(slots=True)
 class SeriesFit:
-    proj: torch.Tensor  # [R, 2H] on raw line features
+    proj: torch.Tensor  # [R, F] on raw line features
     proj_bias: torch.Tensor  # [R]
     lags: torch.Tensor  # [C, K, 2R]
     bias: torch.Tensor  # [C]
     weight_decay: float
     steps: int
     dev_loss: float
+    features: str = "all"  # the feature set the head reads (feature_sets())
+
+
+def feature_sets(hidden: int, words: int) -> dict[str, torch.Tensor]:
+    """Column masks over a line's features [mean, last, word 1, ...] (each `hidden` wide) a fit may read."""
+    width = (2 + words) * hidden
+    sets = {"all": torch.ones(width, dtype=torch.bool)}
+    if words:
+        only = torch.zeros(width, dtype=torch.bool)
+        only[2 * hidden:] = True
+        sets["words"] = only
+    return sets
 
 
 class _Model(torch.nn.Module):
@@ -79,18 +95,23 @@ class _Model(torch.nn.Module):
 
 
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
-               grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0) -> SeriesFit:
+               grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
+               sets: dict[str, torch.Tensor] | None = None) -> SeriesFit:
+    """sets: candidate feature sets (column masks, feature_sets()); default all columns."""
     if len(train) == 0 or len(dev) == 0:
         raise ValueError("a series head needs training and development samples")
+    width = train.lines.shape[1]
+    sets = sets or {"all": torch.ones(width, dtype=torch.bool)}
     mu = train.lines.mean(0)
     sd = train.lines.std(0).clamp_min(1e-4)
-    lines, dev_lines = (train.lines - mu) / sd, (dev.lines - mu) / sd
+    all_lines, all_dev = (train.lines - mu) / sd, (dev.lines - mu) / sd
     ce = torch.nn.functional.cross_entropy
-    best: tuple[float, float, dict] | None = None
+    best: tuple[float, float, dict, str] | None = None
     total = 0
     gen = torch.Generator().manual_seed(seed)
     with torch.enable_grad():
-        for wd in grid:
+        for (name, cols), wd in itertools.product(sets.items(), grid):
+            lines, dev_lines = all_lines[:, cols], all_dev[:, cols]
             torch.manual_seed(seed)
             model = _Model(lines.shape[1], classes, k, rank)
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
@@ -105,8 +126,10 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
                     with torch.no_grad():
                         dev_loss = float(ce(model(dev_lines, dev.index), dev.labels))
                     if best is None or dev_loss < best[0]:
-                        best = (dev_loss, wd, {n: p.detach().clone() for n, p in model.state_dict().items()})
+                        best = (dev_loss, wd, {n: p.detach().clone() for n, p in model.state_dict().items()}, name)
     assert best is not None
-    dev_loss, wd, state = best
-    proj = state["proj.weight"] / sd  # fold the standardization in: P (f - mu) / sd + p
-    return SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, dev_loss)
+    dev_loss, wd, state, name = best
+    cols = sets[name]
+    proj = torch.zeros(rank, width)  # unread features: zero weights
+    proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
+    return SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, dev_loss, name)

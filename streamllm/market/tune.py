@@ -130,6 +130,17 @@ def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rn
 # -- the run ----------------------------------------------------------------------------
 
 
+def _words(text: str) -> tuple[int, ...]:
+    """--words: comma-separated distinct word indices >= 0 ("" for none)."""
+    try:
+        words = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of word indices: {text!r} (e.g. 2 or 1,2)") from None
+    if any(w < 0 for w in words) or len(set(words)) != len(words):
+        raise argparse.ArgumentTypeError(f"word indices must be distinct and >= 0, got {text!r}")
+    return words
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
@@ -162,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     series.add_argument("--tap-layer", type=int, default=12, help="read each line's residual stream after this layer")
     series.add_argument("--lines", type=int, default=24, help="lines a head reads (at least the labels' history)")
     series.add_argument("--series-rank", type=int, default=8, help="numbers a head takes from each line")
+    series.add_argument("--words", type=_words, default=(2,), metavar="I,J",
+                        help="words whose last token each line's features add (default 2: a bar line's change, "
+                             "`23:02 46411 +34 ...`); empty for [mean, last] only")
     lora = p.add_argument_group("--method lora")
     lora.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers (the rest run once per window)")
     lora.add_argument("--rank", type=int, default=8)
@@ -271,7 +285,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
             f.unlink()
     states_dir.mkdir(parents=True, exist_ok=True)
     for t in tasks:
-        tap = args.tap_layer if args.method == "series" else None
+        tap = [args.tap_layer, list(args.words)] if args.method == "series" else None
         t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, tap, [
             (q.id, q.text, q.choices, q.label.text) for q in t.questions]]).encode()).hexdigest()[:12]
     if args.method == "lora":
@@ -286,7 +300,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                             f"(session {t.spec.name})")
     for t in tasks:
         t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens),
-                                     tap_layer=args.tap_layer if args.method == "series" else None, dtype=args.dtype)
+                                     tap_layer=args.tap_layer if args.method == "series" else None, dtype=args.dtype,
+                                     words=args.words if args.method == "series" else ())
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
     tokens, spent = 0, False
@@ -380,7 +395,7 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
 def _fit_series(args, head_id, q, members, got, sets):
     """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py)."""
     from streamllm.market.headfit import calibrate_threshold
-    from streamllm.market.seriesfit import fit_series, samples
+    from streamllm.market.seriesfit import feature_sets, fit_series, samples
     from streamllm.model.adapter import SeriesHead
 
     def gather(set_name):
@@ -388,17 +403,18 @@ def _fit_series(args, head_id, q, members, got, sets):
                         for name, qid in members if name == session], args.lines)
 
     train, dev = gather("train"), gather("dev")
-    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed)
+    sets = feature_sets(train.lines.shape[1] // (2 + len(args.words)), len(args.words))
+    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed, sets=sets)
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
-                      math.inf)
+                      math.inf, tuple(args.words))
     head.threshold = calibrate_threshold(head.logits(dev.windows()), dev.labels, args.target_precision)
 
     def scores(set_name):  # judged through the served head itself: the engine's numbers
         got_set = gather(set_name)
         return head.logits(got_set.windows()), got_set.labels
 
-    return head, {"weight_decay": fit.weight_decay, "train_samples": len(train), "steps": fit.steps,
-                  "dev_loss": round(fit.dev_loss, 4)}, scores
+    return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
+                  "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
 
 
 def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
@@ -440,7 +456,8 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
         "adapter_bytes": path.stat().st_size, "questions": report,
     }
     if args.method == "series":
-        card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank}
+        card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
+                          "words": list(args.words)}
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     (args.out / "card.md").write_text(card_markdown(card))
     return card

@@ -6,8 +6,9 @@ A head is a learned readout for one labelled choice question. Two kinds:
   decision point (the pre-positioned entry's last row), choice logits = W h + b. It is
   the LM head's rows for the question's choices, re-trained.
 - series (`--method series`): over the session's last K data lines. Per line the
-  engine keeps f = [mean, last] of the residual stream at one layer over the line's
-  tokens (engine/taps.py); the head projects each to z = P f + p (R numbers), and
+  engine keeps f = [mean, last, the last token of each chosen word] of the residual
+  stream at one layer over the line's tokens (engine/taps.py); the head projects each
+  to z = P f + p (R numbers), and
   choice logits = sum over lines k of A[:, k] . [z_k, |z_k|] + b. The model reads the
   text; the head does the arithmetic across lines (sums, differences, magnitudes) that
   a small model's single decision-point state does not hold.
@@ -16,7 +17,7 @@ Everything else in the model stays as it was: the KV cache, the fast path's scan
 the decode path are unchanged.
 
     adapter dir/
-      head.safetensors   entry: {qid}.weight [C, H], {qid}.bias [C]; series: {qid}.proj [R, 2H],
+      head.safetensors   entry: {qid}.weight [C, H], {qid}.bias [C]; series: {qid}.proj [R, (2+W)H],
                          {qid}.proj_bias [R], {qid}.lags [C, K, 2R], {qid}.bias [C]; metadata "streamllm"
       card.json          what was trained on what, validation figures, thresholds
       card.md            the same for people
@@ -42,7 +43,7 @@ import torch
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
-FORMAT_VERSION = 2  # 2: series heads; version 1 files (entry heads only) still load
+FORMAT_VERSION = 3  # 2: series heads, 3: their word features; older files still load
 
 
 class AdapterError(ValueError):
@@ -89,7 +90,7 @@ class ChoiceHead(_QuestionHead):
 
 def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, lags: torch.Tensor,
                   bias: torch.Tensor) -> torch.Tensor:
-    """Choice logits from line features [..., K, 2H] (oldest line first): [..., C]. Training uses it too."""
+    """Choice logits from line features [..., K, F] (oldest line first): [..., C]. Training uses it too."""
     z = lines @ proj.T + proj_bias  # [..., K, R]
     return torch.einsum("...kr,ckr->...c", torch.cat([z, z.abs()], -1), lags) + bias
 
@@ -103,24 +104,25 @@ class SeriesHead(_QuestionHead):
     text: str
     choices: tuple[str, ...]
     layer: int  # the residual stream after this many layers (transformers' hidden_states[layer])
-    proj: torch.Tensor  # [R, 2H], standardization folded in
+    proj: torch.Tensor  # [R, (2 + W) H], standardization folded in
     proj_bias: torch.Tensor  # [R]
     lags: torch.Tensor  # [C, K, 2R]
     bias: torch.Tensor  # [C]
     threshold: float
+    words: tuple[int, ...] = ()  # the words whose last token each line's features add (engine/taps.py)
 
     @property
     def lines(self) -> int:
         return int(self.lags.shape[1])
 
     def logits(self, lines: torch.Tensor) -> torch.Tensor:
-        """Choice logits for line features [K, 2H] (or a batch [N, K, 2H])."""
+        """Choice logits for line features [K, F] (or a batch [N, K, F])."""
         return series_logits(lines.to(self.proj.dtype), self.proj, self.proj_bias, self.lags, self.bias)
 
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> SeriesHead:
         return SeriesHead(self.question_id, self.text, self.choices, self.layer, self.proj.to(device, dtype),
                           self.proj_bias.to(device, dtype), self.lags.to(device, dtype), self.bias.to(device, dtype),
-                          self.threshold)
+                          self.threshold, self.words)
 
 
 Head = ChoiceHead | SeriesHead
@@ -145,6 +147,12 @@ class Adapter:
         return layers.pop() if layers else None
 
     @property
+    def tap_words(self) -> tuple[int, ...]:
+        """The words whose last token the series heads' line features add (one set per adapter)."""
+        words = {h.words for h in self.heads if h.kind == "series"}
+        return words.pop() if words else ()
+
+    @property
     def tap_lines(self) -> int:
         """Lines of features a session must keep for the longest series head (0: none)."""
         return max((h.lines for h in self.heads if h.kind == "series"), default=0)
@@ -159,8 +167,8 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
         raise AdapterError("no heads to save")
     tensors: dict[str, torch.Tensor] = {}
     questions = []
-    if len({h.layer for h in heads if h.kind == "series"}) > 1:
-        raise AdapterError("series heads of one adapter must read one layer (the engine taps one)")
+    if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
+        raise AdapterError("series heads of one adapter must read one layer and words (the engine taps one)")
     for h in heads:
         names = ("weight", "bias") if h.kind == "entry" else ("proj", "proj_bias", "lags", "bias")
         for name in names:
@@ -168,7 +176,7 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
         q = {"id": h.question_id, "kind": h.kind, "text": h.text, "choices": list(h.choices),
              "threshold": h.threshold if math.isfinite(h.threshold) else None}
         if h.kind == "series":
-            q["layer"] = h.layer
+            q["layer"], q["words"] = h.layer, list(h.words)
         questions.append(q)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
             "hidden_size": _hidden_of(heads[0]), "questions": questions}
@@ -178,7 +186,7 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
 
 
 def _hidden_of(head: Head) -> int:
-    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // 2
+    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // (2 + len(head.words))
 
 
 def load_adapter(directory: str | Path) -> Adapter:
@@ -212,15 +220,15 @@ def _read_heads(path: Path) -> tuple[str, int, list[ChoiceHead]]:
             tensors = {key: fh.get_tensor(key) for key in fh.keys()}  # noqa: SIM118 - safe_open is no dict
     except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as exc:
         raise AdapterError(f"adapter {path}: not a readable head file ({exc})") from None
-    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, FORMAT_VERSION):
+    if meta.get("format") != FORMAT or meta.get("format_version") not in range(1, FORMAT_VERSION + 1):
         raise AdapterError(f"adapter {path}: format {meta.get('format')!r} v{meta.get('format_version')!r}, "
                            f"this build reads {FORMAT} v1-v{FORMAT_VERSION}")
     hidden = int(meta["hidden_size"])
     heads: list[Head] = []
     for q in meta["questions"]:
         heads.append(_read_head(path, q, tensors, hidden))
-    if len({h.layer for h in heads if h.kind == "series"}) > 1:
-        raise AdapterError(f"adapter {path}: its series heads read different layers")
+    if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
+        raise AdapterError(f"adapter {path}: its series heads read different layers or words")
     return str(meta.get("model")), hidden, heads
 
 
@@ -235,11 +243,14 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
 
     if kind == "entry" and shaped("weight", c, hidden) and shaped("bias", c):
         return ChoiceHead(q["id"], q["text"], tuple(q["choices"]), got["weight"], got["bias"], threshold)
-    if kind == "series" and shaped("proj", None, 2 * hidden) and shaped("bias", c):
+    words = q.get("words", [])
+    if not (isinstance(words, list) and all(isinstance(w, int) and w >= 0 for w in words) and len(set(words)) == len(words)):
+        raise AdapterError(f"adapter {path}: question {q['id']!r} has bad words {words!r}")
+    if kind == "series" and shaped("proj", None, (2 + len(words)) * hidden) and shaped("bias", c):
         r = got["proj"].shape[0]
         if shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
-                              got["lags"], got["bias"], threshold)
+                              got["lags"], got["bias"], threshold, tuple(words))
     if kind not in ("entry", "series"):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
     raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
