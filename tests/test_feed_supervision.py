@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
 from streamllm.engine import Engine
 from streamllm.market.attach import Attachment, AttachSpec
-from streamllm.service.bars import TapSink
+from streamllm.market.render import Renderer
+from streamllm.service.bars import BarBook, TapSink
 from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import StreamServer
 
@@ -66,3 +68,17 @@ def test_a_failing_feed_restarts_and_health_says_degraded(tiny_model):
         assert info.lines_ingested == attachment.stats.lines_pushed == seen >= 30
     finally:
         engine.shutdown()
+
+
+def test_the_bar_book_reads_dated_lines_as_the_renderer_writes_them():
+    book = BarBook()
+    t0 = 1_723_161_540  # 2024-08-08 23:59 UTC
+    bars = [Bar(venue="x", instrument="BTCUSDT", ts_event=(t0 + 60 * i + 60) * 10**9, ts_recv=(t0 + 60 * i + 60) * 10**9,
+                ts_open=(t0 + 60 * i) * 10**9, interval_ns=60 * 10**9, open=100.0 + i, high=101.0 + i, low=99.0 + i,
+                close=100.5 + i, volume=1.0, trades=3, buy_volume=0.5, sell_volume=0.5, vwap=100.2 + i) for i in range(3)]
+    lines = [Renderer().render(b) for b in bars]
+    assert lines[1].startswith("2024-08-09T00:00 ")  # the new day's first line is dated
+    assert book.record("s", [*lines, "2024-08-10 00:00 7 +1"]) == 4  # the older spaced date still reads
+    closes, seen = book.bars("s")
+    assert seen == 4 and [c for _, c in closes] == [100.5, 101.5, 102.5, 7.0]
+    assert [t for t, _ in closes] == [t0, t0 + 60, t0 + 120, t0 + 60 + 86_400]

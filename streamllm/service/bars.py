@@ -2,7 +2,7 @@
 
 The service sees every line pushed through it (websocket pushes and the feeds it runs)
 and keeps, per session, a bounded ring of (time, close) parsed from rendered bar lines
-(`HH:MM[:SS] CLOSE ...`, with a leading date on the first line of a day; see
+(`HH:MM[:SS] CLOSE ...`, the first line of a day dated `YYYY-MM-DDTHH:MM`; see
 streamllm/market/render.py). Lines that are not bars (trades, quotes, summaries) are
 skipped. Feeds run in their own threads, so the book takes a lock.
 """
@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 DEFAULT_BARS = 600
-_BAR = re.compile(r"(?:(\d{4})-(\d\d)-(\d\d) )?(\d\d):(\d\d)(?::(\d\d))?(?:-[\d:]+)? (-?\d+(?:\.\d+)?)(?= |$)")
+_BAR = re.compile(r"(?:(\d{4})-(\d\d)-(\d\d)[T ])?(\d\d):(\d\d)(?::(\d\d))?(?:-[\d:]+)? (-?\d+(?:\.\d+)?)(?= |$)")
 DAY = 86_400
 
 
