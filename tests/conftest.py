@@ -23,6 +23,25 @@ def tiny_model() -> LoadedModel:
     return load_model("tiny", progress=False)
 
 
+@pytest.fixture
+def spec(tmp_path):
+    """The session of tests/test_tune.py's CONFIG (labelled choice questions over bars): tune, series, LoRA tests."""
+    from streamllm.config import load_config
+    from tests.test_tune import CONFIG
+
+    (tmp_path / "q.toml").write_text(CONFIG)
+    return load_config(tmp_path / "q.toml").sessions[0]
+
+
+@pytest.fixture
+def bars(tmp_path):
+    """40 bars of tests/test_tune.py's random walk, as events."""
+    from feeds.sources import TableSource
+    from tests.test_tune import write_bars
+
+    return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
+
+
 @contextlib.contextmanager
 def serving_in_thread(server):
     """A StreamServer on its own event loop in a thread, so blocking clients can run in the test

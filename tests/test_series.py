@@ -26,18 +26,6 @@ from streamllm.model.lora import hf_model
 from tests.test_tune import CONFIG, LAYER, LINES, engine_with, random_series, write_bars
 
 
-@pytest.fixture
-def spec(tmp_path):
-    config = tmp_path / "q.toml"
-    config.write_text(CONFIG)
-    return load_config(config).sessions[0]
-
-
-@pytest.fixture
-def bars(tmp_path):
-    return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
-
-
 def test_tapped_rows_are_transformers_hidden_states(tiny_model):
     model = LlamaForward(tiny_model.config, tiny_model.state_dict)
     store = KVStore(BlockManager(16, 16), KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim))

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from feeds.sources import TableSource
 from streamllm.config import load_config, parse_config
 from streamllm.durability.snapshot import SnapshotError
 from streamllm.engine import Engine
@@ -65,18 +64,6 @@ def write_bars(path: Path, rows: int) -> Path:
                      f"{close:.1f},{1000 + 37 * (i % 7)}")
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-@pytest.fixture
-def spec(tmp_path):
-    config = tmp_path / "q.toml"
-    config.write_text(CONFIG)
-    return load_config(config).sessions[0]
-
-
-@pytest.fixture
-def bars(tmp_path):
-    return TableSource(write_bars(tmp_path / "bars.csv", 40), "bar", instrument="TEST").events()
 
 
 def random_heads(spec, hidden: int, threshold: float = 0.0, seed: int = 0) -> list[ChoiceHead]:

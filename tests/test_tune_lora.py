@@ -12,7 +12,6 @@ import torch
 pytest.importorskip("peft")
 
 from feeds.sources import TableSource  # noqa: E402
-from streamllm.config import load_config  # noqa: E402
 from streamllm.engine import Engine  # noqa: E402
 from streamllm.engine.prompt import PromptLayout  # noqa: E402
 from streamllm.market.extract import StateExtractor, render_window  # noqa: E402
@@ -21,12 +20,6 @@ from streamllm.market.tune import cli_main  # noqa: E402
 from streamllm.model.adapter import AdapterError, load_adapter  # noqa: E402
 from streamllm.model.lora import merged_state_dict, save_lora  # noqa: E402
 from tests.test_tune import CONFIG, write_bars  # noqa: E402
-
-
-@pytest.fixture
-def spec(tmp_path):
-    (tmp_path / "q.toml").write_text(CONFIG)
-    return load_config(tmp_path / "q.toml").sessions[0]
 
 
 @pytest.fixture
