@@ -17,8 +17,8 @@ from starlette.responses import Response
 
 from streamllm.service import protocol as p
 from streamllm.service.errors import engine_error
+from streamllm.service.shared import bearer
 from streamllm.service.tenants import LOCAL, Tenant
-from streamllm.service.ws import bearer
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer

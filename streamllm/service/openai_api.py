@@ -44,9 +44,9 @@ from streamllm.service.httpauth import (
     session_name,
     tenant_of,
 )
+from streamllm.service.shared import resident
 from streamllm.service.sse import sse, sse_response
 from streamllm.service.tenants import Tenant
-from streamllm.service.ws import resident
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer

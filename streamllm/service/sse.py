@@ -27,7 +27,7 @@ from starlette.routing import Route
 from streamllm.service import protocol as p
 from streamllm.service.connection import threadsafe
 from streamllm.service.httpauth import ApiError, session_name, tenant_of
-from streamllm.service.ws import standing_dict
+from streamllm.service.shared import standing_dict
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer

@@ -14,11 +14,9 @@ authenticates like a `hello` with that token.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -30,6 +28,7 @@ from streamllm.service.connection import Conn, Subscription, bridge, close_handl
 from streamllm.service.errors import engine_error
 from streamllm.service.protocol import ProtocolError, Request
 from streamllm.service.quotas import QuotaExceeded
+from streamllm.service.shared import accepts, bearer, info_dict, resident, standing_dict
 from streamllm.service.tenants import LOCAL
 
 if TYPE_CHECKING:
@@ -38,15 +37,6 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 1
 CLOSE_POLICY = 1008  # bad token, no hello in time
 CLOSE_GOING_AWAY = 1001  # the server is stopping
-
-
-def bearer(scope: dict[str, Any]) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header, or None without one."""
-    for key, value in scope.get("headers", ()):
-        if key == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return None
 
 
 class WebSocketApp:
@@ -392,33 +382,6 @@ async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -
         await send({"type": "websocket.close", "code": CLOSE_POLICY})
 
 
-async def resident(engine: Any, name: str) -> None:
-    """An evicted session is restored from its snapshot on first use: that reads the disk, so do
-    it in a worker thread before asking, never inside submit_ask on the loop."""
-    evicted = getattr(engine, "_evicted", None)
-    if evicted and name in evicted:
-        await asyncio.to_thread(engine._ensure_resident, name)
-
-
-def accepts(fn: Callable[..., Any], keyword: str) -> bool:
-    try:
-        return keyword in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _ename(conn: Conn, session: str) -> str:
     assert conn.tenant is not None
     return conn.tenant.engine_name(session)
-
-
-def info_dict(info: Any, local: str) -> dict[str, Any]:
-    data = asdict(info)
-    data["name"] = local
-    return data
-
-
-def standing_dict(answer: Any, local: str) -> dict[str, Any]:
-    data = answer.to_dict()
-    data["session"] = local
-    return data
