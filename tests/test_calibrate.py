@@ -148,6 +148,9 @@ def test_summary_unreachable_target_and_base_rate():
     text = table([lazy_report], 0.9)
     assert "no better than always answering 'down' (0.90)" in text
     assert "configured threshold 1.5 never fires" in text
+    # Balanced accuracy sees through it: all 'down' right, the one 'up' wrong -> (1 + 0) / 2.
+    assert lazy_report.accuracy == 0.9 and lazy_report.balanced_accuracy == 0.5
+    assert report.balanced_accuracy == (1 / 3 + 0) / 2  # 'up' right 1 of 3, 'down' 0 of 1
 
 
 def _error(capsys, argv: list[str]) -> str:

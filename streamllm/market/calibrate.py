@@ -77,6 +77,16 @@ class QuestionReport:
     config_coverage: float
     config_precision: float | None
     curve: list[RiskCoveragePoint]
+    # Mean of per-answer recall (0.5 for always one answer of two): the measure that stays honest when one
+    # answer dominates (volume_spike says "no" ~93% of bars, so accuracy - base rate cannot reach 0.15).
+    balanced_accuracy: float | None = None
+
+
+def balanced_accuracy(answers: Sequence[str], truths: Sequence[str]) -> float | None:
+    """Mean over the true answers seen of the share answered right."""
+    right: Counter[str] = Counter(t for a, t in zip(answers, truths, strict=True) if a == t)
+    seen = Counter(truths)
+    return sum(right[t] / n for t, n in seen.items()) / len(seen) if seen else None
 
 
 @dataclass(slots=True)
@@ -112,7 +122,8 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
     return QuestionReport(
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
-        majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate, record.spec.threshold, config_coverage, config_precision, curve,
+        majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
+        record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
     )
 
 
@@ -205,7 +216,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         for key in ("samples", "unknown", "fired", "majority", "top_answer"):
             out[f"{r.id}.{key}"] = getattr(r, key)
         for key in ("threshold", "coverage", "precision", "best_precision", "accuracy", "base_rate", "top_answer_share",
-                    "majority_precision", "config_threshold", "config_coverage", "config_precision"):
+                    "majority_precision", "config_threshold", "config_coverage", "config_precision", "balanced_accuracy"):
             out[f"{r.id}.{key}"] = _num(getattr(r, key))
         curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
                         for name in ("threshold", "coverage", "precision")}
@@ -215,6 +226,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"precision_at_target.{r.id}"] = _num(r.precision)
         out[f"accuracy.{r.id}"] = _num(r.accuracy)
         out[f"base_rate.{r.id}"] = _num(r.base_rate)
+        out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["curves"] = curves
     return out
@@ -253,12 +265,12 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def table(reports: list[QuestionReport], target: float) -> str:
     head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'precision':>9} " \
-           f"{'acc@all':>7} {'base rate':>14}"
+           f"{'acc@all':>7} {'base rate':>14} {'balanced':>8}"
     rows = [head, "-" * len(head)]
     for r in reports:
         base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
         rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
-                    f"{_fmt(r.precision):>9} {_fmt(r.accuracy):>7} {base:>14}")
+                    f"{_fmt(r.precision):>9} {_fmt(r.accuracy):>7} {base:>14} {_fmt(r.balanced_accuracy):>8}")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")

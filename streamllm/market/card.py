@@ -49,15 +49,16 @@ def _intro(card: dict[str, Any]) -> list[str]:
 
 def card_markdown(card: dict[str, Any]) -> str:
     lines = _intro(card) + [
-             "| question | set | n | accuracy | base rate | base model acc | coverage @thr | precision @thr | "
-             "coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| question | set | n | accuracy | base rate | balanced acc | base model acc | coverage @thr | "
+             "precision @thr | coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for qid, q in card["questions"].items():
         for s, j in q["judged"].items():
             if not j.get("samples"):
                 continue
             base = q["base_model"][s]
+            balanced = "-" if j.get("balanced_accuracy") is None else format(j["balanced_accuracy"], ".2f")
             lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
-                         f"| {base['accuracy']:.2f} | {j['coverage']:.2f} | "
+                         f"| {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
                          f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):

@@ -104,4 +104,6 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
         "precision": round(float(correct[fired].float().mean()), 4) if fired_n else None,
         "coverage_at_target": round(oracle.coverage, 4) if oracle else 0.0,  # this set's own best threshold
         "answer_share": round(Counter(pred.tolist()).most_common(1)[0][1] / n, 4),
+        # mean per-answer recall: 0.5 for a head that always says the majority answer of two
+        "balanced_accuracy": round(sum(float(correct[y == c].float().mean()) for c in counts) / len(counts), 4),
     }
