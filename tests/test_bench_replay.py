@@ -305,3 +305,24 @@ def test_replay_takes_a_bar_table_as_bars(tmp_path):
               "--json", str(tmp_path / "r.json"), "--out", str(tmp_path / "o")])
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["events_in"] == 59 and report["lines_pushed"] == 59
+
+
+def test_a_bar_table_replay_keeps_the_bars_its_labels_read(tiny_model, tmp_path):
+    """Ready-made bars (a bar CSV) skip the aggregator; the judge must still see them, or no answer is scored."""
+    from bench.live import attachments_for
+    from feeds.sources import TableSource
+    from streamllm.engine.prompt import PromptLayout
+    from tests.test_tune import write_bars
+
+    config = load_config(ROOT / "queries" / "bars.toml")
+    att = attachments_for(config, TokenSink(PromptLayout(tiny_model.tokenizer), config))["btc_perp_1m"]
+    bars = TableSource(write_bars(tmp_path / "b.csv", 30), "bar", instrument="BTC-PERP").events()
+    for ev in bars[:25]:
+        att.offer(ev)
+    first = att.flush().data_version
+    for ev in bars[25:]:
+        att.offer(ev)
+    last = att.flush().data_version
+    assert att.bars == bars and len(att.bars_upto(first)) == 25 and len(att.bars_upto(last)) == 30
+    trend = next(q for q in config.sessions[0].questions if q.id == "trend_10m")
+    assert trend.expected_answer(att.bars_upto(first)) in ("up", "down")
