@@ -121,15 +121,17 @@ def pool_cells(config: QueryConfig) -> int:
     return sum(2 * s.max_context_tokens for s in config.sessions) + max(s.max_context_tokens for s in config.sessions)
 
 
-def new_engine(loaded, config: QueryConfig, sweep_context: int = 0):
+def new_engine(loaded, config: QueryConfig, sweep_context: int = 0, adapter: Any = None):
+    """adapter: the `streamllm tune` adapter dir ours serves with (bench(): --adapter, else the config's)."""
     from streamllm.engine import Engine
 
     return Engine(loaded, max_cells=max(pool_cells(config), 4 * sweep_context) + 8192, branch_cells=8192,
-                  max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context]))
+                  max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context]),
+                  adapter=adapter)
 
 
 def ingest_capacity(loaded, config: QueryConfig, warm: list[Any], timed: list[Any],
-                    feed_s: float) -> tuple[float, float]:
+                    feed_s: float, adapter: Any = None) -> tuple[float, float]:
     """The fastest speed (x real time) at which ours keeps up: each recorded batch is pushed and
     ingested + re-positioned before the next, over the first `feed_s` seconds of the paced part."""
     from streamllm.engine.prompt import PromptLayout
@@ -151,7 +153,7 @@ def ingest_capacity(loaded, config: QueryConfig, warm: list[Any], timed: list[An
     warm_lines = {name: list(lines) for name, lines in sink.lines.items()}
     recording = True
     asyncio.run(_attach(window, atts))
-    engine = new_engine(loaded, config)
+    engine = new_engine(loaded, config, adapter=adapter)
     try:
         for s in config.sessions:
             engine.open_session(s.name, system=s.system_prompt, max_context=s.max_context_tokens)
@@ -296,6 +298,7 @@ def speeds_of(args: argparse.Namespace) -> tuple[list[float], bool]:
 
 def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, float]]:
     from streamllm.model import load_model
+    from streamllm.model.adapter import pick_adapter
 
     config = load_config(args.questions)
     sizes = sorted(parse_ints(args.sweep)) if args.sweep else []
@@ -306,9 +309,12 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     speeds, auto = speeds_of(args)
     loaded = model if model is not None else load_model(args.model, progress=True)
     run = Run(model_name=loaded.name)
+    # The heads `streamllm tune` made for this config, as serve would load them (the baselines answer from the LM).
+    chosen = pick_adapter(args.adapter, config.adapter, loaded.name, warn=run.notes.append)
+    adapter = None if chosen is None else chosen.path
     warm, timed, run.feed_span_s = split_feed(args, config)
     if auto:
-        capacity, measured_s = ingest_capacity(loaded, config, warm, timed, args.capacity_s)
+        capacity, measured_s = ingest_capacity(loaded, config, warm, timed, args.capacity_s, adapter)
         auto_speed = max(round(args.auto_fraction * capacity, 1), 0.1)
         run.capacity = (capacity, measured_s, auto_speed)
         run.notes.append(f"--speed auto: ours sustained {capacity:.1f}x real time over {measured_s:.0f} feed s "
@@ -331,13 +337,14 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     else:
         run.notes.append("no --peer-url: the peer (an OpenAI-compatible server such as llama-server) was skipped")
     meta = {"bench": "replay", "model": run.model_name, "command": args.command, "speeds": speeds,
-            "between_asks": {s: BETWEEN_ASKS[s] for s in systems}}
+            "between_asks": {s: BETWEEN_ASKS[s] for s in systems},
+            "adapter": None if chosen is None else str(chosen.path), "adapter_id": None if chosen is None else chosen.id}
     for speed in speeds:
         window = run.feed_span_s / speed
         rate = args.rate or args.asks / window
         schedule = live_schedule(args.seed, rate, args.adhoc_rate, window, config)
         for system in systems:
-            engine = new_engine(loaded, config)
+            engine = new_engine(loaded, config, adapter=adapter)
             try:
                 result = run_system(system, engine, config, warm, timed, speed, schedule, args, peer)
                 engine.check_integrity()
@@ -357,7 +364,7 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     if sizes:
         lines, source = recorded_lines(loaded, config, args)
         sweep_context = max(sizes) + 64 * args.sweep_reps + 512
-        engine = new_engine(loaded, config, sweep_context)
+        engine = new_engine(loaded, config, sweep_context, adapter)
         try:
             run.sweep = sweep_phase(engine, config, args, lines, source, sizes, sweep_context, peer)
             engine.check_integrity()
@@ -394,6 +401,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="*", help="raw captures (.gz) or trade/quote/bar tables; default: synthetic feed")
     p.add_argument("--questions", default="queries/crypto.toml", help="sessions and standing questions (TOML)")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--adapter", help="ours serves with these `streamllm tune` heads (default: the config's [model] "
+                                     "adapter when it was trained on --model)")
     p.add_argument("--seed", type=int, default=0, help="ask schedule (and synthetic feed) seed")
     p.add_argument("--quick", action="store_true", help="a one-minute version (CI): " + ", ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))

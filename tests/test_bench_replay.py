@@ -326,3 +326,25 @@ def test_a_bar_table_replay_keeps_the_bars_its_labels_read(tiny_model, tmp_path)
     assert att.bars == bars and len(att.bars_upto(first)) == 25 and len(att.bars_upto(last)) == 30
     trend = next(q for q in config.sessions[0].questions if q.id == "trend_10m")
     assert trend.expected_answer(att.bars_upto(first)) in ("up", "down")
+
+
+def test_ours_serves_with_the_configs_adapter(tiny_model, tmp_path, monkeypatch):
+    """A tuned config replays with its heads, as serve would: the gate decides from them."""
+    from streamllm.model.adapter import save_heads
+    from tests.test_tune import CONFIG, random_series, write_bars
+
+    monkeypatch.setattr("streamllm.model.load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    spec = load_config(config).sessions[0]
+    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    config.write_text('[model]\nadapter = "ad"\n' + CONFIG)
+    data = write_bars(tmp_path / "bars.csv", 60)
+    assert cli_main(["--model", "tiny", "--questions", str(config), "--data", str(data), "--speeds", "60",
+                     "--no-realtime", "--warmup", "900", "--duration", "600", "--asks", "6", "--adhoc-rate", "0",
+                     "--sweep", "", "--systems", "ours", "--json", str(tmp_path / "r.json"),
+                     "--out", str(tmp_path / "o")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["_meta"]["adapter"] == str(tmp_path / "ad") and report["_meta"]["adapter_id"]
+    assert report["ours_labelled@60"] >= 1
+    assert report["gate_coverage@60"] > 0  # random heads with threshold 0 fire once they have their 6 lines
