@@ -188,6 +188,12 @@ def test_real_model_on_30_bars(tmp_path):
     assert cli_main(["--questions", str(root / "queries" / "bars.toml"), "--data", str(SHARED_BARS),
                      "--bars", "30", "--no-progress", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert Path(report["adapter"]) == root / "queries" / "adapters" / "bars"  # the config's heads, as serve loads them
+    assert cli_main(["--questions", str(root / "queries" / "bars.toml"), "--data", str(SHARED_BARS),
+                     "--bars", "22", "--no-progress", "--no-adapter", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["adapter"] is None  # the untuned model, on request
+    with pytest.raises(SystemExit):
+        cli_main(["--questions", "q.toml", "--data", "x.csv", "--adapter", "d", "--no-adapter"])
     # volatility_rising(n=10) needs 21 bars: a 20-bar warmup, then 10 samples for every question.
     assert report["updates"] == 10
     for q in ("trend_10m", "above_sma", "volatility", "volume_spike"):

@@ -305,7 +305,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help="bars pushed as one batch before recording "
                                               "(default: the longest label history minus one)")
     p.add_argument("--start", type=int, default=0, help="skip this many bars of the file first (judge on later data)")
-    p.add_argument("--adapter", help="choice heads from `streamllm tune`: the gate decides from them")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--adapter", help="choice heads from `streamllm tune`: the gate decides from them (default: "
+                                         "the config's [model] adapter when it was trained on --model)")
+    heads.add_argument("--no-adapter", action="store_true", help="judge the untuned model, whatever the config says")
     p.add_argument("--no-progress", action="store_true")
     from feeds.sources import add_read_args
 
@@ -345,7 +348,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
-    from streamllm.model.adapter import AdapterError
+    from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
 
     if not 0 < args.target_precision <= 1:
@@ -413,9 +416,12 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     branch_cells = 2 * block * sum(2 * (-(-n // block) + ENTRY_SLACK_BLOCKS) for n in entry_tokens)
     # Admission also keeps room for one compaction copy of the session (the engine's own rule).
     keep_free = CompactionPolicy().keep_free(branch_cells, spec.max_context_tokens)
-    try:
+    try:  # as serve would: --adapter, else the config's heads when they fit the model
+        chosen = None if args.no_adapter else pick_adapter(args.adapter, config.adapter, loaded.name,
+                                                           warn=lambda m: print(m, file=sys.stderr))
+        adapter = None if chosen is None else str(chosen.path)
         engine = Engine(loaded, max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
-                        max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=args.adapter)
+                        max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=adapter)
     except AdapterError as exc:
         raise CalibrationError(str(exc)) from None
     try:
@@ -423,7 +429,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     finally:
         engine.shutdown()
     meta = {"config": str(args.questions), "data": str(path), "target_precision": args.target_precision,
-            "start": args.start, "adapter": args.adapter, "adapter_id": engine.adapter_id}
+            "start": args.start, "adapter": adapter, "adapter_id": engine.adapter_id}
     return run, [summarize(r, args.target_precision) for r in run.records], meta
 
 
