@@ -249,9 +249,10 @@ def test_series_files_are_checked(tiny_model, spec, tmp_path):
         save_heads(tmp_path / "ad2", heads, model=tiny_model.name)
 
 
-def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_path):
+@pytest.mark.parametrize("words", [(), (2,)])
+def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_path, words):
     """Snapshots carry the lines, so series heads answer right after a restore, as before it."""
-    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
+    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size, words=words), model=tiny_model.name)
     engine = engine_with(tiny_model, tmp_path / "ad")
     try:
         engine.open_session("test", system=spec.system_prompt)

@@ -41,6 +41,7 @@ from streamllm.durability.files import durable_rename, make_dirs
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.state import SessionState, export_session, import_session
 from streamllm.engine.state import evict_session as evict_state
+from streamllm.model.adapter import series_width
 
 FORMAT = "streamllm-session-snapshot"
 FORMAT_VERSION = 1
@@ -217,10 +218,10 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     except ConfigError as exc:
         raise bad(f"standing question does not parse: {exc}") from None
     features, index = tensors.get("line_features"), tensors.get("line_index")
-    if features is not None and (features.ndim != 2 or features.shape[1] != 2 * engine.model.config.hidden_size
+    width = series_width(engine.model.config.hidden_size, len(engine.core.tap_words))  # what this engine's taps keep
+    if features is not None and (features.ndim != 2 or features.shape[1] != width
                                  or index.shape != (features.shape[0],)):
-        raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, "
-                  f"{2 * engine.model.config.hidden_size}] / [n]")
+        raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, {width}] / [n]")
     return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index)
 
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from streamllm.model.adapter import series_width
+
 LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
 RANK = 8  # R: numbers the head takes from each line
 WEIGHT_DECAY = (1e-3, 1e-2, 1e-1)
@@ -71,7 +73,7 @@ class SeriesFit:
 
 def feature_sets(hidden: int, words: int) -> dict[str, torch.Tensor]:
     """Column masks over a line's features [mean, last, word 1, ...] (each `hidden` wide) a fit may read."""
-    width = (2 + words) * hidden
+    width = series_width(hidden, words)
     sets = {"all": torch.ones(width, dtype=torch.bool)}
     if words:
         only = torch.zeros(width, dtype=torch.bool)

@@ -392,7 +392,7 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
     return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
 
 
-def _fit_series(args, head_id, q, members, got, sets):
+def _fit_series(args, head_id, q, members, got, sets, hidden):
     """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py)."""
     from streamllm.market.headfit import calibrate_threshold
     from streamllm.market.seriesfit import feature_sets, fit_series, samples
@@ -403,8 +403,8 @@ def _fit_series(args, head_id, q, members, got, sets):
                         for name, qid in members if name == session], args.lines)
 
     train, dev = gather("train"), gather("dev")
-    sets = feature_sets(train.lines.shape[1] // (2 + len(args.words)), len(args.words))
-    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed, sets=sets)
+    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
+                     sets=feature_sets(hidden, len(args.words)))
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       math.inf, tuple(args.words))
     head.threshold = calibrate_threshold(head.logits(dev.windows()), dev.labels, args.target_precision)
@@ -426,7 +426,7 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
     for head_id, q, members in _groups(tasks):
         if args.method == "series":
-            head, entry, scores = _fit_series(args, head_id, q, members, got, sets)
+            head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
         else:
             head, entry, scores = _fit_entry(args, head_id, q, members, got, sets, hidden)
         steps += entry.pop("steps")

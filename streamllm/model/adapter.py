@@ -88,6 +88,11 @@ class ChoiceHead(_QuestionHead):
                           self.bias.to(device, dtype), self.threshold)
 
 
+def series_width(hidden: int, words: int) -> int:
+    """Numbers per line a series head reads (engine/taps.py): [mean, last] and each chosen word's last token."""
+    return (2 + words) * hidden
+
+
 def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, lags: torch.Tensor,
                   bias: torch.Tensor) -> torch.Tensor:
     """Choice logits from line features [..., K, F] (oldest line first): [..., C]. Training uses it too."""
@@ -186,7 +191,7 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
 
 
 def _hidden_of(head: Head) -> int:
-    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // (2 + len(head.words))
+    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // series_width(1, len(head.words))
 
 
 def load_adapter(directory: str | Path) -> Adapter:
@@ -246,7 +251,7 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
     words = q.get("words", [])
     if not (isinstance(words, list) and all(isinstance(w, int) and w >= 0 for w in words) and len(set(words)) == len(words)):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has bad words {words!r}")
-    if kind == "series" and shaped("proj", None, (2 + len(words)) * hidden) and shaped("bias", c):
+    if kind == "series" and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
         r = got["proj"].shape[0]
         if shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
