@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -235,6 +236,14 @@ def threshold_for_precision(
     if not reaching:
         return None
     return max(reaching, key=lambda p: (p.coverage, -p.threshold))
+
+
+def balanced_accuracy(answers: Sequence[object], truths: Sequence[object]) -> float | None:
+    """Mean over the true answers seen of the share answered right (0.5 for always one answer of two):
+    what accuracy hides when one answer dominates (a rare-event question says "no" on ~93% of bars)."""
+    right = Counter(t for a, t in zip(answers, truths, strict=True) if a == t)
+    seen = Counter(truths)
+    return sum(right[t] / n for t, n in seen.items()) / len(seen) if seen else None
 
 
 def match_choice(text: str, choices: Sequence[str]) -> str | None:

@@ -29,6 +29,7 @@ from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.gate import (
     GateError,
     RiskCoveragePoint,
+    balanced_accuracy,
     risk_coverage,
     threshold_for_precision,
 )
@@ -77,16 +78,9 @@ class QuestionReport:
     config_coverage: float
     config_precision: float | None
     curve: list[RiskCoveragePoint]
-    # Mean of per-answer recall (0.5 for always one answer of two): the measure that stays honest when one
-    # answer dominates (volume_spike says "no" ~93% of bars, so accuracy - base rate cannot reach 0.15).
+    # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
+    # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
     balanced_accuracy: float | None = None
-
-
-def balanced_accuracy(answers: Sequence[str], truths: Sequence[str]) -> float | None:
-    """Mean over the true answers seen of the share answered right."""
-    right: Counter[str] = Counter(t for a, t in zip(answers, truths, strict=True) if a == t)
-    seen = Counter(truths)
-    return sum(right[t] / n for t, n in seen.items()) / len(seen) if seen else None
 
 
 @dataclass(slots=True)

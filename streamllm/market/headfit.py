@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.engine.gate import risk_coverage, threshold_for_precision
+from streamllm.engine.gate import balanced_accuracy, risk_coverage, threshold_for_precision
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 MIN_FIRED = 10  # a threshold resting on fewer fired dev samples is noise: the gate stays closed
@@ -104,6 +104,5 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
         "precision": round(float(correct[fired].float().mean()), 4) if fired_n else None,
         "coverage_at_target": round(oracle.coverage, 4) if oracle else 0.0,  # this set's own best threshold
         "answer_share": round(Counter(pred.tolist()).most_common(1)[0][1] / n, 4),
-        # mean per-answer recall: 0.5 for a head that always says the majority answer of two
-        "balanced_accuracy": round(sum(float(correct[y == c].float().mean()) for c in counts) / len(counts), 4),
+        "balanced_accuracy": round(balanced_accuracy(pred.tolist(), y.tolist()), 4),
     }
