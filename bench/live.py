@@ -31,7 +31,6 @@ from tqdm import tqdm
 from bench.baselines import Peer, PrefixCache, Stateless
 from bench.common import median
 from bench.loadgen import AskEvent, poisson_schedule, run_schedule
-from feeds.events import Bar
 from streamllm.config import QueryConfig, QuestionSpec
 from streamllm.engine.gate import Gate
 from streamllm.engine.outputs import PushAck
@@ -128,15 +127,9 @@ class RecordingAttachment(Attachment):
         self.bars: list[Any] = []
         self.bars_at_version: dict[int, int] = {0: 0}
 
-    def _take_bars(self, closed: list[Any]) -> None:
-        self.bars.extend(closed)
-        super()._take_bars(closed)
-
-    def offer(self, ev: Any) -> None:
-        ignored = self.stats.ignored
-        super().offer(ev)
-        if type(ev) is Bar and self._agg is not None and self.stats.ignored == ignored:
-            self.bars.append(ev)  # a table of ready-made bars: each became a line without the aggregator
+    def _saw_bar(self, bar: Any) -> None:  # built from trades or ready-made (a bar table)
+        self.bars.append(bar)
+        super()._saw_bar(bar)
 
     def flush(self) -> Any:
         ack = super().flush()

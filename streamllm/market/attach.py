@@ -133,13 +133,12 @@ class Attachment:
             self.stats.ignored += 1
             return
         if self._agg is None:
-            if self._recent is not None and type(ev) is Bar:  # a bar file replayed one line per bar
-                self._recent.append(ev)
+            if type(ev) is Bar:  # a bar file replayed one line per bar
+                self._saw_bar(ev)
             self._add(_Item(1, key=index, event=ev))
             return
         if type(ev) is Bar:  # a table of ready-made bars: each is already a bar line
-            if self._recent is not None:
-                self._recent.append(ev)
+            self._saw_bar(ev)
             self._pending.append(_Item(1, bar=ev))
             return
         if type(ev) is not Trade:
@@ -158,10 +157,14 @@ class Attachment:
         if self._agg is not None:
             self._take_bars(self._agg.advance(now_ns))
 
+    def _saw_bar(self, bar: Bar) -> None:
+        """Every bar that becomes a line passes here, built or ready-made (labels read the recent ones)."""
+        if self._recent is not None:
+            self._recent.append(bar)
+
     def _take_bars(self, closed: list[Bar]) -> None:
         for bar in closed:
-            if self._recent is not None:
-                self._recent.append(bar)
+            self._saw_bar(bar)
             n = bar.trades if bar.trades > 0 else 0
             self._bar_events[bar.instrument] = self._bar_events.get(bar.instrument, 0) - n
             self._add(_Item(n, key=bar.ts_open, bar=bar))
