@@ -311,7 +311,7 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     run = Run(model_name=loaded.name)
     # The heads `streamllm tune` made for this config, as serve would load them (the baselines answer from the LM).
     chosen = pick_adapter(args.adapter, config.adapter, loaded.name, warn=run.notes.append)
-    adapter = None if chosen is None else chosen.path
+    adapter = None if chosen is None else str(chosen.path)
     warm, timed, run.feed_span_s = split_feed(args, config)
     if auto:
         capacity, measured_s = ingest_capacity(loaded, config, warm, timed, args.capacity_s, adapter)
@@ -338,7 +338,7 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
         run.notes.append("no --peer-url: the peer (an OpenAI-compatible server such as llama-server) was skipped")
     meta = {"bench": "replay", "model": run.model_name, "command": args.command, "speeds": speeds,
             "between_asks": {s: BETWEEN_ASKS[s] for s in systems},
-            "adapter": None if chosen is None else str(chosen.path), "adapter_id": None if chosen is None else chosen.id}
+            "adapter": adapter, "adapter_id": None if chosen is None else chosen.id}
     for speed in speeds:
         window = run.feed_span_s / speed
         rate = args.rate or args.asks / window
