@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
 from bench.common import market_lines
 from streamllm.config import QuestionSpec
 from streamllm.engine import Engine
+from streamllm.engine.commands import Call
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.outputs import AdmissionError
 
@@ -149,4 +152,51 @@ def test_a_session_stuck_for_want_of_cells_says_so_and_catches_up_when_they_come
         info = eng.session_info("s")
         assert info.data_version == info.pushed_version == 40 and info.compactions >= 1
         assert eng.stats()["sessions_stuck"] == 0
+        eng.check_integrity()
+
+
+def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holding_the_engine_busy(tiny_model):
+    """A copy started before its session filled up grows as the session computes; if the pool runs
+    dry meanwhile and the feed goes quiet, the session never reaches its budget (so the at-budget
+    rescue never runs) and the copy waited for cells forever: wait_idle() never returned (seen once
+    in CI, 240 s with 48 cells free). A blocked copy that nothing will unblock is preempted."""
+    lines = market_lines(seed=5)
+    with Engine(tiny_model, max_cells=2048, block_size=8, max_context=1024, branch_cells=128,
+                chunk_tokens=64) as eng:
+        eng.open_session("s")
+        while eng.session_info("s").num_tokens < 600:  # below compact_at: no copy yet
+            eng.push("s", list(itertools.islice(lines, 4)))
+            assert eng.wait_idle(timeout=WAIT_S)
+        assert eng.call(lambda core: not core.compactions)
+        held = BlockTable()
+        gate = threading.Event()
+        eng.core.submit(Call(lambda core: gate.wait(10)))  # hold the core so the next two apply in one drain
+        tokens = eng.session_info("s").num_tokens  # (records are not published while the core is held)
+        while tokens < 800:  # past compact_at once applied: the copy starts
+            batch = list(itertools.islice(lines, 4))
+            eng.push("s", batch)
+            tokens += sum(map(len, eng.layout.lines_ids(batch)))
+        assert tokens < 1024
+
+        def starve(core) -> bool:
+            started = "s" in core.compactions
+            core.store.manager.reserve(held, core.store.manager.num_free_blocks * core.store.manager.block_size)
+            return started
+
+        starved: Future = eng.core.submit(Call(starve))
+        gate.set()
+        assert starved.result(WAIT_S), "the push past compact_at did not start a copy"
+        if not eng.wait_idle(timeout=20):
+            raise AssertionError("a blocked copy kept the engine busy forever:\n" + eng.call(dump))
+        stats = eng.stats()
+        info = eng.session_info("s")
+        assert info.data_version == info.pushed_version and info.backlog_lines == 0
+        assert eng.call(lambda core: (not core.compactions, core.compactions_preempted)) == (True, 1)
+        eng.call(lambda core: core.store.manager.free(held))
+        for _ in range(60):  # the cells are back: compaction works as before
+            eng.push("s", list(itertools.islice(lines, 4)))
+        assert eng.wait_idle(timeout=WAIT_S)
+        info = eng.session_info("s")
+        assert info.data_version == info.pushed_version and info.compactions >= 1
+        assert stats["sessions_stuck"] == 0
         eng.check_integrity()

@@ -85,6 +85,7 @@ class Compacting:
         Anything still stuck is logged (once) and counted, never dropped: its pushes stay pending."""
         stalled = self._stalled_at_budget()
         if not stalled:
+            self._preempt_blocked_early_copies()
             return
         if self.prepos.evict_idle_entries(set(), computing=True):
             self._drop_evicted_records()
@@ -110,6 +111,21 @@ class Compacting:
                           "a compaction copy (up to %d): its pushes wait, accepted, until cells free up; close "
                           "a session or raise max_cells", session.name, session.max_context,
                           manager.num_free_blocks * manager.block_size, self.policy.copy_cells(session.max_context))
+
+    def _preempt_blocked_early_copies(self) -> None:
+        """A copy started before its session filled up grows as the session computes. If the pool
+        runs dry meanwhile and the feed goes quiet, its session never reaches its budget (so the
+        rescue above never runs) and the copy would wait for cells forever, the engine never idle.
+        When nothing will give cells back (no question, no other copy moving), such copies are
+        preempted: cheap to redo, and `_maybe_compact` starts one afresh, with a fresh cut, once
+        the pool holds it (or the session reaches its budget, where entries give way to it)."""
+        blocked = [c for c in self.compactions.values() if self._copy_blocked(c)]
+        if not blocked or len(blocked) < len(self.compactions) or self.running:
+            return  # a copy moving (its swap frees cells) or a question running will give cells back
+        if any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
+            return
+        for copy in blocked:
+            self._drop_copy(copy.session.name)
 
     def _drop_copy(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
