@@ -7,6 +7,7 @@ features, and the trainer's own forward for the saved head.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -44,29 +45,49 @@ def test_tapped_rows_are_transformers_hidden_states(tiny_model):
         Runner(model, store).execute([Work(BlockTable(), ids[:1], 0, want_tap=True)])
 
 
-# Token ids of a toy session: 9 starts a word (like "Ġ4"), 8 is the newline (also whitespace); 5 prefix tokens.
-TOY_IDS = [1, 1, 1, 1, 1,  2, 3, 9, 8,  2, 9, 8,  2, 2, 9, 3, 9, 3, 3, 8,  8,  2, 9, 9, 9, 3, 9, 3, 3, 8]
+# Token ids of a toy session: 9 starts a word (like "Ġ4"), 7 too (like "Ġv"), 6 too but spells nothing
+# (like a bare "Ġ"), 8 is the newline (also whitespace); 5 prefix tokens.
+TOY_IDS = [1, 1, 1, 1, 1,  2, 3, 9, 8,  2, 9, 8,  2, 2, 9, 3, 7, 3, 3, 8,  8,  2, 9, 6, 4, 7, 3, 9, 3, 8]
 TOY_ENDS, TOY_PREFIX = [9, 12, 20, 21, 30], 5
+TOY_STARTS = frozenset({6, 7, 8, 9})
+TOY_TEXTS = ("", "x", "1", "2", "v", "", "", "v", "", "4")  # each id's text without its whitespace mark
 
 
-def toy_expected(rows: torch.Tensor, words: tuple[int, ...]) -> torch.Tensor:
-    """[mean, last, then word w's last token: the token before the (w+1)-th word start after the line's first token]."""
+def toy_words(b: int, e: int) -> list[tuple[str, int]]:
+    """(text, last token) of each word of the line [b, e): a word starts at the line's first token or a word start."""
+    starts = [b] + [t for t in range(b + 1, e) if TOY_IDS[t] in TOY_STARTS]
+    return [("".join(TOY_TEXTS[TOY_IDS[t]] for t in range(s, n)), n - 1) for s, n in zip(starts, starts[1:], strict=False)]
+
+
+def toy_expected(rows: torch.Tensor, words: tuple[int | str, ...]) -> torch.Tensor:
+    """[mean, last, then each word's last token: by index, or the first word whose text starts with the prefix]."""
     out = []
     for b, e in zip([TOY_PREFIX, *TOY_ENDS[:-1]], TOY_ENDS, strict=True):
-        starts = [t for t in range(b + 1, e) if TOY_IDS[t] in (8, 9)]
-        marks = [rows[starts[w] - 1] if w < len(starts) else torch.zeros(rows.shape[1]) for w in words]
+        found = toy_words(b, e)
+        marks = []
+        for w in words:
+            if isinstance(w, int):
+                last = found[w][1] if w < len(found) else None
+            else:
+                last = next((n for text, n in found if text.startswith(w)), None)
+            marks.append(rows[last] if last is not None else torch.zeros(rows.shape[1]))
         out.append(torch.cat([rows[b:e].mean(0), rows[e - 1], *marks]))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("words", [(), (0, 2), (1, 3)])
+def test_toy_lines_spell_what_the_prefix_cases_need():
+    assert [t for t, _ in toy_words(12, 20)] == ["11", "42", "v22"]  # v after other words
+    assert [t for t, _ in toy_words(21, 30)] == ["1", "4", "v", "v2", "42"]  # "v" spelled over 2 tokens; twice
+
+
+@pytest.mark.parametrize("words", [(), (0, 2), (1, 3), ("v",), (2, "v", "42", "v2")])
 def test_line_features_in_any_chunking_equal_one_shot(words):
     torch.manual_seed(0)
     prefix, ends = TOY_PREFIX, TOY_ENDS
     rows = torch.randn(30, 4)
 
     def taps_of(keep):
-        return LineTaps(keep, words, frozenset({8, 9}))
+        return LineTaps(keep, words, TOY_STARTS, TOY_TEXTS)
 
     one = taps_of(10)
     one.add(rows, 0, TOY_IDS, ends, 0, prefix)
@@ -108,9 +129,35 @@ def test_word_starts_come_from_the_tokenizer(tiny_model):
     assert texts[:4] == ["23:02", "46411", "+34", "h+5"]
     with pytest.raises(ValueError, match="word-start"):
         LineTaps(4, (2,))
+    with pytest.raises(ValueError, match="token texts"):
+        LineTaps(4, ("v",), starts)
+    for bad in ((-1,), (2, 2), ("",), ("v 1",), (True,), (1.5,)):
+        with pytest.raises(ValueError, match="word"):
+            LineTaps(4, bad, starts, ())
 
 
-@pytest.mark.parametrize("words", [(), (1, 2)])
+def test_prefix_words_find_a_bars_volume_wherever_it_stands(tiny_model):
+    """`v` is the volume word in every bar line, whichever optional fields come before it."""
+    from streamllm.engine.taps import token_texts, word_start_ids
+
+    tok = tiny_model.tokenizer
+    starts, texts = word_start_ids(tok), token_texts(tok)
+    lines = ["23:02 46411 +34 v1.83M\n", "23:03 46420 +9 o-2 h+5 l-12 v980K n210 b58\n",
+             "2024-08-09T00:00 61837.63 +0.12 v12.3 n5 b40\n", "23:04 46420 no trades\n"]
+    ids = [tok(line, add_special_tokens=False)["input_ids"] for line in lines]
+    flat = [t for line in ids for t in line]
+    ends = list(itertools.accumulate(len(line) for line in ids))
+    rows = torch.arange(len(flat), dtype=torch.float32)[:, None]  # each row says which token it is
+    taps = LineTaps(8, ("v",), starts, texts)
+    taps.add(rows, 0, flat, ends, 0, 0)
+    got = [int(f[2]) for _, f in taps.lines]
+    for line, line_ids, last, start in zip(lines, ids, got[:3], [0, *ends], strict=False):
+        word = next(w for w in line.split() if w.startswith("v"))
+        assert tok.decode(line_ids[: last - start + 1]).split()[-1] == word  # the token ending the v word
+    assert got[3] == 0  # no volume word: zeros
+
+
+@pytest.mark.parametrize("words", [(), (1, 2), (2, "v")])
 def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_path, words):
     """Same features in serving as in training, and the gate answers with the series head."""
     labelled = [q for q in spec.questions if q.label is not None]
@@ -211,9 +258,9 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     assert cli_main(argv) == 0
     adapter = load_adapter(out)
     assert {h.kind for h in adapter.heads} == {"series"} and adapter.tap_layer == 1 and adapter.tap_lines == 10
-    assert adapter.tap_words == (2,)  # the default: a bar line's change
+    assert adapter.tap_words == (2, "v")  # the default: a bar line's change and volume
     card = (out / "card.md").read_text()
-    assert "Series heads" in card and "| trend | later |" in card and "word 2's last token" in card
+    assert "Series heads" in card and "| trend | later |" in card and "word 2's last token, the v... word's last token" in card
     engine = engine_with(tiny_model, out)
     try:
         spec = load_config(config).sessions[0]
@@ -229,6 +276,8 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     assert cli_main([*argv, "--lines", "4"]) == 2  # shorter than the labels' history
     with pytest.raises(SystemExit):
         cli_main([*argv, "--words", "2,2"])
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--words", "-1"])
 
 
 def test_series_files_are_checked(tiny_model, spec, tmp_path):
@@ -247,9 +296,12 @@ def test_series_files_are_checked(tiny_model, spec, tmp_path):
     heads[1] = random_series(spec, tiny_model.config.hidden_size)[1]
     with pytest.raises(AdapterError, match="one layer and words"):
         save_heads(tmp_path / "ad2", heads, model=tiny_model.name)
+    with pytest.raises(AdapterError, match="bad words"):
+        save_heads(tmp_path / "ad3", random_series(spec, tiny_model.config.hidden_size, words=("v 1",)),
+                   model=tiny_model.name)
 
 
-@pytest.mark.parametrize("words", [(), (2,)])
+@pytest.mark.parametrize("words", [(), (2,), (2, "v")])
 def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_path, words):
     """Snapshots carry the lines, so series heads answer right after a restore, as before it."""
     save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size, words=words), model=tiny_model.name)

@@ -76,7 +76,7 @@ LAYER, LINES = 1, 6  # series heads on the tiny model: its first layer's residua
 
 
 def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed: int = 0,
-                  words: tuple[int, ...] = ()) -> list[SeriesHead]:
+                  words: tuple[int | str, ...] = ()) -> list[SeriesHead]:
     g = torch.Generator().manual_seed(seed)
     width = (2 + len(words)) * hidden
     return [SeriesHead(q.id, q.text, q.choices, LAYER, torch.randn(rank, width, generator=g) * 0.05,
@@ -292,3 +292,26 @@ def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path)
         for key in ("coverage_at_target", "precision_at_target", "accuracy", "base_rate"):
             assert f"{key}.{q}" in out
     assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
+
+
+def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
+    """--mix sources train the heads and are never judged on: dev and later stay --data's own ranges."""
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    data, other = write_bars(tmp_path / "bars.csv", 600), write_bars(tmp_path / "other.csv", 300)
+    argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
+            "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "3", "--dev-windows", "2",
+            "--later-windows", "2", "--synthetic-bars", "0", "--no-progress"]
+    assert cli_main([*argv, "--mix", str(other), "--mix-windows", "7"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    mixed = {s: sum("other.csv" in w for w in card["windows"][s]) for s in ("train", "dev", "later")}
+    assert mixed == {"train": 7, "dev": 0, "later": 0}  # all 7 windows of 40 in 300 bars: the whole file, not 70%
+    assert len(card["windows"]["train"]) == 3 + 7 and len(card["windows"]["later"]) == 2
+    assert card["mix"] == [str(other)] and f"(training also on {other})" in (tmp_path / "out" / "card.md").read_text()
+    assert cli_main([*argv, "--mix", str(data)]) == 2  # a source in both is refused
+    assert cli_main([*argv, "--mix", "synthetic:3", "--mix-windows", "1"]) == 0  # every instrument it has
+    mixed = [w for w in json.loads((tmp_path / "out" / "card.json").read_text())["windows"]["train"] if "synthetic" in w]
+    assert len(mixed) == 3 and all("synthetic-3_" in w for w in mixed)

@@ -61,7 +61,7 @@ from streamllm.engine.residency import Residency
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
 from streamllm.engine.subscriptions import Subscription, SubscriptionHub, watch
-from streamllm.engine.taps import word_start_ids
+from streamllm.engine.taps import word_tables
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 
@@ -134,7 +134,8 @@ class Engine(Intake, Residency):
         lines = self.adapter.tap_lines if self.adapter is not None else 0
         self.core.line_taps = lines + LINE_SLACK if lines else 0
         if lines and self.adapter.tap_words:
-            self.core.tap_words, self.core.word_starts = self.adapter.tap_words, word_start_ids(self.tokenizer)
+            self.core.tap_words = self.adapter.tap_words
+            self.core.word_starts, self.core.word_texts = word_tables(self.tokenizer, self.adapter.tap_words)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self.ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state

@@ -70,8 +70,9 @@ class EngineCore(Answering, Compacting, Publishing):
         self.policy, self.branch_cells, self.stale_policy = policy, branch_cells, stale_policy
         self.check_every_step = check_every_step
         self.line_taps = 0  # lines of features each session keeps for series heads (0: none served)
-        self.tap_words: tuple[int, ...] = ()  # the words whose last token each line's features add
+        self.tap_words: tuple[int | str, ...] = ()  # the words whose last token each line's features add
         self.word_starts: frozenset[int] = frozenset()  # the tokenizer's word-start ids (with tap_words)
+        self.word_texts: tuple[str, ...] | None = None  # its token texts (with prefix words)
         self.sessions: dict[str, Session] = {}
         self.running: list[Branch] = []  # asks being prefilled or decoded
         self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
@@ -344,7 +345,7 @@ class EngineCore(Answering, Compacting, Publishing):
 
     def new_taps(self) -> LineTaps | None:
         """A session's line features for the adapter's series heads (None when none are served)."""
-        return LineTaps(self.line_taps, self.tap_words, self.word_starts) if self.line_taps else None
+        return LineTaps(self.line_taps, self.tap_words, self.word_starts, self.word_texts) if self.line_taps else None
 
     def _update(self, plan: Plan, logits: list, works: list[Work]) -> None:
         for item, lg, work in zip(plan.items, logits, works, strict=True):

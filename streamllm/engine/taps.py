@@ -3,7 +3,9 @@
 A series head answers from the session's recent data lines, not from one decision
 point. For each data line it takes the residual stream at one layer (the runner's
 tap_layer) and keeps [mean over the line's tokens, the line's last token], then the
-last token of each chosen word (`words`: indices of whitespace-separated words). A
+last token of each chosen word (`words`: an index of a whitespace-separated word, or a
+prefix: the line's first word that starts with it, as `v` finds a bar's volume wherever
+the optional o/h/l fields put it). A
 word's last token is where a number written digit by digit is whole: the model's
 state there holds its value far better than a mean over the line does (a linear
 readout of a bar's change: R^2 0.96 at the change word's last token, 0.62 from
@@ -17,7 +19,7 @@ first line.
     features f = [mean, last, word w1's last token, ...]   (2 + len(words)) x H, once the line is whole
 
 A word ends where the next one (or the line's newline) starts; a line without a chosen
-word (too few words) gets zeros there. `tune` extracts its
+word (too few words, no word with the prefix) gets zeros there. `tune` extracts its
 training features with this same class on the same forward, so training and serving
 read identical numbers (tests/test_series.py).
 """
@@ -34,32 +36,71 @@ import torch
 WHITESPACE_MARKS = ("Ġ", "Ċ", "ĉ", "▁")  # byte-level BPE's space, newline, tab; SentencePiece's space
 
 
+Word = int | str  # a word's index in its line, or a prefix: the line's first word that starts with it
+
+
+def check_words(words: Sequence[Any]) -> tuple[Word, ...]:
+    """Distinct word indices >= 0 and prefixes (non-empty, no whitespace); raises ValueError."""
+    for w in words:
+        ok = (isinstance(w, int) and not isinstance(w, bool) and w >= 0) or (
+            isinstance(w, str) and w != "" and not any(c.isspace() for c in w))
+        if not ok:
+            raise ValueError(f"a word is an index >= 0 or a prefix without spaces, got {w!r} in {list(words)}")
+    if len(set(words)) != len(words):
+        raise ValueError(f"words must be distinct, got {list(words)}")
+    return tuple(words)
+
+
+def _tokens(tokenizer: Any) -> list[Any]:
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+
+
 def word_start_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of the tokens that start with whitespace: each starts a new word of a line."""
-    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return frozenset(i for i, t in enumerate(tokens)
+    return frozenset(i for i, t in enumerate(_tokens(tokenizer))
                      if isinstance(t, str) and t and (t[0] in WHITESPACE_MARKS or t[0].isspace()))
 
 
-class LineTaps:
-    __slots__ = ("keep", "words", "word_starts", "lines", "_line", "_sum", "_count", "_word", "_marks", "_prev")
+def token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """Each token id's text without leading whitespace (marks included): what a prefix word is matched on.
+    Byte-level BPE spells ASCII as itself, so an ASCII prefix matches as written."""
+    return tuple(t.lstrip("".join(WHITESPACE_MARKS)).lstrip() if isinstance(t, str) else ""
+                 for t in _tokens(tokenizer))
 
-    def __init__(self, keep: int, words: Sequence[int] = (), word_starts: frozenset[int] = frozenset()) -> None:
+
+def word_tables(tokenizer: Any, words: Sequence[Word]) -> tuple[frozenset[int], tuple[str, ...] | None]:
+    """What LineTaps needs of the tokenizer for `words`: the word-start ids, and token texts when a
+    word is chosen by prefix (both walk the vocabulary once: ~0.1 s for 49k tokens)."""
+    if not words:
+        return frozenset(), None
+    return word_start_ids(tokenizer), token_texts(tokenizer) if any(isinstance(w, str) for w in words) else None
+
+
+class LineTaps:
+    __slots__ = ("keep", "words", "word_starts", "texts", "lines", "_line", "_sum", "_count", "_word", "_marks",
+                 "_prev", "_text", "_need")
+
+    def __init__(self, keep: int, words: Sequence[Word] = (), word_starts: frozenset[int] = frozenset(),
+                 texts: Sequence[str] | None = None) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        if any(w < 0 for w in words) or len(set(words)) != len(words):
-            raise ValueError(f"words must be distinct indices >= 0, got {list(words)}")
+        self.words = check_words(words)
         if words and not word_starts:
             raise ValueError("word features need the tokenizer's word-start ids")
+        prefixes = [w for w in self.words if isinstance(w, str)]
+        if prefixes and texts is None:
+            raise ValueError(f"prefix words {prefixes} need the tokenizer's token texts")
         self.keep = keep
-        self.words = tuple(words)
         self.word_starts = word_starts
+        self.texts = texts if prefixes else None
+        self._need = max(map(len, prefixes), default=0)  # the characters of a word a prefix can look at
+        self._text = ""  # the start of the word the line's newest token belongs to (up to _need characters)
         self.lines: deque[tuple[int, torch.Tensor]] = deque(maxlen=keep)  # (line index, [(2 + W) H])
         self._line = -1  # index of the line being summed
         self._sum: torch.Tensor | None = None
         self._count = 0
         self._word = 0  # the word the line's newest token belongs to
-        self._marks: dict[int, torch.Tensor] = {}  # chosen word -> its last token's row
+        self._marks: dict[Word, torch.Tensor] = {}  # chosen word -> its last token's row
         self._prev: torch.Tensor | None = None  # the row of the token before this chunk (a word may end there)
 
     def add(self, rows: torch.Tensor, start: int, ids: Sequence[int], line_ends: Sequence[int],
@@ -82,7 +123,7 @@ class LineTaps:
             if line != self._line:  # a new line; met mid-way (after a restore) it cannot be summed whole
                 whole = pos == line_start
                 self._line, self._sum, self._count = line, None, 0 if whole else -1
-                self._word, self._marks = 0, {}
+                self._word, self._marks, self._text = 0, {}, ""
             if self._count >= 0:
                 part = rows[pos - start: stop - start].sum(0)
                 self._sum = part if self._sum is None else self._sum + part
@@ -102,11 +143,22 @@ class LineTaps:
 
     def _mark_words(self, rows: torch.Tensor, start: int, ids: Sequence[int], pos: int, stop: int,
                     line_start: int) -> None:
+        texts = self.texts
         for t in range(pos, stop):
-            if t == line_start or ids[t - start] not in self.word_starts:
+            tid = ids[t - start]
+            if t == line_start or tid not in self.word_starts:
+                if texts is not None and len(self._text) < self._need:  # the word goes on: so does its text
+                    self._text += texts[tid]
                 continue
-            if self._word in self.words:  # token t starts the next word: t - 1 ended this one
-                self._marks[self._word] = rows[t - 1 - start] if t > start else self._prev
+            # token t starts the next word: t - 1 ended this one
+            ended = rows[t - 1 - start] if t > start else self._prev
+            if self._word in self.words:
+                self._marks[self._word] = ended
+            if texts is not None:
+                for w in self.words:
+                    if isinstance(w, str) and w not in self._marks and self._text.startswith(w):
+                        self._marks[w] = ended
+                self._text = texts[tid]
             self._word += 1
 
     def window(self, upto: int, count: int) -> torch.Tensor | None:

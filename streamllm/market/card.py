@@ -7,13 +7,16 @@ from typing import Any
 
 def _line_features(series: dict[str, Any]) -> str:
     words = series.get("words") or []
-    named = "".join(f", word {w}'s last token" for w in words)
+    named = "".join(f", word {w}'s last token" if isinstance(w, int) else f", the {w}... word's last token"
+                    for w in words)
     return f"[mean over its tokens, last token{named}]" + (" (each head reads all, or the words alone: see features)"
                                                             if words else "")
 
 
 def _intro(card: dict[str, Any]) -> list[str]:
-    data = (f"Data: {', '.join(card['data'])}; judged also on {', '.join(card['judge']) or 'no captures'} and "
+    mix = card.get("mix") or []
+    mixed = f" (training also on {', '.join(mix)})" if mix else ""
+    data = (f"Data: {', '.join(card['data'])}{mixed}; judged also on {', '.join(card['judge']) or 'no captures'} and "
             f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
             f"decision points per set: {card['decision_points']}.")
     if card["method"] == "lora":

@@ -28,7 +28,7 @@ from streamllm.config import QuestionSpec, SessionSpec
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.runner import Runner, Work
-from streamllm.engine.taps import LineTaps, word_start_ids
+from streamllm.engine.taps import LineTaps, Word, word_tables
 from streamllm.market.render import Renderer
 from streamllm.model.llama import LlamaForward
 
@@ -76,7 +76,7 @@ def render_window(bars: Sequence[Any]) -> list[str]:
 class StateExtractor:
     def __init__(self, loaded: Any, spec: SessionSpec, questions: Sequence[QuestionSpec], *,
                  max_window_tokens: int = 8192, device: str = "cpu", tap_layer: int | None = None,
-                 dtype: str = "float32", words: Sequence[int] = ()) -> None:
+                 dtype: str = "float32", words: Sequence[Word] = ()) -> None:
         self.spec = spec
         self.questions = list(questions)
         self.layout = PromptLayout(loaded.tokenizer)
@@ -92,7 +92,7 @@ class StateExtractor:
         self.runner = Runner(self.model, self.store, tap_layer=tap_layer)
         self.tap_layer = tap_layer
         self.words = tuple(words)  # the words whose last token a line's features add (engine/taps.py)
-        self.word_starts = word_start_ids(loaded.tokenizer) if self.words else frozenset()
+        self.word_starts, self.word_texts = word_tables(loaded.tokenizer, self.words)
         self.max_window_tokens = max_window_tokens
 
     # -- prompts ---------------------------------------------------------------------
@@ -119,7 +119,7 @@ class StateExtractor:
         manager = self.store.manager
         session = BlockTable()
         computed = 0
-        taps = LineTaps(len(lines), self.words, self.word_starts) if self.tap_layer is not None else None
+        taps = LineTaps(len(lines), self.words, self.word_starts, self.word_texts) if self.tap_layer is not None else None
         try:
             manager.append(session, len(ids))
             for start in range(0, len(ids), CHUNK_TOKENS):

@@ -14,6 +14,7 @@ Time split, per data file (no window straddles a boundary):
 
     bars: |------------- train (70%) -------------|-- dev (10%) --|---- later (20%) ----|
            fit the heads                            L2, threshold    judged only
+    --mix: |- train windows anywhere -|      (more markets, for training only: never judged on)
 
 Judged as well on other instruments (`--judge` files: Binance captures or bar tables,
 rendered into bars as the configs do) and on synthetic regimes (feeds/synthetic.py).
@@ -113,10 +114,11 @@ def synthetic_bars(seed: int, bars_each: int, bar_seconds: float) -> dict[str, l
     return out
 
 
-def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rng: random.Random) -> list[WindowPlan]:
-    """Non-overlapping windows inside each time range of one source."""
+def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rng: random.Random,
+                 whole: bool = False) -> list[WindowPlan]:
+    """Non-overlapping windows inside each time range of one source (whole: training windows anywhere in it)."""
     plans = []
-    bounds = {"train": (0, SPLIT[0]), "dev": (SPLIT[0], SPLIT[1]), "later": (SPLIT[1], 1.0)}
+    bounds = {"train": (0, 1.0 if whole else SPLIT[0]), "dev": (SPLIT[0], SPLIT[1]), "later": (SPLIT[1], 1.0)}
     for set_name, count in counts.items():
         lo, hi = (int(f * n_bars) for f in bounds[set_name])
         slots = (hi - lo) // window
@@ -127,18 +129,46 @@ def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rn
     return plans
 
 
+def _sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: list[str],
+             windows: int) -> dict[str, list[Any]]:
+    """Bars of bar tables and of "synthetic:SEED" markets (enough bars for `windows` windows in each
+    time range), by source name. --data takes the session's instrument from a synthetic market; --mix
+    takes every instrument it has (other price levels are what mixing is for)."""
+    bar_s = float(spec.render.bar_seconds or 60)
+    files = [d for d in items if not d.startswith("synthetic")]
+    sources = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns))
+    for d in items:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
+        if d.startswith("synthetic"):
+            try:
+                seed = int(d.partition(":")[2] or 0)
+            except ValueError:
+                raise TuneError(f"{flag} {d}: write synthetic:SEED with an integer seed") from None
+            if args.synthetic_bars > 0 and seed == args.seed + 1:
+                raise TuneError(f"{flag} {d}: seed {seed} is the judged synthetic market (--seed + 1); use another")
+            simulated = synthetic_bars(seed, windows * args.window * 2, bar_s)
+            if flag == "--mix":
+                sources.update((f"synthetic-{seed}:{name.partition(':')[2]}", bars) for name, bars in simulated.items())
+                continue
+            name = f"synthetic:{spec.instrument}"
+            if name not in simulated:
+                raise TuneError(f"{flag} {d}: the synthetic market has no {spec.instrument!r} "
+                                f"(has {sorted(simulated)})")
+            sources[f"synthetic-{seed}:{spec.instrument}"] = simulated[name]
+    return sources
+
+
 # -- the run ----------------------------------------------------------------------------
 
 
-def _words(text: str) -> tuple[int, ...]:
-    """--words: comma-separated distinct word indices >= 0 ("" for none)."""
+def _words(text: str) -> tuple[int | str, ...]:
+    """--words: comma-separated distinct word indices >= 0 or prefixes ("" for none)."""
+    from streamllm.engine.taps import check_words
+
+    words = [w.strip() for w in text.split(",") if w.strip()]
     try:
-        words = tuple(int(w) for w in text.split(",") if w.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of word indices: {text!r} (e.g. 2 or 1,2)") from None
-    if any(w < 0 for w in words) or len(set(words)) != len(words):
-        raise argparse.ArgumentTypeError(f"word indices must be distinct and >= 0, got {text!r}")
-    return words
+        return check_words([int(w) if w.lstrip("-").isdigit() else w for w in words])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--words {text!r}: {exc} (e.g. 2, or 2,v)") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -146,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
     p.add_argument("--data", nargs="+", required=True,
                    help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py)")
+    p.add_argument("--mix", nargs="+", default=[], metavar="DATA",
+                   help="more markets for training only, as --data (e.g. synthetic:7 synthetic:8): heads that "
+                        "have seen other price levels and line layouts transfer better; never judged on")
+    p.add_argument("--mix-windows", type=int, default=4,
+                   help="training windows from each --mix source (each instrument of a synthetic market)")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
     p.add_argument("--method", choices=("series", "head", "lora"), default="series",
                    help="series: a readout per question over the last lines' states (minutes on a CPU); head: over "
@@ -173,9 +208,10 @@ def _parser() -> argparse.ArgumentParser:
     series.add_argument("--tap-layer", type=int, default=12, help="read each line's residual stream after this layer")
     series.add_argument("--lines", type=int, default=24, help="lines a head reads (at least the labels' history)")
     series.add_argument("--series-rank", type=int, default=8, help="numbers a head takes from each line")
-    series.add_argument("--words", type=_words, default=(2,), metavar="I,J",
-                        help="words whose last token each line's features add (default 2: a bar line's change, "
-                             "`23:02 46411 +34 ...`); empty for [mean, last] only")
+    series.add_argument("--words", type=_words, default=(2, "v"), metavar="I,J",
+                        help="words whose last token each line's features add: an index, or a prefix for the "
+                             "line's first word that starts with it (default 2,v: a bar line's change and volume, "
+                             "`23:02 46411 +34 h+5 v1.83M`); empty for [mean, last] only")
     lora = p.add_argument_group("--method lora")
     lora.add_argument("--lora-layers", type=int, default=8, help="adapt the top N layers (the rest run once per window)")
     lora.add_argument("--rank", type=int, default=8)
@@ -221,27 +257,21 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     if args.window <= history:
         raise TuneError(f"--window {args.window} leaves no decision point after the labels' {history}-bar history")
     bar_s = float(spec.render.bar_seconds or 60)
-    files = [d for d in args.data if not d.startswith("synthetic")]
-    sources = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns))
-    for d in args.data:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
-        if d.startswith("synthetic"):
-            try:
-                seed = int(d.partition(":")[2] or 0)
-            except ValueError:
-                raise TuneError(f"--data {d}: write synthetic:SEED with an integer seed") from None
-            if args.synthetic_bars > 0 and seed == args.seed + 1:
-                raise TuneError(f"--data {d}: seed {seed} is the judged synthetic market (--seed + 1); use another")
-            bars_each = (args.train_windows + args.dev_windows + args.later_windows) * args.window * 2
-            simulated = synthetic_bars(seed, bars_each, bar_s)
-            name = f"synthetic:{spec.instrument}"
-            if name not in simulated:
-                raise TuneError(f"--data {d}: the synthetic market has no {spec.instrument!r} "
-                                f"(has {sorted(simulated)})")
-            sources[f"synthetic-{seed}:{spec.instrument}"] = simulated[name]
+    sources = _sources(args, spec, "--data", args.data, args.train_windows + args.dev_windows + args.later_windows)
     plans: list[WindowPlan] = []
     for name, bars in sources.items():
         plans += plan_windows(name, len(bars), args.window, {"train": args.train_windows, "dev": args.dev_windows,
                                                               "later": args.later_windows}, rng)
+    # --mix: more markets for training only (never dev or later: those judge --data's own later range).
+    mixed = _sources(args, spec, "--mix", args.mix, args.mix_windows)
+    for name, bars in mixed.items():
+        if name in sources:
+            raise TuneError(f"--mix {name} is also in --data")
+        train = plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, rng, whole=True)
+        if not train:
+            raise TuneError(f"--mix {name}: {len(bars)} bars hold no window of {args.window}")
+        plans += train
+    sources.update(mixed)
     if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
         raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
     judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={})
@@ -444,7 +474,7 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
     path = save_heads(args.out, heads, model=loaded.name)
     card = {
         "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
-        "data": [str(d) for d in args.data], "judge": [str(d) for d in args.judge], "seed": args.seed,
+        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix], "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
         "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets)},

@@ -43,7 +43,7 @@ import torch
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
-FORMAT_VERSION = 3  # 2: series heads, 3: their word features; older files still load
+FORMAT_VERSION = 4  # 2: series heads, 3: their word features, 4: words by prefix; older files still load
 
 
 class AdapterError(ValueError):
@@ -114,7 +114,7 @@ class SeriesHead(_QuestionHead):
     lags: torch.Tensor  # [C, K, 2R]
     bias: torch.Tensor  # [C]
     threshold: float
-    words: tuple[int, ...] = ()  # the words whose last token each line's features add (engine/taps.py)
+    words: tuple[int | str, ...] = ()  # the words whose last token each line's features add (engine/taps.py)
 
     @property
     def lines(self) -> int:
@@ -152,7 +152,7 @@ class Adapter:
         return layers.pop() if layers else None
 
     @property
-    def tap_words(self) -> tuple[int, ...]:
+    def tap_words(self) -> tuple[int | str, ...]:
         """The words whose last token the series heads' line features add (one set per adapter)."""
         words = {h.words for h in self.heads if h.kind == "series"}
         return words.pop() if words else ()
@@ -175,6 +175,8 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
     if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
         raise AdapterError("series heads of one adapter must read one layer and words (the engine taps one)")
     for h in heads:
+        if h.kind == "series":
+            _checked_words(directory, h.question_id, list(h.words))
         names = ("weight", "bias") if h.kind == "entry" else ("proj", "proj_bias", "lags", "bias")
         for name in names:
             tensors[f"{h.question_id}.{name}"] = getattr(h, name).detach().float().contiguous().cpu()
@@ -188,6 +190,16 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
     path = directory / HEAD_FILE
     save_file(tensors, str(path), metadata={"streamllm": json.dumps(meta)})
     return path
+
+
+def _checked_words(where: Path, question_id: str, words: Any) -> tuple[int | str, ...]:
+    # Imported here, not at the top: the engine imports this module.
+    from streamllm.engine.taps import check_words
+
+    try:
+        return check_words(words if isinstance(words, list) else [words])
+    except ValueError:
+        raise AdapterError(f"adapter {where}: question {question_id!r} has bad words {words!r}") from None
 
 
 def _hidden_of(head: Head) -> int:
@@ -248,14 +260,12 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
 
     if kind == "entry" and shaped("weight", c, hidden) and shaped("bias", c):
         return ChoiceHead(q["id"], q["text"], tuple(q["choices"]), got["weight"], got["bias"], threshold)
-    words = q.get("words", [])
-    if not (isinstance(words, list) and all(isinstance(w, int) and w >= 0 for w in words) and len(set(words)) == len(words)):
-        raise AdapterError(f"adapter {path}: question {q['id']!r} has bad words {words!r}")
+    words = _checked_words(path, q["id"], q.get("words", []))
     if kind == "series" and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
         r = got["proj"].shape[0]
         if shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
-                              got["lags"], got["bias"], threshold, tuple(words))
+                              got["lags"], got["bias"], threshold, words)
     if kind not in ("entry", "series"):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
     raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
