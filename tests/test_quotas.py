@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 
 import pytest
 from websockets.asyncio.client import connect
@@ -255,3 +257,64 @@ def test_counts_come_from_the_engine_not_the_server(engine):
     finally:
         if "alice/restored" in engine.sessions:
             engine.close_session("alice/restored")
+
+
+async def _until(predicate, what: str) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting until {what}")
+
+
+def _http(server, method: str, path: str, token: str, body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.http_url + path, data=data, method=method,
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_http_streams_and_completions_count_as_connections(engine):
+    """The HTTP face holds connections too: an SSE stream, or a completion in flight (a stateless one
+    opens a temporary session), counts against `connections` beside the websockets; over it, 429 `quota`."""
+    completion = {"model": engine.model_name, "prompt": "Up or down?", "max_tokens": 2}
+
+    def complete(server, token: str) -> tuple[int, dict]:
+        return _http(server, "POST", "/v1/completions", token, completion)
+
+    async def scenario(server):
+        wire = await Wire.hello(server, "tok-a")
+        await wire.ok("open", session="s")
+        status, body = await asyncio.to_thread(complete, server, "tok-a")  # websocket + this request: 2 allowed
+        assert status == 200, body
+        req = urllib.request.Request(server.http_url + "/v1/sessions/s/events",
+                                     headers={"Authorization": "Bearer tok-a"})
+        stream = await asyncio.to_thread(urllib.request.urlopen, req, timeout=TIMEOUT)
+        try:
+            assert (await asyncio.to_thread(stream.readline)).startswith(b"event: snapshot")
+            assert server.quotas.http.get("alice") == 1
+            status, body = await asyncio.to_thread(complete, server, "tok-a")
+            assert status == 429 and body["error"]["code"] == "quota", body
+            assert "connections = 2" in body["error"]["message"], body
+            status, body = await asyncio.to_thread(_http, server, "GET", "/v1/sessions/s/events", "tok-a")
+            assert status == 429 and body["error"]["code"] == "quota", body
+            extra = Wire(await connect(server.url))
+            quota_error(await extra.req("hello", token="tok-a"), "connections = 2", "2 connections open")
+            assert (await wire.ok("stats"))["quota"]["use"]["connections"] == 2
+            status, _ = await asyncio.to_thread(complete, server, "tok-b")  # bob's connections are his own
+            assert status == 200
+        finally:
+            stream.close()
+        await _until(lambda: "alice" not in server.quotas.http, "the closed stream is released")
+        status, _ = await asyncio.to_thread(complete, server, "tok-a")
+        assert status == 200
+        assert not server.quotas.http  # a completion holds its connection only while in flight
+        assert not [s for s in engine.list_sessions() if ".stateless" in s.name]
+        await wire.ok("close", session="s")
+        await wire.ws.close()
+
+    run(scenario, engine, {"alice": Quota(connections=2)})

@@ -8,6 +8,7 @@ read-only token writing, 404 unknown model / session / question, 413 body too la
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -17,6 +18,7 @@ from starlette.responses import Response
 
 from streamllm.service import protocol as p
 from streamllm.service.errors import engine_error
+from streamllm.service.quotas import QuotaExceeded
 from streamllm.service.shared import bearer
 from streamllm.service.tenants import LOCAL, Tenant
 
@@ -28,7 +30,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "server_error", 500: "server_error"}
 CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LARGE: 413, p.UNAUTHORIZED: 401,
                p.FORBIDDEN: 403, p.UNKNOWN_SESSION: 404, p.UNKNOWN_QUESTION: 404, p.SESSION_EXISTS: 409,
-               p.CAPACITY: 503, p.BUSY: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503}
+               p.CAPACITY: 503, p.BUSY: 429, p.QUOTA: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503}
 
 
 class JsonResponse(Response):
@@ -76,6 +78,25 @@ def tenant_of(server: StreamServer, request: Request, *, write: bool = False) ->
                             "not open sessions (a request without 'session' opens a temporary one)",
                        code=p.FORBIDDEN)
     return tenant
+
+
+def hold_connection(server: StreamServer, tenant: Tenant) -> Callable[[], None]:
+    """Count an HTTP request or SSE stream as one of the tenant's connections while it lasts (429
+    `quota` when over its `connections`); returns the release, which is safe to call twice."""
+    try:
+        server.quotas.hold_http(tenant.name, server.websockets_of(tenant.name))
+    except QuotaExceeded as exc:
+        server.metrics.errors.labels(p.QUOTA).inc()
+        raise from_engine(exc, "connect") from None
+    held = True
+
+    def release() -> None:
+        nonlocal held
+        if held:
+            held = False
+            server.quotas.release_http(tenant.name)
+
+    return release
 
 
 def session_name(name: Any, param: str = "session") -> str:

@@ -27,7 +27,7 @@ import inspect
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -40,6 +40,7 @@ from streamllm.service.httpauth import (
     ApiError,
     JsonResponse,
     from_engine,
+    hold_connection,
     json_body,
     session_name,
     tenant_of,
@@ -154,7 +155,12 @@ class OpenAIApi:
         if ask.session is None and tenant.read_only:
             tenant_of(server, request, write=True)  # 403: a stateless request opens a session
         t0 = time.perf_counter()
-        temp = await self._open_temp(tenant, ask) if ask.session is None else None
+        release = hold_connection(server, tenant)  # a completion in flight is one of the tenant's connections
+        try:
+            temp = await self._open_temp(tenant, ask) if ask.session is None else None
+        except BaseException:
+            release()
+            raise
         name = temp or tenant.engine_name(ask.session)  # type: ignore[arg-type]
         try:
             if ask.question_id is not None:
@@ -171,9 +177,11 @@ class OpenAIApi:
             await resident(self.engine, name)
             future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
         except ApiError:
+            release()
             await self._close_temp(temp)
             raise
         except Exception as exc:
+            release()
             await self._close_temp(temp)
             raise from_engine(exc, "chat.completions" if chat else "completions") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -183,10 +191,22 @@ class OpenAIApi:
             except Exception as exc:
                 raise from_engine(exc, "completions") from None
             finally:
+                release()
                 await self._close_temp(temp)
             self._count(answer, t0)
             return JsonResponse(self._whole(ask, rid, answer))
-        return sse_response(self._chunks(ask, rid, future, queue, temp, t0))
+
+        ended = False
+
+        async def end() -> None:  # once: from the stream's end, or when the client left before it began
+            nonlocal ended
+            if not ended:
+                ended = True
+                future.cancel()
+                release()
+                await self._close_temp(temp)
+
+        return sse_response(self._chunks(ask, rid, future, queue, temp, t0, end), on_close=end)
 
     async def _open_temp(self, tenant: Tenant, ask: Ask) -> str:
         # '.' cannot start a client's session name: temporary sessions never collide with real ones.
@@ -244,7 +264,7 @@ class OpenAIApi:
                 "created": int(time.time()), "model": ask.model, "choices": [choice]}
 
     async def _chunks(self, ask: Ask, rid: str, future: Any, queue: asyncio.Queue, temp: str | None,
-                      t0: float) -> AsyncIterator[bytes]:
+                      t0: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         done = bridge(future)
         done.add_done_callback(lambda _f: queue.put_nowait(None))  # after every token already queued
         streamed = False
@@ -276,7 +296,7 @@ class OpenAIApi:
         finally:
             if not done.done():
                 done.cancel()
-            await self._close_temp(temp)
+            await end()
 
 
 def _field(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], what: str, default: Any = ...) -> Any:

@@ -5,12 +5,15 @@
     [quotas.alice]
     sessions = 16             # open sessions
     standing_questions = 64   # standing questions, over all of the tenant's sessions
-    connections = 8           # websocket connections at once
+    connections = 8           # connections at once: websockets, SSE streams, HTTP completions in flight
     push_lines_per_s = 500    # pushed lines per second (a token bucket; bursts up to one second's worth)
 
 A missing key, or a tenant with no table and no "*" default, is unlimited. Counts come from
 the engine itself (its sessions named `tenant/...` and their standing questions), so a close,
-an unregister or a restart keeps them right; only the push rate is the service's own state.
+an unregister or a restart keeps them right; the push rate and the HTTP requests in flight
+are the service's own state. An HTTP completion or SSE stream holds a connection while it
+lasts (a stateless completion opens a temporary session: without this, a tenant's requests
+could fill the pool, bounded by nothing).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class QuotaBook:
         self.clock = clock
         self.buckets: dict[str, TokenBucket] = {}
         self.locks: dict[str, asyncio.Lock] = {}
+        self.http: dict[str, int] = {}  # tenant -> HTTP requests and SSE streams in flight
 
     def quota(self, tenant: str) -> Quota:
         return self.quotas.get(tenant) or self.quotas.get(DEFAULT) or UNLIMITED
@@ -158,6 +162,21 @@ class QuotaBook:
         limit = self.quota(tenant).connections
         if limit is not None and used >= limit:
             raise QuotaExceeded(f"tenant {tenant!r} has {used} connections open, its quota is connections = {limit}")
+
+    def hold_http(self, tenant: str, websockets: int) -> None:
+        """An HTTP request or SSE stream about to start: check the connections quota (its websockets
+        plus its HTTP ones in flight) and count it; `release_http` when it ends, whatever happens."""
+        self.check_connect(tenant, websockets + self.http.get(tenant, 0))
+        self.http[tenant] = self.http.get(tenant, 0) + 1
+
+    def release_http(self, tenant: str) -> None:
+        left = self.http.get(tenant, 0) - 1
+        if left < 0:
+            raise AssertionError(f"tenant {tenant!r}: an HTTP connection released twice")
+        if left:
+            self.http[tenant] = left
+        else:
+            self.http.pop(tenant, None)
 
     def take_push(self, tenant: str, lines: int) -> None:
         """Debit `lines` from the tenant's push bucket, or refuse the whole push."""

@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from streamllm.service import protocol as p
 from streamllm.service.connection import threadsafe
-from streamllm.service.httpauth import ApiError, session_name, tenant_of
+from streamllm.service.httpauth import ApiError, hold_connection, session_name, tenant_of
 from streamllm.service.shared import standing_dict
 
 if TYPE_CHECKING:
@@ -43,8 +44,11 @@ def sse(data: Any, event: str | None = None) -> bytes:
     return f"{head}data: {body}\n\n".encode()
 
 
-def sse_response(chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+def sse_response(chunks: AsyncIterator[bytes], on_close: Callable[[], Any] | None = None) -> StreamingResponse:
+    """on_close also runs as the response's background task: a client gone before the stream's first
+    chunk never starts the generator, so its `finally` alone would not release what it holds."""
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS,
+                             background=None if on_close is None else BackgroundTask(on_close))
 
 
 def routes(server: StreamServer) -> list[Route]:
@@ -90,17 +94,37 @@ def routes(server: StreamServer) -> list[Route]:
             server.metrics.events.labels("data").inc()
             put(sse({"type": "data", "session": session, "data_version": version}, "data"))
 
-        loop = asyncio.get_running_loop()
-        handles = [engine.subscribe(name, threadsafe(loop, on_standing))]
-        if want_data:
-            handles.append(engine.subscribe_data(name, threadsafe(loop, on_data)))
-        snapshot = []
-        for answer in engine.standing(name):  # subscribed first: nothing falls between snapshot and events
-            data = standing_dict(answer, session)
-            last[data["question_id"]] = data
-            snapshot.append(data)
-        first = sse({"session": session, "data_version": info.data_version, "standing": snapshot}, "snapshot")
+        release = hold_connection(server, tenant)  # a stream is one of the tenant's connections
+        handles: list[Any] = []
         server.metrics.subscriptions.inc()
+
+        def end() -> None:
+            """Unsubscribe and release, once: from the stream's `finally`, or from the response's
+            background task when the client left before the stream began."""
+            nonlocal release
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    handle.close()
+            handles.clear()
+            if release is not None:
+                release, done = None, release
+                server.metrics.subscriptions.dec()
+                done()
+
+        try:
+            loop = asyncio.get_running_loop()
+            handles.append(engine.subscribe(name, threadsafe(loop, on_standing)))
+            if want_data:
+                handles.append(engine.subscribe_data(name, threadsafe(loop, on_data)))
+            snapshot = []
+            for answer in engine.standing(name):  # subscribed first: nothing falls between snapshot and events
+                data = standing_dict(answer, session)
+                last[data["question_id"]] = data
+                snapshot.append(data)
+        except BaseException:
+            end()
+            raise
+        first = sse({"session": session, "data_version": info.data_version, "standing": snapshot}, "snapshot")
 
         async def stream() -> AsyncIterator[bytes]:
             closing = asyncio.ensure_future(server.closing.wait())
@@ -122,11 +146,8 @@ def routes(server: StreamServer) -> list[Route]:
                     yield chunk
             finally:
                 closing.cancel()
-                for handle in handles:
-                    with contextlib.suppress(Exception):
-                        handle.close()
-                server.metrics.subscriptions.dec()
+                end()
 
-        return sse_response(stream())
+        return sse_response(stream(), on_close=end)
 
     return [Route("/v1/sessions/{name}/events", events, methods=["GET"])]

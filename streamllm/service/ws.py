@@ -145,9 +145,8 @@ class WebSocketApp:
 
     def _admit(self, conn: Conn, tenant: Any, req_id: Any) -> bool:
         """Check the tenant's `connections` quota for a connection about to become its; refuse and close if over."""
-        used = sum(1 for c in self.server.conns if c is not conn and c.tenant is not None and c.tenant.name == tenant.name)
         try:
-            self.server.quotas.check_connect(tenant.name, used)
+            self.server.quotas.check_connect(tenant.name, self.server.connections_of(tenant.name, but=conn))
         except QuotaExceeded as exc:
             self.metrics.errors.labels(p.QUOTA).inc()
             conn.send(p.error(p.QUOTA, str(exc), req_id))
@@ -334,7 +333,7 @@ class WebSocketApp:
             return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
                     "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
         # With tenants, nothing global: another tenant's load, sessions or counters are not this one's business.
-        own = sum(1 for c in self.server.conns if c.tenant is not None and c.tenant.name == conn.tenant.name)
+        own = self.server.connections_of(conn.tenant.name)
         quota = self.server.quotas.use(conn.tenant.name, own)
         return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine,
                 "standing_questions": quota["use"]["standing_questions"], "quota": quota,
