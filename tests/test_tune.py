@@ -315,3 +315,31 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert cli_main([*argv, "--mix", "synthetic:3", "--mix-windows", "1"]) == 0  # every instrument it has
     mixed = [w for w in json.loads((tmp_path / "out" / "card.json").read_text())["windows"]["train"] if "synthetic" in w]
     assert len(mixed) == 3 and all("synthetic-3_" in w for w in mixed)
+
+
+def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_path):
+    """A --mix window whose lines are longer is trimmed to the bars that fit; a --data window over the
+    session's context is an error naming it, raised before anything is extracted (not 20 minutes in)."""
+    import argparse
+
+    from feeds.sources import TableSource
+    from streamllm.market.tune import Task, TuneError, WindowPlan, _fitted
+
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    spec = load_config(config).sessions[0]
+    bars = TableSource(write_bars(tmp_path / "b.csv", 80), "bar", instrument="TEST").events()
+    labelled = [q for q in spec.questions if q.label is not None]
+    extractor = StateExtractor(tiny_model, spec, labelled, max_window_tokens=400)
+    task = Task(spec, labelled, {"b": bars}, [], extractor=extractor)
+    args = argparse.Namespace(lines=10, method="series")
+    ids, ends = extractor.session_ids(render_window(bars[:60]))
+    assert len(ids) > 400  # the window does not fit
+    trimmed = _fitted(task, WindowPlan("train", "b", 0, 60, mixed=True), args)
+    assert trimmed is not None and trimmed.bars == sum(e <= 400 for e in ends) < 60 and trimmed.mixed
+    assert len(extractor.session_ids(render_window(bars[:trimmed.bars]))[0]) <= 400
+    with pytest.raises(TuneError, match=r"train window train-b-0-60: 60 bars are \d+ tokens, over the session's 400"):
+        _fitted(task, WindowPlan("train", "b", 0, 60), args)
+    assert _fitted(task, WindowPlan("dev", "b", 0, 10), args) == WindowPlan("dev", "b", 0, 10)
+    args.lines = 60  # too few bars would fit for the heads' lines: the mixed window is left out
+    assert _fitted(task, WindowPlan("train", "b", 0, 60, mixed=True), args) is None

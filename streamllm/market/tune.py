@@ -25,6 +25,7 @@ Writes OUT/head.safetensors (KBs), OUT/card.json and OUT/card.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -53,6 +54,7 @@ class WindowPlan:
     source: str  # data file name, or "synthetic:SYMBOL"
     start: int
     bars: int
+    mixed: bool = False  # from a --mix source: trimmed to the session's context when its lines are longer
 
     @property
     def key(self) -> str:
@@ -267,7 +269,8 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     for name, bars in mixed.items():
         if name in sources:
             raise TuneError(f"--mix {name} is also in --data")
-        train = plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, rng, whole=True)
+        train = [dataclasses.replace(p, mixed=True) for p in
+                 plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, rng, whole=True)]
         if not train:
             raise TuneError(f"--mix {name}: {len(bars)} bars hold no window of {args.window}")
         plans += train
@@ -332,6 +335,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         t.extractor = StateExtractor(loaded, t.spec, t.questions, max_window_tokens=max(8192, t.spec.max_context_tokens),
                                      tap_layer=args.tap_layer if args.method == "series" else None, dtype=args.dtype,
                                      words=args.words if args.method == "series" else ())
+    work = [(t, _fitted(t, p, args)) for t, p in work]  # checked before any extraction, not 20 minutes in
+    work = [(t, p) for t, p in work if p is not None]
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
     tokens, spent = 0, False
@@ -358,6 +363,28 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         bar.set_postfix(set=plan.set, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     return _fit_and_write(args, loaded, tasks, got, time.perf_counter() - t0, tokens, t0)
+
+
+def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPlan | None:
+    """The plan if its window fits the session's context; a --mix window is trimmed to the bars that
+    fit (another market's lines may be longer: the synthetic one writes trade counts and buy shares),
+    or dropped when too few would; any other window over it is an error, before anything is extracted."""
+    from streamllm.market.extract import render_window
+
+    limit = task.extractor.max_window_tokens
+    lines = render_window(task.sources[plan.source][plan.start: plan.start + plan.bars])
+    ids, ends = task.extractor.session_ids(lines)
+    if len(ids) <= limit:
+        return plan
+    if not plan.mixed:
+        raise TuneError(f"{plan.set} window {plan.key}: {plan.bars} bars are {len(ids)} tokens, over the "
+                        f"session's {limit}; use a smaller --window")
+    fit = sum(1 for end in ends if end <= limit)
+    history = max(q.label.bars_needed for q in task.questions)
+    if fit <= max(history, args.lines if args.method == "series" else 0):
+        print(f"streamllm tune: --mix window {plan.key} skipped: only {fit} bars fit {limit} tokens", file=sys.stderr)
+        return None
+    return dataclasses.replace(plan, bars=fit)
 
 
 def _lora(args: argparse.Namespace, loaded: Any, tasks: list[Task], t0: float) -> dict[str, Any]:
