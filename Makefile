@@ -38,10 +38,11 @@ tune: model
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
 	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 250 --stride 12 --train-windows 24 \
-	    --dev-windows 4 --later-windows 5 --synthetic-bars 150 --judge-bars 150 --minutes 40
+	    --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 --mix-windows 3 --synthetic-bars 150 \
+	    --judge-bars 150 --minutes 60
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --words 2 --minutes 30
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
