@@ -43,6 +43,9 @@ tune: model
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
 	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --words 2 --minutes 30
+	$(BIN)/streamllm tune --questions queries/crypto.toml --data synthetic:200 --out queries/adapters/crypto \
+	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 150 --stride 6 --train-windows 12 --dev-windows 3 \
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --minutes 30
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
