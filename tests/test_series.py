@@ -8,6 +8,7 @@ features, and the trainer's own forward for the saved head.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import pytest
@@ -299,6 +300,18 @@ def test_series_files_are_checked(tiny_model, spec, tmp_path):
     with pytest.raises(AdapterError, match="bad words"):
         save_heads(tmp_path / "ad3", random_series(spec, tiny_model.config.hidden_size, words=("v 1",)),
                    model=tiny_model.name)
+    # A file whose words are not a list (a hand-edited "v") is refused, not read as ["v"].
+    from safetensors.torch import load_file, safe_open, save_file
+
+    path = save_heads(tmp_path / "ad4", random_series(spec, tiny_model.config.hidden_size, words=("v",)),
+                      model=tiny_model.name)
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["streamllm"])
+    for q in meta["questions"]:
+        q["words"] = "v"
+    save_file(load_file(str(path)), str(path), metadata={"streamllm": json.dumps(meta)})
+    with pytest.raises(AdapterError, match="bad words"):
+        load_adapter(tmp_path / "ad4")
 
 
 @pytest.mark.parametrize("words", [(), (2,), (2, "v")])

@@ -197,7 +197,9 @@ def _checked_words(where: Path, question_id: str, words: Any) -> tuple[int | str
     from streamllm.engine.taps import check_words
 
     try:
-        return check_words(words if isinstance(words, list) else [words])
+        if not isinstance(words, list):
+            raise ValueError("not a list")
+        return check_words(words)
     except ValueError:
         raise AdapterError(f"adapter {where}: question {question_id!r} has bad words {words!r}") from None
 
