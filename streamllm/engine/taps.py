@@ -55,25 +55,33 @@ def _tokens(tokenizer: Any) -> list[Any]:
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
 
 
+def _starts(tokens: list[Any]) -> frozenset[int]:
+    return frozenset(i for i, t in enumerate(tokens)
+                     if isinstance(t, str) and t and (t[0] in WHITESPACE_MARKS or t[0].isspace()))
+
+
+def _texts(tokens: list[Any]) -> tuple[str, ...]:
+    return tuple(t.lstrip("".join(WHITESPACE_MARKS)).lstrip() if isinstance(t, str) else "" for t in tokens)
+
+
 def word_start_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of the tokens that start with whitespace: each starts a new word of a line."""
-    return frozenset(i for i, t in enumerate(_tokens(tokenizer))
-                     if isinstance(t, str) and t and (t[0] in WHITESPACE_MARKS or t[0].isspace()))
+    return _starts(_tokens(tokenizer))
 
 
 def token_texts(tokenizer: Any) -> tuple[str, ...]:
     """Each token id's text without leading whitespace (marks included): what a prefix word is matched on.
     Byte-level BPE spells ASCII as itself, so an ASCII prefix matches as written."""
-    return tuple(t.lstrip("".join(WHITESPACE_MARKS)).lstrip() if isinstance(t, str) else ""
-                 for t in _tokens(tokenizer))
+    return _texts(_tokens(tokenizer))
 
 
 def word_tables(tokenizer: Any, words: Sequence[Word]) -> tuple[frozenset[int], tuple[str, ...] | None]:
     """What LineTaps needs of the tokenizer for `words`: the word-start ids, and token texts when a
-    word is chosen by prefix (both walk the vocabulary once: ~0.1 s for 49k tokens)."""
+    word is chosen by prefix (one walk over the vocabulary: ~0.1 s for 49k tokens)."""
     if not words:
         return frozenset(), None
-    return word_start_ids(tokenizer), token_texts(tokenizer) if any(isinstance(w, str) for w in words) else None
+    tokens = _tokens(tokenizer)
+    return _starts(tokens), _texts(tokens) if any(isinstance(w, str) for w in words) else None
 
 
 class LineTaps:
