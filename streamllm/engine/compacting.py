@@ -90,7 +90,7 @@ class Compacting:
         if self.prepos.evict_idle_entries(set(), computing=True):
             self._drop_evicted_records()
             stalled = self._stalled_at_budget()
-        if not stalled or self.running or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
+        if not stalled or self._questions_will_free_cells():
             return  # questions (and entries they wait for) give their cells back when they finish
         at_budget = [c for c in self.compactions.values() if c.session.at_budget]
         if any(not self._copy_blocked(c) for c in at_budget):
@@ -120,12 +120,14 @@ class Compacting:
         preempted: cheap to redo, and `_maybe_compact` starts one afresh, with a fresh cut, once
         the pool holds it (or the session reaches its budget, where entries give way to it)."""
         blocked = [c for c in self.compactions.values() if self._copy_blocked(c)]
-        if not blocked or len(blocked) < len(self.compactions) or self.running:
+        if not blocked or len(blocked) < len(self.compactions) or self._questions_will_free_cells():
             return  # a copy moving (its swap frees cells) or a question running will give cells back
-        if any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all()):
-            return
         for copy in blocked:
             self._drop_copy(copy.session.name)
+
+    def _questions_will_free_cells(self) -> bool:
+        """Questions in flight, standing decodes, or entries someone waits for: they give cells back."""
+        return bool(self.running) or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all())
 
     def _drop_copy(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
