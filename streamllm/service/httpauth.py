@@ -84,7 +84,7 @@ def hold_connection(server: StreamServer, tenant: Tenant) -> Callable[[], None]:
     """Count an HTTP request or SSE stream as one of the tenant's connections while it lasts (429
     `quota` when over its `connections`); returns the release, which is safe to call twice."""
     try:
-        server.quotas.hold_http(tenant.name, server.websockets_of(tenant.name))
+        server.quotas.hold_http(tenant.name, server.connections_of(tenant.name))
     except QuotaExceeded as exc:
         server.metrics.errors.labels(p.QUOTA).inc()
         raise from_engine(exc, "connect") from None

@@ -206,7 +206,7 @@ class OpenAIApi:
                 release()
                 await self._close_temp(temp)
 
-        return sse_response(self._chunks(ask, rid, future, queue, temp, t0, end), on_close=end)
+        return sse_response(self._chunks(ask, rid, future, queue, t0, end), on_close=end)
 
     async def _open_temp(self, tenant: Tenant, ask: Ask) -> str:
         # '.' cannot start a client's session name: temporary sessions never collide with real ones.
@@ -263,8 +263,8 @@ class OpenAIApi:
         return {"id": rid, "object": "chat.completion.chunk" if ask.chat else "text_completion",
                 "created": int(time.time()), "model": ask.model, "choices": [choice]}
 
-    async def _chunks(self, ask: Ask, rid: str, future: Any, queue: asyncio.Queue, temp: str | None,
-                      t0: float, end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    async def _chunks(self, ask: Ask, rid: str, future: Any, queue: asyncio.Queue, t0: float,
+                      end: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
         done = bridge(future)
         done.add_done_callback(lambda _f: queue.put_nowait(None))  # after every token already queued
         streamed = False
@@ -274,8 +274,7 @@ class OpenAIApi:
             while (text := await queue.get()) is not None:
                 streamed = True
                 yield sse(self._chunk(ask, rid, text, None))
-            await self._close_temp(temp)  # closed before [DONE]: the client never sees it linger
-            temp = None
+            await end()  # the temporary session closed before [DONE]: the client never sees it linger
             try:
                 answer = done.result()
             except Exception as exc:

@@ -163,10 +163,11 @@ class QuotaBook:
         if limit is not None and used >= limit:
             raise QuotaExceeded(f"tenant {tenant!r} has {used} connections open, its quota is connections = {limit}")
 
-    def hold_http(self, tenant: str, websockets: int) -> None:
-        """An HTTP request or SSE stream about to start: check the connections quota (its websockets
-        plus its HTTP ones in flight) and count it; `release_http` when it ends, whatever happens."""
-        self.check_connect(tenant, websockets + self.http.get(tenant, 0))
+    def hold_http(self, tenant: str, used: int) -> None:
+        """An HTTP request or SSE stream about to start: check the connections quota against the
+        tenant's connections now (`StreamServer.connections_of`) and count it; `release_http` when
+        it ends, whatever happens."""
+        self.check_connect(tenant, used)
         self.http[tenant] = self.http.get(tenant, 0) + 1
 
     def release_http(self, tenant: str) -> None:

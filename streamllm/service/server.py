@@ -148,12 +148,10 @@ class StreamServer:
     def http_url(self) -> str:
         return "http" + self.url[2:]
 
-    def websockets_of(self, tenant: str, but: Conn | None = None) -> int:
-        return sum(1 for c in self.conns if c is not but and c.tenant is not None and c.tenant.name == tenant)
-
     def connections_of(self, tenant: str, but: Conn | None = None) -> int:
         """A tenant's connections for its quota: websockets, and HTTP requests and SSE streams in flight."""
-        return self.websockets_of(tenant, but) + self.quotas.http.get(tenant, 0)
+        websockets = sum(1 for c in self.conns if c is not but and c.tenant is not None and c.tenant.name == tenant)
+        return websockets + self.quotas.http.get(tenant, 0)
 
     async def close(self) -> None:
         if self._uv is None:
