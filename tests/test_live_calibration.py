@@ -32,20 +32,25 @@ def _lines(i: int) -> list[str]:
     return [f"00:{i % 60:02d} {100 + (i * 7) % 13}.5 +{i % 3} v{i % 5 + 1}"]
 
 
-def _run(tiny_model, truths_for, threshold) -> tuple[list[tuple[int, str, str]], Engine]:
-    """Push PUSHES batches, each ingested and pre-positioned before the next; returns
-    (version, standing answer text, path) per version and the (still running) engine."""
+def _varied_lines(i: int) -> list[str]:
+    """Lines on which the tiny random model's answer changes often (14 runs of one answer in 60)."""
+    return [random.Random(2000 + i).choice(["rise", "fall", "up", "down", "flat", "x"])]
+
+
+def _run(tiny_model, truths_for, threshold, lines=_lines, pushes=PUSHES):
+    """Push `pushes` batches, each ingested and pre-positioned before the next; returns
+    (version, standing answer text, path, gap) per version and the (still running) engine."""
     engine = Engine(tiny_model, max_cells=4096, max_context=2048)
     engine.open_session("s")
     engine.register("s", parse_question({**QUESTION, "threshold": threshold}))
     seen = []
-    for i in range(PUSHES):
+    for i in range(pushes):
         truths = truths_for(i)
-        ack = engine.push("s", _lines(i), **({"truths": truths} if truths else {}))
+        ack = engine.push("s", lines(i), **({"truths": truths} if truths else {}))
         assert engine.wait_idle(timeout=60)
         (answer,) = engine.standing("s")
         assert answer.data_version == ack.data_version
-        seen.append((ack.data_version, answer.text, answer.path))
+        seen.append((ack.data_version, answer.text, answer.path, answer.confidence))
     return seen, engine
 
 
@@ -59,31 +64,67 @@ def test_config_reads_auto_thresholds_and_needs_a_label() -> None:
 
 def test_auto_thresholds_are_each_answers_offline_curve_point_with_enough_evidence() -> None:
     rng = random.Random(7)
-    cal = LiveCalibration(target=0.9, window=200, min_evidence=30)
+    cal = LiveCalibration(target=0.9, window=200, min_evidence=30, min_runs=5)
     rows = []
+    truth, run = None, 0
     for version in range(1, 301):
         gap = rng.uniform(0, 4)
-        truth = "up" if rng.random() < 0.6 else "down"
+        if truth is None or rng.random() < 0.3:  # a label that holds for a few versions at a time
+            truth = "up" if rng.random() < 0.6 else "down"
+        run += bool(rows) and truth != rows[-1][3]
         right = rng.random() < min(0.99, 0.4 + gap / 5)  # confident answers are right more often
         answer = truth if right else ("down" if truth == "up" else "up")
         cal.expect(version, truth)
         assert cal.score(version, answer, gap, fired=gap >= cal.threshold_for(answer), threshold=cal.threshold)
-        rows.append((gap, right, answer))
+        rows.append((gap, right, answer, truth, run))
     window = rows[-200:]
     expected = {}
     for answer in ("up", "down"):
-        mine = [(g, c) for g, c, a in window if a == answer]
-        curve = [p for p in risk_coverage([g for g, _ in mine], [c for _, c in mine]) if p.coverage * len(mine) >= 30 - 1e-9]
+        mine = [(g, c, r) for g, c, a, _, r in window if a == answer]
+        curve = [p for p in risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
+                 if p.coverage * len(mine) >= 30 - 1e-9 and len({r for g, _, r in mine if g >= p.threshold}) >= 5]
         point = threshold_for_precision(curve, 0.9)
         if point is not None:
             expected[answer] = point.threshold
     assert expected and cal.fit() == expected
     s = cal.summary
     assert s.samples == 200 and s.scored == 300
-    assert s.accuracy == pytest.approx(sum(c for _, c, _ in window) / 200)
-    fired = [(c, f) for (_, c, f, _) in cal.samples if f]
+    assert s.accuracy == pytest.approx(sum(c for _, c, *_ in window) / 200)
+    fired = [(c, f) for (_, c, f, *_) in cal.samples if f]
     assert s.coverage == pytest.approx(len(fired) / 200)
     assert s.precision == pytest.approx(sum(c for c, _ in fired) / len(fired))
+
+
+def test_one_long_run_of_a_slow_label_is_not_evidence_enough() -> None:
+    """The crypto replay incident: through a long downtrend every "down" was right, 30 of them
+    opened "down" at the floor of their gaps, and after the turn the lagging head fired wrong
+    "down"s. Samples of one truth run are one observation; evidence must span the label changing."""
+    cal = LiveCalibration(target=0.9, min_evidence=30, min_runs=5)
+    version = 0
+
+    def step(truth: str, answer: str, gap: float) -> bool:
+        nonlocal version
+        version += 1
+        fired = gap >= cal.threshold_for(answer)
+        cal.expect(version, truth)
+        assert cal.score(version, answer, gap, fired=fired, threshold=cal.threshold)
+        return fired
+
+    for i in range(60):  # one downtrend, every "down" right, some barely
+        assert not step("down", "down", 0.07 + i / 100)
+    assert math.isinf(cal.threshold)  # 60 right answers, one run: still closed
+    fired_wrong = [step("up", "down", 1.0) for _ in range(3)]  # the turn; the head lags
+    assert not any(fired_wrong)
+    for _ in range(6):  # then the label turns every 8 versions; the head lags 2 at each turn
+        for truth in ("up", "down"):
+            other = "down" if truth == "up" else "up"
+            step(truth, other, 1.0)
+            step(truth, other, 1.0)
+            for _ in range(6):
+                step(truth, truth, 2.0)
+    # Now the window spans many runs: both answers open, above the lagging answers' gaps.
+    assert cal.thresholds == {"up": 2.0, "down": 2.0}
+    assert not step("up", "down", 1.0) and step("up", "up", 2.0)
 
 
 def test_evidence_for_one_answer_does_not_open_the_gate_for_another(tiny_model) -> None:
@@ -92,12 +133,14 @@ def test_evidence_for_one_answer_does_not_open_the_gate_for_another(tiny_model) 
     spike = {"id": "spike", "text": "Volume spike?", "choices": ["yes", "no"], "label": "volume_spike(k=3, n=5)",
              "threshold": "auto:0.9"}
     gate = Gate.for_question(parse_question(spike), tiny_model.tokenizer)
-    cal = LiveCalibration(target=0.9, min_evidence=30)
+    cal = LiveCalibration(target=0.9, min_evidence=30, min_runs=5)
     for version in range(1, 61):
-        cal.expect(version, "no")
-        cal.score(version, "no", 0.2 + version / 100, fired=False, threshold=math.inf)
+        truth = "yes" if version % 10 == 0 else "no"  # a spike every 10 bars, each answered right at a low gap
+        cal.expect(version, truth)
+        cal.score(version, truth, 0.2 + version / 100, fired=False, threshold=math.inf)
     gate.threshold, gate.choice_thresholds = cal.threshold, dict(cal.thresholds)
     assert set(cal.thresholds) == {"no"} and cal.threshold == pytest.approx(0.21)  # every right "no" counts
+    # ... and 6 right "yes"s, though the "no"s between them were right too, are not evidence for "yes"
     assert gate._threshold_for("no", gate.threshold) == cal.thresholds["no"]
     assert math.isinf(gate._threshold_for("yes", gate.threshold))  # a confident "yes" still does not fire
     logits = torch.zeros(tiny_model.config.vocab_size)
@@ -109,7 +152,7 @@ def test_evidence_for_one_answer_does_not_open_the_gate_for_another(tiny_model) 
 
 
 def test_too_little_evidence_keeps_the_gate_closed() -> None:
-    cal = LiveCalibration(target=0.9, min_evidence=30)
+    cal = LiveCalibration(target=0.9, min_evidence=30, min_runs=1)
     for version in range(1, 30):
         cal.expect(version, "up")
         cal.score(version, "up", 5.0, fired=False, threshold=cal.threshold)
@@ -118,29 +161,45 @@ def test_too_little_evidence_keeps_the_gate_closed() -> None:
 
 
 def test_engine_opens_an_auto_gate_on_right_answers_and_keeps_it_shut_on_wrong_ones(tiny_model) -> None:
-    reference, engine = _run(tiny_model, lambda i: None, 2.0)
+    reference, engine = _run(tiny_model, lambda i: None, 2.0, _varied_lines, 60)
     engine.shutdown()
-    answer_at = {v: text for v, text, _ in reference}
-    assert set(answer_at.values()) <= {"up", "down"}
+    answer_at = {v: text for v, text, *_ in reference}
+    assert set(answer_at.values()) == {"up", "down"}
 
-    # Truths equal to the answers each version gets: every scored answer is right.
-    right, engine = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9")
+    # Truths equal to the answers each version gets: every scored answer is right. The
+    # reference for which versions fire: the same answers and gaps fed to a LiveCalibration.
+    cal = LiveCalibration(target=0.9)
+    expected = []
+    for version, text, _, gap in reference:
+        expected.append("fast" if gap >= cal.threshold_for(text) else "entry")
+        cal.expect(version, text)
+        cal.score(version, text, gap, fired=expected[-1] == "fast", threshold=cal.threshold)
+    assert "fast" in expected and "fast" not in expected[:29]  # opens, and not before 30 scored answers
+    right, engine = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9", _varied_lines, 60)
     try:
-        assert [(v, t) for v, t, _ in right] == [(v, t) for v, t, _ in reference]  # the truth never changes an answer
-        paths = [p for _, _, p in right]
-        assert "fast" not in paths[:29]  # closed until 30 scored answers are evidence
-        assert paths[-1] == "fast"
+        assert [(v, t) for v, t, *_ in right] == [(v, t) for v, t, *_ in reference]  # the truth never changes an answer
+        assert [p for _, _, p, _ in right] == expected
         cal = engine.calibration()["s"]["trend"]
-        assert cal["scored"] == PUSHES and cal["accuracy"] == 1.0 and cal["precision"] == 1.0
+        assert cal["scored"] == 60 and cal["accuracy"] == 1.0 and cal["precision"] == 1.0
         assert cal["target"] == 0.9 and cal["threshold"] is not None
         assert engine.standing("s")[0].calibration == cal
-        assert engine.ask("s", "trend").path == "fast"
     finally:
         engine.shutdown()
 
-    wrong, engine = _run(tiny_model, lambda i: {"trend": "down" if answer_at[i + 1] == "up" else "up"}, "auto:0.9")
+    # One long run of right answers (this lines' answer hardly ever changes) is not evidence.
+    steady, engine = _run(tiny_model, lambda i: None, 2.0)
+    engine.shutdown()
+    assert len({t for _, t, *_ in steady[1:]}) == 1
+    held, engine = _run(tiny_model, lambda i: {"trend": steady[i][1]}, "auto:0.9")
     try:
-        assert all(p != "fast" for _, _, p in wrong)
+        assert all(p != "fast" for _, _, p, _ in held) and engine.calibration()["s"]["trend"]["accuracy"] == 1.0
+    finally:
+        engine.shutdown()
+
+    wrong, engine = _run(tiny_model, lambda i: {"trend": "down" if answer_at[i + 1] == "up" else "up"}, "auto:0.9",
+                         _varied_lines, 60)
+    try:
+        assert all(p != "fast" for _, _, p, _ in wrong)
         cal = engine.calibration()["s"]["trend"]
         assert cal["accuracy"] == 0.0 and cal["precision"] is None and cal["threshold"] is None
     finally:

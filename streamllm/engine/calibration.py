@@ -6,16 +6,24 @@ labelled question on the data as of that batch (`push(..., truths={question_id: 
 the label computed on the bars the batch completes). When the question's entry for that
 data version is ready, its answer is scored against the truth there:
 
-    sample = (gap, correct, fired)           one per pre-positioned data version
+    sample = (gap, correct, fired, answer, run)     one per pre-positioned data version
 
 Over a rolling window the engine reports precision (correct among answers the gate
 fired on), coverage (fired / answered) and accuracy (correct / answered). A question
 configured with `threshold = "auto:P"` has its thresholds set from the same window, one
 per answer (choice): for each, the most-covering threshold whose fired samples *giving
-that answer* reach precision P on at least MIN_EVIDENCE of them (engine/gate.py
-`risk_coverage`), or closed (inf) until then. Per answer, because evidence is per answer:
-a window of right "no"s says nothing about a "yes" (a pooled threshold opened on a
-rare-event question's "no"s and then fired its first "yes"s, wrong, in `bench replay`).
+that answer* reach precision P on at least MIN_EVIDENCE of them spread over at least
+MIN_RUNS truth runs (engine/gate.py `risk_coverage`), or closed (inf) until then.
+
+Per answer, because evidence is per answer: a window of right "no"s says nothing about a
+"yes" (a pooled threshold opened on a rare-event question's "no"s and then fired its
+first "yes"s, wrong, in `bench replay`). Per truth run, because a slow label's samples
+are one observation repeated: a *run* is a stretch of consecutive scored versions with the
+same truth, and 30 right "down"s inside one downtrend only show the head can hold an
+answer, not that it lets go when the trend turns (the crypto replay opened "down" on one
+such run at a gap of 0.07, then fired 7 wrong "down"s of 9 after the turn). Runs are only
+counted as distinct if a different truth came between them, so meeting MIN_RUNS means the
+window saw the label change MIN_RUNS - 1 times or more.
 
 The truth is the judge, never the answer: nothing on an answer path reads it.
 """
@@ -30,6 +38,7 @@ from streamllm.engine.gate import risk_coverage, threshold_for_precision
 
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
+MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
 MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet
 
@@ -55,11 +64,14 @@ class LiveCalibration:
     target: float | None = None  # threshold = "auto:P"
     window: int = WINDOW
     min_evidence: int = MIN_EVIDENCE
+    min_runs: int = MIN_RUNS
     thresholds: dict[str, float] = field(default_factory=dict)  # live, per answer, while `target` is set
     scored: int = 0
-    samples: deque[tuple[float, bool, bool, str]] = field(default_factory=deque)  # (gap, correct, fired, answer)
+    samples: deque[tuple[float, bool, bool, str, int]] = field(default_factory=deque)  # (gap, correct, fired, answer, run)
     truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
     summary: CalibrationSummary | None = None
+    run: int = 0  # the truth run the last scored sample belongs to
+    last_truth: str | None = None
 
     def expect(self, version: int, choice: str) -> None:
         """The truth at `version` (sent with the push that makes it)."""
@@ -74,7 +86,10 @@ class LiveCalibration:
             del self.truths[stale]
         if truth is None:
             return False
-        self.samples.append((gap, answer.casefold() == truth.casefold(), fired, answer.casefold()))
+        truth = truth.casefold()
+        if truth != self.last_truth:
+            self.run, self.last_truth = self.run + 1, truth
+        self.samples.append((gap, answer.casefold() == truth, fired, answer.casefold(), self.run))
         if len(self.samples) > self.window:
             self.samples.popleft()
         self.scored += 1
@@ -93,15 +108,17 @@ class LiveCalibration:
 
     def fit(self) -> dict[str, float]:
         """Per answer: the lowest threshold whose window samples giving that answer, at or above
-        it, reach the target precision on at least min_evidence of them; answers with no such
-        threshold are absent (closed)."""
+        it, reach the target precision on at least min_evidence of them from at least min_runs
+        truth runs; answers with no such threshold are absent (closed)."""
         out: dict[str, float] = {}
-        for answer in {a for *_, a in self.samples}:
-            mine = [(g, c) for g, c, _, a in self.samples if a == answer]
+        for answer in {s[3] for s in self.samples}:
+            mine = [(g, c, r) for g, c, _, a, r in self.samples if a == answer]
             if len(mine) < self.min_evidence:
                 continue
-            curve = risk_coverage([g for g, _ in mine], [c for _, c in mine])
-            trusted = [p for p in curve if p.coverage * len(mine) >= self.min_evidence - 1e-9]
+            curve = risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
+            runs = _runs_at_or_above(mine)
+            trusted = [p for p in curve if p.coverage * len(mine) >= self.min_evidence - 1e-9
+                       and runs[p.threshold] >= self.min_runs]
             point = threshold_for_precision(trusted, self.target)
             if point is not None:
                 out[answer] = point.threshold
@@ -109,8 +126,18 @@ class LiveCalibration:
 
     def _summary(self, threshold: float) -> CalibrationSummary:
         n = len(self.samples)
-        fired = [c for _, c, f, _ in self.samples if f]
-        correct = sum(c for _, c, _, _ in self.samples)
+        fired = [c for _, c, f, _, _ in self.samples if f]
+        correct = sum(c for _, c, _, _, _ in self.samples)
         return CalibrationSummary(
             n, self.scored, sum(fired) / len(fired) if fired else None, len(fired) / n if n else None,
             correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)
+
+
+def _runs_at_or_above(samples: list[tuple[float, bool, int]]) -> dict[float, int]:
+    """gap -> how many distinct truth runs the samples with a gap at least that large come from."""
+    out: dict[float, int] = {}
+    seen: set[int] = set()
+    for gap, _, run in sorted(samples, key=lambda s: s[0], reverse=True):
+        seen.add(run)
+        out[float(gap)] = len(seen)  # ties: the last of a tie leaves the count for all of them
+    return out
