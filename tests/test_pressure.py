@@ -40,6 +40,11 @@ def test_more_sessions_than_the_pool_holds_evict_and_restore_equal(engine, tmp_p
         live[k] = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
     assert auto.evictions >= 3 and engine.stats()["auto_evictions"] == auto.evictions
     assert len(engine.sessions) <= 2
+    # evicted, still open: listed and described as they were, without being read back
+    assert sorted(i.name for i in engine.list_sessions()) == [f"s{k}" for k in range(5)]
+    evicted = sorted(engine._evicted)
+    assert len(evicted) >= 3 and all(engine.session_info(n).data_version == 1 for n in evicted)
+    assert sorted(engine._evicted) == evicted and auto.restores == 0
     engine.check_integrity()
     for k in range(5):  # each one comes back (evicting another), with the logits it had live
         got = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)

@@ -266,8 +266,12 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
         engine._handle(name)  # SessionError when it is not open
         handle = engine._handles.pop(name)
         engine._evicted[name] = str(path)
+    def evict(core: Any) -> tuple[SessionState, Any]:
+        record = core.records.get(name)
+        return evict_state(core, name), record.info if record is not None else None
+
     try:
-        state = engine.call(lambda core: evict_state(core, name))
+        state, info = engine.call(evict)
     except BaseException as exc:  # busy (or gone): it stays resident, as it was
         with engine._lock:
             engine._evicted.pop(name, None)
@@ -275,6 +279,8 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
         if isinstance(exc, SessionError):
             raise SnapshotError(str(exc)) from None
         raise
+    with engine._lock:  # still open, on disk: session_info and list_sessions keep answering for it
+        engine._evicted_info[name] = info
     try:
         _write(engine, state, path, time.perf_counter())
     except SnapshotError:  # could not write: put it back rather than lose it
@@ -282,6 +288,7 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
         engine.call(lambda core: import_session(core, state, name, gates))
         with engine._lock:
             engine._evicted.pop(name, None)
+            engine._evicted_info.pop(name, None)
             engine._handles[name] = handle
         raise
     return str(path)

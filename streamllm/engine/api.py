@@ -141,6 +141,7 @@ class Engine(Intake, Residency):
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
         self._handles: dict[str, _Handle] = {}
         self._evicted: dict[str, str] = {}  # session -> snapshot path, restored on its next use
+        self._evicted_info: dict[str, SessionInfo] = {}  # session -> its info when it was evicted
         self._residency = threading.RLock()  # evict / restore-on-use, one at a time
         self._ask_ids = itertools.count(1)
         self._fast_answers = self._entry_answers = 0
@@ -202,6 +203,7 @@ class Engine(Intake, Residency):
     def close_session(self, name: str) -> None:
         with self._log_lock(name):
             with self._residency, self._lock:
+                self._evicted_info.pop(name, None)
                 if self._evicted.pop(name, None) is None:
                     if self._handles.pop(name, None) is None:
                         raise SessionError(f"no session named {name!r}; open it first")
@@ -217,6 +219,8 @@ class Engine(Intake, Residency):
 
     def session_info(self, name: str) -> SessionInfo:
         with self._lock:
+            if name in self._evicted_info:  # on disk until its next use: as it was when evicted
+                return self._evicted_info[name]
             pushed = self._handle(name).pushed_version if name not in self._evicted else None
         record = self.core.records.get(name)
         if record is None:
@@ -225,7 +229,10 @@ class Engine(Intake, Residency):
         return record.info if pushed is None else dataclasses.replace(record.info, pushed_version=pushed)
 
     def list_sessions(self) -> list[SessionInfo]:
-        return [r.info for r in list(self.core.records.values())]
+        """Every open session, resident or evicted to disk (as it was when evicted)."""
+        with self._lock:
+            evicted = dict(self._evicted_info)
+        return [r.info for r in list(self.core.records.values()) if r.info.name not in evicted] + list(evicted.values())
 
     # -- standing questions -------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:

@@ -56,13 +56,10 @@ class Residency:
         with self._residency:
             restore_evicted(self, name)
 
-    def _adopt(self, name: str, info: SessionInfo, *, evicted_path: str | None = None) -> None:
-        """Called by snapshot restore/evict: keep the facade's registry in step with the core."""
+    def _adopt(self, name: str, info: SessionInfo) -> None:
+        """Called by snapshot restore: keep the facade's registry in step with the core."""
         with self._lock:
-            if evicted_path is not None:
-                self._handles.pop(name, None)
-                self._evicted[name] = evicted_path
-                return
             self._evicted.pop(name, None)
+            self._evicted_info.pop(name, None)
             self._handles[name] = _Handle(info.max_context, info.prefix_tokens, info.pushed_version,
                                           info.lines_ingested + info.backlog_lines)
