@@ -1,6 +1,7 @@
 """`ClusterEngine`: the front door's engine. Same surface the service uses, sessions on Ray replicas.
 
     open_session  -> the up replica with the most free cells (then the fewest sessions); its own admission
+                     (with spill_dir, a full replica evicts its idle sessions to SPILL/replica-N instead of refusing)
     push, register, ask, standing, session_info, ... -> the replica in the placement table, by session name
     subscribe / subscribe_data / watch -> the local FanInHub, fed by one EventPump per replica (fanin.py)
     stats / replica_health / metrics_collector -> the replicas aggregated, with per-replica figures
@@ -68,7 +69,7 @@ class ClusterEngine:
                  engine: dict[str, Any] | None = None, adapter: str | None = None, log_flush: str = "batch",
                  checkpoint_versions: int = 0, checkpoint_s: float = 0.0, feeds: FeedPlan | None = None,
                  call_timeout_s: float = 30.0, start_timeout_s: float = 900.0, max_concurrency: int = 32,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, spill_dir: str | Path | None = None) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {replicas}")
         ray = import_ray()
@@ -78,7 +79,10 @@ class ClusterEngine:
             if address is None and num_cpus is not None:
                 kw["num_cpus"] = num_cpus
             ray.init(address=address, **kw)
-        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="streamllm-cluster-"))
+        # Absolute: a replica resolves a relative path against its own working directory, not ours.
+        self.log_dir = Path(log_dir).resolve() if log_dir is not None else Path(tempfile.mkdtemp(prefix="streamllm-cluster-"))
+        spill_dir = Path(spill_dir).resolve() if spill_dir is not None else None
+        adapter = str(Path(adapter).resolve()) if adapter is not None else None
         self.call_timeout_s = call_timeout_s
         self.placement = PlacementTable(self.log_dir / "placement.json", replicas)
         self.hub = FanInHub()
@@ -94,7 +98,8 @@ class ClusterEngine:
         self.replicas: list[ReplicaHandle] = []
         for i in range(replicas):
             spec = ReplicaSpec(i, model, str(self.log_dir / f"replica-{i}"), dict(engine or {}), adapter, log_flush,
-                               checkpoint_versions, checkpoint_s, feeds, max(1, int(cpus_per_replica)))
+                               checkpoint_versions, checkpoint_s, feeds, max(1, int(cpus_per_replica)),
+                               str(spill_dir / f"replica-{i}") if spill_dir is not None else None)
             actor = actor_cls.options(name=f"streamllm-replica-{i}-{tag}", max_restarts=-1, max_task_retries=0,
                                       max_concurrency=max_concurrency, num_cpus=cpus_per_replica).remote(spec)
             self.replicas.append(ReplicaHandle(i, actor))

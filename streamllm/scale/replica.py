@@ -52,6 +52,7 @@ class ReplicaSpec:
     checkpoint_s: float = 0.0
     feeds: FeedPlan | None = None
     torch_threads: int | None = None  # the CPUs Ray reserved for it (None: torch's default)
+    spill_dir: str | None = None  # evict idle sessions here when its cells run out (durability/pressure.py)
 
 
 class Replica:
@@ -73,6 +74,10 @@ class Replica:
         self.ingest_log = IngestLog(spec.log_dir, flush=spec.log_flush, checkpoint_versions=spec.checkpoint_versions,
                                     checkpoint_s=spec.checkpoint_s)
         self.recovery = recover(self.engine, self.ingest_log)
+        if spec.spill_dir:  # after recovery, as `serve` does for one engine
+            from streamllm.durability.pressure import enable_auto_evict
+
+            enable_auto_evict(self.engine, spec.spill_dir)
         self._subs: dict[str, list[Any]] = {}
         for info in self.engine.list_sessions():
             self._watch(info.name)

@@ -270,7 +270,7 @@ def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, confi
         cpus_per_replica=args.replica_cpus, adapter=adapter_path, log_flush=args.log_flush,
         checkpoint_versions=args.checkpoint_versions, checkpoint_s=args.checkpoint_s,
         engine={"device": args.device, "dtype": args.dtype, "max_cells": args.max_cells},
-        feeds=FeedPlan(groups, owner, args.speed, args.seed) if groups else None)
+        feeds=FeedPlan(groups, owner, args.speed, args.seed) if groups else None, spill_dir=args.spill_dir)
 
 
 def main(argv: list[str]) -> int:
@@ -299,7 +299,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint-s", type=float, default=0.0, help="with --log-dir: ... or every T seconds")
     parser.add_argument("--repair", action="store_true",
                         help="open sessions whose log has a hole up to the hole (default: refuse them)")
-    parser.add_argument("--spill-dir", help="evict idle sessions here when cells run out (restored on use)")
+    parser.add_argument("--spill-dir", help="evict idle sessions here when cells run out (restored on use); "
+                        "with --ray, each replica under SPILL_DIR/replica-N")
     parser.add_argument("--ray", action="store_true",
                         help="serve from N engine replicas on Ray (pip install 'streamllm[ray]'; docs/scale.md)")
     parser.add_argument("--replicas", type=int, default=2, help="with --ray: engine replicas (Ray actors)")
@@ -316,10 +317,6 @@ def main(argv: list[str]) -> int:
         return 2
     if args.ray and args.replicas < 1:
         print(f"streamllm serve: --replicas must be at least 1, got {args.replicas}", file=sys.stderr)
-        return 2
-    if args.ray and args.spill_dir:
-        print("streamllm serve: --spill-dir is not supported with --ray yet (each replica admits by its own cells)",
-              file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
