@@ -192,6 +192,40 @@ def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_p
         engine.shutdown()
 
 
+def test_head_only_entries_answer_as_prefilled_ones_without_their_forward_pass(tiny_model, spec, bars, tmp_path):
+    """A choice question a series head decides needs the session's lines, not the question's prefill:
+    the same standing answers at every version, and no entry tokens once the head's lines are held."""
+    heads = random_series(spec, tiny_model.config.hidden_size, words=(2, "v"))
+    heads[1].threshold = math.inf  # one never fires: the entry path's answers are compared too
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    lines = render_window(bars[:20])
+    seen, stats = {}, {}
+    for head_entries in (False, True):
+        engine = engine_with(tiny_model, tmp_path / "ad", head_entries=head_entries)
+        try:
+            engine.open_session("test", system=spec.system_prompt)
+            for q in spec.questions:
+                engine.register("test", q)
+            seen[head_entries] = []
+            for i in range(0, 20, 2):
+                engine.push("test", lines[i: i + 2])
+                assert engine.wait_idle()
+                for q in ("trend", "sma"):
+                    a = engine.ask("test", q)
+                    seen[head_entries].append((q, a.data_version, a.text, a.path, round(a.confidence, 4),
+                                               {k: round(v, 4) for k, v in a.choices.items()}))
+            stats[head_entries] = engine.stats()
+        finally:
+            engine.shutdown()
+    assert seen[True] == seen[False]
+    assert {p for *_, p, _, _ in seen[True]} == {"fast", "entry"}
+    # Versions 1-2 hold fewer than LINES lines: both engines prefill those entries (the LM decides).
+    assert stats[False]["head_only_entries"] == 0
+    assert stats[True]["head_only_entries"] == 2 * 8  # trend and sma at versions 3..10
+    free = stats[False]["entry_tokens"] - stats[True]["entry_tokens"]  # the head-only entries' prefill
+    assert free > 0 and stats[True]["entries_computed"] == stats[False]["entries_computed"]
+
+
 def test_line_numbers_survive_compaction(tiny_model, spec, bars, tmp_path):
     save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
     engine = engine_with(tiny_model, tmp_path / "ad", max_context=512)

@@ -84,8 +84,8 @@ def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed
                        torch.randn(2, generator=g), threshold, words) for q in spec.questions if q.label is not None]
 
 
-def engine_with(tiny_model, adapter=None, max_context: int = 2048) -> Engine:
-    return Engine(tiny_model, max_cells=8192, max_context=max_context, adapter=adapter)
+def engine_with(tiny_model, adapter=None, max_context: int = 2048, **kw) -> Engine:
+    return Engine(tiny_model, max_cells=8192, max_context=max_context, adapter=adapter, **kw)
 
 
 def test_training_prompt_and_state_are_the_engines_entry(tiny_model, spec, bars, tmp_path):

@@ -91,6 +91,7 @@ class Engine(Intake, Residency):
         ingest_log=None,
         adapter=None,
         check_integrity_every_step: bool = False,
+        head_entries: bool = True,
     ) -> None:
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
@@ -125,7 +126,7 @@ class Engine(Intake, Residency):
         self.core = EngineCore(
             model_name=self.model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
             runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
-            prepos=Prepositioner(store, self.layout.eos_ids), hub=self.hub, policy=policy,
+            prepos=Prepositioner(store, self.layout.eos_ids, head_entries=head_entries), hub=self.hub, policy=policy,
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
             branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
             stale_policy=stale_policy, check_every_step=check_integrity_every_step)

@@ -315,7 +315,8 @@ class EngineCore(Answering, Compacting, Publishing):
         self._make_room_for_questions()
         manager = self.store.manager
         copies = manager.blocks_for(sum(c.cells_to_go() for c in self.compactions.values()))
-        self.prepos.refresh(keep_free_blocks=copies)
+        for entry in self.prepos.refresh(keep_free_blocks=copies):  # head-only entries: no forward pass
+            self._on_entry_ready(entry, None)
         self._waiters_without_entries()
 
     def _sequences(self) -> list:

@@ -127,8 +127,9 @@ class Gate:
         index = self.choices.index(choice)
         return tuple(t for t, o in zip(self.candidate_list, self.candidate_owner, strict=True) if o == index)
 
-    def decide(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> GateDecision:
-        """Decide from the logits at the decision point, shape [vocab] (and its hidden state, for a head)."""
+    def decide(self, logits: torch.Tensor | None, hidden: torch.Tensor | None = None) -> GateDecision:
+        """Decide from the logits at the decision point, shape [vocab] (and its hidden state, for a head;
+        a series head's line features alone, logits None, for a head-only entry)."""
         if self.head is not None and hidden is not None:
             return self._decide_head(logits, hidden)
         if self.candidate_ids is None:
@@ -160,9 +161,10 @@ class Gate:
         scores = self.head.logits(hidden).tolist()
         winner = max(range(len(scores)), key=scores.__getitem__)
         gap = scores[winner] - max(s for i, s in enumerate(scores) if i != winner)
-        # The token that starts the chosen answer, should the engine decode on from the entry.
+        # The token that starts the chosen answer, should the engine decode on from the entry
+        # (a head-only entry has no LM logits: its first spelling).
         candidates = self.candidates(self.choices[winner])
-        token_id = max(candidates, key=lambda t: float(logits[t]))
+        token_id = candidates[0] if logits is None else max(candidates, key=lambda t: float(logits[t]))
         threshold = self._threshold_for(self.choices[winner], self.threshold) if self.auto else self.head.threshold
         return GateDecision(gap >= threshold, self.choices[winner], token_id, gap, _softmax(self.choices, scores))
 

@@ -62,9 +62,13 @@ class Standing:
 class Prepositioner:
     """Standing questions per session, their entries and standing answers (core-owned bookkeeping)."""
 
-    def __init__(self, store: KVStore, eos_ids: set[int]) -> None:
+    def __init__(self, store: KVStore, eos_ids: set[int], *, head_entries: bool = True) -> None:
         self.store = store
         self.eos_ids = eos_ids
+        # A choice question a series head decides reads the session's line features, not the entry's
+        # forward pass: its entry is made from them alone, with no prefill (and no LM logits).
+        self.head_entries = head_entries
+        self.head_only_entries = 0
         self.by_session: dict[str, dict[str, Standing]] = {}
         self.entry_tokens = 0  # background compute spent on entries (tokens)
         self.entries_evicted = 0
@@ -121,13 +125,21 @@ class Prepositioner:
         return [st for qs in self.by_session.values() for st in qs.values()]
 
     # -- entries -------------------------------------------------------------
-    def refresh(self, keep_free_blocks: int = 0) -> None:
+    def refresh(self, keep_free_blocks: int = 0) -> list[Branch]:
         """Start an entry at the newest data version for every question that lacks one, leaving
-        keep_free_blocks free (compaction copies in flight need them more than entries do)."""
+        keep_free_blocks free (compaction copies in flight need them more than entries do).
+        Returns the entries that need no forward pass (head-only: ready now, for the core to finish)."""
         manager = self.store.manager
+        instant = []
         for st in self.all():
             s = st.session
             if not s.ready or st.fresh():
+                continue
+            if self._head_only(st):
+                self.release(st.computing)  # an older prefill in flight is not needed any more
+                st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, base_len=s.version_length(s.data_version),
+                                      data_version=s.data_version, standing=st, choices=st.gate)
+                instant.append(st.computing)
                 continue
             if st.computing is not None:
                 if st.computing.data_version == s.data_version or st.computing.num_computed > 0:
@@ -143,6 +155,16 @@ class Prepositioner:
             st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, table=table,
                                   base_len=s.version_length(s.data_version), data_version=s.data_version,
                                   keep_logits=True, standing=st, choices=st.gate if st.spec.choices else None)
+        return instant
+
+    def _head_only(self, st: Standing) -> bool:
+        """Whether the newest entry can come from the session's line features alone: a choice question
+        (never decoded on) whose series head has all its lines at the newest data version."""
+        head, s = st.gate.head, st.session
+        if not (self.head_entries and st.spec.choices and head is not None and head.kind == "series"
+                and s.taps is not None):
+            return False
+        return s.taps.window(s.lines_upto(s.version_length(s.data_version)), head.lines) is not None
 
     def jobs(self) -> list[Branch]:
         """Entries computing and standing-answer decodes (their class follows from waiters)."""
@@ -159,6 +181,7 @@ class Prepositioner:
                        hidden: torch.Tensor | None = None) -> Standing | None:
         st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
+        self.head_only_entries += entry.table is None
         if st.computing is not entry:  # unregistered (or its session closed) meanwhile
             self.release(entry)
             return None

@@ -36,6 +36,7 @@ def core_counters(core: Any) -> dict[str, float]:
         "entries_computed": sum(st.entries_computed for st in standing),
         "entries_evicted": core.prepos.entries_evicted,
         "entry_tokens": core.prepos.entry_tokens,
+        "head_only_entries": core.prepos.head_only_entries,
         "admissions_refused": core.admissions_refused,
         "compactions": sum(s.compactions for s in core.sessions.values()),
         "compactions_running": len(core.compactions),
