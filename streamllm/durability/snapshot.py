@@ -266,6 +266,7 @@ def evict_session(engine: Any, name: str, directory: str | Path) -> str:
         engine._handle(name)  # SessionError when it is not open
         handle = engine._handles.pop(name)
         engine._evicted[name] = str(path)
+
     def evict(core: Any) -> tuple[SessionState, Any]:
         record = core.records.get(name)
         return evict_state(core, name), record.info if record is not None else None
