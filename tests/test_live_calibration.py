@@ -127,6 +127,26 @@ def test_one_long_run_of_a_slow_label_is_not_evidence_enough() -> None:
     assert not step("up", "down", 1.0) and step("up", "up", 2.0)
 
 
+def test_a_closed_gate_skips_only_refits_that_could_not_open_it() -> None:
+    class Always(LiveCalibration):  # the reference: refit on every sample while closed
+        def _could_open(self) -> bool:
+            return True
+
+    rng = random.Random(3)
+    cheap, always = LiveCalibration(target=0.8, min_evidence=10, min_runs=3), Always(target=0.8, min_evidence=10, min_runs=3)
+    truth = "up"
+    for version in range(1, 400):
+        if rng.random() < 0.08:
+            truth = "down" if truth == "up" else "up"
+        answer = truth if rng.random() < 0.85 else ("down" if truth == "up" else "up")
+        gap = rng.uniform(0, 3)
+        for cal in (cheap, always):
+            cal.expect(version, truth)
+            cal.score(version, answer, gap, fired=gap >= cal.threshold_for(answer), threshold=cal.threshold)
+        assert cheap.thresholds == always.thresholds, version
+    assert cheap.thresholds  # it did open
+
+
 def test_evidence_for_one_answer_does_not_open_the_gate_for_another(tiny_model) -> None:
     """The bench replay incident: right "no"s on a rare-event question opened a pooled threshold,
     and the first "yes"s then fired, wrong. Each answer needs its own evidence."""
