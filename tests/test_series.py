@@ -226,6 +226,32 @@ def test_head_only_entries_answer_as_prefilled_ones_without_their_forward_pass(t
     assert free > 0 and stats[True]["entries_computed"] == stats[False]["entries_computed"]
 
 
+def test_head_only_entries_answer_as_prefilled_ones_across_compactions(tiny_model, spec, bars, tmp_path):
+    """Compactions cut lines and rebase entries: the answers stay those of prefilled entries."""
+    save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size, words=(2, "v")),
+               model=tiny_model.name)
+    lines = render_window(bars)
+    seen, compactions = {}, {}
+    for head_entries in (False, True):
+        engine = engine_with(tiny_model, tmp_path / "ad", max_context=512, head_entries=head_entries)
+        try:
+            engine.open_session("test", system=spec.system_prompt)
+            engine.register("test", spec.questions[0])
+            seen[head_entries] = []
+            for i in range(0, 40, 2):
+                engine.push("test", lines[i: i + 2])
+                assert engine.wait_idle()
+                a = engine.ask("test", "trend")
+                seen[head_entries].append((a.data_version, a.text, a.path, round(a.confidence, 4)))
+            stats = engine.stats()
+            compactions[head_entries] = (stats["compactions"], stats["head_only_entries"])
+        finally:
+            engine.shutdown()
+    assert compactions[False][0] == compactions[True][0] >= 1
+    assert compactions[False][1] == 0 and compactions[True][1] >= 10
+    assert seen[True] == seen[False]
+
+
 def test_line_numbers_survive_compaction(tiny_model, spec, bars, tmp_path):
     save_heads(tmp_path / "ad", random_series(spec, tiny_model.config.hidden_size), model=tiny_model.name)
     engine = engine_with(tiny_model, tmp_path / "ad", max_context=512)
