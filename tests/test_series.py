@@ -115,9 +115,9 @@ def test_line_features_in_any_chunking_equal_one_shot(words):
 
 def test_word_starts_come_from_the_tokenizer(tiny_model):
     from streamllm.engine.prompt import PromptLayout
-    from streamllm.engine.taps import word_start_ids
+    from streamllm.engine.taps import word_tables
 
-    starts = word_start_ids(tiny_model.tokenizer)
+    starts, _ = word_tables(tiny_model.tokenizer, (1,))
     ids = PromptLayout(tiny_model.tokenizer).lines_ids(["23:02 46411 +34 h+5"])[0]
     pieces, word = [], []  # split the line's tokens where a word starts: the words come back whole
     for i, t in enumerate(ids):
@@ -139,10 +139,10 @@ def test_word_starts_come_from_the_tokenizer(tiny_model):
 
 def test_prefix_words_find_a_bars_volume_wherever_it_stands(tiny_model):
     """`v` is the volume word in every bar line, whichever optional fields come before it."""
-    from streamllm.engine.taps import token_texts, word_start_ids
+    from streamllm.engine.taps import word_tables
 
     tok = tiny_model.tokenizer
-    starts, texts = word_start_ids(tok), token_texts(tok)
+    starts, texts = word_tables(tok, ("v",))
     lines = ["23:02 46411 +34 v1.83M\n", "23:03 46420 +9 o-2 h+5 l-12 v980K n210 b58\n",
              "2024-08-09T00:00 61837.63 +0.12 v12.3 n5 b40\n", "23:04 46420 no trades\n"]
     ids = [tok(line, add_special_tokens=False)["input_ids"] for line in lines]

@@ -56,23 +56,15 @@ def _tokens(tokenizer: Any) -> list[Any]:
 
 
 def _starts(tokens: list[Any]) -> frozenset[int]:
+    """Ids of the tokens that start with whitespace: each starts a new word of a line."""
     return frozenset(i for i, t in enumerate(tokens)
                      if isinstance(t, str) and t and (t[0] in WHITESPACE_MARKS or t[0].isspace()))
 
 
 def _texts(tokens: list[Any]) -> tuple[str, ...]:
-    return tuple(t.lstrip("".join(WHITESPACE_MARKS)).lstrip() if isinstance(t, str) else "" for t in tokens)
-
-
-def word_start_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids of the tokens that start with whitespace: each starts a new word of a line."""
-    return _starts(_tokens(tokenizer))
-
-
-def token_texts(tokenizer: Any) -> tuple[str, ...]:
-    """Each token id's text without leading whitespace (marks included): what a prefix word is matched on.
+    """Each token's text without leading whitespace (marks included): what a prefix word is matched on.
     Byte-level BPE spells ASCII as itself, so an ASCII prefix matches as written."""
-    return _texts(_tokens(tokenizer))
+    return tuple(t.lstrip("".join(WHITESPACE_MARKS)).lstrip() if isinstance(t, str) else "" for t in tokens)
 
 
 def word_tables(tokenizer: Any, words: Sequence[Word]) -> tuple[frozenset[int], tuple[str, ...] | None]:
