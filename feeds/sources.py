@@ -54,7 +54,7 @@ class ReadOptions:
     tz: str | None = None
     venue: str = "auto"  # captures: sniffed from the first messages
     instrument: str = ""  # tables without an instrument column
-    bar_interval_s: float = 60.0
+    bar_interval_s: float | None = None  # bar tables: None reads the interval from the bars' spacing
 
 
 def file_format(path: Path) -> str:

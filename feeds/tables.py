@@ -12,6 +12,9 @@ never has to guess:
   row and field (`missing_value`, `bad_price`, `bad_bar`, ...); the row is left out.
 - Precision: the fewest decimals at which every sampled value round-trips, so float32 or
   Arrow float noise (0.029499000000000000915) renders as 0.029499; `precision` overrides.
+- Bars: the interval is the most common spacing of the table's bars unless given, so hourly
+  or daily tables need no flag. A pandas index written out (an unnamed first column) is the
+  time column when no column is named like one.
 - A side column may say BUYER/SELLER, buy/sell, B/S, bid/ask or 1/-1; a maker flag column
   (`is_buyer_maker`) maps too. A table without either leaves the side unknown, never "sell".
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +49,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "ask_size": ("ask_size", "ask_qty", "as", "ask_sz_00"),
     "instrument": ("instrument", "symbol"),
 }
+# A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
+# it with an empty header): when no time alias matches, it is the time column.
+INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
 FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
           "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
 UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
@@ -169,7 +176,7 @@ class TableSource:
     venue: str = "file"
     instrument: str = ""
     ts_unit: str | None = None
-    bar_interval_s: float = 60.0
+    bar_interval_s: float | None = None  # None: the most common spacing of the table's own bars
     bar_time: str = "open"  # does the bar's time column mark its open or its close?
     time_format: str | None = None
     tz: str | None = None
@@ -204,6 +211,9 @@ class TableSource:
         for alias in ALIASES.get(name, (name,)):
             if alias.lower() in lower:
                 return df[lower[alias.lower()]]
+        if name == "ts_event" and df.columns and df.columns[0] in INDEX_NAMES:
+            self.notes.append(f"{self.path}: times read from the unnamed first column (a dataframe's index)")
+            return df[df.columns[0]]
         if required:
             raise TableFormatError(f"{self.path}: no column for {self.kind} field {name!r} (columns {df.columns}); "
                                    f"pass --columns {name}=COLUMN")
@@ -312,7 +322,7 @@ class TableSource:
         buy, sell, vwap = (self._num(df, k, False)[0] or [nan] * n for k in ("buy_volume", "sell_volume", "vwap"))
         f32 = any(cols[k][1] for k in ("open", "high", "low", "close"))
         pdp, sdp = self.precision or (max(infer_dp(x, f32) for x in (o, h, lo, c)), infer_dp(vol, cols["volume"][1]))
-        iv = round(self.bar_interval_s * 1_000_000_000)
+        iv = round(self.bar_interval_s * 1_000_000_000) if self.bar_interval_s else self._spacing(ts, insts)
         shift = iv if self.bar_time == "open" else 0
         out = []
         for i in range(n):
@@ -329,6 +339,23 @@ class TableSource:
                            close_ns - iv, iv, o[i], h[i], lo[i], c[i], vol[i], -1 if cnt[i] is None else cnt[i],
                            _nan(buy[i]), _nan(sell[i]), _nan(vwap[i]), pdp, sdp))
         return out
+
+    def _spacing(self, ts: list[int | None], insts: list[str]) -> int:
+        """The bar interval the table shows: the most common gap between an instrument's consecutive
+        bars (daily bars over weekends: still a day). One bar alone says nothing: 60 s, noted."""
+        last: dict[str, int] = {}
+        gaps: Counter[int] = Counter()
+        for t, inst in zip(ts[:20_000], insts[:20_000], strict=False):
+            if t is None:
+                continue
+            prev = last.get(inst)
+            if prev is not None and t > prev:
+                gaps[t - prev] += 1
+            last[inst] = t
+        if not gaps:
+            self.notes.append(f"{self.path}: too few bars to see their interval; taken as 60 s")
+            return 60_000_000_000
+        return gaps.most_common(1)[0][0]
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.events())

@@ -120,6 +120,33 @@ def test_bar_table_through_open_recorded_with_columns(tmp_path: Path) -> None:
         "ES", (T0 + 5 * 3600) * S, 3080.25, 3081.0, 3079.5, 3080.75, 1200.0, 2)
 
 
+def test_pandas_written_tables_read_their_index_as_time_and_their_spacing_as_interval(tmp_path: Path) -> None:
+    # pandas' DataFrame.to_csv() writes the DatetimeIndex under an empty header; daily bars skip weekends.
+    csv = tmp_path / "GOOG.csv"
+    csv.write_text(",Open,High,Low,Close,Volume\n2004-08-19,100,104.06,95.96,100.34,22351900\n"
+                   "2004-08-20,101.01,109.08,100.5,108.31,11428600\n2004-08-23,110.76,113.48,109.05,109.4,9137200\n"
+                   "2004-08-24,111.24,111.6,103.57,104.87,7631300\n")
+    table = TableSource(csv, "bar")
+    bars_ = table.events()
+    day = 86_400 * S
+    assert [b.interval_ns for b in bars_] == [day] * 4
+    assert bars_[2].ts_open == bars_[0].ts_open + 4 * day and bars_[2].ts_event == bars_[2].ts_open + day
+    assert any("unnamed first column" in n for n in table.notes)
+    assert render_lines(bars_)[1] == "2004-08-20T00:00 108.31 +7.97 o+0.67 h+0.77 l-0.51 v11.4M"
+    # Parquet from pandas keeps a nameless index as __index_level_0__; hourly spacing, given or read.
+    hours = pl.DataFrame({"__index_level_0__": [(T0 + 3600 * i) * S for i in range(3)], "open": [1.0716] * 3,
+                          "high": [1.0722] * 3, "low": [1.0708] * 3, "close": [1.07219] * 3, "volume": [1413] * 3})
+    hours.with_columns(pl.col("__index_level_0__").cast(pl.Datetime("ns"))).write_parquet(tmp_path / "eurusd.parquet")
+    (src,) = open_recorded([tmp_path / "eurusd.parquet"])
+    assert [b.interval_ns for b in src] == [3600 * S] * 3
+    (given,) = open_recorded([tmp_path / "eurusd.parquet"], ReadOptions(bar_interval_s=60))
+    assert {b.interval_ns for b in given} == {60 * S}
+    # No column to take times from: the error names the field and the flag.
+    (tmp_path / "odd.csv").write_text("when,Open,High,Low,Close,Volume\n1,1,1,1,1,1\n")
+    with pytest.raises(TableFormatError, match="ts_event.*--columns"):
+        TableSource(tmp_path / "odd.csv", "bar").events()
+
+
 def _capture(path: Path, lines: int) -> bytes:
     body = "".join(f'{i + 1} {{"u":{i},"s":"BTCUSDT","b":"1.{i:02d}","B":"1","a":"2.00","A":"1"}}\n'
                    for i in range(lines))

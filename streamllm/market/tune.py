@@ -77,7 +77,8 @@ def _columns(pairs: list[str] | None) -> dict[str, str]:
 
 def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
               columns: dict[str, str]) -> dict[str, list[Any]]:
-    """Bars per source: a bar table is one source; Binance captures become bars per symbol."""
+    """Bars per source: a bar table is one source (at the interval its bars show); Binance captures
+    become bars of `bar_seconds` per symbol."""
     from feeds.bars import bars as to_bars
     from feeds.events import Trade
     from feeds.sources import CaptureSource, TableSource
@@ -95,7 +96,7 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
                         trades.setdefault(ev.instrument, []).append(ev)
             else:
                 kw = {"instrument": instrument} if instrument else {}
-                out[path.name] = TableSource(path, "bar", columns=columns, bar_interval_s=bar_seconds, **kw).events()
+                out[path.name] = TableSource(path, "bar", columns=columns, **kw).events()  # its own interval
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
     for symbol, events in trades.items():
