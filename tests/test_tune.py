@@ -315,6 +315,12 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert cli_main([*argv, "--mix", "synthetic:3", "--mix-windows", "1"]) == 0  # every instrument it has
     mixed = [w for w in json.loads((tmp_path / "out" / "card.json").read_text())["windows"]["train"] if "synthetic" in w]
     assert len(mixed) == 3 and all("synthetic-3_" in w for w in mixed)
+    # --mix-as: --data's training range only (70% of 600 bars: 10 windows of 40), never its dev or later bars.
+    assert cli_main([*argv, "--mix-as", "price=0.01", "--mix-windows", "99"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    scaled = [w for w in card["windows"]["train"] if "@x0.01" in w]
+    assert len(scaled) == 10 and max(int(w.split("-")[-2]) for w in scaled) == 360
+    assert not any("@" in w for s in ("dev", "later") for w in card["windows"][s])
 
 
 def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, monkeypatch):
@@ -344,6 +350,34 @@ def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, 
         "other/daily.csv"]
     assert "| trend | other/daily.csv |" in (tmp_path / "out" / "card.md").read_text()
     assert cli_main([*argv, "--judge-windows", "0"]) == 2
+
+
+def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
+    """--mix-as variants: another price level leaves every label as it was (labels compare prices);
+    merged bars are the OHLCV of their run; restamped bars are one dated line per day."""
+    from feeds.sources import TableSource
+    from streamllm.market.labels import parse_label
+    from streamllm.market.render import render_lines
+    from streamllm.market.tune import TuneError, Variant
+
+    bars_ = TableSource(write_bars(tmp_path / "b.csv", 120), "bar").events()
+    level = Variant.parse("price=0.0003").apply(bars_)
+    assert level[5].close == pytest.approx(bars_[5].close * 0.0003) and level[5].px_dp == 7  # ~0.0324: 6 significant digits
+    for text in ("trend_up(n=10)", "above_sma(n=20)", "volatility_rising(n=10)", "volume_spike(k=3, n=20)"):
+        label = parse_label(text)
+        assert [label.evaluate(level[:i]) for i in range(1, 121)] == [label.evaluate(bars_[:i]) for i in range(1, 121)]
+    daily = Variant.parse("price=2,bars=4,every=86400").apply(bars_)
+    assert len(daily) == 30 and str(Variant.parse("price=2,bars=4,every=86400")) == "x2-4bars-86400s"
+    run = bars_[8:12]
+    d = daily[2]
+    assert (d.open, d.high, d.low, d.close, d.volume) == pytest.approx(
+        (2 * run[0].open, 2 * max(b.high for b in run), 2 * min(b.low for b in run), 2 * run[-1].close,
+         sum(b.volume for b in run)))
+    assert d.ts_open == daily[0].ts_open + 2 * 86_400 * 10**9 and d.interval_ns == 86_400 * 10**9
+    assert all("T" in line.split()[0] for line in render_lines(daily))  # each line a new day: dated
+    for bad in ("price=0", "cost=1", "bars=0", "price=abc", "price=1,bars=2.5"):
+        with pytest.raises(TuneError, match="--mix-as"):
+            Variant.parse(bad)
 
 
 def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_path):

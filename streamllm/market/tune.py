@@ -142,6 +142,63 @@ def spread(n_bars: int, size: int, count: int) -> list[int]:
     return [slot * size for slot in picks]
 
 
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """--mix-as: --data's training range as another market would show it. Every label is a comparison
+    of prices or volumes within the window, and labels are computed from the variant's own bars."""
+
+    price: float = 1.0  # times the price, quoted to 6 significant digits (another price level)
+    bars: int = 1  # consecutive bars merged into one (another interval: larger moves per bar)
+    every: int = 0  # seconds between the bars' stamps (86400: one line per day, each dated); 0: as merged
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        kw: dict[str, Any] = {}
+        for part in text.split(","):
+            key, sep, value = part.partition("=")
+            try:
+                if not sep or key.strip() not in ("price", "bars", "every"):
+                    raise ValueError
+                kw[key.strip()] = float(value) if key.strip() == "price" else int(value)
+            except ValueError:
+                raise TuneError(f"--mix-as {text!r}: write price=X[,bars=N][,every=SECONDS], "
+                                "e.g. price=0.003,bars=30,every=86400") from None
+        v = cls(**kw)
+        if not (v.price > 0 and math.isfinite(v.price)) or v.bars < 1 or v.every < 0:
+            raise TuneError(f"--mix-as {text!r}: need price > 0, bars >= 1 and every >= 0")
+        return v
+
+    def __str__(self) -> str:
+        return f"x{self.price:g}" + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else "")
+
+    def apply(self, bars: list[Any]) -> list[Any]:
+        merged = [_merge(bars[i:i + self.bars]) for i in range(0, len(bars) - self.bars + 1, self.bars)]
+        if not merged:
+            return []
+        level = sorted(b.close for b in merged)[len(merged) // 2] * self.price
+        dp = max(0, 6 - (math.floor(math.log10(level)) + 1))
+        p, t0, step = self.price, merged[0].ts_open, self.every * 1_000_000_000
+        return [dataclasses.replace(b, open=b.open * p, high=b.high * p, low=b.low * p, close=b.close * p,
+                                    vwap=b.vwap * p, px_dp=dp, **({} if not step else {
+                                        "ts_open": t0 + i * step, "interval_ns": step, "ts_event": t0 + (i + 1) * step,
+                                        "ts_recv": t0 + (i + 1) * step}))
+                for i, b in enumerate(merged)]
+
+
+def _merge(run: list[Any]) -> Any:
+    """Consecutive bars as one: OHLC, summed volume, trades and sides, volume-weighted VWAP."""
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0], run[-1]
+    volume = sum(b.volume for b in run)
+    vwap = sum(b.vwap * b.volume for b in run) / volume if volume > 0 else math.nan
+    return dataclasses.replace(
+        first, ts_event=last.ts_event, ts_recv=last.ts_recv, interval_ns=last.ts_event - first.ts_open,
+        high=max(b.high for b in run), low=min(b.low for b in run), close=last.close, volume=volume,
+        trades=-1 if any(b.trades < 0 for b in run) else sum(b.trades for b in run),
+        buy_volume=sum(b.buy_volume for b in run), sell_volume=sum(b.sell_volume for b in run), vwap=vwap)
+
+
 def _sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: list[str],
              windows: int) -> dict[str, list[Any]]:
     """Bars of bar tables and of "synthetic:SEED" markets (enough bars for `windows` windows in each
@@ -184,6 +241,13 @@ def _words(text: str) -> tuple[int | str, ...]:
         raise argparse.ArgumentTypeError(f"--words {text!r}: {exc} (e.g. 2, or 2,v)") from None
 
 
+def _variant(text: str) -> Variant:
+    try:
+        return Variant.parse(text)
+    except TuneError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
@@ -192,6 +256,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", nargs="+", default=[], metavar="DATA",
                    help="more markets for training only, as --data (e.g. synthetic:7 synthetic:8): heads that "
                         "have seen other price levels and line layouts transfer better; never judged on")
+    p.add_argument("--mix-as", nargs="+", type=_variant, default=[], metavar="SPEC",
+                   help="train also on --data's training range as another market shows it: price=X (X times the "
+                        "price, 6 significant digits), bars=N (N bars merged: larger moves), every=S (stamped S "
+                        "seconds apart); e.g. price=0.00003 price=0.003,bars=30,every=86400; --mix-windows each")
     p.add_argument("--mix-windows", type=int, default=4,
                    help="training windows from each --mix source (each instrument of a synthetic market)")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
@@ -280,6 +348,9 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
                                                               "later": args.later_windows}, rng)
     # --mix: more markets for training only (never dev or later: those judge --data's own later range).
     mixed = _sources(args, spec, "--mix", args.mix, args.mix_windows)
+    for name, bars in list(sources.items()):  # --mix-as: --data's own training range as other markets show it
+        for variant in args.mix_as:
+            mixed[f"{name}@{variant}"] = variant.apply(bars[: int(SPLIT[0] * len(bars))])
     for name, bars in mixed.items():
         if name in sources:
             raise TuneError(f"--mix {name} is also in --data")
@@ -526,7 +597,8 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
     path = save_heads(args.out, heads, model=loaded.name)
     card = {
         "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
-        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix], "judge": [str(d) for d in args.judge], "seed": args.seed,
+        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix] + [f"--data as {v}" for v in args.mix_as],
+        "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
         "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets) if "/" not in s},
