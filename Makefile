@@ -46,8 +46,9 @@ markets: $(OTHER_BARS)
 tune: model $(OTHER_BARS)
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
-	    $(if $(CAPTURES),--judge $(CAPTURES) --judge-bar-seconds 5) --window 250 --stride 12 --train-windows 24 \
-	    --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 --mix-windows 3 --synthetic-bars 150 \
+	    --judge $(CAPTURES) $(OTHER_BARS) --judge-bar-seconds 5 --judge-windows 8 --window 250 --stride 12 \
+	    --train-windows 24 --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 \
+	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 --mix-windows 3 --synthetic-bars 150 \
 	    --judge-bars 150 --minutes 60
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
