@@ -38,9 +38,11 @@ from feeds.wire import ParseStats
 KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
 # Column names tried when the mapping does not name a field.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time"),
+    "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time", "transact_time"),
     "price": ("price", "px", "last"),
     "size": ("size", "qty", "quantity", "amount", "volume"),
+    "trades": ("trades", "count", "number_of_trades", "num_trades", "trade_count"),
+    "buy_volume": ("buy_volume", "taker_buy_volume", "taker_buy_base_asset_volume", "taker_buy_base_volume"),
     "side": ("side", "aggressor", "aggressor_side", "taker_side"),
     "maker": ("is_buyer_maker", "isBuyerMaker", "buyer_maker", "is_buyer_market_maker"),
     "bid": ("bid", "bid_price", "bp", "bid_px_00"),
@@ -52,6 +54,15 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
 # it with an empty header): when no time alias matches, it is the time column.
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
+# Binance's public data (data.binance.vision) writes spot CSVs without a header: the layout is
+# known by its column count (klines, trades, aggTrades; Binance's docs, "Public data").
+BINANCE_HEADERLESS = {
+    12: ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume", "count",
+         "taker_buy_volume", "taker_buy_quote_volume", "ignore"),
+    7: ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match"),
+    8: ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time", "is_buyer_maker",
+        "is_best_match"),
+}
 FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
           "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
 UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
@@ -183,9 +194,11 @@ class TableSource:
     precision: tuple[int, int] | None = None  # (price, size) decimals; None: inferred
     stats: ParseStats = field(default_factory=ParseStats)
     notes: list[str] = field(default_factory=list)
+    _named: bool = field(default=False, init=False, repr=False)  # the caller gave the instrument
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
+        self._named = bool(self.instrument)
         if self.kind not in KINDS and self.kind != "auto":
             raise ValueError(f"TableSource kind {self.kind!r}: one of {sorted(KINDS)} or auto")
         if not self.instrument:
@@ -197,7 +210,22 @@ class TableSource:
             if name.endswith(".parquet"):
                 return pl.read_parquet(self.path)
             if name.endswith((".csv", ".txt", ".csv.gz")):
-                return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000)
+                first = _first_line(self.path)
+                if not _is_data_row(first):
+                    return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000)
+                layout = BINANCE_HEADERLESS.get(len(first))
+                if layout is None:
+                    raise TableFormatError(
+                        f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables "
+                        "are read only in Binance's public-data layouts (klines: 12 columns, trades: 7, aggTrades: 8); "
+                        "add a header row naming the columns")
+                self.notes.append(f"{self.path}: no header; read as Binance public data "
+                                  f"({'klines' if len(first) == 12 else 'trades' if len(first) == 7 else 'aggTrades'})")
+                if self.venue == "file":
+                    self.venue = "binance"
+                if not self._named:
+                    self.instrument = self.path.name.split("-")[0].upper()  # BTCUSDT-1m-2024-08-08.csv
+                return pl.read_csv(self.path, has_header=False, new_columns=list(layout), infer_schema_length=10_000)
         except Exception as exc:  # polars/IO errors: name the file, keep the cause
             raise TableFormatError(f"{self.path}: cannot read as a table: {str(exc).splitlines()[0]}") from exc
         raise TableFormatError(f"{self.path}: expected .parquet or .csv")
@@ -359,6 +387,28 @@ class TableSource:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.events())
+
+
+def _first_line(path: Path) -> list[str]:
+    import gzip
+
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        return [cell.strip().strip('"') for cell in f.readline().rstrip("\r\n").split(",")]
+
+
+def _is_data_row(cells: list[str]) -> bool:
+    """A first row of numbers and booleans only is data: no header names a column like that."""
+    def value(cell: str) -> bool:
+        if cell.lower() in ("true", "false"):
+            return True
+        try:
+            float(cell)
+        except ValueError:
+            return False
+        return True
+
+    return len(cells) > 1 and all(value(c) for c in cells)
 
 
 def _nan(x: float | None) -> float:

@@ -147,6 +147,39 @@ def test_pandas_written_tables_read_their_index_as_time_and_their_spacing_as_int
         TableSource(tmp_path / "odd.csv", "bar").events()
 
 
+def test_binance_public_data_reads_without_a_header(tmp_path: Path) -> None:
+    # data.binance.vision spot files: no header row; the layout is known by its column count.
+    klines = tmp_path / "BTCUSDT-1m-2024-08-08.csv.gz"
+    klines.write_bytes(gzip.compress(b"1723075200000,56990.01,57022.50,56975.99,57010.00,12.34567,1723075259999,"
+                                     b"703456.1,812,7.1,404000.2,0\n1723075260000,57010.00,57050.00,57001.00,57044.10,"
+                                     b"9.5,1723075319999,541000.0,640,3.2,182000.0,0\n"))
+    src = open_source(klines)
+    first, second = src.events()
+    assert (first.venue, first.instrument, first.trades, first.buy_volume, first.interval_ns) == (
+        "binance", "BTCUSDT", 812, 7.1, 60 * S)
+    assert render_lines([first, second])[1] == "00:01 57044.1 +34.1 h+5.9 l-9 v9.5 n640 b34"
+    assert any("Binance public data (klines)" in n for n in src.notes)
+    trades = tmp_path / "ETHUSDT-trades-2024-08-08.csv"
+    trades.write_text("123,2512.01,0.5,1256.0,1723075200123,True,True\n124,2512.02,0.25,628.0,1723075200456,False,True\n")
+    sold, bought = open_source(trades).events()
+    assert (sold.instrument, sold.side, bought.side, bought.ts_event) == ("ETHUSDT", SELL, BUY, 1723075200456 * 10**6)
+    agg = tmp_path / "ETHUSDT-aggTrades-2024-08-08.csv"
+    agg.write_text("9,2512.01,0.5,123,125,1723075200123,false,true\n")
+    (t,) = open_source(agg).events()
+    assert (t.price, t.size, t.side) == (2512.01, 0.5, BUY)
+    # A headed futures kline file maps its trade count and taker buy volume by name.
+    headed = tmp_path / "BTCUSDT-1m-2024-08.csv"
+    headed.write_text("open_time,open,high,low,close,volume,close_time,quote_volume,count,taker_buy_volume,"
+                      "taker_buy_quote_volume,ignore\n1723075200000,1,2,0.5,1.5,10,1723075259999,15,7,4,6,0\n")
+    (bar,) = open_source(headed).events()
+    assert (bar.trades, bar.buy_volume) == (7, 4.0)
+    # Any other headerless table is refused with what to do, not read with a data row as its header.
+    odd = tmp_path / "bars.csv"
+    odd.write_text("1723075200000,1,2,0.5,1.5,10\n")
+    with pytest.raises(TableFormatError, match="is data, not a header.*add a header row"):
+        TableSource(odd, "bar").events()
+
+
 def _capture(path: Path, lines: int) -> bytes:
     body = "".join(f'{i + 1} {{"u":{i},"s":"BTCUSDT","b":"1.{i:02d}","B":"1","a":"2.00","A":"1"}}\n'
                    for i in range(lines))
