@@ -95,6 +95,46 @@ def test_auto_thresholds_are_each_answers_offline_curve_point_with_enough_eviden
     assert s.precision == pytest.approx(sum(c for c, _ in fired) / len(fired))
 
 
+def _reference_fit(cal: LiveCalibration) -> dict[str, float]:
+    """The offline curve: risk_coverage per answer, points with enough fired samples from enough runs,
+    the most-covering one reaching the target."""
+    out = {}
+    for answer in {a for *_, a, _ in cal.samples}:
+        mine = [(g, c, r) for g, c, _, a, r in cal.samples if a == answer]
+        if len(mine) < cal.min_evidence:
+            continue
+        curve = [p for p in risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
+                 if p.coverage * len(mine) >= cal.min_evidence - 1e-9
+                 and len({r for g, _, r in mine if g >= p.threshold}) >= cal.min_runs]
+        point = threshold_for_precision(curve, cal.target)
+        if point is not None:
+            out[answer] = point.threshold
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_one_pass_fit_and_running_counts_equal_the_offline_curve(seed: int) -> None:
+    """Tied gaps, three answers, a window that evicts: at every step the fit is the offline curve's
+    point and the summary's figures are the window's own."""
+    rng = random.Random(seed)
+    cal = LiveCalibration(target=0.75, window=90, min_evidence=8, min_runs=3)
+    truth = "a"
+    for version in range(1, 400):
+        if rng.random() < 0.15:
+            truth = rng.choice("abc")
+        answer = truth if rng.random() < 0.7 else rng.choice("abc")
+        gap = round(rng.uniform(0, 2), 1)  # ties
+        cal.expect(version, truth)
+        cal.score(version, answer, gap, fired=rng.random() < 0.5, threshold=cal.threshold)
+        assert cal.fit() == _reference_fit(cal), version
+        n = len(cal.samples)
+        fired = [c for _, c, f, _, _ in cal.samples if f]
+        s = cal.summary
+        assert (s.samples, s.coverage, s.accuracy) == (n, len(fired) / n, sum(c for _, c, *_ in cal.samples) / n)
+        assert s.precision == (sum(fired) / len(fired) if fired else None)
+    assert cal.thresholds
+
+
 def test_one_long_run_of_a_slow_label_is_not_evidence_enough() -> None:
     """The crypto replay incident: through a long downtrend every "down" was right, 30 of them
     opened "down" at the floor of their gaps, and after the turn the lagging head fired wrong

@@ -33,8 +33,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-
-from streamllm.engine.gate import risk_coverage, threshold_for_precision
+from operator import itemgetter
 
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
@@ -72,6 +71,7 @@ class LiveCalibration:
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
     last_truth: str | None = None
+    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # the window's [correct, fired, fired and correct]
 
     def expect(self, version: int, choice: str) -> None:
         """The truth at `version` (sent with the push that makes it)."""
@@ -89,9 +89,11 @@ class LiveCalibration:
         truth = truth.casefold()
         if truth != self.last_truth:
             self.run, self.last_truth = self.run + 1, truth
-        self.samples.append((gap, answer.casefold() == truth, fired, answer.casefold(), self.run))
+        sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run)
+        self.samples.append(sample)
+        self._count(sample, 1)
         if len(self.samples) > self.window:
-            self.samples.popleft()
+            self._count(self.samples.popleft(), -1)
         self.scored += 1
         if self.target is not None and (self.scored % RETUNE_EVERY == 0
                                         or (math.isinf(self.threshold) and self._could_open())):
@@ -109,41 +111,47 @@ class LiveCalibration:
 
     def _could_open(self) -> bool:
         """Whether the window holds enough samples over enough truth runs for any answer to open: a
-        closed gate refits on every sample only then (a refit of a full window costs ~0.7 ms)."""
+        closed gate refits on every sample only then (a refit of a full window costs ~0.2 ms)."""
         return len(self.samples) >= self.min_evidence and self.run - self.samples[0][4] + 1 >= self.min_runs
 
     def fit(self) -> dict[str, float]:
         """Per answer: the lowest threshold whose window samples giving that answer, at or above
         it, reach the target precision on at least min_evidence of them from at least min_runs
-        truth runs; answers with no such threshold are absent (closed)."""
+        truth runs; answers with no such threshold are absent (closed).
+
+        One pass per answer down its gaps (the risk-coverage curve, engine/gate.py, with each
+        point's truth runs): coverage grows along the pass, so the last point that qualifies is
+        the most-covering one (`threshold_for_precision`'s pick)."""
+        by_answer: dict[str, list[tuple[float, bool, int]]] = {}
+        for gap, correct, _, answer, run in self.samples:
+            by_answer.setdefault(answer, []).append((gap, correct, run))
         out: dict[str, float] = {}
-        for answer in {s[3] for s in self.samples}:
-            mine = [(g, c, r) for g, c, _, a, r in self.samples if a == answer]
-            if len(mine) < self.min_evidence:
+        for answer, mine in by_answer.items():
+            n = len(mine)
+            if n < self.min_evidence:
                 continue
-            curve = risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
-            runs = _runs_at_or_above(mine)
-            trusted = [p for p in curve if p.coverage * len(mine) >= self.min_evidence - 1e-9
-                       and runs[p.threshold] >= self.min_runs]
-            point = threshold_for_precision(trusted, self.target)
-            if point is not None:
-                out[answer] = point.threshold
+            mine.sort(key=itemgetter(0), reverse=True)
+            hits, runs, best = 0, set(), None
+            for fired, (gap, correct, run) in enumerate(mine, start=1):
+                hits += correct
+                runs.add(run)
+                if fired < n and mine[fired][0] == gap:
+                    continue  # a threshold fires on the whole tie: judge it at the tie's last sample
+                if fired >= self.min_evidence and len(runs) >= self.min_runs and hits / fired >= self.target:
+                    best = gap
+            if best is not None:
+                out[answer] = float(best)
         return out
+
+    def _count(self, sample: tuple[float, bool, bool, str, int], sign: int) -> None:
+        _, correct, fired, _, _ = sample
+        self.counts[0] += sign * correct
+        self.counts[1] += sign * fired
+        self.counts[2] += sign * (fired and correct)
 
     def _summary(self, threshold: float) -> CalibrationSummary:
         n = len(self.samples)
-        fired = [c for _, c, f, _, _ in self.samples if f]
-        correct = sum(c for _, c, _, _, _ in self.samples)
+        correct, fired, fired_correct = self.counts
         return CalibrationSummary(
-            n, self.scored, sum(fired) / len(fired) if fired else None, len(fired) / n if n else None,
+            n, self.scored, fired_correct / fired if fired else None, fired / n if n else None,
             correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)
-
-
-def _runs_at_or_above(samples: list[tuple[float, bool, int]]) -> dict[float, int]:
-    """gap -> how many distinct truth runs the samples with a gap at least that large come from."""
-    out: dict[float, int] = {}
-    seen: set[int] = set()
-    for gap, _, run in sorted(samples, key=lambda s: s[0], reverse=True):
-        seen.add(run)
-        out[float(gap)] = len(seen)  # ties: the last of a tie leaves the count for all of them
-    return out
