@@ -180,6 +180,21 @@ def test_binance_public_data_reads_without_a_header(tmp_path: Path) -> None:
         TableSource(odd, "bar").events()
 
 
+def test_yahoo_float32_text_renders_at_the_prices_own_decimals(tmp_path: Path) -> None:
+    # Yahoo's daily CSVs (e.g. arch's S&P 500 data) write float32 prices at 6 decimals.
+    csv = tmp_path / "sp500.csv"
+    csv.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n"
+                   "1/4/1999,1229.22998,1248.810059,1219.099976,1228.099976,1228.099976,877000000\n"
+                   "1/5/1999,1228.099976,1246.109985,1228.099976,1244.780029,1244.780029,775000000\n")
+    with pytest.raises(TableFormatError, match="%m/%d/%Y"):  # 1/4 or 4/1: asked, never guessed
+        TableSource(csv, "bar").events()
+    bars_ = TableSource(csv, "bar", time_format="%m/%d/%Y").events()
+    assert [b.px_dp for b in bars_] == [2, 2]
+    assert render_lines(bars_) == ["1999-01-04T00:00 1228.1 -1.13 h+19.58 l-9 v877M",
+                                   "1999-01-05T00:00 1244.78 +16.68 h+1.33 v775M"]
+    assert infer_dp([12345.6789, 1.5]) == 4  # real digits past float32's precision are kept
+
+
 def _capture(path: Path, lines: int) -> bytes:
     body = "".join(f'{i + 1} {{"u":{i},"s":"BTCUSDT","b":"1.{i:02d}","B":"1","a":"2.00","A":"1"}}\n'
                    for i in range(lines))
