@@ -34,14 +34,22 @@ demo: model
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
 BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
-# Other markets to judge on, from the package registry: backtesting.py's test data (EURUSD hourly
-# 2017-18, 5,000 bars; GOOG daily 2004-13, 2,148 bars), unpacked from its wheel, never vendored.
+# Other markets to judge on, from the package registry, unpacked from wheels, never vendored:
+# backtesting.py's test data (EURUSD hourly 2017-18, 5,000 bars; GOOG daily 2004-13, 2,148 bars:
+# make tune judges on these) and arch's (S&P 500 and NASDAQ daily 1999-2018, 5,031 bars each, Yahoo
+# format: calibrate them with --time-format '%m/%d/%Y').
 MARKETS ?= .data/markets
 OTHER_BARS := $(MARKETS)/EURUSD.csv $(MARKETS)/GOOG.csv
+INDEX_BARS := $(MARKETS)/sp500.csv.gz $(MARKETS)/nasdaq.csv.gz
+UNWHEEL := $(BIN)/python -c "import glob, sys, zipfile; z = zipfile.ZipFile(glob.glob(sys.argv[1])[0]); \
+	[open(sys.argv[2] + '/' + n.rsplit('/', 1)[1], 'wb').write(z.read(n)) for n in sys.argv[3:]]"
 $(OTHER_BARS) &: | $(STAMP)
 	$(BIN)/pip download -q --no-deps backtesting==0.6.6 -d $(MARKETS)
-	$(BIN)/python -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [open(sys.argv[2] + '/' + n.rsplit('/', 1)[1], 'wb').write(z.read(n)) for n in ('backtesting/test/EURUSD.csv', 'backtesting/test/GOOG.csv')]" $(MARKETS)/backtesting-0.6.6-py3-none-any.whl $(MARKETS)
-markets: $(OTHER_BARS)
+	$(UNWHEEL) '$(MARKETS)/backtesting-0.6.6-*.whl' $(MARKETS) backtesting/test/EURUSD.csv backtesting/test/GOOG.csv
+$(INDEX_BARS) &: | $(STAMP)
+	$(BIN)/pip download -q --no-deps --only-binary=:all: arch==8.0.0 -d $(MARKETS)
+	$(UNWHEEL) '$(MARKETS)/arch-8.0.0-*.whl' $(MARKETS) arch/data/sp500/sp500.csv.gz arch/data/nasdaq/nasdaq.csv.gz
+markets: $(OTHER_BARS) $(INDEX_BARS)
 
 tune: model $(OTHER_BARS)
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
