@@ -352,6 +352,31 @@ def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, 
     assert cli_main([*argv, "--judge-windows", "0"]) == 2
 
 
+def test_tables_with_month_first_dates_are_judged_with_time_format(tiny_model, tmp_path, monkeypatch, capsys):
+    """Yahoo's daily CSVs write 1/4/1999: tune refuses to guess and reads them with --judge-time-format
+    (--time-format for --data and --mix), each set of files in its own format."""
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    rows = write_bars(tmp_path / "minutes.csv", 60).read_text().splitlines()[1:]
+    day0 = dt.date(1999, 1, 4)
+    yahoo = tmp_path / "sp500.csv"
+    yahoo.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n" + "\n".join(
+        f"{(d := day0 + dt.timedelta(days=i)).month}/{d.day}/{d.year},{','.join(r.split(',')[1:5])},"
+        f"{r.split(',')[4]},{r.split(',')[5]}" for i, r in enumerate(rows)) + "\n")
+    argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out",
+            str(tmp_path / "out"), "--model", "tiny", "--method", "head", "--window", "40", "--stride", "4",
+            "--train-windows", "2", "--dev-windows", "1", "--later-windows", "1", "--synthetic-bars", "0",
+            "--no-progress", "--judge", str(yahoo)]
+    assert cli_main(argv) == 2
+    assert "pass --time-format '%m/%d/%Y'" in capsys.readouterr().err
+    assert cli_main([*argv, "--judge-time-format", "%m/%d/%Y"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert card["questions"]["trend"]["judged"]["other"]["samples"] > 0
+
+
 def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
     """--mix-as variants: another price level leaves every label as it was (labels compare prices);
     merged bars are the OHLCV of their run; restamped bars are one dated line per day."""

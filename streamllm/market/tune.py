@@ -76,7 +76,7 @@ def _columns(pairs: list[str] | None) -> dict[str, str]:
 
 
 def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
-              columns: dict[str, str]) -> dict[str, list[Any]]:
+              columns: dict[str, str], time_format: str | None = None, tz: str | None = None) -> dict[str, list[Any]]:
     """Bars per source: a bar table is one source (at the interval its bars show); Binance captures
     become bars of `bar_seconds` per symbol."""
     from feeds.bars import bars as to_bars
@@ -96,7 +96,8 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
                         trades.setdefault(ev.instrument, []).append(ev)
             else:
                 kw = {"instrument": instrument} if instrument else {}
-                out[path.name] = TableSource(path, "bar", columns=columns, **kw).events()  # its own interval
+                out[path.name] = TableSource(path, "bar", columns=columns, time_format=time_format, tz=tz,
+                                             **kw).events()  # at its own interval
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
     for symbol, events in trades.items():
@@ -206,7 +207,8 @@ def _sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: list
     takes every instrument it has (other price levels are what mixing is for)."""
     bar_s = float(spec.render.bar_seconds or 60)
     files = [d for d in items if not d.startswith("synthetic")]
-    sources = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns))
+    sources = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=_columns(args.columns),
+                        time_format=args.time_format, tz=args.tz)
     for d in items:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
         if d.startswith("synthetic"):
             try:
@@ -276,6 +278,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="reuse the states already extracted under OUT/states")
     p.add_argument("--target-precision", type=float, default=0.9)
     p.add_argument("--columns", nargs="*", help="FIELD=COLUMN for bar tables whose columns are named otherwise")
+    p.add_argument("--time-format", help="strftime format of --data/--mix tables' text times, e.g. '%%m/%%d/%%Y' "
+                                         "(Yahoo's daily CSVs; ambiguous dates are never guessed)")
+    p.add_argument("--tz", help="zone of bar tables' times written without one (default UTC)")
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")
     p.add_argument("--stride", type=int, default=2, help="a decision point every STRIDE bars")
     p.add_argument("--train-windows", type=int, default=16)
@@ -284,6 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables")
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's; "
                                                            "bar tables keep their own)")
+    p.add_argument("--judge-time-format", help="as --time-format, for --judge tables")
     p.add_argument("--judge-windows", type=int, default=1,
                    help="windows per --judge source, spread evenly over it (a capture is usually one)")
     p.add_argument("--synthetic-bars", type=int, default=160, help="synthetic bars per instrument (0: none)")
@@ -362,7 +368,8 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     sources.update(mixed)
     if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
         raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
-    judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={})
+    judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={},
+                       time_format=args.judge_time_format, tz=args.tz)
     if args.synthetic_bars > 0:  # judged on the market of seed --seed + 1 (never a training one)
         judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
     for name, bars in judged.items():
