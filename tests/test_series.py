@@ -105,6 +105,8 @@ def test_line_features_in_any_chunking_equal_one_shot(words):
     restored = taps_of(10)
     restored.add(rows[15:], 15, TOY_IDS[15:], ends, 0, prefix)
     assert restored.num_lines == 5 and restored.window(5, 2) is not None and restored.window(5, 3) is None
+    for taps_, upto, count in ((one, 3, 2), (one, 3, 4), (restored, 5, 2), (restored, 5, 3), (restored, 9, 0)):
+        assert taps_.holds(upto, count) == (taps_.window(upto, count) is not None)  # the check head-only entries use
     # After a compaction the line numbers go on: line_ends shifted, lines_before counts the cut ones.
     taps = taps_of(3)
     taps.add(rows[:12], 0, TOY_IDS[:12], ends, 0, prefix)

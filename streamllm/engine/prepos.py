@@ -164,7 +164,7 @@ class Prepositioner:
         if not (self.head_entries and st.spec.choices and head is not None and head.kind == "series"
                 and s.taps is not None):
             return False
-        return s.taps.window(s.lines_upto(s.version_length(s.data_version)), head.lines) is not None
+        return s.taps.holds(s.lines_upto(s.version_length(s.data_version)), head.lines)
 
     def jobs(self) -> list[Branch]:
         """Entries computing and standing-answer decodes (their class follows from waiters)."""

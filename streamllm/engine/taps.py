@@ -163,6 +163,15 @@ class LineTaps:
 
     def window(self, upto: int, count: int) -> torch.Tensor | None:
         """Features [count, (2 + W) H] of lines upto-count .. upto-1 (oldest first); None unless all are held."""
+        span = self._span(upto, count)
+        return None if span is None else torch.stack([self.lines[i][1] for i in range(*span)])
+
+    def holds(self, upto: int, count: int) -> bool:
+        """Whether `window(upto, count)` would be whole, without building it."""
+        return self._span(upto, count) is not None
+
+    def _span(self, upto: int, count: int) -> tuple[int, int] | None:
+        """Indices [first, last + 1) into `lines` of lines upto-count .. upto-1; None unless all are held."""
         if count > len(self.lines) or count < 1:
             return None
         newest = len(self.lines) - 1
@@ -171,7 +180,7 @@ class LineTaps:
         first = newest - count + 1
         if first < 0 or self.lines[newest][0] != upto - 1 or self.lines[first][0] != upto - count:
             return None  # too few, or a gap (a restore, a skipped line)
-        return torch.stack([self.lines[i][1] for i in range(first, newest + 1)])
+        return first, newest + 1
 
     @property
     def num_lines(self) -> int:
