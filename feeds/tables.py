@@ -57,12 +57,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
 # Binance's public data (data.binance.vision) writes spot CSVs without a header: the layout is
 # known by its column count (klines, trades, aggTrades; Binance's docs, "Public data").
-BINANCE_HEADERLESS = {
-    12: ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume", "count",
-         "taker_buy_volume", "taker_buy_quote_volume", "ignore"),
-    7: ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match"),
-    8: ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time", "is_buyer_maker",
-        "is_best_match"),
+BINANCE_HEADERLESS = {  # column count -> (file kind, columns)
+    12: ("klines", ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume", "count",
+                    "taker_buy_volume", "taker_buy_quote_volume", "ignore")),
+    7: ("trades", ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match")),
+    8: ("aggTrades", ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time",
+                      "is_buyer_maker", "is_best_match")),
 }
 FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
           "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
@@ -231,14 +231,13 @@ class TableSource:
                 first = _first_line(self.path)
                 if not _is_data_row(first):
                     return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000)
-                layout = BINANCE_HEADERLESS.get(len(first))
-                if layout is None:
+                if len(first) not in BINANCE_HEADERLESS:
+                    known = ", ".join(f"{kind}: {n} columns" for n, (kind, _) in BINANCE_HEADERLESS.items())
                     raise TableFormatError(
                         f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables "
-                        "are read only in Binance's public-data layouts (klines: 12 columns, trades: 7, aggTrades: 8); "
-                        "add a header row naming the columns")
-                self.notes.append(f"{self.path}: no header; read as Binance public data "
-                                  f"({'klines' if len(first) == 12 else 'trades' if len(first) == 7 else 'aggTrades'})")
+                        f"are read only in Binance's public-data layouts ({known}); add a header row naming the columns")
+                kind, layout = BINANCE_HEADERLESS[len(first)]
+                self.notes.append(f"{self.path}: no header; read as Binance public data ({kind})")
                 if self.venue == "file":
                     self.venue = "binance"
                 if not self._named:
