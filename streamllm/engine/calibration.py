@@ -71,7 +71,10 @@ class LiveCalibration:
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
     last_truth: str | None = None
-    counts: list[int] = field(default_factory=lambda: [0, 0, 0])  # the window's [correct, fired, fired and correct]
+    # The window's counts, kept as samples come and go (the summary is made on every scored answer).
+    correct: int = 0
+    fired: int = 0
+    fired_correct: int = 0
 
     def expect(self, version: int, choice: str) -> None:
         """The truth at `version` (sent with the push that makes it)."""
@@ -145,13 +148,12 @@ class LiveCalibration:
 
     def _count(self, sample: tuple[float, bool, bool, str, int], sign: int) -> None:
         _, correct, fired, _, _ = sample
-        self.counts[0] += sign * correct
-        self.counts[1] += sign * fired
-        self.counts[2] += sign * (fired and correct)
+        self.correct += sign * correct
+        self.fired += sign * fired
+        self.fired_correct += sign * (fired and correct)
 
     def _summary(self, threshold: float) -> CalibrationSummary:
-        n = len(self.samples)
-        correct, fired, fired_correct = self.counts
+        n, fired = len(self.samples), self.fired
         return CalibrationSummary(
-            n, self.scored, fired_correct / fired if fired else None, fired / n if n else None,
-            correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)
+            n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
+            self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)
