@@ -18,8 +18,8 @@ updates and volumes are zero.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from feeds.events import BUY, SELL, Bar, Quote, Trade
@@ -173,3 +173,17 @@ def bars(events: Iterable[Any], interval_s: float, source: str = "trades") -> It
     for ev in events:
         yield from agg.update(ev)
     yield from agg.flush()
+
+
+def merge_bars(run: Sequence[Bar]) -> Bar:
+    """Consecutive bars of one instrument as one: first open, extreme high and low, last close,
+    summed volume and sides, volume-weighted VWAP (the last close when nothing traded). Trade
+    counts add up where any bar traded; otherwise the run keeps its least (0: empty, -1: unknown)."""
+    first, last = run[0], run[-1]
+    volume = sum(b.volume for b in run)
+    return replace(
+        last, ts_open=first.ts_open, interval_ns=last.ts_event - first.ts_open, open=first.open,
+        high=max(b.high for b in run), low=min(b.low for b in run), volume=volume,
+        trades=sum(max(b.trades, 0) for b in run) if any(b.trades > 0 for b in run) else min(b.trades for b in run),
+        buy_volume=sum(b.buy_volume for b in run), sell_volume=sum(b.sell_volume for b in run),
+        vwap=sum(b.vwap * b.volume for b in run) / volume if volume else last.close)

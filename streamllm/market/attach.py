@@ -34,10 +34,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from feeds.bars import BarAggregator
+from feeds.bars import BarAggregator, merge_bars
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
 from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
@@ -256,14 +256,7 @@ class Attachment:
     def _bar_summary(self, items: list[_Item]) -> str:
         bs = [i.bar for i in items if i.bar is not None]
         first, last = bs[0], bs[-1]
-        vol = sum(b.volume for b in bs)
-        merged = replace(
-            last, ts_open=first.ts_open, interval_ns=last.ts_event - first.ts_open, open=first.open,
-            high=max(b.high for b in bs), low=min(b.low for b in bs), volume=vol,
-            trades=sum(max(b.trades, 0) for b in bs) if any(b.trades > 0 for b in bs) else min(b.trades for b in bs),
-            buy_volume=sum(b.buy_volume for b in bs), sell_volume=sum(b.sell_volume for b in bs),
-            vwap=sum(b.vwap * b.volume for b in bs) / vol if vol else last.close,
-        )
+        merged = merge_bars(bs)
         assert self.renderer is not None
         line = self.renderer.bar(merged)
         minute = 60 * 1_000_000_000

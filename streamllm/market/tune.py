@@ -173,7 +173,10 @@ class Variant:
         return f"x{self.price:g}" + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else "")
 
     def apply(self, bars: list[Any]) -> list[Any]:
-        merged = [_merge(bars[i:i + self.bars]) for i in range(0, len(bars) - self.bars + 1, self.bars)]
+        from feeds.bars import merge_bars
+
+        merged = bars if self.bars == 1 else [merge_bars(bars[i:i + self.bars])
+                                              for i in range(0, len(bars) - self.bars + 1, self.bars)]
         if not merged:
             return []
         level = sorted(b.close for b in merged)[len(merged) // 2] * self.price
@@ -184,20 +187,6 @@ class Variant:
                                         "ts_open": t0 + i * step, "interval_ns": step, "ts_event": t0 + (i + 1) * step,
                                         "ts_recv": t0 + (i + 1) * step}))
                 for i, b in enumerate(merged)]
-
-
-def _merge(run: list[Any]) -> Any:
-    """Consecutive bars as one: OHLC, summed volume, trades and sides, volume-weighted VWAP."""
-    if len(run) == 1:
-        return run[0]
-    first, last = run[0], run[-1]
-    volume = sum(b.volume for b in run)
-    vwap = sum(b.vwap * b.volume for b in run) / volume if volume > 0 else math.nan
-    return dataclasses.replace(
-        first, ts_event=last.ts_event, ts_recv=last.ts_recv, interval_ns=last.ts_event - first.ts_open,
-        high=max(b.high for b in run), low=min(b.low for b in run), close=last.close, volume=volume,
-        trades=-1 if any(b.trades < 0 for b in run) else sum(b.trades for b in run),
-        buy_volume=sum(b.buy_volume for b in run), sell_volume=sum(b.sell_volume for b in run), vwap=vwap)
 
 
 def _sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: list[str],
