@@ -67,6 +67,7 @@ BINANCE_HEADERLESS = {  # column count -> (file kind, columns)
 FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
           "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
 UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
+_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]|$)")
 _SLASHED = re.compile(r"^\s*(\d{1,2})([/.-])(\d{1,2})\2(\d{2,4})(?:[ T](\d{1,2}:\d{2}(:\d{2})?(\.\d+)?))?")
 
 
@@ -147,6 +148,13 @@ def ts_ns(col: pl.Series, where: str, unit: str | None = None, time_format: str 
           tz: str | None = None, notes: list[str] | None = None) -> list[int | None]:
     """A time column -> ns since the epoch (UTC); None where the cell is empty."""
     if col.dtype == pl.Utf8:
+        if time_format is not None and _ISO_DATE.match(next(iter(col.drop_nulls().head(1).to_list()), "")):
+            # ISO 8601 says its own order: a format given for the other tables of one command
+            # (month-first Yahoo dates beside ISO bars) applies only to text it fits.
+            try:
+                col.head(100).str.to_datetime(format=time_format, time_unit="ns", strict=True)
+            except Exception:
+                time_format = None
         if time_format is None:
             _slashed_format(col.head(5000).to_list(), where)
         try:

@@ -33,6 +33,13 @@ def test_ambiguous_dates_are_refused_and_a_format_reads_them(tmp_path: Path) -> 
     proven.write_text("time,price,size\n25/5/2019 9:30,1,1\n")
     with pytest.raises(TableFormatError, match="day above 12 first: pass --time-format '%d/%m/%Y %H:%M'"):
         TableSource(proven, "trade").events()
+    # One command's format for its month-first tables leaves ISO tables beside them as they read;
+    # text that is neither still fails, naming the format.
+    iso = tmp_path / "iso_trades.csv"
+    iso.write_text("time,price,size\n2019-11-05 09:30:00,300.5,10\n")
+    assert TableSource(iso, "trade", time_format="%m/%d/%Y %H:%M").events()[0].ts_event == 1_572_946_200 * S
+    with pytest.raises(TableFormatError, match="pass --time-format"):
+        TableSource(proven, "trade", time_format="%m/%d/%Y %H:%M").events()
 
 
 def test_naive_times_take_tz_and_say_utc_by_default(tmp_path: Path) -> None:

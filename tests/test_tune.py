@@ -377,6 +377,43 @@ def test_tables_with_month_first_dates_are_judged_with_time_format(tiny_model, t
     assert card["questions"]["trend"]["judged"]["other"]["samples"] > 0
 
 
+def test_mix_tables_cut_to_a_time_range_beside_iso_bars(tiny_model, tmp_path, monkeypatch, capsys):
+    """--mix PATH@FROM..TO trains on that range of a table only (a market's years disjoint from a judged
+    one's); --time-format for month-first tables leaves ISO tables of the same flag as they read; a mix
+    table draws its windows from its own seed, so adding one moves no other window (nor its states)."""
+    import streamllm.model.loader as loader
+    from streamllm.market.tune import TuneError, time_range
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    rows = write_bars(tmp_path / "minutes.csv", 300).read_text().splitlines()[1:]
+    day0 = dt.date(1999, 1, 4)
+    yahoo = tmp_path / "sp500.csv"
+    yahoo.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n" + "\n".join(
+        f"{(d := day0 + dt.timedelta(days=i)).month}/{d.day}/{d.year},{','.join(r.split(',')[1:5])},"
+        f"{r.split(',')[4]},{r.split(',')[5]}" for i, r in enumerate(rows)) + "\n")  # 1999-01-04 .. 1999-10-30
+    argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out",
+            str(tmp_path / "out"), "--model", "tiny", "--method", "head", "--window", "40", "--stride", "4",
+            "--train-windows", "2", "--dev-windows", "1", "--later-windows", "1", "--synthetic-bars", "0",
+            "--no-progress", "--mix-windows", "9", "--time-format", "%m/%d/%Y"]
+    assert cli_main([*argv, "--mix", "synthetic:3"]) == 0
+    before = json.loads((tmp_path / "out" / "card.json").read_text())["windows"]["train"]
+    assert cli_main([*argv, "--mix", "synthetic:3", f"{yahoo}@1999-08-01.."]) == 0
+    after = json.loads((tmp_path / "out" / "card.json").read_text())["windows"]["train"]
+    cut = [w for w in after if "sp500" in w]
+    assert set(after) - set(cut) == set(before)  # every other window where it was
+    assert len(cut) == 2 and all("sp500.csv@1999-08-01.." in w for w in cut)  # 91 days: 2 windows of 40
+    assert time_range("a.csv") == ("a.csv", -(2**63), 2**63 - 1)
+    assert time_range("a.csv@..1970-01-02")[1:] == (-(2**63), 86_400 * 10**9)
+    assert time_range("a.csv@1970-01-01T01:00+01:00..")[1] == 0
+    for bad in ("a.csv@2020-13-01..", "a.csv@2020-01-02..2020-01-01"):
+        with pytest.raises(TuneError, match="a.csv@"):
+            time_range(bad)
+    assert cli_main([*argv, "--mix", f"{yahoo}@2001-01-01.."]) == 2
+    assert "no bar in that range (the file holds 1999-01-04 to 1999-10-30)" in capsys.readouterr().err
+
+
 def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
     """--mix-as variants: another price level leaves every label as it was (labels compare prices);
     merged bars are the OHLCV of their run; restamped bars are one dated line per day."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import hashlib
 import json
 import math
@@ -86,24 +87,56 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
     out: dict[str, list[Any]] = {}
     trades: dict[str, list[Any]] = {}
     for name in sorted(paths):
-        path = Path(name)
+        file, lo, hi = time_range(name)
+        path = Path(file)
         if not path.is_file():
             raise TuneError(f"data file {path} does not exist")
         try:
-            if path.name.endswith(".gz"):
+            if path.name.endswith(".gz") and not path.name.endswith(".csv.gz"):
                 for ev in CaptureSource(path):
-                    if isinstance(ev, Trade):
+                    if isinstance(ev, Trade) and lo <= ev.ts_event < hi:
                         trades.setdefault(ev.instrument, []).append(ev)
             else:
                 kw = {"instrument": instrument} if instrument else {}
-                out[path.name] = TableSource(path, "bar", columns=columns, time_format=time_format, tz=tz,
-                                             **kw).events()  # at its own interval
+                bars = TableSource(path, "bar", columns=columns, time_format=time_format, tz=tz,
+                                   **kw).events()  # at its own interval
+                kept = [b for b in bars if lo <= b.ts_open < hi]
+                if bars and not kept:
+                    raise TuneError(f"{name}: no bar in that range (the file holds "
+                                    f"{_day(bars[0].ts_open)} to {_day(bars[-1].ts_open)})")
+                out[path.name + name[len(file):]] = kept
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
     for symbol, events in trades.items():
         events.sort(key=lambda t: t.ts_event)
         out[f"capture:{symbol}"] = list(to_bars(events, bar_seconds))
     return out
+
+
+def time_range(item: str) -> tuple[str, int, int]:
+    """PATH@FROM..TO (ISO dates or times, UTC unless they say; either end may be left out) ->
+    (PATH, from_ns, to_ns): bars that open in [FROM, TO). A plain PATH keeps every bar."""
+    path, at, span = item.rpartition("@")
+    if not at or ".." not in span:
+        return item, -(2**63), 2**63 - 1
+    ends = []
+    for end, default in zip(span.split("..", 1), (-(2**63), 2**63 - 1), strict=True):
+        if not end:
+            ends.append(default)
+            continue
+        try:
+            t = datetime.datetime.fromisoformat(end)
+        except ValueError:
+            raise TuneError(f"{item}: {end!r} is not an ISO date or time (write PATH@2013-04-01..2018-12-31)") from None
+        t = t if t.tzinfo else t.replace(tzinfo=datetime.UTC)
+        ends.append(int(t.timestamp()) * 1_000_000_000 + t.microsecond * 1000)
+    if ends[0] >= ends[1]:
+        raise TuneError(f"{item}: the range ends before it starts")
+    return path, ends[0], ends[1]
+
+
+def _day(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).date().isoformat()
 
 
 def synthetic_bars(seed: int, bars_each: int, bar_seconds: float) -> dict[str, list[Any]]:
@@ -243,10 +276,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
     p.add_argument("--data", nargs="+", required=True,
-                   help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py)")
+                   help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py); "
+                        "PATH@FROM..TO keeps the bars opening in that range (ISO dates, UTC; either end optional)")
     p.add_argument("--mix", nargs="+", default=[], metavar="DATA",
-                   help="more markets for training only, as --data (e.g. synthetic:7 synthetic:8): heads that "
-                        "have seen other price levels and line layouts transfer better; never judged on")
+                   help="more markets for training only, as --data (e.g. synthetic:7 synthetic:8 "
+                        "sp500.csv.gz@2013-04-01..): heads that have seen other price levels and line layouts "
+                        "transfer better; never judged on")
     p.add_argument("--mix-as", nargs="+", type=_variant, default=[], metavar="SPEC",
                    help="train also on --data's training range as another market shows it: price=X (X times the "
                         "price, 6 significant digits), bars=N (N bars merged: larger moves), every=S (stamped S "
@@ -268,14 +303,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-precision", type=float, default=0.9)
     p.add_argument("--columns", nargs="*", help="FIELD=COLUMN for bar tables whose columns are named otherwise")
     p.add_argument("--time-format", help="strftime format of --data/--mix tables' text times, e.g. '%%m/%%d/%%Y' "
-                                         "(Yahoo's daily CSVs; ambiguous dates are never guessed)")
+                                         "(Yahoo's daily CSVs; ambiguous dates are never guessed; ISO 8601 "
+                                         "tables it does not fit read as ISO)")
     p.add_argument("--tz", help="zone of bar tables' times written without one (default UTC)")
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")
     p.add_argument("--stride", type=int, default=2, help="a decision point every STRIDE bars")
     p.add_argument("--train-windows", type=int, default=16)
     p.add_argument("--dev-windows", type=int, default=3)
     p.add_argument("--later-windows", type=int, default=4)
-    p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables")
+    p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables (as --data, PATH@FROM..TO too)")
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's; "
                                                            "bar tables keep their own)")
     p.add_argument("--judge-time-format", help="as --time-format, for --judge tables")
@@ -343,14 +379,18 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
                                                               "later": args.later_windows}, rng)
     # --mix: more markets for training only (never dev or later: those judge --data's own later range).
     mixed = _sources(args, spec, "--mix", args.mix, args.mix_windows)
+    tables = {name for name in mixed if not name.startswith("synthetic-")}
     for name, bars in list(sources.items()):  # --mix-as: --data's own training range as other markets show it
         for variant in args.mix_as:
             mixed[f"{name}@{variant}"] = variant.apply(bars[: int(SPLIT[0] * len(bars))])
     for name, bars in mixed.items():
         if name in sources:
             raise TuneError(f"--mix {name} is also in --data")
+        # A table draws its windows from its own generator, so adding one moves no other window
+        # (and no other window's extracted states).
+        draw = random.Random(f"{args.seed}:{name}") if name in tables else rng
         train = [dataclasses.replace(p, mixed=True) for p in
-                 plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, rng, whole=True)]
+                 plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, draw, whole=True)]
         if not train:
             raise TuneError(f"--mix {name}: {len(bars)} bars hold no window of {args.window}")
         plans += train
