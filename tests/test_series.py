@@ -194,6 +194,39 @@ def test_the_engine_reads_the_lines_tune_trains_on(tiny_model, spec, bars, tmp_p
         engine.shutdown()
 
 
+@pytest.mark.parametrize("head_entries", [False, True])
+def test_a_sessions_first_lines_are_read_as_tune_trained_them(tiny_model, spec, bars, tmp_path, head_entries):
+    """Heads trained on window starts (min_lines) answer a new session from its min_lines-th line, over
+    all its lines (the newest lags); before that the LM's choice scores answer, as for older heads."""
+    labelled = [q for q in spec.questions if q.label is not None]
+    heads = random_series(spec, tiny_model.config.hidden_size, words=(2, "v"))
+    for h in heads:
+        h.min_lines = 3
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    assert [h.min_lines for h in load_adapter(tmp_path / "ad").heads] == [3, 3]
+    states = StateExtractor(tiny_model, spec, labelled, tap_layer=LAYER, words=(2, "v")).extract(bars[:8], stride=5)
+    engine = engine_with(tiny_model, tmp_path / "ad", head_entries=head_entries)
+    try:
+        engine.open_session("test", system=spec.system_prompt)
+        engine.register("test", spec.questions[0])
+        for n, line in enumerate(render_window(bars[:8]), 1):
+            engine.push("test", [line])
+            assert engine.wait_idle()
+            trend = engine.prepos.find("test", "trend")
+            answer = engine.ask("test", "trend")
+            if n < 3:
+                assert trend.ready_hidden is None
+                continue
+            held = states.lines[max(0, n - LINES): n]
+            torch.testing.assert_close(trend.ready_hidden, held, atol=1e-5, rtol=1e-5)
+            scores = heads[0].logits(held)
+            assert answer.text == ("up", "down")[int(scores.argmax())]
+            assert answer.confidence == pytest.approx(float(scores.max() - scores.min()), abs=1e-4)
+        assert engine.stats()["head_only_entries"] == (6 if head_entries else 0)  # lines 3..8
+    finally:
+        engine.shutdown()
+
+
 def test_head_only_entries_answer_as_prefilled_ones_without_their_forward_pass(tiny_model, spec, bars, tmp_path):
     """A choice question a series head decides needs the session's lines, not the question's prefill:
     the same standing answers at every version, and no entry tokens once the head's lines are held."""
@@ -281,15 +314,21 @@ def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained
         sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() - 5.0 * 4 for i in range(n)])
         return feats, (sums <= 0).long()
 
-    train, dev = samples([window(60) for _ in range(20)], 6), samples([window(60) for _ in range(4)], 6)
+    # A window's first bars (4 or 5 of the 6 lines: the rule's whole history) are samples too.
+    train, dev = samples([window(60) for _ in range(20)], 6, 4), samples([window(60) for _ in range(40)], 6, 4)
+    assert sorted(dev.reads.unique().tolist()) == [4, 5, 6] and len(dev) == 40 * 57
     fit = fit_series(train, dev, 2, k=6, rank=2, steps=300)
-    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0)
-    accuracy = (head.logits(dev.windows()).argmax(1) == dev.labels).float().mean()
-    assert accuracy > 0.9
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, (), 4)
+    for n in (4, 5, 6):
+        sub = dev.subset(dev.reads == n)
+        assert (sub.logits(head).argmax(1) == sub.labels).float().mean() > 0.9
     model = _Model(10, 2, 6, 2)  # the trainer's forward on raw features, with the folded weights
     model.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
-    with torch.no_grad():
-        torch.testing.assert_close(model(dev.lines, dev.index), head.logits(dev.windows()), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # the trainer's masked lines are the served head's newest lags
+        torch.testing.assert_close(model(dev.lines, dev.index, dev.mask), dev.logits(head), atol=1e-4, rtol=1e-4)
+    assert [head.reads(n) for n in (3, 4, 5, 6, 9)] == [6, 4, 5, 6, 6]  # below min_lines: whole windows only
+    with pytest.raises(ValueError, match="of 6 lines read 7"):
+        head.logits(torch.zeros(7, 10))
 
 
 def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
@@ -306,7 +345,7 @@ def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
     fit = fit_series(train, dev, 2, k=6, rank=2, steps=300, sets=feature_sets(4, 1))
     assert fit.features == "words" and fit.proj[:, :8].abs().max() == 0 and fit.proj[:, 8:].abs().max() > 0
     head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, (2,))
-    assert (head.logits(dev.windows()).argmax(1) == dev.labels).float().mean() > 0.9
+    assert (dev.logits(head).argmax(1) == dev.labels).float().mean() > 0.9
 
 
 def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, monkeypatch):
@@ -324,6 +363,9 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     assert adapter.tap_words == (2, "v")  # the default: a bar line's change and volume
     card = (out / "card.md").read_text()
     assert "Series heads" in card and "| trend | later |" in card and "word 2's last token, the v... word's last token" in card
+    # Trained on window starts from each label's first known bar: the engine reads a session's first lines.
+    assert {h.question_id: h.min_lines for h in adapter.heads} == {"trend": 5, "sma": 8}
+    assert "A session's first lines (fewer than 10 held)" in card and "min lines: trend 5, sma 8" in card
     engine = engine_with(tiny_model, out)
     try:
         spec = load_config(config).sessions[0]

@@ -164,7 +164,8 @@ class Prepositioner:
         if not (self.head_entries and st.spec.choices and head is not None and head.kind == "series"
                 and s.taps is not None):
             return False
-        return s.taps.holds(s.lines_upto(s.version_length(s.data_version)), head.lines)
+        upto = s.lines_upto(s.version_length(s.data_version))
+        return s.taps.holds(upto, head.reads(upto))
 
     def jobs(self) -> list[Branch]:
         """Entries computing and standing-answer decodes (their class follows from waiters)."""
@@ -192,7 +193,8 @@ class Prepositioner:
         head = st.gate.head
         if head is not None and head.kind == "series" and st.session.taps is not None:
             # The lines the entry saw: those ending at or before its fork point (None until enough are held).
-            st.ready_hidden = st.session.taps.window(st.session.lines_upto(entry.base_len), head.lines)
+            upto = st.session.lines_upto(entry.base_len)
+            st.ready_hidden = st.session.taps.window(upto, head.reads(upto))
         st.entries_computed += 1
         st.record = self._record(st)
         self._score(st)

@@ -63,6 +63,16 @@ def card_markdown(card: dict[str, Any]) -> str:
             lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
                          f"| {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
                          f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
+    first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
+             if j.get("samples")]
+    if first:
+        lines += ["", f"A session's first lines (fewer than {card['series']['lines']} held): each head reads all there "
+                  "are once its label's history is (min lines: " + ", ".join(
+                      f"{qid} {q['min_lines']}" for qid, q in card["questions"].items() if "min_lines" in q) + ").", "",
+                  "| question | set | n | accuracy | base rate | coverage @thr | precision @thr |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) | "
+                  f"{j['coverage']:.2f} | {'-' if j['precision'] is None else format(j['precision'], '.2f')} |"
+                  for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):
         lines += ["Features read: " + ", ".join(f"{qid} {q['features']}" for qid, q in card["questions"].items()

@@ -2,15 +2,18 @@
 
 A sample is one bar i of a window with a known label: its features are the window's
 lines i-K+1 .. i (oldest first), exactly what the engine's LineTaps.window gives an
-entry made after bar i. Every bar of every window is a sample (the features come
-from the session's own ingest: no branch per sample), so a few dozen windows give
-thousands. Lines are standardized on the training set (folded back into the saved
-projection), weight decay is picked by development log-loss, the best step by
-development loss (early stopping), the gate's margin threshold calibrated on the
-development range. With word features (engine/taps.py) the fit also tries the words
-alone (a head that needs only a bar's change reads only that, fewer weights to fit
-from a month of bars) and keeps whichever set the development loss prefers; the
-unread features get zero weights, so the engine's features stay one layout.
+entry made after bar i. A window starts as a session does, so its first bars (fewer
+than K lines, a known label) are samples too, read as the engine reads a session's
+first lines: over the newest lags only (SeriesHead.reads). Every bar of every window
+is a sample (the features come from the session's own ingest: no branch per sample),
+so a few dozen windows give thousands. Lines are standardized on the training set
+(folded back into the saved projection), weight decay is picked by development
+log-loss, the best step by development loss (early stopping), the gate's margin
+threshold calibrated on the development range. With word features (engine/taps.py)
+the fit also tries the words alone (a head that needs only a bar's change reads only
+that, fewer weights to fit from a month of bars) and keeps whichever set the
+development loss prefers; the unread features get zero weights, so the engine's
+features stay one layout.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.model.adapter import series_width
+from streamllm.model.adapter import SeriesHead, series_width
 
 LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
 RANK = 8  # R: numbers the head takes from each line
@@ -32,31 +35,51 @@ STEPS, BATCH, EVAL_EVERY, LR = 600, 256, 20, 3e-3
 @dataclass(slots=True)
 class Samples:
     lines: torch.Tensor  # [M, F] every line of the set's windows
-    index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first
+    index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first (left-filled: see reads)
     labels: torch.Tensor  # [N] choice index
+    reads: torch.Tensor  # [N] lines each sample has: K, or fewer at a window's start (its newest `reads` count)
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def windows(self) -> torch.Tensor:
-        """[N, K, F]: what LineTaps.window gives the engine for each sample (for judging with SeriesHead)."""
-        return self.lines[self.index]
+    @property
+    def mask(self) -> torch.Tensor:
+        """[N, K]: which of `index`'s rows a sample has."""
+        k = self.index.shape[1]
+        return torch.arange(k) >= (k - self.reads)[:, None]
+
+    def subset(self, keep: torch.Tensor) -> Samples:
+        return Samples(self.lines, self.index[keep], self.labels[keep], self.reads[keep])
+
+    def logits(self, head: SeriesHead) -> torch.Tensor:
+        """[N, C]: the served head's logits for each sample, on exactly the lines the engine would give it."""
+        out = torch.empty(len(self), len(head.choices))
+        k = self.index.shape[1]
+        for n in self.reads.unique().tolist():
+            rows = self.reads == n
+            out[rows] = head.logits(self.lines[self.index[rows][:, k - n:]]).float()
+        return out
 
 
-def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES) -> Samples:
-    """From (line features [W, F], labels [W] with -1 unknown) per window: every bar with k lines and a label."""
-    lines, index, labels, offset = [], [], [], 0
+def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES, least: int | None = None) -> Samples:
+    """From (line features [W, F], labels [W] with -1 unknown) per window: every bar with a label and k
+    lines, or with `least` to k - 1 lines at the window's start (least: None for whole windows only)."""
+    least = k if least is None else max(1, min(least, k))
+    lines, index, labels, reads, offset = [], [], [], [], 0
     for feats, y in windows:
-        for i in range(k - 1, len(y)):
+        for i in range(least - 1, len(y)):
             if y[i] >= 0:
-                index.append(torch.arange(offset + i - k + 1, offset + i + 1))
+                n = min(k, i + 1)
+                first = offset + i - n + 1
+                index.append(torch.cat([torch.full((k - n,), first), torch.arange(first, offset + i + 1)]))
                 labels.append(int(y[i]))
+                reads.append(n)
         lines.append(feats.float())
         offset += len(feats)
     width = lines[0].shape[1] if lines else 0
     return Samples(torch.cat(lines) if lines else torch.empty(0, width),
                    torch.stack(index) if index else torch.empty(0, k, dtype=torch.long),
-                   torch.tensor(labels, dtype=torch.long))
+                   torch.tensor(labels, dtype=torch.long), torch.tensor(reads, dtype=torch.long))
 
 
 @dataclass(slots=True)
@@ -89,10 +112,11 @@ class _Model(torch.nn.Module):
         self.lags = torch.nn.Parameter(torch.zeros(classes, k, 2 * rank))
         self.bias = torch.nn.Parameter(torch.zeros(classes))
 
-    def forward(self, lines: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        # series_logits, with each line projected once however many samples read it
+    def forward(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # series_logits, with each line projected once however many samples read it; lines a sample
+        # lacks (a window's start) weigh nothing: series_logits on its newest lags, as served
         z = self.proj(lines)
-        g = torch.cat([z, z.abs()], -1)[index]  # [N, K, 2R]
+        g = torch.cat([z, z.abs()], -1)[index] * mask[..., None]  # [N, K, 2R]
         return torch.einsum("nkr,ckr->nc", g, self.lags) + self.bias
 
 
@@ -108,6 +132,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     sd = train.lines.std(0).clamp_min(1e-4)
     all_lines, all_dev = (train.lines - mu) / sd, (dev.lines - mu) / sd
     ce = torch.nn.functional.cross_entropy
+    train_mask, dev_mask = train.mask, dev.mask
     best: tuple[float, float, dict, str] | None = None
     total = 0
     gen = torch.Generator().manual_seed(seed)
@@ -119,14 +144,14 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
             opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
             for step in range(1, steps + 1):
                 pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
-                loss = ce(model(lines, train.index[pick]), train.labels[pick])
+                loss = ce(model(lines, train.index[pick], train_mask[pick]), train.labels[pick])
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
                 total += 1
                 if step % EVAL_EVERY == 0 or step == steps:
                     with torch.no_grad():
-                        dev_loss = float(ce(model(dev_lines, dev.index), dev.labels))
+                        dev_loss = float(ce(model(dev_lines, dev.index, dev_mask), dev.labels))
                     if best is None or dev_loss < best[0]:
                         best = (dev_loss, wd, {n: p.detach().clone() for n, p in model.state_dict().items()}, name)
     assert best is not None

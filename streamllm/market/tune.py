@@ -579,28 +579,31 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
 
 
 def _fit_series(args, head_id, q, members, got, sets, hidden):
-    """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py)."""
+    """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py),
+    or over all of a window's first lines once its label is known (a session's start, as served)."""
     from streamllm.market.headfit import calibrate_threshold
     from streamllm.market.seriesfit import feature_sets, fit_series, samples
     from streamllm.model.adapter import SeriesHead
 
-    def gather(set_name):
+    def gather(set_name, least=1):
         return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
-                        for name, qid in members if name == session], args.lines)
+                        for name, qid in members if name == session], args.lines, least)
 
     train, dev = gather("train"), gather("dev")
     fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
                      sets=feature_sets(hidden, len(args.words)))
+    least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
-                      math.inf, tuple(args.words))
-    head.threshold = calibrate_threshold(head.logits(dev.windows()), dev.labels, args.target_precision)
+                      math.inf, tuple(args.words), least if least < args.lines else 0)
+    head.threshold = calibrate_threshold(dev.logits(head), dev.labels, args.target_precision)
 
-    def scores(set_name):  # judged through the served head itself: the engine's numbers
-        got_set = gather(set_name)
-        return head.logits(got_set.windows()), got_set.labels
+    def scores(set_name, first_lines=False):  # judged through the served head itself: the engine's numbers
+        got_set = gather(set_name, least)
+        got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
+        return got_set.logits(head), got_set.labels
 
     return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
-                  "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
+                  "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
 
 
 def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
@@ -626,6 +629,11 @@ def _fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str,
         for s in sets:
             logits, ys = scores(s)
             entry["judged"][s] = judge(logits, ys, q.choices, head.threshold, args.target_precision)
+            if args.method == "series":  # a session's first lines, apart: the main figures stay whole windows
+                logits, ys = scores(s, first_lines=True)
+                if len(ys):
+                    entry.setdefault("first_lines", {})[s] = judge(logits, ys, q.choices, head.threshold,
+                                                                   args.target_precision)
             xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)

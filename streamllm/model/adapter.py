@@ -11,7 +11,9 @@ A head is a learned readout for one labelled choice question. Two kinds:
   to z = P f + p (R numbers), and
   choice logits = sum over lines k of A[:, k] . [z_k, |z_k|] + b. The model reads the
   text; the head does the arithmetic across lines (sums, differences, magnitudes) that
-  a small model's single decision-point state does not hold.
+  a small model's single decision-point state does not hold. A session's first lines
+  (fewer than K since it began, at least the head's `min_lines`) are read with the
+  newest lags only: the head was trained on window starts exactly so.
 
 Everything else in the model stays as it was: the KV cache, the fast path's scan and
 the decode path are unchanged.
@@ -43,7 +45,7 @@ import torch
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
-FORMAT_VERSION = 4  # 2: series heads, 3: their word features, 4: words by prefix; older files still load
+FORMAT_VERSION = 5  # 2: series heads, 3: word features, 4: words by prefix, 5: min_lines; older files load
 
 
 class AdapterError(ValueError):
@@ -95,9 +97,13 @@ def series_width(hidden: int, words: int) -> int:
 
 def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tensor, lags: torch.Tensor,
                   bias: torch.Tensor) -> torch.Tensor:
-    """Choice logits from line features [..., K, F] (oldest line first): [..., C]. Training uses it too."""
-    z = lines @ proj.T + proj_bias  # [..., K, R]
-    return torch.einsum("...kr,ckr->...c", torch.cat([z, z.abs()], -1), lags) + bias
+    """Choice logits from line features [..., n, F] (oldest line first; n <= K: the newest n lags): [..., C].
+    Training uses it too."""
+    n, k = lines.shape[-2], lags.shape[1]
+    if not 0 < n <= k:
+        raise ValueError(f"a series head of {k} lines read {n}")
+    z = lines @ proj.T + proj_bias  # [..., n, R]
+    return torch.einsum("...kr,ckr->...c", torch.cat([z, z.abs()], -1), lags[:, k - n:]) + bias
 
 
 @dataclass(slots=True)
@@ -115,10 +121,16 @@ class SeriesHead(_QuestionHead):
     bias: torch.Tensor  # [C]
     threshold: float
     words: tuple[int | str, ...] = ()  # the words whose last token each line's features add (engine/taps.py)
+    min_lines: int = 0  # fewest lines of a session's start it was trained to read (0: K, whole windows only)
 
     @property
     def lines(self) -> int:
         return int(self.lags.shape[1])
+
+    def reads(self, upto: int) -> int:
+        """Lines to read at a decision point after the session's first `upto` lines: K, or all of them
+        while fewer than K exist and at least min_lines do (a session's start, as trained)."""
+        return upto if self.min_lines and self.min_lines <= upto < self.lines else self.lines
 
     def logits(self, lines: torch.Tensor) -> torch.Tensor:
         """Choice logits for line features [K, F] (or a batch [N, K, F])."""
@@ -127,7 +139,7 @@ class SeriesHead(_QuestionHead):
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> SeriesHead:
         return SeriesHead(self.question_id, self.text, self.choices, self.layer, self.proj.to(device, dtype),
                           self.proj_bias.to(device, dtype), self.lags.to(device, dtype), self.bias.to(device, dtype),
-                          self.threshold, self.words)
+                          self.threshold, self.words, self.min_lines)
 
 
 Head = ChoiceHead | SeriesHead
@@ -184,6 +196,8 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
              "threshold": h.threshold if math.isfinite(h.threshold) else None}
         if h.kind == "series":
             q["layer"], q["words"] = h.layer, list(h.words)
+            if h.min_lines:
+                q["min_lines"] = h.min_lines
         questions.append(q)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
             "hidden_size": _hidden_of(heads[0]), "questions": questions}
@@ -265,9 +279,11 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
     words = _checked_words(path, q["id"], q.get("words", []))
     if kind == "series" and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
         r = got["proj"].shape[0]
-        if shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int):
+        least = q.get("min_lines", 0)
+        if (shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int)
+                and isinstance(least, int) and 0 <= least <= got["lags"].shape[1]):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
-                              got["lags"], got["bias"], threshold, words)
+                              got["lags"], got["bias"], threshold, words, least)
     if kind not in ("entry", "series"):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
     raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
