@@ -37,7 +37,7 @@ BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
 # Other markets to judge on, from the package registry, unpacked from wheels, never vendored:
 # backtesting.py's test data (EURUSD hourly 2017-18, 5,000 bars; GOOG daily 2004-13, 2,148 bars:
 # make tune judges on these) and arch's (S&P 500 and NASDAQ daily 1999-2018, 5,031 bars each, Yahoo
-# format: calibrate them with --time-format '%m/%d/%Y').
+# format, read with --time-format '%m/%d/%Y': make tune trains on their years before and after GOOG's).
 MARKETS ?= .data/markets
 OTHER_BARS := $(MARKETS)/EURUSD.csv $(MARKETS)/GOOG.csv
 INDEX_BARS := $(MARKETS)/sp500.csv.gz $(MARKETS)/nasdaq.csv.gz
@@ -51,11 +51,12 @@ $(INDEX_BARS) &: | $(STAMP)
 	$(UNWHEEL) '$(MARKETS)/arch-8.0.0-*.whl' $(MARKETS) arch/data/sp500/sp500.csv.gz arch/data/nasdaq/nasdaq.csv.gz
 markets: $(OTHER_BARS) $(INDEX_BARS)
 
-tune: model $(OTHER_BARS)
+tune: model $(OTHER_BARS) $(INDEX_BARS)
 	@test -f $(BTC_BARS) || { echo "make tune: $(BTC_BARS) is missing (set SHARED=...)"; exit 2; }
 	$(BIN)/streamllm tune --questions queries/bars.toml --data $(BTC_BARS) --out queries/adapters/bars \
 	    --judge $(CAPTURES) $(OTHER_BARS) --judge-bar-seconds 5 --judge-windows 8 --window 250 --stride 12 \
 	    --train-windows 24 --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 \
+	    $(foreach f,$(INDEX_BARS),$(f)@..2004-08-01 $(f)@2013-04-01..) --time-format '%m/%d/%Y' \
 	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 --mix-windows 3 --synthetic-bars 150 \
 	    --judge-bars 150 --minutes 60
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
