@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -82,7 +83,7 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
     become bars of `bar_seconds` per symbol."""
     from feeds.bars import bars as to_bars
     from feeds.events import Trade
-    from feeds.sources import CaptureSource, TableSource
+    from feeds.sources import CaptureSource, TableSource, file_format
 
     out: dict[str, list[Any]] = {}
     trades: dict[str, list[Any]] = {}
@@ -92,7 +93,7 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
         if not path.is_file():
             raise TuneError(f"data file {path} does not exist")
         try:
-            if path.name.endswith(".gz") and not path.name.endswith(".csv.gz"):
+            if file_format(path) == "capture":
                 for ev in CaptureSource(path):
                     if isinstance(ev, Trade) and lo <= ev.ts_event < hi:
                         trades.setdefault(ev.instrument, []).append(ev)
@@ -597,8 +598,10 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
                       math.inf, tuple(args.words), least if least < args.lines else 0)
     head.threshold = calibrate_threshold(dev.logits(head), dev.labels, args.target_precision)
 
+    judged = functools.cache(lambda set_name: gather(set_name, least))  # both views of a set, gathered once
+
     def scores(set_name, first_lines=False):  # judged through the served head itself: the engine's numbers
-        got_set = gather(set_name, least)
+        got_set = judged(set_name)
         got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
         return got_set.logits(head), got_set.labels
 
