@@ -66,6 +66,16 @@ def write_bars(path: Path, rows: int) -> Path:
     return path
 
 
+def write_yahoo(path: Path, rows: int) -> Path:
+    """write_bars' bars as Yahoo writes daily CSVs: one a day from 1999-01-04, month-first dates, Adj Close."""
+    bars_ = write_bars(path.with_name(path.stem + "-minutes.csv"), rows).read_text().splitlines()[1:]
+    day0 = dt.date(1999, 1, 4)
+    path.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n" + "\n".join(
+        f"{(d := day0 + dt.timedelta(days=i)).month}/{d.day}/{d.year},{','.join(r.split(',')[1:5])},"
+        f"{r.split(',')[4]},{r.split(',')[5]}" for i, r in enumerate(bars_)) + "\n")
+    return path
+
+
 def random_heads(spec, hidden: int, threshold: float = 0.0, seed: int = 0) -> list[ChoiceHead]:
     g = torch.Generator().manual_seed(seed)
     return [ChoiceHead(q.id, q.text, q.choices, torch.randn(2, hidden, generator=g), torch.randn(2, generator=g),
@@ -360,12 +370,7 @@ def test_tables_with_month_first_dates_are_judged_with_time_format(tiny_model, t
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)
-    rows = write_bars(tmp_path / "minutes.csv", 60).read_text().splitlines()[1:]
-    day0 = dt.date(1999, 1, 4)
-    yahoo = tmp_path / "sp500.csv"
-    yahoo.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n" + "\n".join(
-        f"{(d := day0 + dt.timedelta(days=i)).month}/{d.day}/{d.year},{','.join(r.split(',')[1:5])},"
-        f"{r.split(',')[4]},{r.split(',')[5]}" for i, r in enumerate(rows)) + "\n")
+    yahoo = write_yahoo(tmp_path / "sp500.csv", 60)
     argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out",
             str(tmp_path / "out"), "--model", "tiny", "--method", "head", "--window", "40", "--stride", "4",
             "--train-windows", "2", "--dev-windows", "1", "--later-windows", "1", "--synthetic-bars", "0",
@@ -387,12 +392,7 @@ def test_mix_tables_cut_to_a_time_range_beside_iso_bars(tiny_model, tmp_path, mo
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)
-    rows = write_bars(tmp_path / "minutes.csv", 300).read_text().splitlines()[1:]
-    day0 = dt.date(1999, 1, 4)
-    yahoo = tmp_path / "sp500.csv"
-    yahoo.write_text("Date,Open,High,Low,Close,Adj Close,Volume\n" + "\n".join(
-        f"{(d := day0 + dt.timedelta(days=i)).month}/{d.day}/{d.year},{','.join(r.split(',')[1:5])},"
-        f"{r.split(',')[4]},{r.split(',')[5]}" for i, r in enumerate(rows)) + "\n")  # 1999-01-04 .. 1999-10-30
+    yahoo = write_yahoo(tmp_path / "sp500.csv", 300)  # 1999-01-04 .. 1999-10-30
     argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out",
             str(tmp_path / "out"), "--model", "tiny", "--method", "head", "--window", "40", "--stride", "4",
             "--train-windows", "2", "--dev-windows", "1", "--later-windows", "1", "--synthetic-bars", "0",
