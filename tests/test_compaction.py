@@ -160,3 +160,31 @@ def _dump(core) -> str:
         out.append(f"  {st.session.name} computing {st.computing and (st.computing.num_computed, st.computing.table.num_tokens)} "
                    f"ready {st.ready is not None} decoding {st.decoding is not None}")
     return "\n".join(out)
+
+
+def test_a_fast_feed_starts_no_copy_that_would_free_almost_nothing():
+    """Under a feed faster than a copy, a copy used to start as soon as a session passed `retain`:
+    it recomputed half the budget to free one line, and every swap started the next (daily bars
+    replayed flat out spent 15 s a bar on copies). Early starts wait until a copy frees a share."""
+    from streamllm.engine.compaction import CompactionPolicy
+    from streamllm.engine.kv import BlockTable
+    from streamllm.engine.sequence import Session
+
+    policy = CompactionPolicy(compact_at=0.75, retain=0.5)
+    session = Session("s", "sys", [1] * 20, 1000, BlockTable())
+
+    def push_lines(count: int, start_s: float) -> None:
+        for i in range(count):
+            session.append_batch([[7] * 10], now=start_s + i * 0.05)  # 200 tokens/s
+
+    push_lines(50, 0.0)  # 520 tokens: just past retain, and filling faster than a copy can run
+    assert session.push_rate() > 0
+    assert not policy.should_start(session, copy_tokens_per_s=50.0)
+    push_lines(11, 2.5)  # 630: past halfway from retain to compact_at, the early start may go
+    assert policy.should_start(session, copy_tokens_per_s=50.0)
+    cut = session.compaction_cut(policy.keep_tokens(session))
+    freed = cut - session.prefix_len
+    assert freed >= (policy.compact_at - policy.retain) / 2 * session.max_context
+    assert not policy.should_start(session, copy_tokens_per_s=1e9)  # a fast copy still waits for compact_at
+    push_lines(12, 3.1)  # 750: at compact_at a copy starts whatever the rates
+    assert policy.should_start(session, copy_tokens_per_s=1e9)

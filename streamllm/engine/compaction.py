@@ -15,7 +15,8 @@ at most `retain` x max_context cells (`CompactionPolicy.copy_cells`), which admi
 keeps free beside every session's reservation (`Compacting.admission_keep_free`, compacting.py).
 
 When to start: early enough, at the session's measured push rate, to finish before
-the session reaches max_context (`CompactionPolicy.should_start`). A session that
+the session reaches max_context, but never so early that the copy frees too little for
+what it recomputes (`CompactionPolicy.should_start`). A session that
 reaches its budget anyway keeps accepting pushes; its pending data waits (and its
 copy is promoted to the ingest class) until the swap makes room. If its copy finds no
 cells, copies are recomputable work: the core preempts them as vLLM preempts requests
@@ -90,6 +91,11 @@ class CompactionPolicy:
             raise ValueError(f"need 0 < retain < compact_at <= 1, got retain={self.retain}, "
                              f"compact_at={self.compact_at}")
 
+    @property
+    def earliest(self) -> float:
+        """The share of max_context before which no copy starts early (see should_start)."""
+        return (self.retain + self.compact_at) / 2
+
     def keep_tokens(self, session: Session) -> int:
         # A system prompt over retain x max_context keeps no data, rather than never compacting
         # (a session that cannot compact waits at its budget forever).
@@ -107,11 +113,18 @@ class CompactionPolicy:
         return max(branch_cells, self.copy_cells(largest_max_context))
 
     def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
-        """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes."""
+        """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes.
+
+        Never before halfway from retain to compact_at: a copy recomputes up to retain x max_context
+        tokens to free what the session holds beyond that, so one started just past retain frees a
+        line or two, and under a fast feed every swap started the next (daily bars replayed flat out
+        recomputed 4k tokens per 50-token bar, 15 s a bar). From halfway a copy costs at most twice
+        what one at compact_at does per token freed; a feed faster still waits at the budget briefly.
+        """
         if session.num_tokens >= self.compact_at * session.max_context:
             return True
-        if session.num_tokens <= self.retain * session.max_context:
-            return False  # nothing worth cutting yet
+        if session.num_tokens < self.earliest * session.max_context:
+            return False  # too little to cut for what the copy recomputes
         rate = session.push_rate()
         if rate <= 0 or copy_tokens_per_s <= 0:
             return False
