@@ -88,6 +88,7 @@ class SystemRun:
     events_in: int = 0  # feed events offered, warm-up included
     lines_total: int = 0  # lines pushed, warm-up included
     summary_lines: int = 0
+    compactions: int = 0  # ours: compaction copies swapped in (each recomputes up to half a budget)
     notes: list[str] = field(default_factory=list)
 
 
@@ -313,6 +314,8 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
     run.lines_pushed = run.lines_total - warm_lines  # the paced part's
     run.events_in = max((a.stats.events_in for a in atts.values()), default=0)  # each sees every event
     run.summary_lines = sum(a.stats.summaries for a in atts.values())
+    if system == "ours":
+        run.compactions = engine.stats()["compactions"]
     return run
 
 

@@ -207,6 +207,7 @@ def system_metrics(run: SystemRun, tag: str) -> dict[str, float]:
         m[f"gate_coverage@{tag}"] = len(fast) / len(labelled) if labelled else math.nan
         m[f"gate_precision@{tag}"] = sum(bool(r.correct) for r in fast) / len(fast) if fast else math.nan
         m[f"feed_lines@{tag}"], m[f"summary_lines@{tag}"] = run.lines_pushed, run.summary_lines
+        m[f"compactions@{tag}"] = run.compactions
     else:
         m[f"{s}_wait_ms_p50@{tag}"] = median([r.wait_ms for r in ok])
     return m

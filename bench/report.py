@@ -147,11 +147,11 @@ def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) 
                          int(m[f"ours_entry_asks@{t}"]), int(m[f"ours_cold_asks@{t}"]),
                          _f(m[f"gate_coverage@{t}"], ".2f"), _f(m[f"gate_precision@{t}"], ".2f"),
                          _f(m[f"lag_versions_p50@{t}"], ".0f"), _f(m[f"lag_versions_p99@{t}"], ".1f"),
-                         int(m[f"summary_lines@{t}"])])
+                         int(m[f"summary_lines@{t}"]), int(m.get(f"compactions@{t}", 0))])
     lines += ["Ours per speed: paths, gate, and data lag (versions pushed before the ask that the answer "
               "did not include).", "",
               _table(["speed", "feed lines/s", "fast", "entry", "cold", "gate coverage", "gate precision",
-                      "lag p50", "lag p99", "summary lines"], rows), ""]
+                      "lag p50", "lag p99", "summary lines", "compactions"], rows), ""]
     sat = [f"{s}: " + (_f(m.get(f"saturation_speed_{s}"), "g") + "x" if _f(m.get(f"saturation_speed_{s}")) != "-"
                        else "not reached") for s in systems]
     lines += ["Saturation (lowest swept speed at which the system's backlog diverged: asks left unanswered "

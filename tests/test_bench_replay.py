@@ -26,7 +26,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot
 ROOT = Path(__file__).resolve().parents[1]
 PER_SPEED = ("{s}_ms_p50@{v}", "{s}_ms_p99@{v}", "{s}_accuracy@{v}", "{s}_asks@{v}", "{s}_diverged@{v}")
 OURS = ("speedup_vs_prefixcache@{v}", "speedup_vs_stateless@{v}", "gate_coverage@{v}", "gate_precision@{v}",
-        "lag_versions_p99@{v}")
+        "lag_versions_p99@{v}", "compactions@{v}")
 STANDING = {"btc": ["trend_1m", "volume_spike"], "eth": ["trend_1m"]}
 
 
