@@ -69,3 +69,42 @@ def test_the_least_recently_asked_session_goes_first(engine, tmp_path):
     engine.wait_idle()
     engine.open_session("s2")
     assert set(engine._evicted) == {"s1"}
+
+
+def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_path):
+    """Auto-eviction let a server run five sessions in a pool of two; its restart must bring back all
+    five (evicting as it goes), not only the ones that fit at once."""
+    from streamllm.durability.ingest_log import IngestLog
+    from streamllm.durability.recovery import recover
+
+    def new_engine() -> Engine:
+        return Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+
+    first = new_engine()
+    try:
+        first.ingest_log = IngestLog(tmp_path / "log")
+        enable_auto_evict(first, tmp_path / "spill")
+        live = {}
+        for k in range(5):
+            first.open_session(f"s{k}")
+            for batch in (lines(k), lines(k + 5)):
+                first.push(f"s{k}", batch)
+            first.wait_idle()
+            live[k] = first.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
+        assert first.auto_evict.evictions >= 3
+    finally:
+        first.shutdown()
+        first.ingest_log.close()
+    again = new_engine()  # "restart": a new engine on the same log and spill folder
+    try:
+        report = recover(again, IngestLog(tmp_path / "log"), spill_dir=tmp_path / "spill")  # as serve does
+        assert report.sessions == 5 and not report.failed, report.summary()
+        assert sorted(i.name for i in again.list_sessions()) == [f"s{k}" for k in range(5)]
+        assert len(again.sessions) <= 2 and again.auto_evict.evictions >= 3
+        for k in range(5):  # each one answers as it did before the restart
+            got = again.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
+            assert got.data_version == 2 and (got.logits - live[k].logits).abs().max().item() <= 1e-4
+        again.check_integrity()
+    finally:
+        again.shutdown()
+        again.ingest_log.close()

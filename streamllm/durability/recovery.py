@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -69,8 +70,16 @@ class RecoveryReport:
 
 
 def recover(engine: Any, ingest_log: IngestLog, *, progress: bool = False, wait: bool = True,
-            repair: bool = False) -> RecoveryReport:
-    """Replay `ingest_log`'s folder into `engine` (which must not hold those sessions), then attach the log."""
+            repair: bool = False, spill_dir: str | Path | None = None) -> RecoveryReport:
+    """Replay `ingest_log`'s folder into `engine` (which must not hold those sessions), then attach the log.
+
+    spill_dir: memory pressure's folder (durability/pressure.py), enabled *before* the replay: a server
+    that ran more sessions than its pool holds, idle ones on disk, recovers every one of them (evicting
+    as it goes), not only those that fit at once."""
+    if spill_dir is not None:
+        from streamllm.durability.pressure import enable_auto_evict
+
+        enable_auto_evict(engine, spill_dir)
     report = RecoveryReport()
     t0 = time.perf_counter()
     engine.ingest_log = None  # replayed records are on disk already

@@ -73,11 +73,9 @@ class Replica:
         self.engine = Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine)
         self.ingest_log = IngestLog(spec.log_dir, flush=spec.log_flush, checkpoint_versions=spec.checkpoint_versions,
                                     checkpoint_s=spec.checkpoint_s)
-        self.recovery = recover(self.engine, self.ingest_log)
-        if spec.spill_dir:  # after recovery, as `serve` does for one engine
-            from streamllm.durability.pressure import enable_auto_evict
-
-            enable_auto_evict(self.engine, spec.spill_dir)
+        # Memory pressure from the start, as `serve` does for one engine: a replica restarted with
+        # more sessions than its pool holds brings every one back, idle ones to disk.
+        self.recovery = recover(self.engine, self.ingest_log, spill_dir=spec.spill_dir or None)
         self._subs: dict[str, list[Any]] = {}
         for info in self.engine.list_sessions():
             self._watch(info.name)

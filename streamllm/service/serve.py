@@ -208,8 +208,9 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
 
         ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
                                checkpoint_s=args.checkpoint_s)
-        recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
-    if args.spill_dir and not args.ray:  # memory pressure: idle sessions to disk, restored on use
+        recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair,
+                                            spill_dir=args.spill_dir)
+    elif args.spill_dir and not args.ray:  # memory pressure: idle sessions to disk, restored on use
         from streamllm.durability.pressure import enable_auto_evict
 
         enable_auto_evict(engine, args.spill_dir)
