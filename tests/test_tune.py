@@ -18,7 +18,8 @@ from streamllm.market.calibrate import _parser as calibrate_parser
 from streamllm.market.calibrate import calibrate, to_json
 from streamllm.market.extract import StateExtractor, render_window
 from streamllm.market.headfit import calibrate_threshold, fit_head, judge
-from streamllm.market.tune import cli_main, plan_windows
+from streamllm.market.tune import cli_main
+from streamllm.market.tune_data import plan_windows
 from streamllm.model.adapter import (
     AdapterError,
     ChoiceHead,
@@ -337,7 +338,7 @@ def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, 
     """--judge-windows spreads windows over a long judged file; the card pools every other market under
     "other" and shows each on its own, so a pooled figure cannot hide one market."""
     import streamllm.model.loader as loader
-    from streamllm.market.tune import spread
+    from streamllm.market.tune_data import spread
 
     assert spread(1000, 150, 4) == [0, 300, 450, 750] and spread(1000, 150, 1) == [0]
     assert spread(100, 150, 4) == [0] and spread(450, 150, 9) == [0, 150, 300]  # no more windows than fit
@@ -387,7 +388,7 @@ def test_mix_tables_cut_to_a_time_range_beside_iso_bars(tiny_model, tmp_path, mo
     one's); --time-format for month-first tables leaves ISO tables of the same flag as they read; a mix
     table draws its windows from its own seed, so adding one moves no other window (nor its states)."""
     import streamllm.model.loader as loader
-    from streamllm.market.tune import TuneError, time_range
+    from streamllm.market.tune_data import TuneError, time_range
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
     config = tmp_path / "q.toml"
@@ -420,7 +421,7 @@ def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
     from feeds.sources import TableSource
     from streamllm.market.labels import parse_label
     from streamllm.market.render import render_lines
-    from streamllm.market.tune import TuneError, Variant
+    from streamllm.market.tune_data import TuneError, Variant
 
     bars_ = TableSource(write_bars(tmp_path / "b.csv", 120), "bar").events()
     level = Variant.parse("price=0.0003").apply(bars_)
@@ -448,7 +449,8 @@ def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_p
     import argparse
 
     from feeds.sources import TableSource
-    from streamllm.market.tune import Task, TuneError, WindowPlan, _fitted
+    from streamllm.market.tune import _fitted
+    from streamllm.market.tune_data import Task, TuneError, WindowPlan
 
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)

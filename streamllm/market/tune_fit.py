@@ -1,0 +1,156 @@
+"""Fitting the heads on a tuning run's extracted states, judging them, and writing the adapter and its card.
+
+One head per labelled question (grouped across sessions by text, choices and label): an entry
+head (market/headfit.py) or a series head (market/seriesfit.py), its gate threshold calibrated
+on the development range, then judged on every set through the served head itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from typing import Any
+
+import torch
+
+from streamllm.config import QuestionSpec, normalize_question
+from streamllm.market.card import card_markdown
+from streamllm.market.tune_data import SPLIT, Task, WindowPlan
+
+
+def groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
+    """Questions by (text, choices, label) across sessions: one head each, trained on all their states
+    (the engine matches a head by text and choices, so every session asking it gets the same head)."""
+    groups: dict[tuple, tuple[QuestionSpec, list[tuple[str, str]]]] = {}
+    for t in tasks:
+        for q in t.questions:
+            key = (normalize_question(q.text), q.choices, q.label.text)
+            groups.setdefault(key, (q, []))[1].append((t.spec.name, q.id))
+    ids = [q.id for q, _ in groups.values()]
+    return [(q.id if ids.count(q.id) == 1 else f"{members[0][0]}.{q.id}", q, members)
+            for q, members in groups.values()]
+
+
+def in_set(plan: WindowPlan, set_name: str) -> bool:
+    """"other/SOURCE" names one judged source inside the "other" set."""
+    return plan.set == set_name or f"{plan.set}/{plan.source}" == set_name
+
+
+def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if in_set(p, set_name)
+             for name, qid in members if name == session]
+    if not parts:
+        return torch.empty(0, hidden), torch.empty(0, dtype=torch.long)
+    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+
+def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tensor:
+    """The base model's own choice scores at the same states (the gate's rule, on its LM head rows)."""
+    from streamllm.market.lora import ChoiceScorer
+
+    return ChoiceScorer([q], extractor.layout.tokenizer)(q.id, x, extractor.model.lm_head)
+
+
+def _fit_entry(args, head_id, q, members, got, sets, hidden):
+    """An entry head: logistic regression on the decision points' states."""
+    from streamllm.market.headfit import calibrate_threshold, fit_head
+    from streamllm.model.adapter import ChoiceHead
+
+    x, y = _gather(got, "train", members, hidden)
+    xd, yd = _gather(got, "dev", members, hidden)
+    fit = fit_head(x, y, xd, yd, len(q.choices))
+    threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, args.target_precision)
+    head = ChoiceHead(head_id, q.text, q.choices, fit.weight, fit.bias, threshold)
+
+    def scores(set_name):
+        xs, ys = _gather(got, set_name, members, hidden)
+        return head.logits(xs), ys
+
+    return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
+
+
+def _fit_series(args, head_id, q, members, got, sets, hidden):
+    """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py),
+    or over all of a window's first lines once its label is known (a session's start, as served)."""
+    from streamllm.market.headfit import calibrate_threshold
+    from streamllm.market.seriesfit import feature_sets, fit_series, samples
+    from streamllm.model.adapter import SeriesHead
+
+    def gather(set_name, least=1):
+        return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
+                        for name, qid in members if name == session], args.lines, least)
+
+    train, dev = gather("train"), gather("dev")
+    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
+                     sets=feature_sets(hidden, len(args.words)))
+    least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
+    head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
+                      math.inf, tuple(args.words), least if least < args.lines else 0)
+    head.threshold = calibrate_threshold(dev.logits(head), dev.labels, args.target_precision)
+
+    judged = functools.cache(lambda set_name: gather(set_name, least))  # both views of a set, gathered once
+
+    def scores(set_name, first_lines=False):  # judged through the served head itself: the engine's numbers
+        got_set = judged(set_name)
+        got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
+        return got_set.logits(head), got_set.labels
+
+    return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
+                  "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
+
+
+def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
+    from streamllm.market.headfit import judge
+    from streamllm.model.adapter import CARD_FILE, save_heads
+
+    hidden = loaded.config.hidden_size
+    heads, report, steps = [], {}, 0
+    sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
+    judged_sources = sorted({p.source for _, p in got if p.set == "other"})
+    if len(judged_sources) > 1:  # each other market on its own too: a pooled figure can hide one
+        sets[sets.index("other") + 1:sets.index("other") + 1] = [f"other/{src}" for src in judged_sources]
+    for head_id, q, members in groups(tasks):
+        if args.method == "series":
+            head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
+        else:
+            head, entry, scores = _fit_entry(args, head_id, q, members, got, sets, hidden)
+        steps += entry.pop("steps")
+        heads.append(head)
+        entry.update({"label": q.label.text, "choices": list(q.choices), "sessions": [m[0] for m in members],
+                      "judged": {}, "base_model": {},
+                      "threshold": None if math.isinf(head.threshold) else round(head.threshold, 4)})
+        for s in sets:
+            logits, ys = scores(s)
+            entry["judged"][s] = judge(logits, ys, q.choices, head.threshold, args.target_precision)
+            if args.method == "series":  # a session's first lines, apart: the main figures stay whole windows
+                logits, ys = scores(s, first_lines=True)
+                if len(ys):
+                    entry.setdefault("first_lines", {})[s] = judge(logits, ys, q.choices, head.threshold,
+                                                                   args.target_precision)
+            xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
+            entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
+                                           args.target_precision)
+        report[head_id] = entry
+    path = save_heads(args.out, heads, model=loaded.name)
+    card = {
+        "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
+        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix] + [f"--data as {v}" for v in args.mix_as],
+        "judge": [str(d) for d in args.judge], "seed": args.seed,
+        "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
+                                                                     "later": [SPLIT[1], 1]},
+        "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets) if "/" not in s},
+        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if in_set(p, s) for y in st.labels.values())
+                            for s in ("train", *sets)},
+        "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
+        "tokens_all_windows": sum(st.tokens for st in got.values()),  # this run's and --resume'd checkpoints
+        "minutes": round((time.perf_counter() - t0) / 60, 2), "extract_minutes": round(extract_s / 60, 2),
+        "adapter_bytes": path.stat().st_size, "questions": report,
+    }
+    if args.method == "series":
+        card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
+                          "words": list(args.words)}
+    (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
+    (args.out / "card.md").write_text(card_markdown(card))
+    return card
