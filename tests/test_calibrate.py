@@ -10,15 +10,8 @@ import pytest
 
 from feeds.sources import TableSource
 from streamllm.config import load_config
-from streamllm.market.calibrate import (
-    QuestionRecord,
-    _parser,
-    calibrate,
-    cli_main,
-    gate_at,
-    summarize,
-    table,
-)
+from streamllm.market.calibrate import _parser, calibrate, cli_main
+from streamllm.market.calibrate_report import QuestionRecord, gate_at, summarize, table
 
 SHARED_BARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 

@@ -15,7 +15,8 @@ from streamllm.durability.snapshot import SnapshotError
 from streamllm.engine import Engine
 from streamllm.market import labels as labels_module
 from streamllm.market.calibrate import _parser as calibrate_parser
-from streamllm.market.calibrate import calibrate, to_json
+from streamllm.market.calibrate import calibrate
+from streamllm.market.calibrate_report import to_json
 from streamllm.market.extract import StateExtractor, render_window
 from streamllm.market.headfit import calibrate_threshold, fit_head, judge
 from streamllm.market.tune import cli_main

@@ -1,0 +1,193 @@
+"""What `streamllm calibrate` measured: per labelled question, the samples it recorded, the
+risk-coverage curve and the threshold that reaches the target precision; then the same as
+JSON (`question.metric` and the issue-13 summary keys), a table and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamllm.config import QuestionSpec
+from streamllm.engine.gate import (
+    RiskCoveragePoint,
+    balanced_accuracy,
+    risk_coverage,
+    threshold_for_precision,
+)
+
+
+@dataclass(slots=True)
+class QuestionRecord:
+    """The samples of one labelled question, in replay order."""
+
+    spec: QuestionSpec
+    gaps: list[float] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    truths: list[str] = field(default_factory=list)
+    unknown: int = 0  # updates whose label had too few bars
+
+    @property
+    def correct(self) -> list[bool]:
+        return [a == t for a, t in zip(self.answers, self.truths, strict=True)]
+
+
+@dataclass(frozen=True, slots=True)
+class QuestionReport:
+    id: str
+    samples: int
+    unknown: int
+    threshold: float | None  # None: no threshold reaches the target precision
+    coverage: float  # at `threshold` (0.0 when there is none)
+    precision: float | None
+    fired: int  # samples the gate fires on at `threshold`
+    best_precision: float | None  # the highest precision anywhere on the curve
+    accuracy: float | None  # the fast answer on every sample (threshold 0)
+    majority: str | None
+    top_answer: str | None  # the model's most frequent fast answer
+    top_answer_share: float | None  # 1.0: it always says the same thing, whatever the bars
+    base_rate: float | None  # share of the majority answer among the truths
+    majority_precision: float | None  # always answering the majority: its precision at coverage 1
+    config_threshold: float
+    config_coverage: float
+    config_precision: float | None
+    curve: list[RiskCoveragePoint]
+    # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
+    # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
+    balanced_accuracy: float | None = None
+
+
+@dataclass(slots=True)
+class CalibrationRun:
+    session: str
+    model: str
+    bars: int  # replayed, warmup included
+    warmup: int
+    updates: int
+    context_tokens: int
+    seconds: float
+    records: list[QuestionRecord]
+
+
+def gate_at(gaps: Sequence[float], correct: Sequence[bool], threshold: float) -> tuple[float, float | None, int]:
+    """(coverage, precision, fired) of a gate firing when gap >= threshold."""
+    fired = [c for g, c in zip(gaps, correct, strict=True) if g >= threshold]
+    coverage = len(fired) / len(gaps) if gaps else 0.0
+    return coverage, (sum(fired) / len(fired) if fired else None), len(fired)
+
+
+def summarize(record: QuestionRecord, target: float) -> QuestionReport:
+    gaps, correct = record.gaps, record.correct
+    curve = risk_coverage(gaps, correct)
+    point = threshold_for_precision(curve, target)
+    threshold = None if point is None else point.threshold
+    coverage, precision, fired = gate_at(gaps, correct, threshold) if point is not None else (0.0, None, 0)
+    counts = Counter(record.truths)
+    majority, majority_n = counts.most_common(1)[0] if counts else (None, 0)
+    base_rate = majority_n / len(record.truths) if record.truths else None
+    config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
+    top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
+    return QuestionReport(
+        record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
+        max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
+        majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
+        record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
+    )
+
+
+# -- reporting -------------------------------------------------------------------------
+
+
+def _cfg(r: QuestionReport) -> str:
+    """The configured threshold as written: a number, or an auto one (live, starts closed)."""
+    return f"{r.config_threshold:g}" if math.isfinite(r.config_threshold) else "auto (set live)"
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(x) else round(x, 6)
+
+
+def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, Any]) -> dict[str, Any]:
+    """Flat `question.metric` pairs plus the curves under `curves` (null where undefined)."""
+    out: dict[str, Any] = dict(meta)
+    out.update(session=run.session, model=run.model, bars=run.bars, warmup=run.warmup, updates=run.updates,
+               context_tokens=run.context_tokens, seconds=round(run.seconds, 2))
+    curves: dict[str, dict[str, list[float]]] = {}
+    for r in reports:
+        for key in ("samples", "unknown", "fired", "majority", "top_answer"):
+            out[f"{r.id}.{key}"] = getattr(r, key)
+        for key in ("threshold", "coverage", "precision", "best_precision", "accuracy", "base_rate", "top_answer_share",
+                    "majority_precision", "config_threshold", "config_coverage", "config_precision", "balanced_accuracy"):
+            out[f"{r.id}.{key}"] = _num(getattr(r, key))
+        curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
+                        for name in ("threshold", "coverage", "precision")}
+    # The issue-13 summary keys: per question at the target precision, and the weakest question.
+    for r in reports:
+        out[f"coverage_at_target.{r.id}"] = _num(r.coverage)
+        out[f"precision_at_target.{r.id}"] = _num(r.precision)
+        out[f"accuracy.{r.id}"] = _num(r.accuracy)
+        out[f"base_rate.{r.id}"] = _num(r.base_rate)
+        out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
+    out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
+    out["curves"] = curves
+    return out
+
+
+def plot(reports: list[QuestionReport], target: float, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in reports:
+        if not r.curve:
+            continue
+        xs, ys = [p.coverage for p in r.curve], [p.precision for p in r.curve]
+        (line,) = ax.plot(xs, ys, drawstyle="steps-post", label=f"{r.id} (n={r.samples})")
+        if r.base_rate is not None:  # the always-majority baseline, same colour
+            ax.axhline(r.base_rate, color=line.get_color(), linestyle=":", linewidth=1)
+        if r.threshold is not None:
+            ax.plot([r.coverage], [r.precision], "o", color=line.get_color())
+    ax.axhline(target, color="black", linestyle="--", linewidth=1, label=f"target {target:g}")
+    ax.set(xlabel="coverage (share of updates the gate fires on)", ylabel="precision of fired answers",
+           xlim=(0, 1.02), ylim=(0, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.plot([], [], color="gray", linestyle=":", linewidth=1, label="always-majority precision")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(reports: list[QuestionReport], target: float) -> str:
+    head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'precision':>9} " \
+           f"{'acc@all':>7} {'base rate':>14} {'balanced':>8}"
+    rows = [head, "-" * len(head)]
+    for r in reports:
+        base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
+        rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
+                    f"{_fmt(r.precision):>9} {_fmt(r.accuracy):>7} {base:>14} {_fmt(r.balanced_accuracy):>8}")
+    for r in reports:
+        if r.samples == 0:
+            rows.append(f"{r.id}: no samples (its label never had enough bars)")
+        elif r.threshold is None:
+            rows.append(f"{r.id}: the gate never reaches precision {target:g} (best "
+                        f"{_fmt(r.best_precision)}); keep threshold {_cfg(r)} or drop its fast path")
+        elif r.fired < 10:
+            rows.append(f"{r.id}: threshold {r.threshold:.2f} rests on {r.fired} fired samples; too few to trust")
+        elif r.precision is not None and r.base_rate is not None and r.precision <= r.base_rate:
+            rows.append(f"{r.id}: precision {r.precision:.2f} is no better than always answering "
+                        f"{r.majority!r} ({r.base_rate:.2f}); the model says {r.top_answer!r} "
+                        f"{r.top_answer_share:.0%} of the time")
+        if r.samples and r.config_coverage == 0.0 and math.isfinite(r.config_threshold):
+            rows.append(f"{r.id}: its configured threshold {r.config_threshold:g} never fires on these bars")
+    return "\n".join(rows)
