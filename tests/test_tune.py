@@ -289,6 +289,27 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     assert json.loads((tmp_path / "out" / "card.json").read_text())["tokens_extracted"] == 0
 
 
+def test_a_spent_budget_keeps_every_judged_window_and_one_train_window(tiny_model, tmp_path, monkeypatch):
+    """--minutes cuts training windows only, and the judged windows are extracted before any of them,
+    so the budget is the whole run's (judged windows last once doubled a 3-minute budget)."""
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    out = tmp_path / "out"
+    argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out", str(out),
+            "--model", "tiny", "--method", "head", "--window", "40", "--stride", "2", "--train-windows", "6",
+            "--dev-windows", "2", "--later-windows", "2", "--synthetic-bars", "80", "--no-progress",
+            "--minutes", "0.0001"]
+    assert cli_main(argv) == 0
+    card = json.loads((out / "card.json").read_text())
+    assert len(card["windows"]["train"]) == 1  # spent at once: the one window a head needs
+    assert [len(card["windows"][s]) for s in ("dev", "later", "synthetic")] == [1, 2, 3]  # all there are
+    written = sorted((out / "states").glob("*.pt"), key=lambda f: f.stat().st_mtime_ns)
+    assert [f.name.split("-")[0] for f in written] == ["dev", "later", "later", *["synthetic"] * 3, "train"]
+
+
 def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path):
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)

@@ -223,8 +223,9 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     config = load_config(args.questions)
     rng = random.Random(args.seed)
     tasks = [_plan(args, spec, rng) for spec in _sessions(config, args.session)]
-    # The budget cuts training windows only; the judged sets after them are small and always run.
-    order = {"dev": 0, "later": 1, "train": 2, "other": 3, "synthetic": 4}
+    # The budget cuts training windows only. Every judged set runs first, so that the time left when
+    # training starts is what training gets: `--minutes 3` took 6.5 min when the synthetic judge came last.
+    order = {"dev": 0, "later": 1, "other": 2, "synthetic": 3, "train": 4}
     # Sessions interleaved within each set, so a spent budget leaves every session some training windows.
     work = sorted(((t, p) for t in tasks for p in t.plans),
                   key=lambda tp: (order[tp[1].set], tp[0].plans.index(tp[1]), tasks.index(tp[0])))
