@@ -60,7 +60,7 @@ from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
 from streamllm.engine.residency import Residency
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
-from streamllm.engine.subscriptions import Subscription, SubscriptionHub, watch
+from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
 from streamllm.engine.taps import word_tables
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
@@ -70,7 +70,7 @@ LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
 
-class Engine(Intake, Residency):
+class Engine(Intake, Residency, Subscribable):
     def __init__(
         self,
         model: str | LoadedModel = "smollm2-135m",
@@ -277,21 +277,6 @@ class Engine(Intake, Residency):
         self._known(name)
         record = self.core.records.get(name)
         return list(record.questions) if record else []
-
-    def subscribe(self, name: str, callback) -> Subscription:
-        """callback(StandingAnswer) on the core thread whenever a standing answer changes."""
-        self._known(name)
-        return self.hub.add(name, "standing", callback)
-
-    def subscribe_data(self, name: str, callback) -> Subscription:
-        """callback(session, data_version) on the core thread whenever a batch is ingested."""
-        self._known(name)
-        return self.hub.add(name, "data", callback)
-
-    def watch(self, name: str):
-        """Async iterator of a session's standing-answer changes."""
-        self._known(name)
-        return watch(self.hub, name, "standing")
 
     # -- questions --------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,

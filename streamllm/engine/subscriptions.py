@@ -70,6 +70,32 @@ class SubscriptionHub:
                 log.exception("subscriber callback failed for %s/%s", session, kind)
 
 
+class Subscribable:
+    """What a facade over sessions offers subscribers (Engine, and ClusterEngine over Ray replicas):
+    it needs `hub` and `_known(name)`, which raises for a session it does not hold."""
+
+    __slots__ = ()
+    hub: SubscriptionHub
+
+    def _known(self, name: str) -> None:
+        raise NotImplementedError
+
+    def subscribe(self, name: str, callback) -> Subscription:
+        """callback(StandingAnswer) on the core thread whenever a standing answer changes."""
+        self._known(name)
+        return self.hub.add(name, "standing", callback)
+
+    def subscribe_data(self, name: str, callback) -> Subscription:
+        """callback(session, data_version) on the core thread whenever a batch is ingested."""
+        self._known(name)
+        return self.hub.add(name, "data", callback)
+
+    def watch(self, name: str):
+        """Async iterator of a session's standing-answer changes."""
+        self._known(name)
+        return watch(self.hub, name, "standing")
+
+
 async def watch(hub: SubscriptionHub, session: str, kind: str = "standing", maxsize: int = 1024) -> AsyncIterator:
     """Async iterator over one session's events; ends when the session closes."""
     loop = asyncio.get_running_loop()

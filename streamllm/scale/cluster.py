@@ -30,7 +30,7 @@ from typing import Any
 
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
-from streamllm.engine.subscriptions import watch
+from streamllm.engine.subscriptions import Subscribable
 from streamllm.scale.errors import ReplicaUnavailable
 from streamllm.scale.fanin import EventPump, FanInHub
 from streamllm.scale.placement import PlacementTable
@@ -63,7 +63,7 @@ class ReplicaHandle:
     last_recovery_s: float | None = None
 
 
-class ClusterEngine:
+class ClusterEngine(Subscribable):
     def __init__(self, model: str = "smollm2-135m", *, replicas: int = 2, log_dir: str | Path | None = None,
                  address: str | None = None, num_cpus: int | None = None, cpus_per_replica: float = 1.0,
                  engine: dict[str, Any] | None = None, adapter: str | None = None, log_flush: str = "batch",
@@ -279,18 +279,6 @@ class ClusterEngine:
     def _known(self, name: str) -> None:
         if self.placement.get(name) is None:
             raise SessionError(f"no session named {name!r}; open it first")
-
-    def subscribe(self, name: str, callback) -> Any:
-        self._known(name)
-        return self.hub.add(name, "standing", callback)
-
-    def subscribe_data(self, name: str, callback) -> Any:
-        self._known(name)
-        return self.hub.add(name, "data", callback)
-
-    def watch(self, name: str):
-        self._known(name)
-        return watch(self.hub, name, "standing")
 
     # -- questions ----------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
