@@ -34,6 +34,7 @@ DEFAULT_SYSTEM_PROMPT = (
 FEED_KINDS = ("synthetic", "binance", "replay", "csv", "cryptofeed")
 FEEDS_WITH_PATH = ("replay", "csv")
 RENDER_MODES = ("bars", "events")
+CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (market/render.py)
 MAX_CHOICES = 16
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
@@ -67,6 +68,7 @@ class FeedSpec:
 class RenderSpec:
     mode: str = "bars"  # "bars": one line per bar; "events": one line per raw event
     bar_seconds: int | None = DEFAULT_BAR_SECONDS  # None in events mode
+    changes: str = "price"  # "bp": a bar's change and offsets in basis points of the previous close
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,15 +325,19 @@ class _Reader:
 
     def render(self, data: Any, path: str) -> RenderSpec:
         table = self.table(data, path)
-        self.keys(table, path, ("mode", "bar_seconds"))
+        self.keys(table, path, ("mode", "bar_seconds", "changes"))
         mode = self.text(table, path, "mode", "bars")
         if mode not in RENDER_MODES:
             raise self.fail(_join(path, "mode"), f"unknown mode {mode!r}; use 'bars' or 'events'")
         if mode == "events":
-            if "bar_seconds" in table:
-                raise self.fail(_join(path, "bar_seconds"), "only with mode = 'bars'")
+            for key in ("bar_seconds", "changes"):
+                if key in table:
+                    raise self.fail(_join(path, key), "only with mode = 'bars'")
             return RenderSpec("events", None)
-        return RenderSpec("bars", self.integer(table, path, "bar_seconds", DEFAULT_BAR_SECONDS, 1))
+        changes = self.text(table, path, "changes", "price")
+        if changes not in CHANGE_UNITS:
+            raise self.fail(_join(path, "changes"), f"unknown unit {changes!r}; use 'price' or 'bp'")
+        return RenderSpec("bars", self.integer(table, path, "bar_seconds", DEFAULT_BAR_SECONDS, 1), changes)
 
     def question(self, data: Any, path: str) -> QuestionSpec:
         table = self.table(data, path)

@@ -35,7 +35,8 @@ async def _feed(engine: Engine, config: QueryConfig, speed: float, duration_s: f
 
     attachments = [
         Attachment(engine, AttachSpec(s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 5),
-                                      instruments=frozenset({s.instrument})), questions=s.questions)
+                                      instruments=frozenset({s.instrument}), changes=s.render.changes),
+                   questions=s.questions)
         for s in config.sessions
     ]
     feed = SyntheticFeed(seed=seed)

@@ -126,3 +126,28 @@ def test_bars_mode_takes_a_bar_table_as_bars(tmp_path) -> None:
     assert sink.lines["btc"] == ["2021-12-31T23:01 100.5 +0.5 h+0.5 l-1 v3", "23:02 101 +0.5 h+1 l-0.5 v4",
                                  "23:03 100 -1 v2"]
     assert a.accounted() == a.stats.events_in == 3 and a.stats.ignored == 0
+
+
+def test_a_bp_session_is_rendered_alike_when_served_and_when_tuned(tmp_path) -> None:
+    """`[sessions.render] changes = "bp"` reaches the attachment that feeds the engine and the
+    windows `tune` extracts: a head is trained on the lines it will read."""
+    from feeds.bars import bars
+    from streamllm.config import load_config
+    from streamllm.market.extract import render_window
+
+    config = tmp_path / "q.toml"
+    config.write_text('[[sessions]]\nname = "btc"\ninstrument = "BTCUSDT"\n'
+                      '[sessions.render]\nmode = "bars"\nbar_seconds = 5\nchanges = "bp"\n')
+    spec = load_config(config).sessions[0]
+    assert spec.render.changes == "bp"
+    trades = [e for e in synthetic_events(seed=3, duration_s=120) if isinstance(e, Trade) and e.instrument == "BTCUSDT"]
+    sink = Sink()
+    a = Attachment(sink, AttachSpec("btc", bar_s=5, changes=spec.render.changes))
+    for ev in trades:
+        a.offer(ev)
+    a.tick(trades[-1].ts_event + 10 * S)
+    a.flush()
+    tuned = render_window(list(bars(trades, 5)), spec.render.changes)
+    served = sink.lines["btc"][: len(tuned)]  # (the tick may close one more, empty, interval)
+    assert len(tuned) >= 20 and served == tuned
+    assert served != render_window(list(bars(trades, 5)))  # not the price-unit lines

@@ -168,6 +168,8 @@ BAD_CONFIGS = [
     ("sessions.0.render.bar_seconds", 2.5, "sessions[0].render.bar_seconds", "expected an integer, got a float"),
     ("sessions.1.render.bar_seconds", 5, "sessions[1].render.bar_seconds", "only with mode = 'bars'"),
     ("sessions.0.render.bar_secs", 5, "sessions[0].render.bar_secs", "did you mean 'bar_seconds'?"),
+    ("sessions.0.render.changes", "pips", "sessions[0].render.changes", "unknown unit 'pips'; use 'price' or 'bp'"),
+    ("sessions.1.render.changes", "bp", "sessions[1].render.changes", "only with mode = 'bars'"),
     ("sessions.0.max_context_tokens", 10, "sessions[0].max_context_tokens", "must be >= 128"),
     ("sessions.0.max_context_tokens", True, "sessions[0].max_context_tokens", "got a boolean"),
     ("sessions.0.system_prompt", 1, "sessions[0].system_prompt", "expected a string, got an integer"),

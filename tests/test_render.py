@@ -73,3 +73,24 @@ def test_one_minute_bar_line_within_token_budget() -> None:
     csv = TableSource(DATA / "bars" / "btc-perp-20211231-20220201_1m.csv", "bar").events()[:2000]
     counts = [len(tok(line, add_special_tokens=False)["input_ids"]) for line in render_lines(csv)]
     assert statistics.mean(counts) <= 24
+
+
+def test_bp_changes_write_a_move_alike_on_every_price_level() -> None:
+    """`changes = "bp"`: change and o/h/l offsets in basis points of the previous close, two
+    significant digits; the same 0.1% move reads the same at any price level."""
+    for level in (61690.5, 4321.0, 195.38):
+        prev = _bar(0, level, level, level, level, 1.0)
+        up = _bar(1, level * 1.0005, level * 1.002, level * 0.9995, level * 1.001, 2.0)
+        r = Renderer(changes="bp")
+        r.render(prev)
+        assert r.render(up).split()[2:6] == ["+10", "o+5", "h+10", "l-10"]
+    lines = render_lines([
+        _bar(0, 61685.99, 61700.00, 61680.00, 61690.50, 12.34567, 321, 6.0),
+        _bar(1, 61690.50, 61690.50, 61650.25, 61660.00, 1_834_512.0, 5, 0.0),
+        _bar(2, 61661.00, 61661.00, 61661.00, 61661.00, 0.5, 1, 0.5),
+    ], changes="bp")
+    assert lines == [  # the close keeps the venue's precision; the first bar's move is from its open
+        "2024-08-09T00:00 61690.5 +0.73 h+1.5 l-0.97 v12.3 n321 b49",
+        "00:01 61660 -4.9 l-1.6 v1.83M n5 b0",
+        "00:02 61661 +0.16 o+0.16 v0.5 n1 b100",
+    ]

@@ -60,6 +60,7 @@ class AttachSpec:
     max_backlog: int = 32
     max_pending: int = 64  # held lines before they are coalesced
     with_symbol: bool = False
+    changes: str = "price"  # bar lines' moves: "price" or "bp" (the session's `[sessions.render] changes`)
 
     def __post_init__(self) -> None:
         if self.mode not in ("bars", "events"):
@@ -116,7 +117,7 @@ class Attachment:
 
     def __post_init__(self) -> None:
         if self.renderer is None:
-            self.renderer = Renderer(with_symbol=self.spec.with_symbol)
+            self.renderer = Renderer(with_symbol=self.spec.with_symbol, changes=self.spec.changes)
         if self.spec.mode == "bars":
             self._agg = BarAggregator(self.spec.bar_s)
         self.questions = tuple(q for q in self.questions if q.label is not None and q.choices)

@@ -209,7 +209,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
 
     loaded = model if model is not None else load_model(args.model, progress=True)
     layout = PromptLayout(loaded.tokenizer)
-    renderer = Renderer()
+    renderer = Renderer(changes=spec.render.changes)
     # Nothing beyond max_context lines can fit (a line is at least one token): render no more.
     candidates = bars[: min(len(bars), spec.max_context_tokens, args.bars or len(bars))]
     lines = [renderer.render(b) for b in candidates]

@@ -67,9 +67,10 @@ def session_ids(layout: PromptLayout, prefix: list[int], lines: Sequence[str]) -
     return ids, ends
 
 
-def render_window(bars: Sequence[Any]) -> list[str]:
-    """Lines as a session opened at bars[0] would receive them (a fresh renderer per session)."""
-    renderer = Renderer()
+def render_window(bars: Sequence[Any], changes: str = "price") -> list[str]:
+    """Lines as a session opened at bars[0] would receive them (a fresh renderer per session;
+    changes: the session's `[sessions.render] changes`)."""
+    renderer = Renderer(changes=changes)
     return [renderer.render(b) for b in bars]
 
 
@@ -110,7 +111,7 @@ class StateExtractor:
         """States at bars first, first+stride, ... of the window (default first: the longest label history - 1)."""
         if stride < 1:
             raise ValueError(f"stride must be >= 1, got {stride}")
-        lines = render_window(bars)
+        lines = render_window(bars, self.spec.render.changes)
         ids, ends = self.session_ids(lines)
         if len(ids) > self.max_window_tokens:
             raise ValueError(f"window of {len(bars)} bars is {len(ids)} tokens, over {self.max_window_tokens}")

@@ -218,7 +218,7 @@ def window_labels(packed: Packed) -> dict[str, torch.Tensor]:
 
 
 def pack(layout: Any, spec: Any, bars: Any, questions: list[QuestionSpec], stride: int) -> Packed:
-    return pack_window(layout, spec.system_prompt, bars, questions, stride)
+    return pack_window(layout, spec.system_prompt, bars, questions, stride, spec.render.changes)
 
 
 def finite(x: float) -> float | None:

@@ -77,9 +77,9 @@ class Packed:
 
 
 def pack_window(layout: PromptLayout, system_prompt: str, bars: Sequence[Any], questions: Sequence[QuestionSpec],
-                stride: int) -> Packed:
+                stride: int, changes: str = "price") -> Packed:
     """The window's session followed by one block per (labelled question, every stride-th bar)."""
-    lines = render_window(bars)
+    lines = render_window(bars, changes)
     ids, ends = session_ids(layout, layout.prefix_ids(system_prompt), lines)
     history = min(q.label.bars_needed for q in questions)
     positions = list(range(len(ids)))

@@ -16,6 +16,11 @@ The default tokenizer (SmolLM2) spends one token per digit, so lines carry few d
   mark   `23:59:01 mark 61840.1 index 61838.5 funding 0.01%` (futures mark price)
   liq    `23:59:01 liquidation sell 61790 0.5` (a forced order; sell: a long was closed)
 
+With `changes="bp"` (a session's `[sessions.render] changes = "bp"`) the change and the
+o/h/l offsets are written in basis points of the previous close at two significant
+digits (`23:02 46411 +7.3 h+1.1 l-2.6 v1.83M n210 b58`), so BTC at 46,411, EURUSD at
+1.07 and a stock at 195 write the same move alike; the close stays at the venue's precision.
+
 The first line of each UTC day carries the date in front, joined to the time as in ISO
 8601 (`2024-08-09T00:00 ...`), so no line needs the date yet none is ambiguous, and every
 line of a kind has its fields at the same word (series heads read words by index). The renderer is stateful per instrument (the
@@ -88,6 +93,13 @@ def signed(x: float, dp: int, trim: bool = True) -> str:
     return text if text.startswith("-") else "+" + text
 
 
+def basis_points(x: float, ref: float) -> str:
+    """A move of x from ref in basis points, signed, two significant digits: +34 on 46411 -> +7.3."""
+    bp = 1e4 * x / ref if ref else 0.0
+    text = _sig(bp, 2) if bp and math.isfinite(bp) else "0"
+    return text if text.startswith("-") else "+" + text
+
+
 @dataclass(slots=True)
 class _Inst:
     px_dp: int = 0
@@ -103,6 +115,7 @@ class Renderer:
     with_symbol: bool = False
     precision: dict[str, tuple[int, int]] = field(default_factory=dict)
     volume_digits: int = 3
+    changes: str = "price"  # or "bp": moves in basis points of the previous close
     _inst: dict[str, _Inst] = field(default_factory=dict, repr=False)
     _last_day: int | None = field(default=None, repr=False)
 
@@ -154,14 +167,15 @@ class Renderer:
             span = f"-{clock(b.ts_event)}" if st.interval_ns and b.interval_ns > st.interval_ns else ""
             return f"{head}{span} {fixed(b.close, dp)} no trades"
         st.interval_ns = b.interval_ns if not st.interval_ns else min(st.interval_ns, b.interval_ns)
-        parts = [head, fixed(b.close, dp), signed(b.close - prev, dp)]
+        move = (lambda x: basis_points(x, prev)) if self.changes == "bp" else (lambda x: signed(x, dp))
+        parts = [head, fixed(b.close, dp), move(b.close - prev)]
         if fixed(b.open, dp) != fixed(prev, dp):
-            parts.append("o" + signed(b.open - prev, dp))
+            parts.append("o" + move(b.open - prev))
         top, bottom = max(b.open, b.close), min(b.open, b.close)
         if fixed(b.high - top, dp) != "0":
-            parts.append("h+" + fixed(b.high - top, dp))
+            parts.append("h" + move(b.high - top))
         if fixed(bottom - b.low, dp) != "0":
-            parts.append("l-" + fixed(bottom - b.low, dp))
+            parts.append("l" + move(b.low - bottom))
         parts.append("v" + quantity(b.volume, self.volume_digits))
         if b.trades > 0:
             parts.append(f"n{b.trades}")

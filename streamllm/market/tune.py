@@ -291,7 +291,7 @@ def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPla
     from streamllm.market.extract import render_window
 
     limit = task.extractor.max_window_tokens
-    lines = render_window(task.sources[plan.source][plan.start: plan.start + plan.bars])
+    lines = render_window(task.sources[plan.source][plan.start: plan.start + plan.bars], task.spec.render.changes)
     ids, ends = task.extractor.session_ids(lines)
     if len(ids) <= limit:
         return plan

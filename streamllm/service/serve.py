@@ -118,7 +118,7 @@ def build_attachments(sink: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
         logged = log.feed_position(name, feed_id) if feed_id and log is not None else None
         out.append(Attachment(sink, AttachSpec(
             session=name, mode=mode, bar_s=float(spec.render.bar_seconds or 60),
-            instruments=frozenset({spec.instrument})), feed_id=feed_id, resume_from=logged,
+            instruments=frozenset({spec.instrument}), changes=spec.render.changes), feed_id=feed_id, resume_from=logged,
             questions=spec.questions))
     return out
 
