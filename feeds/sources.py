@@ -124,7 +124,7 @@ def add_read_args(p: Any) -> None:
 
 
 def read_options(args: Any, **kw: Any) -> ReadOptions:
-    from feeds.tables import parse_columns
+    from feeds.columns import parse_columns
 
     return ReadOptions(market=getattr(args, "market", None) or "spot", columns=parse_columns(getattr(args, "columns", None)),
                        time_format=getattr(args, "time_format", None), tz=getattr(args, "tz", None), **kw)

@@ -11,9 +11,10 @@ import polars as pl
 import pytest
 
 from feeds.bars import bars
+from feeds.columns import TableFormatError, infer_dp, parse_columns
 from feeds.events import BUY, SELL, UNKNOWN_SIDE
 from feeds.sources import CaptureSource, ReadOptions, open_recorded, open_source
-from feeds.tables import TableFormatError, TableSource, infer_dp, parse_columns
+from feeds.tables import TableSource
 from streamllm.market.render import Renderer, render_lines
 
 S = 1_000_000_000
