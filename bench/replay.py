@@ -214,7 +214,7 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     loaded = model if model is not None else load_model(args.model, progress=True)
     run = Run(model_name=loaded.name)
     # The heads `streamllm tune` made for this config, as serve would load them (the baselines answer from the LM).
-    chosen = pick_adapter(args.adapter, config.adapter, loaded.name, warn=run.notes.append)
+    chosen = pick_adapter(args.adapter, config.adapter, loaded.name, warn=run.notes.append, config=config)
     adapter = None if chosen is None else str(chosen.path)
     warm, timed, run.feed_span_s = split_feed(args, config)
     if auto:

@@ -177,14 +177,18 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--live", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty(),
                    help="live table (default on a terminal) or one line per change")
     args = p.parse_args(argv)
-    config = load_config(args.config)
-    print(f"loading {args.model} ...", flush=True)
-    t0 = time.monotonic()
     from streamllm.model.adapter import pick_adapter
     from streamllm.model.loader import load_model
 
-    loaded = load_model(args.model, progress=True)
-    adapter = pick_adapter(args.adapter, config.adapter, loaded.name)
+    try:
+        config = load_config(args.config)
+        print(f"loading {args.model} ...", flush=True)
+        t0 = time.monotonic()
+        loaded = load_model(args.model, progress=True)
+        adapter = pick_adapter(args.adapter, config.adapter, loaded.name, config=config)
+    except (FileNotFoundError, ValueError) as exc:  # a config or adapter mistake: say what and where
+        print(f"streamllm demo: {exc}", file=sys.stderr)
+        return 2
     engine = Engine(loaded, dtype=args.dtype, max_cells=65536, progress=True, adapter=adapter)
     if adapter is not None:
         print(f"adapter {adapter.path}: choice heads for " + ", ".join(h.question_id for h in adapter.heads))

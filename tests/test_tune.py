@@ -278,7 +278,7 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
             "--synthetic-bars", "0", "--no-progress", "--target-precision", "0.8"]
     assert cli_main(argv) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())
-    assert card["method"] == "head" and set(card["questions"]) == {"trend", "sma"}
+    assert card["method"] == "head" and set(card["questions"]) == {"trend", "sma"} and card["changes"] == "price"
     assert card["decision_points"]["train"] == 6 * 2 * 17  # windows x questions x decision points
     later = card["questions"]["trend"]["judged"]["later"]
     assert later["samples"] == 2 * 17 and 0 <= later["accuracy"] <= 1 and "coverage_at_target" in later
@@ -492,3 +492,52 @@ def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_p
     assert _fitted(task, WindowPlan("dev", "b", 0, 10), args) == WindowPlan("dev", "b", 0, 10)
     args.lines = 60  # too few bars would fit for the heads' lines: the mixed window is left out
     assert _fitted(task, WindowPlan("train", "b", 0, 60, mixed=True), args) is None
+
+
+BP_RENDER = 'system_prompt = "You watch 1-minute bars for {instrument}."\n[sessions.render]\nchanges = "bp"\n'
+
+
+def test_a_session_writing_other_lines_than_the_adapter_learned_is_refused(tiny_model, spec, tmp_path):
+    """A head tuned on price-unit lines reads basis points as noise, confidently: refused by name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    heads = random_heads(spec, tiny_model.config.hidden_size)
+    save_heads(tmp_path / "price", heads, model=tiny_model.name)
+    save_heads(tmp_path / "bp", heads, model=tiny_model.name, changes="bp")
+    assert load_adapter(tmp_path / "price").changes == "price" and load_adapter(tmp_path / "bp").changes == "bp"
+    as_price = parse_config(CONFIG, source="q.toml")
+    as_bp = parse_config(CONFIG.replace('system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER),
+                         source="q.toml")
+    assert as_bp.sessions[0].render.changes == "bp"
+    with pytest.raises(AdapterError, match=r"q.toml: sessions\[0\].render.changes: .*'bp' lines; .* tuned on 'price'"):
+        pick_adapter(tmp_path / "price", None, tiny_model.name, config=as_bp)
+    with pytest.raises(AdapterError, match="tuned on 'bp' lines"):
+        pick_adapter(None, tmp_path / "bp", tiny_model.name, config=as_price)
+    assert pick_adapter(tmp_path / "bp", None, tiny_model.name, config=as_bp).changes == "bp"
+    # A session none of whose questions has a head is not the adapter's business.
+    untouched = parse_config(CONFIG.replace("Is the price", "Is the mid").replace("Is the last close", "Is the mid")
+                             .replace('system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER))
+    assert pick_adapter(tmp_path / "price", None, tiny_model.name, config=untouched) is not None
+    # A head file from before the option (no "changes" in its metadata) was tuned on price units.
+    path = tmp_path / "price" / "head.safetensors"
+    with safe_open(str(path), framework="pt") as fh:
+        meta = json.loads(fh.metadata()["streamllm"])
+    del meta["changes"]
+    save_file(load_file(str(path)), str(path), metadata={"streamllm": json.dumps(meta)})
+    assert load_adapter(tmp_path / "price").changes == "price"
+
+
+def test_tune_refuses_sessions_that_write_different_lines(tiny_model, tmp_path, monkeypatch, capsys):
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    second = CONFIG.replace('name = "test"', 'name = "other"').replace(
+        'system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG + second)
+    argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 300)), "--out",
+            str(tmp_path / "out"), "--model", "tiny", "--no-progress"]
+    assert cli_main(argv) == 2
+    assert "sessions write changes in different units ({'test': 'price', 'other': 'bp'})" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "head.safetensors").exists()

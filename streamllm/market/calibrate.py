@@ -242,7 +242,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     keep_free = CompactionPolicy().keep_free(branch_cells, spec.max_context_tokens)
     try:  # as serve would: --adapter, else the config's heads when they fit the model
         chosen = None if args.no_adapter else pick_adapter(args.adapter, config.adapter, loaded.name,
-                                                           warn=lambda m: print(m, file=sys.stderr))
+                                                           warn=lambda m: print(m, file=sys.stderr), config=config)
         adapter = None if chosen is None else str(chosen.path)
         engine = Engine(loaded, max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
                         max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=adapter)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+_UNITS = {"price": "price units", "bp": "basis points of the previous close"}
+
 
 def _line_features(series: dict[str, Any]) -> str:
     words = series.get("words") or []
@@ -18,7 +20,8 @@ def _intro(card: dict[str, Any]) -> list[str]:
     mixed = f" (training also on {', '.join(mix)})" if mix else ""
     data = (f"Data: {', '.join(card['data'])}{mixed}; judged also on {', '.join(card['judge']) or 'no captures'} and "
             f"synthetic regimes. Windows of {card['window_bars']} bars, a decision point every {card['stride']} bars; "
-            f"decision points per set: {card['decision_points']}.")
+            f"decision points per set: {card['decision_points']}. Lines write changes in "
+            f"{_UNITS[card.get('changes', 'price')]} (`[sessions.render] changes`; sessions must match).")
     if card["method"] == "lora":
         lo = card["lora"]
         return [f"# LoRA for {card['config']} (sessions {', '.join(card['sessions'])})", "",

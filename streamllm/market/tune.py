@@ -157,6 +157,10 @@ def _sessions(config: Any, names: list[str] | None) -> list[SessionSpec]:
     for spec in specs:
         if spec.render.mode != "bars":
             raise TuneError(f"session {spec.name!r} renders {spec.render.mode!r}; tune trains on bars")
+    units = {s.name: s.render.changes for s in specs}
+    if len(set(units.values())) > 1:  # one adapter reads one kind of line (model/adapter.check_sessions)
+        raise TuneError(f"{config.source}: sessions write changes in different units ({units}); tune each "
+                        "into its own adapter with --session")
     return specs
 
 

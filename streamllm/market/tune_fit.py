@@ -133,9 +133,10 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)
         report[head_id] = entry
-    path = save_heads(args.out, heads, model=loaded.name)
+    path = save_heads(args.out, heads, model=loaded.name, changes=tasks[0].spec.render.changes)
     card = {
         "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
+        "changes": tasks[0].spec.render.changes,
         "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix] + [f"--data as {v}" for v in args.mix_as],
         "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),

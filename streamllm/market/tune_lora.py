@@ -150,12 +150,13 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
                 entry["base_model"][s] = judge(base, y, q.choices, base_threshold, args.target_precision)
         report[qid] = entry
     meta = {"format": "streamllm-lora", "model": loaded.name, "hidden_size": loaded.config.hidden_size,
+            "changes": tasks[0].spec.render.changes,
             "layers": list(range(trainer.split, loaded.config.num_hidden_layers)),
             "thresholds": {qid: e["threshold"] for qid, e in report.items() if not e["adhoc"]}}
     (args.out / LORA_DIR / "streamllm.json").write_text(json.dumps(meta, indent=1) + "\n")
     lora_bytes = sum(f.stat().st_size for f in (args.out / LORA_DIR).iterdir())
     return {
-        "method": "lora", "model": loaded.name, "config": str(args.questions),
+        "method": "lora", "model": loaded.name, "config": str(args.questions), "changes": tasks[0].spec.render.changes,
         "sessions": [t.spec.name for t in tasks], "data": [str(d) for d in args.data],
         "judge": [str(d) for d in args.judge], "seed": args.seed, "window_bars": args.window, "stride": args.stride,
         "lora": dataclasses.asdict(settings) | {"adapted_layers": meta["layers"], "autocast_bf16": trainer.autocast},

@@ -27,7 +27,8 @@ the decode path are unchanged.
                          merged into the weights when the engine loads the model
 
 A head applies to a registered question whose text (up to case and spaces) and
-choices match the one it was trained on; its gate threshold is the margin (best minus
+choices match the one it was trained on, in a session that renders its lines as the
+tuned one did (`changes`: price units or basis points; `check_sessions` refuses others); its gate threshold is the margin (best minus
 second-best choice logit) calibrated by `tune` to the card's target precision.
 """
 
@@ -153,6 +154,7 @@ class Adapter:
     hidden_size: int
     heads: list[Head]
     lora: bool = False  # a lora/ to merge into the weights at load (model/lora.py)
+    changes: str = "price"  # the bar lines it was tuned on: [sessions.render] changes (market/render.py)
 
     def head_for(self, text: str, choices: tuple[str, ...]) -> Head | None:
         return next((h for h in self.heads if h.matches(text, choices)), None)
@@ -175,7 +177,7 @@ class Adapter:
         return max((h.lines for h in self.heads if h.kind == "series"), default=0)
 
 
-def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
+def save_heads(directory: str | Path, heads: list[Head], *, model: str, changes: str = "price") -> Path:
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -200,7 +202,7 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str) -> Path:
                 q["min_lines"] = h.min_lines
         questions.append(q)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
-            "hidden_size": _hidden_of(heads[0]), "questions": questions}
+            "hidden_size": _hidden_of(heads[0]), "changes": changes, "questions": questions}
     path = directory / HEAD_FILE
     save_file(tensors, str(path), metadata={"streamllm": json.dumps(meta)})
     return path
@@ -230,20 +232,23 @@ def load_adapter(directory: str | Path) -> Adapter:
     lora = has_lora(directory)
     if not path.is_file() and not lora:
         raise AdapterError(f"adapter {directory}: no {HEAD_FILE} and no lora/ (make one with `streamllm tune`)")
-    heads, model, hidden, digest = [], None, None, ""
+    heads, model, hidden, digest, changes = [], None, None, "", None
     if path.is_file():
-        model, hidden, heads = _read_heads(path)
+        model, hidden, heads, changes = _read_heads(path)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     if lora:
         meta = lora_meta(directory)
         if model is not None and (meta.get("model"), meta.get("hidden_size")) != (model, hidden):
             raise AdapterError(f"adapter {directory}: its heads and its LoRA were trained on different models")
-        model, hidden = str(meta.get("model")), int(meta["hidden_size"])
+        lora_changes = meta.get("changes", "price")  # files from before the option: price units
+        if changes is not None and lora_changes != changes:
+            raise AdapterError(f"adapter {directory}: its heads and its LoRA were tuned on different lines")
+        model, hidden, changes = str(meta.get("model")), int(meta["hidden_size"]), lora_changes
         digest = hashlib.sha256((digest + lora_digest(directory)).encode()).hexdigest()[:16]
-    return Adapter(directory, digest, model, hidden, heads, lora)
+    return Adapter(directory, digest, model, hidden, heads, lora, changes or "price")
 
 
-def _read_heads(path: Path) -> tuple[str, int, list[ChoiceHead]]:
+def _read_heads(path: Path) -> tuple[str, int, list[Head], str]:
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
@@ -262,7 +267,10 @@ def _read_heads(path: Path) -> tuple[str, int, list[ChoiceHead]]:
         heads.append(_read_head(path, q, tensors, hidden))
     if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
         raise AdapterError(f"adapter {path}: its series heads read different layers or words")
-    return str(meta.get("model")), hidden, heads
+    changes = meta.get("changes", "price")  # files from before the option: price units
+    if changes not in ("price", "bp"):
+        raise AdapterError(f"adapter {path}: unknown line units {changes!r}")
+    return str(meta.get("model")), hidden, heads, changes
 
 
 def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], hidden: int) -> Head:
@@ -299,20 +307,37 @@ def check_adapter(adapter: Adapter, model_name: str, hidden_size: int, num_layer
         raise AdapterError(f"adapter {adapter.path}: series heads read layer {layer}; the model has {num_layers}")
 
 
+def check_sessions(adapter: Adapter, sessions: Any, source: Any = "config") -> None:
+    """Refuse a session whose bar lines are not the ones the adapter was tuned on: a head reading
+    basis points where it learned price units answers confidently and wrong."""
+    for i, spec in enumerate(sessions):
+        tuned = adapter.lora or any(adapter.head_for(q.text, q.choices) for q in spec.questions if q.choices)
+        if tuned and spec.render.mode == "bars" and spec.render.changes != adapter.changes:
+            raise AdapterError(f"{source}: sessions[{i}].render.changes: session {spec.name!r} writes "
+                               f"{spec.render.changes!r} lines; adapter {adapter.path} was tuned on "
+                               f"{adapter.changes!r} lines. Re-run `streamllm tune` on this config, or set "
+                               f"changes = {adapter.changes!r}")
+
+
 def card(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / CARD_FILE
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def pick_adapter(explicit: str | Path | None, from_config: Path | None, model_name: str, warn=print) -> Adapter | None:
+def pick_adapter(explicit: str | Path | None, from_config: Path | None, model_name: str, warn=print,
+                 config: Any = None) -> Adapter | None:
     """The adapter a command runs with: `--adapter` (must fit the model), else the config's
-    `[model] adapter` when it was trained on this model (another model runs without it, with a warning)."""
+    `[model] adapter` when it was trained on this model (another model runs without it, with a warning).
+    Either must have been tuned on the lines the config's sessions write (`check_sessions`)."""
     if explicit is not None:
-        return load_adapter(explicit)
-    if from_config is None:
+        adapter = load_adapter(explicit)
+    elif from_config is None:
         return None
-    adapter = load_adapter(from_config)
-    if adapter.model != model_name:
-        warn(f"adapter {from_config} was trained on {adapter.model!r}, not {model_name!r}: running without it")
-        return None
+    else:
+        adapter = load_adapter(from_config)
+        if adapter.model != model_name:
+            warn(f"adapter {from_config} was trained on {adapter.model!r}, not {model_name!r}: running without it")
+            return None
+    if config is not None:
+        check_sessions(adapter, config.sessions, config.source)
     return adapter

@@ -191,7 +191,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     loaded = load_model(args.model, progress=True)
     try:
         adapter = pick_adapter(args.adapter, config.adapter if config is not None else None, loaded.name,
-                               warn=lambda m: print(f"streamllm serve: {m}", file=sys.stderr))
+                               warn=lambda m: print(f"streamllm serve: {m}", file=sys.stderr), config=config)
     except AdapterError as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
         return 2
