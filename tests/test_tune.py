@@ -287,6 +287,12 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     assert (tmp_path / "out" / "card.md").read_text().startswith("# Choice heads")
     assert cli_main([*argv, "--resume"]) == 0  # every window comes from its checkpoint
     assert json.loads((tmp_path / "out" / "card.json").read_text())["tokens_extracted"] == 0
+    # Lines in basis points are other states: a resume under the changed config extracts them anew.
+    config.write_text(CONFIG.replace('system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER))
+    assert cli_main([*argv, "--resume"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert card["tokens_extracted"] == card["tokens_all_windows"] > 0 and card["changes"] == "bp"
+    assert load_adapter(tmp_path / "out").changes == "bp"
 
 
 def test_a_spent_budget_keeps_every_judged_window_and_one_train_window(tiny_model, tmp_path, monkeypatch):

@@ -241,9 +241,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
             f.unlink()
     states_dir.mkdir(parents=True, exist_ok=True)
     for t in tasks:
-        tap = [args.tap_layer, list(args.words)] if args.method == "series" else None
-        t.fingerprint = hashlib.sha256(json.dumps([loaded.name, t.spec.system_prompt, args.stride, tap, [
-            (q.id, q.text, q.choices, q.label.text) for q in t.questions]]).encode()).hexdigest()[:12]
+        t.fingerprint = states_fingerprint(args, loaded.name, t)
     if args.method == "lora":
         return _lora(args, loaded, tasks, t0)
     layers = loaded.config.num_hidden_layers
@@ -308,6 +306,16 @@ def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPla
         print(f"streamllm tune: --mix window {plan.key} skipped: only {fit} bars fit {limit} tokens", file=sys.stderr)
         return None
     return dataclasses.replace(plan, bars=fit)
+
+
+def states_fingerprint(args: argparse.Namespace, model_name: str, task: Task) -> str:
+    """What a window's checkpointed states depend on, so `--resume` never reuses another run's: the
+    model, the prompt, how lines are rendered (price units or basis points), the stride, the tap
+    and the questions."""
+    tap = [args.tap_layer, list(args.words)] if args.method == "series" else None
+    render = [task.spec.render.mode, task.spec.render.bar_seconds, task.spec.render.changes]
+    return hashlib.sha256(json.dumps([model_name, task.spec.system_prompt, render, args.stride, tap, [
+        (q.id, q.text, q.choices, q.label.text) for q in task.questions]]).encode()).hexdigest()[:12]
 
 
 def _lora(args: argparse.Namespace, loaded: Any, tasks: list[Task], t0: float) -> dict[str, Any]:
