@@ -27,9 +27,10 @@ the decode path are unchanged.
                          merged into the weights when the engine loads the model
 
 A head applies to a registered question whose text (up to case and spaces) and
-choices match the one it was trained on, in a session that renders its lines as the
-tuned one did (`changes`: price units or basis points; `check_sessions` refuses others); its gate threshold is the margin (best minus
-second-best choice logit) calibrated by `tune` to the card's target precision.
+choices match the one it was trained on, in a session that writes its lines as the
+tuned one did (`changes`: price units or basis points; `check_sessions` refuses
+others); its gate threshold is the margin (best minus second-best choice logit)
+calibrated by `tune` to the card's target precision.
 """
 
 from __future__ import annotations
