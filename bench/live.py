@@ -145,10 +145,8 @@ class RecordingAttachment(Attachment):
 
 def attachments_for(config: QueryConfig, sink, truths: bool = False) -> dict[str, RecordingAttachment]:
     """truths: pushes carry labelled questions' truths (ours: live calibration, auto thresholds)."""
-    return {s.name: RecordingAttachment(sink, AttachSpec(
-        session=s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 60),
-        instruments=frozenset({s.instrument}), changes=s.render.changes),
-        questions=s.questions if truths else ()) for s in config.sessions}
+    return {s.name: RecordingAttachment(sink, AttachSpec.of(s), questions=s.questions if truths else ())
+            for s in config.sessions}
 
 
 def live_schedule(seed: int, standing_rate: float, adhoc_rate: float, window_s: float,

@@ -33,12 +33,7 @@ async def _feed(engine: Engine, config: QueryConfig, speed: float, duration_s: f
     from feeds.synthetic import SyntheticFeed
     from streamllm.market.attach import Attachment, AttachSpec, attach
 
-    attachments = [
-        Attachment(engine, AttachSpec(s.name, mode=s.render.mode, bar_s=float(s.render.bar_seconds or 5),
-                                      instruments=frozenset({s.instrument}), changes=s.render.changes),
-                   questions=s.questions)
-        for s in config.sessions
-    ]
+    attachments = [Attachment(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions]
     feed = SyntheticFeed(seed=seed)
     await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
     return attachments

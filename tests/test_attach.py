@@ -142,7 +142,7 @@ def test_a_bp_session_is_rendered_alike_when_served_and_when_tuned(tmp_path) -> 
     assert spec.render.changes == "bp"
     trades = [e for e in synthetic_events(seed=3, duration_s=120) if isinstance(e, Trade) and e.instrument == "BTCUSDT"]
     sink = Sink()
-    a = Attachment(sink, AttachSpec("btc", bar_s=5, changes=spec.render.changes))
+    a = Attachment(sink, AttachSpec.of(spec))  # as serve, demo and the benches build it
     for ev in trades:
         a.offer(ev)
     a.tick(trades[-1].ts_event + 10 * S)

@@ -62,6 +62,14 @@ class AttachSpec:
     with_symbol: bool = False
     changes: str = "price"  # bar lines' moves: "price" or "bp" (the session's `[sessions.render] changes`)
 
+    @classmethod
+    def of(cls, spec: Any, **overrides: Any) -> AttachSpec:
+        """The attachment a config session (`SessionSpec`) renders with: its name, instrument and
+        `[sessions.render]`, so served, demo and benchmark lines are the ones `tune` trained on."""
+        fields = dict(session=spec.name, mode=spec.render.mode, bar_s=float(spec.render.bar_seconds or 60),
+                      instruments=frozenset({spec.instrument}), changes=spec.render.changes)
+        return cls(**(fields | overrides))
+
     def __post_init__(self) -> None:
         if self.mode not in ("bars", "events"):
             raise ValueError(f"attach {self.session!r}: mode must be 'bars' or 'events', got {self.mode!r}")

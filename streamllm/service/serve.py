@@ -116,10 +116,8 @@ def build_attachments(sink: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
         feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
         log = getattr(getattr(sink, "engine", sink), "ingest_log", None)
         logged = log.feed_position(name, feed_id) if feed_id and log is not None else None
-        out.append(Attachment(sink, AttachSpec(
-            session=name, mode=mode, bar_s=float(spec.render.bar_seconds or 60),
-            instruments=frozenset({spec.instrument}), changes=spec.render.changes), feed_id=feed_id, resume_from=logged,
-            questions=spec.questions))
+        out.append(Attachment(sink, AttachSpec.of(spec, session=name, mode=mode), feed_id=feed_id,
+                              resume_from=logged, questions=spec.questions))
     return out
 
 
