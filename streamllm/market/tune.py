@@ -313,7 +313,7 @@ def states_fingerprint(args: argparse.Namespace, model_name: str, task: Task) ->
     model, the prompt, how lines are rendered (price units or basis points), the stride, the tap
     and the questions."""
     tap = [args.tap_layer, list(args.words)] if args.method == "series" else None
-    render = [task.spec.render.mode, task.spec.render.bar_seconds, task.spec.render.changes]
+    render = dataclasses.astuple(task.spec.render)  # every render option: mode, bar_seconds, changes
     return hashlib.sha256(json.dumps([model_name, task.spec.system_prompt, render, args.stride, tap, [
         (q.id, q.text, q.choices, q.label.text) for q in task.questions]]).encode()).hexdigest()[:12]
 

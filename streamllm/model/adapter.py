@@ -233,7 +233,7 @@ def load_adapter(directory: str | Path) -> Adapter:
     lora = has_lora(directory)
     if not path.is_file() and not lora:
         raise AdapterError(f"adapter {directory}: no {HEAD_FILE} and no lora/ (make one with `streamllm tune`)")
-    heads, model, hidden, digest, changes = [], None, None, "", None
+    heads, model, hidden, digest, changes = [], None, None, "", "price"
     if path.is_file():
         model, hidden, heads, changes = _read_heads(path)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
@@ -242,11 +242,11 @@ def load_adapter(directory: str | Path) -> Adapter:
         if model is not None and (meta.get("model"), meta.get("hidden_size")) != (model, hidden):
             raise AdapterError(f"adapter {directory}: its heads and its LoRA were trained on different models")
         lora_changes = meta.get("changes", "price")  # files from before the option: price units
-        if changes is not None and lora_changes != changes:
+        if model is not None and lora_changes != changes:
             raise AdapterError(f"adapter {directory}: its heads and its LoRA were tuned on different lines")
         model, hidden, changes = str(meta.get("model")), int(meta["hidden_size"]), lora_changes
         digest = hashlib.sha256((digest + lora_digest(directory)).encode()).hexdigest()[:16]
-    return Adapter(directory, digest, model, hidden, heads, lora, changes or "price")
+    return Adapter(directory, digest, model, hidden, heads, lora, changes)
 
 
 def _read_heads(path: Path) -> tuple[str, int, list[Head], str]:
