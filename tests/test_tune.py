@@ -547,3 +547,17 @@ def test_tune_refuses_sessions_that_write_different_lines(tiny_model, tmp_path, 
     assert cli_main(argv) == 2
     assert "sessions write changes in different units ({'test': 'price', 'other': 'bp'})" in capsys.readouterr().err
     assert not (tmp_path / "out" / "head.safetensors").exists()
+
+
+def test_tune_columns_read_like_every_other_commands():
+    """tune's --columns takes space-separated pairs, each also comma-separated (as calibrate's and
+    serve's), through the one parser: an unknown field is refused by name, not read as nothing."""
+    from streamllm.market.tune_data import TuneError, columns
+
+    assert columns(["ts_event=Date", "close=Close"]) == columns(["ts_event=Date,close=Close"]) == {
+        "ts_event": "Date", "close": "Close"}
+    assert columns(None) == {}
+    with pytest.raises(TuneError, match="unknown field 'Close'"):
+        columns(["Close=close"])
+    with pytest.raises(TuneError, match="FIELD=COLUMN"):
+        columns(["ts_event"])

@@ -107,7 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="reuse the states already extracted under OUT/states")
     p.add_argument("--target-precision", type=float, default=0.9)
-    p.add_argument("--columns", nargs="*", help="FIELD=COLUMN for bar tables whose columns are named otherwise")
+    p.add_argument("--columns", nargs="*", help="FIELD=COLUMN for bar tables whose columns are named otherwise "
+                   "(space- or comma-separated, e.g. ts_event=time,close=Close)")
     p.add_argument("--time-format", help="strftime format of --data/--mix tables' text times, e.g. '%%m/%%d/%%Y' "
                                          "(Yahoo's daily CSVs; ambiguous dates are never guessed; ISO 8601 "
                                          "tables it does not fit read as ISO)")

@@ -41,13 +41,17 @@ class WindowPlan:
         return f"{self.set}-{stem}-{self.start}-{self.bars}"
 
 
-def columns(pairs: list[str] | None) -> dict[str, str]:
-    out = {}
-    for pair in pairs or []:
-        field, sep, column = pair.partition("=")
-        if not sep or not field or not column:
-            raise TuneError(f"--columns {pair!r}: write FIELD=COLUMN, e.g. ts_event=time")
-        out[field] = column
+def columns(parts: list[str] | None) -> dict[str, str]:
+    """--columns as tune takes it (space-separated, each part also comma-separated, as calibrate's and
+    serve's --columns): one parser, so every command refuses the same unknown fields."""
+    from feeds.columns import parse_columns
+
+    out: dict[str, str] = {}
+    for part in parts or []:
+        try:
+            out.update(parse_columns(part))
+        except ValueError as e:
+            raise TuneError(str(e)) from None
     return out
 
 
