@@ -119,6 +119,10 @@ def test_volatility_rising_compares_rms_returns_of_adjacent_windows():
     assert parse_label("volatility_rising(n=2)").evaluate(bars_from_closes(closes)) is True
     calm_after = [100.0, 102.0, 99.96, 100.0, 100.01]  # ~2%, ~2% then ~0.04%, 0.01%
     assert parse_label("volatility_rising(n=2)").evaluate(bars_from_closes(calm_after)) is False
+    # Prices below zero (WTI, April 2020) are moves like any other; a zero close has no return.
+    below = [-10.0, -10.1, -9.9, -9.0, -11.0]
+    assert parse_label("volatility_rising(n=2)").evaluate(bars_from_closes(below)) is True
+    assert parse_label("volatility_rising(n=2)").evaluate(bars_from_closes([1.0, 0.0, 1.0, 2.0, 1.0])) is None
 
 
 def test_volume_spike_is_strictly_more_than_k_times_the_baseline():

@@ -94,3 +94,8 @@ def test_bp_changes_write_a_move_alike_on_every_price_level() -> None:
         "00:01 61660 -4.9 l-1.6 v1.83M n5 b0",
         "00:02 61661 +0.16 o+0.16 v0.5 n1 b100",
     ]
+    # Below zero (WTI, April 2020): a rise still reads +, a fall -, in bp of the price's size.
+    r = Renderer(changes="bp")
+    r.render(_bar(0, -10.0, -10.0, -10.0, -10.0, 1.0))
+    assert r.render(_bar(1, -10.0, -9.0, -10.0, -9.0, 1.0)).split()[2] == "+1000"
+    assert r.render(_bar(2, -9.0, -9.0, -9.9, -9.9, 1.0)).split()[2] == "-1000"

@@ -188,8 +188,10 @@ def _realized_vol(closes: list[float]) -> float:
     return math.sqrt(sum(r * r for r in returns) / len(returns))
 
 
-def _volatility_rising(bars: Bars, n: int) -> bool:
+def _volatility_rising(bars: Bars, n: int) -> bool | None:
     closes = bars.close[-(2 * n + 1):]
+    if 0.0 in closes:
+        return None  # a return from a zero close is undefined (a bad print, or a spread crossing zero)
     return _realized_vol(closes[n:]) > _realized_vol(closes[: n + 1])
 
 

@@ -94,8 +94,9 @@ def signed(x: float, dp: int, trim: bool = True) -> str:
 
 
 def basis_points(x: float, ref: float) -> str:
-    """A move of x from ref in basis points, signed, two significant digits: +34 on 46411 -> +7.3."""
-    bp = 1e4 * x / ref if ref else 0.0
+    """A move of x from ref in basis points, signed, two significant digits: +34 on 46411 -> +7.3.
+    Of |ref|: a rise shows + where prices go below zero too (WTI in April 2020, spreads)."""
+    bp = 1e4 * x / abs(ref) if ref else 0.0
     text = _sig(bp, 2) if bp and math.isfinite(bp) else "0"
     return text if text.startswith("-") else "+" + text
 
