@@ -15,7 +15,7 @@
    recovery after 1 hour vs 1 minute of feed-equivalent data with checkpoints, a replay
    feed restarted mid-way (duplicates), more sessions than the pool holds (auto eviction).
 
-Also the seed corpora and mutators the fuzz tests share (`SAMPLES`, `mutate`).
+The fuzzer and its corpora: bench/fuzz.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -34,125 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from bench.common import machine, print_table, write_json
+from bench.fuzz import fuzz
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = {"id": "trend", "text": "Up or down?", "choices": ["up", "down"]}
-
-# Real-shaped messages per venue (from each parser's documented formats): mutation seeds.
-SAMPLES: dict[str, list[bytes]] = {
-    "binance": [
-        b'{"stream":"btcusdt@trade","data":{"e":"trade","E":1723161255208,"s":"BTCUSDT","t":1,"p":"61737.63",'
-        b'"q":"0.01","T":1723161255207,"m":true,"M":true}}',
-        b'{"stream":"btcusdt@bookTicker","data":{"u":50093239212,"s":"BTCUSDT","b":"61837.63","B":"3.7",'
-        b'"a":"61837.64","A":"1.5"}}',
-        b'{"stream":"btcusdt@depth@100ms","data":{"e":"depthUpdate","E":1723161255208,"s":"BTCUSDT",'
-        b'"U":50093239189,"u":50093239202,"b":[["61737.63","0.0"]],"a":[["61837.64","1.5"]]}}',
-        b'{"lastUpdateId":5,"bids":[["1.0","2.0"]],"asks":[["1.1","3.0"]]}',
-        b'{"e":"kline","E":1,"s":"BTCUSDT","k":{"t":0,"T":59999,"s":"BTCUSDT","i":"1m","o":"1","c":"2","h":"3",'
-        b'"l":"0.5","v":"10","n":4,"x":true,"q":"20","V":"5","Q":"10"}}',
-        b'{"result":null,"id":1}',
-    ],
-    "coinbase": [
-        b'{"channel":"market_trades","client_id":"","timestamp":"2023-02-09T20:19:35.39625135Z","sequence_num":0,'
-        b'"events":[{"type":"update","trades":[{"trade_id":"1","product_id":"BTC-USD","price":"1.5","size":"2",'
-        b'"side":"BUY","time":"2023-02-09T20:19:35.39625135Z"}]}]}',
-        b'{"channel":"l2_data","timestamp":"2023-02-09T20:19:35Z","sequence_num":1,"events":[{"type":"update",'
-        b'"product_id":"BTC-USD","updates":[{"side":"bid","event_time":"2023-02-09T20:19:35Z",'
-        b'"price_level":"1.0","new_quantity":"0"}]}]}',
-        b'{"type":"error","message":"bad"}',
-    ],
-    "kraken": [
-        b'{"channel":"trade","type":"update","data":[{"symbol":"BTC/USD","side":"sell","price":0.5,"qty":40.0,'
-        b'"ord_type":"market","trade_id":4665906,"timestamp":"2023-09-25T07:49:37.708706Z"}]}',
-        b'{"channel":"ticker","type":"snapshot","data":[{"symbol":"BTC/USD","bid":1.0,"bid_qty":2.0,"ask":1.1,'
-        b'"ask_qty":3.0,"last":1.05,"volume":10.0,"vwap":1.0,"low":0.9,"high":1.2,"change":0.1,"change_pct":1.0}]}',
-        b'{"channel":"heartbeat"}',
-    ],
-    "alpaca": [
-        b'[{"T":"success","msg":"connected"}]',
-        b'[{"T":"t","i":96921,"S":"AAPL","x":"D","p":126.55,"s":1,"t":"2021-02-22T15:51:44.208Z","c":["@"],"z":"C"}]',
-        b'[{"T":"q","S":"AMD","bx":"U","bp":87.66,"bs":1,"ax":"Q","ap":87.68,"as":4,'
-        b'"t":"2021-02-22T15:51:45.335689322Z","c":["R"],"z":"C"}]',
-    ],
-}
-CONFIG_SAMPLE = '''[[sessions]]
-name = "btc"
-instrument = "BTCUSDT"
-feed = "synthetic"
-max_context_tokens = 4096
-system_prompt = "You watch {instrument}."
-[sessions.render]
-mode = "bars"
-bar_seconds = 5
-[[sessions.questions]]
-id = "trend"
-text = "Up or down?"
-choices = ["up", "down"]
-threshold = 2.0
-label = "trend_up(n=10)"
-'''
-_ODD_VALUES: list[Any] = [None, True, 0, -1, 2**63, 1e308, float("nan"), "", "x" * 300, [], {}, [[]], "1e999",
-                          "-0", "NaN", "\u0000", "\ud7ff", {"a": None}]
-
-
-def mutate_value(rng: random.Random, value: Any, depth: int = 0) -> Any:
-    """Structural mutation of parsed JSON: drop, retype or replace one thing, recursively."""
-    if isinstance(value, dict) and value and rng.random() < 0.7 and depth < 6:
-        key = rng.choice(list(value))
-        out = dict(value)
-        action = rng.random()
-        if action < 0.25:
-            del out[key]
-        elif action < 0.5:
-            out[key] = rng.choice(_ODD_VALUES)
-        else:
-            out[key] = mutate_value(rng, value[key], depth + 1)
-        return out
-    if isinstance(value, list) and value and rng.random() < 0.7 and depth < 6:
-        out = list(value)
-        i = rng.randrange(len(out))
-        out[i] = mutate_value(rng, out[i], depth + 1) if rng.random() < 0.6 else rng.choice(_ODD_VALUES)
-        return out
-    return rng.choice(_ODD_VALUES)
-
-
-def mutated_config(rng: random.Random) -> str:
-    """CONFIG_SAMPLE with one to three of its lines mutated."""
-    lines = CONFIG_SAMPLE.splitlines()
-    for _ in range(rng.randint(1, 3)):
-        j = rng.randrange(len(lines))
-        lines[j] = mutate_bytes(rng, lines[j].encode()).decode("utf-8", "replace")
-    return "\n".join(lines)
-
-
-def mutate_bytes(rng: random.Random, raw: bytes) -> bytes:
-    data = bytearray(raw)
-    for _ in range(rng.randint(1, 4)):
-        if not data:
-            break
-        op, i = rng.random(), rng.randrange(len(data))
-        if op < 0.3:
-            data[i] = rng.randrange(256)
-        elif op < 0.5:
-            del data[i:]
-        elif op < 0.7:
-            data.insert(i, rng.choice(b'{}[]",:0\\'))
-        else:
-            del data[i]
-    return bytes(data)
-
-
-def mutate(rng: random.Random, raw: bytes) -> bytes:
-    """A mutated message: structural (still JSON) or byte-level (usually not)."""
-    if rng.random() < 0.6:
-        try:
-            return orjson.dumps(mutate_value(rng, orjson.loads(raw)))
-        except (orjson.JSONDecodeError, TypeError):
-            pass
-    return mutate_bytes(rng, raw)
 
 
 # -- 1. crash and recover ---------------------------------------------------------
@@ -292,59 +177,6 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     eng.shutdown()
     return {"recovery_replay_s": replay_s, "snapshot_restore_s": restore_s, "restore_speedup": replay_s / restore_s,
             "rr_lines": lines, "rr_tokens": tokens, "snapshot_mb": snap.stat().st_size / 1e6}
-
-
-# -- 3. fuzz ---------------------------------------------------------------------------
-
-
-def fuzz(cases: int, seed: int = 0) -> dict[str, Any]:
-    from feeds.sources import parser_for
-    from feeds.wire import AuthError
-    from streamllm.config import ConfigError, parse_config
-    from streamllm.service import protocol as p
-
-    rng = random.Random(seed)
-    uncaught: list[str] = []
-    rejected = counted = 0
-    venues = list(SAMPLES)
-    per_target = max(1, cases // 3)
-    for i in range(per_target):  # wire parsers
-        venue = venues[i % len(venues)]
-        parser = parser_for(venue)
-        raw = mutate(rng, rng.choice(SAMPLES[venue])) if rng.random() < 0.85 else rng.randbytes(rng.randint(0, 64))
-        before = parser.stats.errors
-        try:
-            out = parser.parse(raw, 0)
-        except AuthError:
-            continue  # documented: a credential refusal ends the connection on purpose
-        except Exception as exc:
-            uncaught.append(f"{venue} parser: {type(exc).__name__}: {exc} on {raw[:80]!r}")
-            continue
-        if not isinstance(out, list):
-            uncaught.append(f"{venue} parser returned {type(out).__name__}")
-        if parser.stats.errors > before:
-            rejected += 1
-            counted += bool(parser.stats.error_samples)
-    for _ in range(per_target):  # protocol decoder
-        base = {"type": rng.choice(p.CLIENT_TYPES), "id": rng.randint(0, 9), "session": "btc", "lines": ["x"]}
-        raw = mutate(rng, orjson.dumps(base))
-        try:
-            p.decode(raw, 4096)
-        except p.ProtocolError as exc:
-            rejected += 1
-            counted += exc.code in p.ERROR_CODES and bool(exc.message)
-        except Exception as exc:
-            uncaught.append(f"protocol: {type(exc).__name__}: {exc} on {raw[:80]!r}")
-    for _ in range(per_target):  # config files
-        try:
-            parse_config(mutated_config(rng), source="fuzz.toml")
-        except ConfigError as exc:
-            rejected += 1
-            counted += bool(str(exc))
-        except Exception as exc:
-            uncaught.append(f"config: {type(exc).__name__}: {exc}")
-    return {"fuzz_cases": 3 * per_target, "fuzz_rejected": rejected, "fuzz_rejected_counted": counted,
-            "uncaught_errors": len(uncaught), "uncaught_samples": uncaught[:10]}
 
 
 # -- 4. load ------------------------------------------------------------------------------

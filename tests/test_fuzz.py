@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.sync.client import connect
 
-from bench.faults import SAMPLES, mutate, mutated_config
+from bench.fuzz import SAMPLES, mutate, mutated_config
 from feeds.sources import parser_for
 from feeds.wire import AuthError
 from streamllm.config import ConfigError, parse_config
