@@ -257,10 +257,26 @@ def test_shipped_examples_are_the_promised_ones():
     assert {"crypto.toml", "bars.toml", "demo.toml"} <= names
     crypto = load_config(QUERIES / "crypto.toml")
     assert [s.feed.kind for s in crypto.sessions] == ["binance", "binance"]
-    assert {s.render for s in crypto.sessions} == {RenderSpec("bars", 5)}
+    assert {s.render for s in crypto.sessions} == {RenderSpec("bars", 5, "bp")}
     demo = load_config(QUERIES / "demo.toml")
     assert len(demo.sessions) == 2 and all(s.feed.kind == "synthetic" for s in demo.sessions)
     bars = load_config(QUERIES / "bars.toml")
     feed = bars.sessions[0].feed
     assert feed.kind == "csv" and feed.path.name == "btc-perp-20211231-20220201_1m.csv"
     assert feed.path.parent.parent.name == "data" and feed.path.parent.name == "bars"
+
+
+@pytest.mark.parametrize("name", ["bars.toml", "crypto.toml", "demo.toml"])
+def test_shipped_adapters_fit_their_configs(name):
+    """Each shipped config's adapter has a head for every labelled choice question, tuned on the
+    lines its sessions write: a config retuned without its heads (or the reverse) fails here,
+    not at a user's `serve`."""
+    from streamllm.model.adapter import check_sessions, load_adapter
+
+    config = load_config(QUERIES / name)
+    adapter = load_adapter(config.adapter)
+    check_sessions(adapter, config.sessions, config.source)
+    for spec in config.sessions:
+        for q in spec.questions:
+            if q.choices and q.label is not None:
+                assert adapter.head_for(q.text, q.choices) is not None, (spec.name, q.id)
