@@ -366,6 +366,8 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     # Trained on window starts from each label's first known bar: the engine reads a session's first lines.
     assert {h.question_id: h.min_lines for h in adapter.heads} == {"trend": 5, "sma": 8}
     assert "A session's first lines (fewer than 10 held)" in card and "min lines: trend 5, sma 8" in card
+    judged = json.loads((out / "card.json").read_text())["questions"]["trend"]["judged"]["later"]
+    assert "| ECE |" in card and 0 <= judged["ece"] <= 1 and judged["log_loss"] > 0
     engine = engine_with(tiny_model, out)
     try:
         spec = load_config(config).sessions[0]

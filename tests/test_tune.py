@@ -255,6 +255,23 @@ def test_fit_recovers_a_linear_rule_and_calibrates_its_threshold():
     assert calibrate_threshold(torch.randn(500, 2, generator=g), noise, 0.99) == math.inf  # no signal: closed
 
 
+def test_probability_quality_tells_honest_probabilities_from_overconfident_ones():
+    """ECE: the top choice's probability against how often it was right. Logits saying ~1.0 for
+    answers right 75% of the time are off by ~0.25; the same answers at p = 0.75 are honest."""
+    from streamllm.market.headfit import probability_quality
+
+    g = torch.Generator().manual_seed(0)
+    n = 2000
+    pred = torch.randint(0, 2, (n,), generator=g)
+    y = torch.where(torch.rand(n, generator=g) < 0.75, pred, 1 - pred)
+    sure = torch.nn.functional.one_hot(pred, 2).float() * 10.0  # margin 10: p(top) = 0.99995
+    over = probability_quality(sure, y)
+    assert over["mean_top_probability"] > 0.99 and over["ece"] == pytest.approx(0.25, abs=0.03)
+    honest = probability_quality(sure * math.log(3) / 10, y)  # softmax margin ln 3: p(top) = 0.75
+    assert honest["mean_top_probability"] == pytest.approx(0.75, abs=1e-4) and honest["ece"] < 0.03
+    assert honest["log_loss"] < over["log_loss"]
+
+
 def test_windows_never_straddle_the_split():
     import random
 

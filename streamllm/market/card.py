@@ -38,7 +38,8 @@ def _intro(card: dict[str, Any]) -> list[str]:
     run = (f"This run: {card['minutes']} min ({card['extract_minutes']} extracting {card['tokens_extracted']} "
            f"tokens; all windows, resumed ones included: {card['tokens_all_windows']} tokens)")
     gate = (f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
-            "(none: it never did on at least 10 fired samples, so the gate stays closed).")
+            "(none: it never did on at least 10 fired samples, so the gate stays closed). ECE: how far the "
+            "answers' choice probabilities are from how often they were right (expected calibration error, 10 bins).")
     if card["method"] == "series":
         se = card["series"]
         return [f"# Series heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
@@ -53,10 +54,15 @@ def _intro(card: dict[str, Any]) -> list[str]:
             data, "", gate, ""]
 
 
+def _ece(judged: dict[str, Any]) -> str:
+    """Expected calibration error of the answers' probabilities ('-' on cards from before it)."""
+    return "-" if judged.get("ece") is None else format(judged["ece"], ".2f")
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     lines = _intro(card) + [
              "| question | set | n | accuracy | base rate | balanced acc | base model acc | coverage @thr | "
-             "precision @thr | coverage at target (own) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "precision @thr | coverage at target (own) | ECE |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for qid, q in card["questions"].items():
         for s, j in q["judged"].items():
             if not j.get("samples"):
@@ -65,16 +71,18 @@ def card_markdown(card: dict[str, Any]) -> str:
             balanced = "-" if j.get("balanced_accuracy") is None else format(j["balanced_accuracy"], ".2f")
             lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
                          f"| {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
-                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} |")
+                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} | "
+                         f"{_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]
     if first:
         lines += ["", f"A session's first lines (fewer than {card['series']['lines']} held): each head reads all there "
                   "are once its label's history is (min lines: " + ", ".join(
                       f"{qid} {q['min_lines']}" for qid, q in card["questions"].items() if "min_lines" in q) + ").", "",
-                  "| question | set | n | accuracy | base rate | coverage @thr | precision @thr |", "|---|---|---|---|---|---|---|"]
+                  "| question | set | n | accuracy | base rate | coverage @thr | precision @thr | ECE |",
+                  "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) | "
-                  f"{j['coverage']:.2f} | {'-' if j['precision'] is None else format(j['precision'], '.2f')} |"
+                  f"{j['coverage']:.2f} | {'-' if j['precision'] is None else format(j['precision'], '.2f')} | {_ece(j)} |"
                   for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):

@@ -105,4 +105,18 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
         "coverage_at_target": round(oracle.coverage, 4) if oracle else 0.0,  # this set's own best threshold
         "answer_share": round(Counter(pred.tolist()).most_common(1)[0][1] / n, 4),
         "balanced_accuracy": round(balanced_accuracy(pred.tolist(), y.tolist()), 4),
+        **probability_quality(logits, y),
     }
+
+
+def probability_quality(logits: torch.Tensor, y: torch.Tensor, bins: int = 10) -> dict[str, float]:
+    """How honest the answer's choice probabilities are: log loss, and the expected calibration error
+    (the top choice's probability against how often it was right, over `bins` bins of probability)."""
+    probs = torch.softmax(logits.float(), dim=1)
+    top, pred = probs.max(dim=1)
+    right = (pred == y).float()
+    edges = torch.linspace(1.0 / len(logits[0]), 1.0, bins + 1)
+    which = torch.bucketize(top, edges[1:-1])
+    ece = sum(float((top[which == b] - right[which == b]).sum().abs()) for b in range(bins)) / len(y)
+    return {"log_loss": round(float(torch.nn.functional.cross_entropy(logits.float(), y)), 4),
+            "ece": round(ece, 4), "mean_top_probability": round(float(top.mean()), 4)}
