@@ -91,6 +91,10 @@ def test_sync_client_and_ask_cli(served, capsys):
         code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
         out = capsys.readouterr()
         assert code == 0 and "cold path" in out.err and "data_version 1" in out.err
+        assert "free text" not in out.err
+        code = client_cli.cli_main(["sync", "above_vwap", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
+        out = capsys.readouterr()  # an id the session does not have: answered, with a note saying how
+        assert code == 0 and "'above_vwap' is no standing question of session 'sync'" in out.err
         code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "nope"])
         assert code == 1 and "unauthorized" in capsys.readouterr().err
         c.close_session("sync")

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -331,4 +332,13 @@ def cli_main(argv: list[str]) -> int:
         print(answer["text"])
         print(f"[{answer['path']} path{gap}, data_version {answer['data_version']}, "
               f"{answer['latency_ms']:.1f} ms in the engine]", file=sys.stderr)
+    if answer.get("path") == "cold" and _ID_LIKE.match(args.question):
+        # A mistyped id, or one of another session's questions, is read as free text: say so.
+        print(f"streamllm ask: note: {args.question!r} is no standing question of session {args.session!r}, "
+              "so it was asked as free text (`streamllm watch SESSION` shows a session's standing questions)",
+              file=sys.stderr)
     return 0
+
+
+# A standing question's id as configs name them (trend_1m, above_vwap), not a one-word question.
+_ID_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[_.-][A-Za-z0-9]+)+\Z")
