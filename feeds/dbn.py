@@ -61,6 +61,7 @@ class DbnSource:
     _px_dp: dict[int, int] = field(default_factory=dict)
     _tob: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)
     _frac_dp: dict[int, int] = field(default_factory=dict)  # decimals per fractional part, cached
+    signed_prices: bool = False  # prices at or below zero are read (CME's CL in April 2020, spreads)
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -136,11 +137,11 @@ class DbnSource:
         return self.symbols.get(iid) or str(iid)
 
     def _px(self, field_name: str, raw: int, iid: int) -> float:
-        if not 0 < raw < UNDEF:
-            if raw == UNDEF:
-                raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)",
-                               "undefined_price")
-            raise BadValue(field_name, raw * SCALE, "must be a finite number > 0")
+        if raw == UNDEF:
+            raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)", "undefined_price")
+        if raw <= 0 and not self.signed_prices:
+            raise BadValue(field_name, raw * SCALE, "must be a finite number > 0 (--signed-prices reads a market "
+                                                    "that goes below zero)")
         frac = raw % 1_000_000_000
         dp = self._frac_dp.get(frac)
         if dp is None:
@@ -181,7 +182,7 @@ class DbnSource:
         if iv is None:
             raise ValueError(f"unsupported OHLCV rtype {r.rtype}")
         o, h, lo, c = (self._px(n, getattr(r, n), iid) for n in ("open", "high", "low", "close"))
-        check_bar(o, h, lo, c, float(r.volume))
+        check_bar(o, h, lo, c, float(r.volume), self.signed_prices)
         nan = float("nan")
         return Bar(self.venue, self._symbol(iid), r.ts_event + iv, r.ts_event + iv, r.ts_event, iv, o, h, lo, c,
                    float(r.volume), -1, nan, nan, nan, self._px_dp[iid], 0)

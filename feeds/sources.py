@@ -55,6 +55,7 @@ class ReadOptions:
     venue: str = "auto"  # captures: sniffed from the first messages
     instrument: str = ""  # tables without an instrument column
     bar_interval_s: float | None = None  # bar tables: None reads the interval from the bars' spacing
+    signed_prices: bool = False  # tables: read prices at or below zero (futures spreads, WTI 2020)
 
 
 def file_format(path: Path) -> str:
@@ -81,9 +82,10 @@ def open_source(path: str | Path, opts: ReadOptions | None = None, *, what: str 
     if fmt == "dbn":
         from feeds.dbn import DbnSource
 
-        return DbnSource(path)
+        return DbnSource(path, signed_prices=opts.signed_prices)
     return TableSource(path, kind="auto", columns=dict(opts.columns), time_format=opts.time_format, tz=opts.tz,
-                       instrument=opts.instrument, bar_interval_s=opts.bar_interval_s)
+                       instrument=opts.instrument, bar_interval_s=opts.bar_interval_s,
+                       signed_prices=opts.signed_prices)
 
 
 def open_recorded(paths: list[str | Path], opts: ReadOptions | None = None, *,
@@ -121,10 +123,14 @@ def add_read_args(p: Any) -> None:
     p.add_argument("--columns", help="table columns for our fields, e.g. ts_event=time,close=Close,side=Side")
     p.add_argument("--time-format", help="strftime format of a text time column, e.g. '%%m/%%d/%%Y %%H:%%M'")
     p.add_argument("--tz", help="zone of times written without one (default UTC), e.g. America/New_York")
+    p.add_argument("--signed-prices", action="store_true",
+                   help="tables: read prices at or below zero (a futures contract or spread that went "
+                        "negative) instead of refusing those rows")
 
 
 def read_options(args: Any, **kw: Any) -> ReadOptions:
     from feeds.columns import parse_columns
 
     return ReadOptions(market=getattr(args, "market", None) or "spot", columns=parse_columns(getattr(args, "columns", None)),
-                       time_format=getattr(args, "time_format", None), tz=getattr(args, "tz", None), **kw)
+                       time_format=getattr(args, "time_format", None), tz=getattr(args, "tz", None),
+                       signed_prices=bool(getattr(args, "signed_prices", False)), **kw)

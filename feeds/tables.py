@@ -34,7 +34,7 @@ import polars as pl
 
 from feeds.columns import TableFormatError, infer_dp, ts_ns
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, from_table
-from feeds.validate import BadValue, check_bar, nonnegative, positive, side_of
+from feeds.validate import BadValue, check_bar, nonnegative, positive, price, side_of
 from feeds.wire import ParseStats
 
 KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
@@ -95,6 +95,7 @@ class TableSource:
     time_format: str | None = None
     tz: str | None = None
     precision: tuple[int, int] | None = None  # (price, size) decimals; None: inferred
+    signed_prices: bool = False  # prices at or below zero are read, not refused (feeds/validate.price)
     stats: ParseStats = field(default_factory=ParseStats)
     notes: list[str] = field(default_factory=list)
     _named: bool = field(default=False, init=False, repr=False)  # the caller gave the instrument
@@ -218,7 +219,7 @@ class TableSource:
             try:
                 s = sides[i]
                 side = (_maker(s[1]) if isinstance(s, tuple) else side_of(s))
-                out.append(Trade(v, insts[i], ts[i], recv[i], positive("price", px[i]), positive("size", sz[i]),
+                out.append(Trade(v, insts[i], ts[i], recv[i], price("price", px[i], self.signed_prices), positive("size", sz[i]),
                                  side, i, pdp, sdp))
             except BadValue as exc:
                 self._bad(i, exc)
@@ -236,8 +237,8 @@ class TableSource:
             if self._missing(i, {"ts_event": ts[i], "bid": b[i], "ask": a[i], "bid_size": bs[i], "ask_size": as_[i]}):
                 continue
             try:
-                out.append(Quote(self.venue, insts[i], ts[i], recv[i], positive("bid", b[i]),
-                                 nonnegative("bid_size", bs[i]), positive("ask", a[i]),
+                out.append(Quote(self.venue, insts[i], ts[i], recv[i], price("bid", b[i], self.signed_prices),
+                                 nonnegative("bid_size", bs[i]), price("ask", a[i], self.signed_prices),
                                  nonnegative("ask_size", as_[i]), pdp, sdp))
             except BadValue as exc:
                 self._bad(i, exc)
@@ -260,7 +261,7 @@ class TableSource:
                                  "volume": vol[i]}):
                 continue
             try:
-                check_bar(o[i], h[i], lo[i], c[i], vol[i])
+                check_bar(o[i], h[i], lo[i], c[i], vol[i], self.signed_prices)
             except BadValue as exc:
                 self._bad(i, exc)
                 continue

@@ -32,6 +32,14 @@ def positive(field: str, x: float) -> float:
     raise BadValue(field, x, "must be a finite number > 0")
 
 
+def price(field: str, x: float, signed: bool = False) -> float:
+    """A price: > 0, or with `signed` any finite number (futures that went below zero, as WTI's
+    May 2020 contract did; calendar spreads; power markets)."""
+    if signed and -INF < x < INF:
+        return x
+    return positive(field, x)
+
+
 def nonnegative(field: str, x: float) -> float:
     if 0.0 <= x < INF:
         return x
@@ -44,11 +52,15 @@ def flag(field: str, value: Any) -> bool:
     raise BadValue(field, value, "must be true or false")
 
 
-def check_bar(o: float, h: float, lo: float, c: float, v: float) -> None:
-    """Refuse a bar whose numbers cannot be: counted as `bad_bar`, naming the field."""
+def check_bar(o: float, h: float, lo: float, c: float, v: float, signed: bool = False) -> None:
+    """Refuse a bar whose numbers cannot be: counted as `bad_bar`, naming the field. Prices are
+    > 0 unless `signed` (see `price`)."""
     for name, x in (("open", o), ("high", h), ("low", lo), ("close", c)):
-        if not 0.0 < x < INF:
-            raise BadValue(name, x, "must be a finite number > 0", "bad_bar")
+        if signed and not -INF < x < INF:
+            raise BadValue(name, x, "must be a finite number", "bad_bar")
+        if not signed and not 0.0 < x < INF:
+            raise BadValue(name, x, "must be a finite number > 0 (--signed-prices reads a market that "
+                                    "goes below zero)", "bad_bar")
     if not 0.0 <= v < INF:
         raise BadValue("volume", v, "must be a finite number >= 0", "bad_bar")
     if h < lo:

@@ -53,6 +53,9 @@ def test_trades_value_by_value(tmp_path: Path) -> None:
     assert got[0].venue == "GLBX.MDP3" and src.schema == "trades"
     assert src.stats.error_kinds == {"bad_price": 1} and src.stats.messages == 4
     assert render_lines(got)[:2] == ["2023-11-14T22:13:20 buy 4500.25 3", "22:13:20 sell 4500 1"]
+    # A market that goes below zero (a spread, CL in April 2020) is read when told so.
+    signed = list(DbnSource(tmp_path / "es.trades.dbn", signed_prices=True))
+    assert [t.price for t in signed][-1] == pytest.approx(-5e-9)
 
 
 def test_mbp1_trades_and_top_of_book_changes(tmp_path: Path) -> None:

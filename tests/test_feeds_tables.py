@@ -75,6 +75,26 @@ def test_cut_rows_and_impossible_values_are_counted_not_rendered(tmp_path: Path)
     assert render_lines(out) == ["2021-12-31T23:01 100.5 +0.5 h+0.5 l-1 v3"]
 
 
+def test_a_market_below_zero_is_read_with_signed_prices(tmp_path: Path) -> None:
+    """WTI's May 2020 contract settled at -37.63: refused by default (a crypto print below zero is
+    a bad tick), with the error naming the flag; read with signed_prices, moves keep their sign."""
+    csv = tmp_path / "cl_1d.csv"
+    csv.write_text("Date,Open,High,Low,Close,Volume\n"
+                   "2020-04-17,19.87,20.29,17.31,18.27,100\n"
+                   "2020-04-20,17.73,17.85,-40.32,-37.63,247947\n"
+                   "2020-04-21,-14.00,13.86,-16.74,10.01,2288\n"
+                   "2020-04-22,11.82,16.68,nan,13.78,100\n")
+    strict = TableSource(csv, "bar")
+    assert [b.close for b in strict.events()] == [18.27]
+    assert strict.stats.error_kinds == {"bad_bar": 3}
+    assert any("low=-40.32 must be a finite number > 0 (--signed-prices" in e for e in strict.stats.error_samples)
+    (src,) = open_recorded([csv], ReadOptions(signed_prices=True))
+    out = list(src)
+    assert [b.close for b in out] == [18.27, -37.63, 10.01]  # the NaN row is still refused
+    lines = render_lines(out, changes="bp")
+    assert [line.split()[1:3] for line in lines] == [["18.27", "-805"], ["-37.63", "-30597"], ["10.01", "+12660"]]
+
+
 def test_side_strings_and_maker_flags_map_and_unknown_stays_unknown(tmp_path: Path) -> None:
     csv = tmp_path / "eth_trades.csv"
     csv.write_text("ts,price,qty,side\n1700000000000,10,1,BUYER\n1700000000001,10,1,SELLER\n"

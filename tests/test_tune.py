@@ -578,3 +578,18 @@ def test_tune_columns_read_like_every_other_commands():
         columns(["Close=close"])
     with pytest.raises(TuneError, match="FIELD=COLUMN"):
         columns(["ts_event"])
+
+
+def test_tune_reads_a_market_below_zero_only_when_told(tmp_path):
+    """--signed-prices reaches tune's table reader: WTI's April 2020 bars are training data then."""
+    from streamllm.market.tune import _parser
+    from streamllm.market.tune_data import load_bars
+
+    csv = tmp_path / "cl.csv"
+    csv.write_text("Date,Open,High,Low,Close,Volume\n2020-04-17,19.87,20.29,17.31,18.27,100\n"
+                   "2020-04-20,17.73,17.85,-40.32,-37.63,247947\n2020-04-21,-14.00,13.86,-16.74,10.01,2288\n")
+    args = _parser().parse_args(["--questions", "q.toml", "--data", str(csv), "--out", "o", "--signed-prices"])
+    got = {flag: load_bars([str(csv)], instrument="CL", bar_seconds=60, columns={}, signed_prices=flag)
+           for flag in (False, args.signed_prices)}
+    assert [b.close for b in got[False]["cl.csv"]] == [18.27]
+    assert [b.close for b in got[True]["cl.csv"]] == [18.27, -37.63, 10.01]

@@ -185,7 +185,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     try:
         opts = read_options(args)
         table = TableSource(path, "bar", columns=opts.columns, time_format=opts.time_format, tz=opts.tz,
-                            instrument=spec.instrument)  # the bars' own interval, whatever the config's
+                            instrument=spec.instrument, signed_prices=opts.signed_prices)  # the bars' own interval, whatever the config's
         bars = table.events()
     except Exception as exc:  # polars/IO errors: name the file, keep the cause
         raise CalibrationError(f"cannot read bars from {path}: {exc}") from exc

@@ -113,6 +113,9 @@ def _parser() -> argparse.ArgumentParser:
                                          "(Yahoo's daily CSVs; ambiguous dates are never guessed; ISO 8601 "
                                          "tables it does not fit read as ISO)")
     p.add_argument("--tz", help="zone of bar tables' times written without one (default UTC)")
+    p.add_argument("--signed-prices", action="store_true",
+                   help="read bar tables' prices at or below zero (a futures contract or spread that went "
+                        "negative) instead of refusing those rows")
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")
     p.add_argument("--stride", type=int, default=2, help="a decision point every STRIDE bars")
     p.add_argument("--train-windows", type=int, default=16)
@@ -197,7 +200,7 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
         raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
     judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={},
-                       time_format=args.judge_time_format, tz=args.tz)
+                       time_format=args.judge_time_format, tz=args.tz, signed_prices=args.signed_prices)
     if args.synthetic_bars > 0:  # judged on the market of seed --seed + 1 (never a training one)
         judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
     for name, bars in judged.items():

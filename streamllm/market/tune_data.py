@@ -56,7 +56,8 @@ def columns(parts: list[str] | None) -> dict[str, str]:
 
 
 def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
-              columns: dict[str, str], time_format: str | None = None, tz: str | None = None) -> dict[str, list[Any]]:
+              columns: dict[str, str], time_format: str | None = None, tz: str | None = None,
+              signed_prices: bool = False) -> dict[str, list[Any]]:
     """Bars per source: a bar table is one source (at the interval its bars show); Binance captures
     become bars of `bar_seconds` per symbol."""
     from feeds.bars import bars as to_bars
@@ -78,7 +79,7 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
             else:
                 kw = {"instrument": instrument} if instrument else {}
                 bars = TableSource(path, "bar", columns=columns, time_format=time_format, tz=tz,
-                                   **kw).events()  # at its own interval
+                                   signed_prices=signed_prices, **kw).events()  # at its own interval
                 kept = [b for b in bars if lo <= b.ts_open < hi]
                 if bars and not kept:
                     raise TuneError(f"{name}: no bar in that range (the file holds "
@@ -209,7 +210,7 @@ def load_sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: 
     bar_s = float(spec.render.bar_seconds or 60)
     files = [d for d in items if not d.startswith("synthetic")]
     out = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=columns(args.columns),
-                        time_format=args.time_format, tz=args.tz)
+                        time_format=args.time_format, tz=args.tz, signed_prices=args.signed_prices)
     for d in items:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
         if d.startswith("synthetic"):
             try:
