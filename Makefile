@@ -64,7 +64,7 @@ tune: model $(OTHER_BARS) $(INDEX_BARS)
 	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --words 2 --minutes 30
 	$(BIN)/streamllm tune --questions queries/crypto.toml --data synthetic:200 --out queries/adapters/crypto \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 150 --stride 6 --train-windows 12 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --minutes 30
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
