@@ -25,7 +25,7 @@ from typing import Any
 import databento_dbn as dbn
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade
-from feeds.validate import BadValue, check_bar, error_kind
+from feeds.validate import BadValue, check_bar, error_kind, price
 from feeds.wire import ParseStats
 
 SCALE = 1e-9
@@ -139,9 +139,7 @@ class DbnSource:
     def _px(self, field_name: str, raw: int, iid: int) -> float:
         if raw == UNDEF:
             raise BadValue(field_name, "UNDEF_PRICE", "is undefined (an empty side of the book)", "undefined_price")
-        if raw <= 0 and not self.signed_prices:
-            raise BadValue(field_name, raw * SCALE, "must be a finite number > 0 (--signed-prices reads a market "
-                                                    "that goes below zero)")
+        price(field_name, raw * SCALE, self.signed_prices)
         frac = raw % 1_000_000_000
         dp = self._frac_dp.get(frac)
         if dp is None:

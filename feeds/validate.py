@@ -32,12 +32,18 @@ def positive(field: str, x: float) -> float:
     raise BadValue(field, x, "must be a finite number > 0")
 
 
-def price(field: str, x: float, signed: bool = False) -> float:
-    """A price: > 0, or with `signed` any finite number (futures that went below zero, as WTI's
-    May 2020 contract did; calendar spreads; power markets)."""
-    if signed and -INF < x < INF:
+def price(field: str, x: float, signed: bool = False, kind: str = "") -> float:
+    """A price read from a recorded file: > 0, or with `signed` (--signed-prices) any finite number
+    (futures that went below zero, as WTI's May 2020 contract did; calendar spreads; power
+    markets). The one rule for tables, DBN files and their bars."""
+    if signed:
+        if -INF < x < INF:
+            return x
+        raise BadValue(field, x, "must be a finite number", kind)
+    if 0.0 < x < INF:
         return x
-    return positive(field, x)
+    raise BadValue(field, x, "must be a finite number > 0 (--signed-prices reads a market that goes below zero)",
+                   kind)
 
 
 def nonnegative(field: str, x: float) -> float:
@@ -56,11 +62,7 @@ def check_bar(o: float, h: float, lo: float, c: float, v: float, signed: bool = 
     """Refuse a bar whose numbers cannot be: counted as `bad_bar`, naming the field. Prices are
     > 0 unless `signed` (see `price`)."""
     for name, x in (("open", o), ("high", h), ("low", lo), ("close", c)):
-        if signed and not -INF < x < INF:
-            raise BadValue(name, x, "must be a finite number", "bad_bar")
-        if not signed and not 0.0 < x < INF:
-            raise BadValue(name, x, "must be a finite number > 0 (--signed-prices reads a market that "
-                                    "goes below zero)", "bad_bar")
+        price(name, x, signed, "bad_bar")
     if not 0.0 <= v < INF:
         raise BadValue("volume", v, "must be a finite number >= 0", "bad_bar")
     if h < lo:
