@@ -219,8 +219,8 @@ class TableSource:
             try:
                 s = sides[i]
                 side = (_maker(s[1]) if isinstance(s, tuple) else side_of(s))
-                out.append(Trade(v, insts[i], ts[i], recv[i], price("price", px[i], self.signed_prices), positive("size", sz[i]),
-                                 side, i, pdp, sdp))
+                out.append(Trade(v, insts[i], ts[i], recv[i], price("price", px[i], self.signed_prices),
+                                 positive("size", sz[i]), side, i, pdp, sdp))
             except BadValue as exc:
                 self._bad(i, exc)
         return out

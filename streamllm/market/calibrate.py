@@ -184,8 +184,9 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
     try:
         opts = read_options(args)
+        # The bars' own interval, whatever the config's.
         table = TableSource(path, "bar", columns=opts.columns, time_format=opts.time_format, tz=opts.tz,
-                            instrument=spec.instrument, signed_prices=opts.signed_prices)  # the bars' own interval, whatever the config's
+                            instrument=spec.instrument, signed_prices=opts.signed_prices)
         bars = table.events()
     except Exception as exc:  # polars/IO errors: name the file, keep the cause
         raise CalibrationError(f"cannot read bars from {path}: {exc}") from exc
