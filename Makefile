@@ -61,7 +61,7 @@ tune: model $(OTHER_BARS) $(INDEX_BARS)
 	    --judge-bars 150 --minutes 60
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --words 2 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --mix $(BTC_BARS) --mix-windows 8 --words 2 --minutes 30
 	$(BIN)/streamllm tune --questions queries/crypto.toml --data synthetic:200 --out queries/adapters/crypto \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 150 --stride 6 --train-windows 12 --dev-windows 3 \
 	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --minutes 30
