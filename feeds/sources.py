@@ -11,6 +11,7 @@ as asked at all (unknown format, ambiguous dates) raises ValueError naming it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,10 +118,12 @@ class _Loaded:
 
 
 def add_read_args(p: Any) -> None:
-    """--market, --columns, --time-format, --tz on an argparse parser (calibrate, bench replay, serve, inspect)."""
+    """--market, --columns, --time-format, --tz, --signed-prices on an argparse parser (calibrate, bench
+    replay, serve, inspect, tune): every command reads recorded files alike."""
     p.add_argument("--market", default="spot", choices=("spot", "usdm", "coinm"),
                    help="Binance captures: spot, USD-M or COIN-M futures (depth gap rules differ)")
-    p.add_argument("--columns", help="table columns for our fields, e.g. ts_event=time,close=Close,side=Side")
+    p.add_argument("--columns", action="append", metavar="FIELD=COLUMN[,...]",
+                   help="table columns for our fields, e.g. ts_event=time,close=Close,side=Side (repeatable)")
     p.add_argument("--time-format", help="strftime format of a text time column, e.g. '%%m/%%d/%%Y %%H:%%M'")
     p.add_argument("--tz", help="zone of times written without one (default UTC), e.g. America/New_York")
     p.add_argument("--signed-prices", action="store_true",
@@ -131,6 +134,9 @@ def add_read_args(p: Any) -> None:
 def read_options(args: Any, **kw: Any) -> ReadOptions:
     from feeds.columns import parse_columns
 
-    return ReadOptions(market=getattr(args, "market", None) or "spot", columns=parse_columns(getattr(args, "columns", None)),
+    columns = getattr(args, "columns", None)  # one string, or a list from a repeated --columns
+    opts = ReadOptions(market=getattr(args, "market", None) or "spot",
+                       columns=parse_columns(",".join(columns) if isinstance(columns, list) else columns),
                        time_format=getattr(args, "time_format", None), tz=getattr(args, "tz", None),
-                       signed_prices=bool(getattr(args, "signed_prices", False)), **kw)
+                       signed_prices=bool(getattr(args, "signed_prices", False)))
+    return dataclasses.replace(opts, **kw)

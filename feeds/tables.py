@@ -153,7 +153,7 @@ class TableSource:
     def events(self) -> list[Any]:
         df = self._frame()
         if self.kind == "auto":
-            self.kind = guess_kind(df.columns)
+            self.kind = guess_kind([*df.columns, *self.columns])  # a mapped field is there too
         kind = KINDS[self.kind]
         if {"venue", "instrument", "ts_event", "ts_recv"} <= set(df.columns):
             try:

@@ -566,30 +566,106 @@ def test_tune_refuses_sessions_that_write_different_lines(tiny_model, tmp_path, 
     assert not (tmp_path / "out" / "head.safetensors").exists()
 
 
-def test_tune_columns_read_like_every_other_commands():
-    """tune's --columns takes space-separated pairs, each also comma-separated (as calibrate's and
-    serve's), through the one parser: an unknown field is refused by name, not read as nothing."""
-    from streamllm.market.tune_data import TuneError, columns
+def test_tune_takes_every_commands_read_flags():
+    """tune reads files with the flags calibrate, serve, inspect and bench replay take (one parser):
+    --columns comma-separated and repeatable, an unknown field refused by name, not read as nothing."""
+    from streamllm.market.tune import _parser
+    from streamllm.market.tune_data import TuneError, read_opts
 
-    assert columns(["ts_event=Date", "close=Close"]) == columns(["ts_event=Date,close=Close"]) == {
-        "ts_event": "Date", "close": "Close"}
-    assert columns(None) == {}
+    base = ["--questions", "q.toml", "--data", "x.csv", "--out", "o"]
+    args = _parser().parse_args([*base, "--columns", "ts_event=Date,close=Close", "--columns", "volume=Vol",
+                                 "--market", "usdm", "--tz", "America/New_York"])
+    opts = read_opts(args, instrument="ES")
+    assert dict(opts.columns) == {"ts_event": "Date", "close": "Close", "volume": "Vol"}
+    assert (opts.market, opts.tz, opts.instrument) == ("usdm", "America/New_York", "ES")
+    assert read_opts(_parser().parse_args(base)).columns == {}
     with pytest.raises(TuneError, match="unknown field 'Close'"):
-        columns(["Close=close"])
+        read_opts(_parser().parse_args([*base, "--columns", "Close=close"]))
     with pytest.raises(TuneError, match="FIELD=COLUMN"):
-        columns(["ts_event"])
+        read_opts(_parser().parse_args([*base, "--columns", "ts_event"]))
+
+
+def _dbn_ohlcv(path: Path, rows: int) -> Path:
+    """write_bars' zig-zag as Databento OHLCV-1m, written with databento-dbn's own encoder."""
+    dbn = pytest.importorskip("databento_dbn", reason="databento-dbn not installed")
+    from types import SimpleNamespace as NS
+
+    t0, px = 1_700_000_040_000_000_000, 1_000_000_000
+    day = dt.date(2023, 11, 14)
+    meta = dbn.Metadata(dataset="GLBX.MDP3", start=t0, stype_in=dbn.SType.RAW_SYMBOL,
+                        stype_out=dbn.SType.INSTRUMENT_ID, schema=dbn.Schema.OHLCV_1M, symbols=["ESZ3"],
+                        end=t0 + rows * 60 * 10**9,
+                        mappings=[NS(raw_symbol="ESZ3", intervals=[NS(start_date=day, end_date=day + dt.timedelta(days=2),
+                                                                      symbol="123")])]).encode()
+    recs, close = [], 4500.0
+    for i in range(rows):
+        step = (3.0 if (i // 4) % 2 == 0 else -2.0) + (i % 3 - 1) * 0.5
+        open_, close = close, close + step
+        recs.append(dbn.OHLCVMsg(dbn.RType.OHLCV_1M, 1, 123, t0 + i * 60 * 10**9, int(open_ * px),
+                                 int((max(open_, close) + 0.5) * px), int((min(open_, close) - 0.5) * px),
+                                 int(close * px), 1000 + 37 * (i % 7)))
+    path.write_bytes(meta + b"".join(bytes(r) for r in recs))
+    return path
+
+
+def test_tune_reads_dbn_bars_trade_tables_and_mapped_columns(tmp_path):
+    """tune's files open as every command's do (feeds.sources.open_source): Databento OHLCV bars, a
+    trades table made into bars of the session's interval, a bar table whose columns --columns names;
+    a file with nothing to make bars of is refused by name."""
+    from feeds.sources import ReadOptions
+    from streamllm.market.tune_data import TuneError, load_bars
+
+    got = load_bars([str(_dbn_ohlcv(tmp_path / "es.ohlcv-1m.dbn", 50))], opts=ReadOptions(instrument="ES"),
+                    bar_seconds=60)
+    (bars,) = got.values()
+    assert list(got) == ["es.ohlcv-1m.dbn"] and len(bars) == 50 and bars[0].open == 4500.0
+    assert bars[0].interval_ns == 60 * 10**9 and bars[-1].ts_open - bars[0].ts_open == 49 * 60 * 10**9
+    trades = tmp_path / "trades.csv"
+    trades.write_text("timestamp,price,size,side\n" + "".join(
+        f"2024-01-02 10:{i // 6:02d}:{i % 6 * 10:02d},{100 + (i % 5) * 0.5},{1 + i % 3},{'buy' if i % 2 else 'sell'}\n"
+        for i in range(60)))
+    got = load_bars([str(trades)], opts=ReadOptions(instrument="TEST"), bar_seconds=60)
+    assert list(got) == ["trades.csv:TEST"] and len(got["trades.csv:TEST"]) == 10
+    assert got["trades.csv:TEST"][0].volume == sum(1 + i % 3 for i in range(6))
+    odd = tmp_path / "odd.csv"
+    odd.write_text("t,o,h,l,c,vol\n" + "".join(f"2024-01-02 10:{i:02d}:00,{100 + i},{101 + i},{99 + i},{100.5 + i},5\n"
+                                                for i in range(30)))
+    mapped = ReadOptions(instrument="TEST", columns={"ts_event": "t", "open": "o", "high": "h", "low": "l",
+                                                      "close": "c", "volume": "vol"})
+    assert [b.close for b in load_bars([str(odd)], opts=mapped, bar_seconds=60)["odd.csv"]][:2] == [100.5, 101.5]
+    quotes = tmp_path / "quotes.csv"
+    quotes.write_text("timestamp,bid,ask,bid_size,ask_size\n2024-01-02 10:00:00,99.5,100.5,1,1\n")
+    with pytest.raises(TuneError, match="quotes.csv: no bars or trades to make bars of .it holds quotes"):
+        load_bars([str(quotes)], opts=ReadOptions(), bar_seconds=60)
+
+
+def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch):
+    """--data takes a DBN file end to end: windows cut from its bars, heads written, the card naming it."""
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    dbn_file = _dbn_ohlcv(tmp_path / "es.ohlcv-1m.dbn", 400)
+    argv = ["--questions", str(config), "--data", str(dbn_file), "--out", str(tmp_path / "out"), "--model", "tiny",
+            "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "2", "--dev-windows", "1",
+            "--later-windows", "1", "--synthetic-bars", "0", "--no-progress"]
+    assert cli_main(argv) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert card["data"] == [str(dbn_file)] and card["questions"]["trend"]["judged"]["later"]["samples"] > 0
+    assert all("es.ohlcv-1m.dbn" in w for w in card["windows"]["train"])
 
 
 def test_tune_reads_a_market_below_zero_only_when_told(tmp_path):
     """--signed-prices reaches tune's table reader: WTI's April 2020 bars are training data then."""
     from streamllm.market.tune import _parser
-    from streamllm.market.tune_data import load_bars
+    from streamllm.market.tune_data import load_bars, read_opts
 
     csv = tmp_path / "cl.csv"
     csv.write_text("Date,Open,High,Low,Close,Volume\n2020-04-17,19.87,20.29,17.31,18.27,100\n"
                    "2020-04-20,17.73,17.85,-40.32,-37.63,247947\n2020-04-21,-14.00,13.86,-16.74,10.01,2288\n")
-    args = _parser().parse_args(["--questions", "q.toml", "--data", str(csv), "--out", "o", "--signed-prices"])
-    got = {flag: load_bars([str(csv)], instrument="CL", bar_seconds=60, columns={}, signed_prices=flag)
-           for flag in (False, args.signed_prices)}
-    assert [b.close for b in got[False]["cl.csv"]] == [18.27]
-    assert [b.close for b in got[True]["cl.csv"]] == [18.27, -37.63, 10.01]
+    base = ["--questions", "q.toml", "--data", str(csv), "--out", "o"]
+    got = {flag: load_bars([str(csv)], opts=read_opts(_parser().parse_args([*base, *flag]), instrument="CL"), bar_seconds=60)
+           for flag in ((), ("--signed-prices",))}
+    assert [b.close for b in got[()]["cl.csv"]] == [18.27]
+    assert [b.close for b in got[("--signed-prices",)]["cl.csv"]] == [18.27, -37.63, 10.01]

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from feeds.sources import add_read_args
 from streamllm.config import ConfigError, SessionSpec, load_config
 from streamllm.market.card import card_markdown
 from streamllm.market.tune_data import (
@@ -52,6 +53,7 @@ from streamllm.market.tune_data import (
     load_bars,
     load_sources,
     plan_windows,
+    read_opts,
     spread,
     synthetic_bars,
 )
@@ -107,15 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="reuse the states already extracted under OUT/states")
     p.add_argument("--target-precision", type=float, default=0.9)
-    p.add_argument("--columns", nargs="*", help="FIELD=COLUMN for bar tables whose columns are named otherwise "
-                   "(space- or comma-separated, e.g. ts_event=time,close=Close)")
-    p.add_argument("--time-format", help="strftime format of --data/--mix tables' text times, e.g. '%%m/%%d/%%Y' "
-                                         "(Yahoo's daily CSVs; ambiguous dates are never guessed; ISO 8601 "
-                                         "tables it does not fit read as ISO)")
-    p.add_argument("--tz", help="zone of bar tables' times written without one (default UTC)")
-    p.add_argument("--signed-prices", action="store_true",
-                   help="read bar tables' prices at or below zero (a futures contract or spread that went "
-                        "negative) instead of refusing those rows")
+    add_read_args(p)  # --market, --columns, --time-format, --tz, --signed-prices: as every command reads files
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")
     p.add_argument("--stride", type=int, default=2, help="a decision point every STRIDE bars")
     p.add_argument("--train-windows", type=int, default=16)
@@ -199,8 +193,9 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     sources.update(mixed)
     if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
         raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
-    judged = load_bars(args.judge, instrument=None, bar_seconds=args.judge_bar_seconds or bar_s, columns={},
-                       time_format=args.judge_time_format, tz=args.tz, signed_prices=args.signed_prices)
+    # --judge files are other markets: their own column names, their own --judge-time-format
+    judged = load_bars(args.judge, opts=read_opts(args, columns={}, time_format=args.judge_time_format),
+                       bar_seconds=args.judge_bar_seconds or bar_s)
     if args.synthetic_bars > 0:  # judged on the market of seed --seed + 1 (never a training one)
         judged.update(synthetic_bars(args.seed + 1, args.synthetic_bars, bar_s))
     for name, bars in judged.items():

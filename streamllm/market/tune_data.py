@@ -41,28 +41,24 @@ class WindowPlan:
         return f"{self.set}-{stem}-{self.start}-{self.bars}"
 
 
-def columns(parts: list[str] | None) -> dict[str, str]:
-    """--columns as tune takes it (space-separated, each part also comma-separated, as calibrate's and
-    serve's --columns): one parser, so every command refuses the same unknown fields."""
-    from feeds.columns import parse_columns
+def read_opts(args: argparse.Namespace, **kw: Any) -> Any:
+    """The shared read flags (feeds.sources.add_read_args) as ReadOptions; a bad --columns is a TuneError."""
+    from feeds.sources import read_options
 
-    out: dict[str, str] = {}
-    for part in parts or []:
-        try:
-            out.update(parse_columns(part))
-        except ValueError as e:
-            raise TuneError(str(e)) from None
-    return out
+    try:
+        return read_options(args, **kw)
+    except ValueError as exc:
+        raise TuneError(str(exc)) from None
 
 
-def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
-              columns: dict[str, str], time_format: str | None = None, tz: str | None = None,
-              signed_prices: bool = False) -> dict[str, list[Any]]:
-    """Bars per source: a bar table is one source (at the interval its bars show); Binance captures
-    become bars of `bar_seconds` per symbol."""
+def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, list[Any]]:
+    """Bars per source, each file read by feeds.sources.open_source as every other command reads it
+    (`opts`: its ReadOptions). A file's own bars (bar tables, DBN OHLCV) are one source per instrument,
+    at the interval they show; trades (Binance captures, trade tables, DBN trades) become bars of
+    `bar_seconds` per symbol, a symbol's captures merged into one source."""
     from feeds.bars import bars as to_bars
-    from feeds.events import Trade
-    from feeds.sources import CaptureSource, TableSource, file_format
+    from feeds.events import Bar, Trade
+    from feeds.sources import TableSource, file_format, open_source
 
     out: dict[str, list[Any]] = {}
     trades: dict[str, list[Any]] = {}
@@ -72,25 +68,35 @@ def load_bars(paths: list[str], *, instrument: str | None, bar_seconds: float,
         if not path.is_file():
             raise TuneError(f"data file {path} does not exist")
         try:
-            if file_format(path) == "capture":
-                for ev in CaptureSource(path):
-                    if isinstance(ev, Trade) and lo <= ev.ts_event < hi:
-                        trades.setdefault(ev.instrument, []).append(ev)
-            else:
-                kw = {"instrument": instrument} if instrument else {}
-                bars = TableSource(path, "bar", columns=columns, time_format=time_format, tz=tz,
-                                   signed_prices=signed_prices, **kw).events()  # at its own interval
-                kept = [b for b in bars if lo <= b.ts_open < hi]
-                if bars and not kept:
-                    raise TuneError(f"{name}: no bar in that range (the file holds "
-                                    f"{_day(bars[0].ts_open)} to {_day(bars[-1].ts_open)})")
-                out[path.name + name[len(file):]] = kept
+            src = open_source(path, opts)
+            events = src.events() if isinstance(src, TableSource) else list(src)
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
-    for symbol, events in trades.items():
+        own: dict[str, list[Any]] = {}
+        for ev in events:
+            if isinstance(ev, Bar):
+                own.setdefault(ev.instrument, []).append(ev)
+            elif isinstance(ev, Trade) and lo <= ev.ts_event < hi:
+                group = f"capture:{ev.instrument}" if file_format(path) == "capture" else f"{path.name}:{ev.instrument}"
+                trades.setdefault(group, []).append(ev)
+        if not own and not any(isinstance(ev, Trade) for ev in events):
+            raise TuneError(f"{path}: no bars or trades to make bars of (it holds {_kinds(events)})")
+        for inst, bars in own.items():
+            kept = [b for b in bars if lo <= b.ts_open < hi]
+            if not kept:
+                raise TuneError(f"{name}: no bar in that range (the file holds "
+                                f"{_day(bars[0].ts_open)} to {_day(bars[-1].ts_open)})")
+            # one instrument keeps the file's name (and so its windows' checkpointed states)
+            out[path.name + name[len(file):] + (f":{inst}" if len(own) > 1 else "")] = kept
+    for group, events in trades.items():
         events.sort(key=lambda t: t.ts_event)
-        out[f"capture:{symbol}"] = list(to_bars(events, bar_seconds))
+        out[group] = list(to_bars(events, bar_seconds))
     return out
+
+
+def _kinds(events: list[Any]) -> str:
+    kinds = sorted({type(ev).__name__.lower() + "s" for ev in events})
+    return ", ".join(kinds) if kinds else "no events"
 
 
 def time_range(item: str) -> tuple[str, int, int]:
@@ -209,8 +215,7 @@ def load_sources(args: argparse.Namespace, spec: SessionSpec, flag: str, items: 
     takes every instrument it has (other price levels are what mixing is for)."""
     bar_s = float(spec.render.bar_seconds or 60)
     files = [d for d in items if not d.startswith("synthetic")]
-    out = load_bars(files, instrument=spec.instrument, bar_seconds=bar_s, columns=columns(args.columns),
-                        time_format=args.time_format, tz=args.tz, signed_prices=args.signed_prices)
+    out = load_bars(files, opts=read_opts(args, instrument=spec.instrument), bar_seconds=bar_s)
     for d in items:  # "synthetic:SEED": the seeded synthetic market's bars for the session's instrument
         if d.startswith("synthetic"):
             try:
