@@ -173,6 +173,30 @@ def test_clear_errors(setup, capsys):
     assert "--warmup 60" in err
 
 
+def test_files_are_read_as_every_command_reads_them(setup, tiny_model, capsys):
+    """calibrate reads files as tune does (tune_data.load_bars): of a table with several instruments the
+    session's bars, never the two interleaved; trades as bars of the session's interval; an instrument
+    the file lacks is refused by name."""
+    rows = setup["data"].read_text().splitlines()
+    two = setup["dir"] / "two.csv"
+    two.write_text(f"symbol,{rows[0]}\n" + "".join(f"{s},{r}\n" for r in rows[1:] for s in ("OTHER", "TEST")))
+    run, _, _ = calibrate(_parser().parse_args(args_for({**setup, "data": two}, "--warmup", "0")), model=tiny_model)
+    assert run.updates == 60
+    trades = setup["dir"] / "trades.csv"
+    trades.write_text("timestamp,price,size\n" + "".join(
+        f"2024-01-02 10:{i // 6:02d}:{i % 6 * 10:02d},{100 + (i % 5) * 0.5 + (i // 6)},{1 + i % 3}\n"
+        for i in range(6 * 30)))
+    minutes = setup["dir"] / "minutes.toml"
+    minutes.write_text(setup["config"].read_text() + '[sessions.render]\nmode = "bars"\nbar_seconds = 60\n')
+    run, reports, _ = calibrate(_parser().parse_args(args_for({**setup, "config": minutes, "data": trades},
+                                                              "--warmup", "0")), model=tiny_model)
+    assert run.updates == 30 and reports[0].samples == 30 - 4  # trend_up(n=5) from the 5th one-minute bar
+    other = setup["dir"] / "other.toml"
+    other.write_text(CONFIG.format(name="test", max_context=4096).replace('instrument = "TEST"', 'instrument = "NOPE"'))
+    err = _error(capsys, args_for({**setup, "config": other, "data": two}))
+    assert "two.csv holds two.csv:OTHER, two.csv:TEST" in err and "'NOPE' is not one of them" in err
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not SHARED_BARS.is_file(), reason="../shared/data is absent")
 def test_real_model_on_30_bars(tmp_path):

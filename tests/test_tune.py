@@ -627,6 +627,12 @@ def test_tune_reads_dbn_bars_trade_tables_and_mapped_columns(tmp_path):
     got = load_bars([str(trades)], opts=ReadOptions(instrument="TEST"), bar_seconds=60)
     assert list(got) == ["trades.csv:TEST"] and len(got["trades.csv:TEST"]) == 10
     assert got["trades.csv:TEST"][0].volume == sum(1 + i % 3 for i in range(6))
+    halves = load_bars([f"{trades}@..2024-01-02T10:05", f"{trades}@2024-01-02T10:05.."],
+                       opts=ReadOptions(instrument="TEST"), bar_seconds=60)
+    assert {k: len(v) for k, v in halves.items()} == {"trades.csv@..2024-01-02T10:05:TEST": 5,
+                                                      "trades.csv@2024-01-02T10:05..:TEST": 5}
+    with pytest.raises(TuneError, match="no trade in that range .the file holds 2024-01-02 to 2024-01-02"):
+        load_bars([f"{trades}@2025-01-01.."], opts=ReadOptions(instrument="TEST"), bar_seconds=60)
     odd = tmp_path / "odd.csv"
     odd.write_text("t,o,h,l,c,vol\n" + "".join(f"2024-01-02 10:{i:02d}:00,{100 + i},{101 + i},{99 + i},{100.5 + i},5\n"
                                                 for i in range(30)))

@@ -154,6 +154,17 @@ def _pick_session(config: Any, name: str | None) -> SessionSpec:
     return spec
 
 
+def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path) -> list[Any]:
+    """The bars calibration replays: the file's only instrument, or the session's among several."""
+    if len(sources) == 1:
+        return next(iter(sources.values()))
+    mine = [name for name in sources if name.rpartition(":")[2] == spec.instrument]
+    if len(mine) == 1:
+        return sources[mine[0]]
+    raise CalibrationError(f"{path} holds {', '.join(sorted(sources))}; calibration replays one instrument and "
+                           f"the session's {spec.instrument!r} is not one of them (set the session's instrument)")
+
+
 def _data_path(spec: SessionSpec, data: str | None) -> Path:
     if data is not None:
         path = Path(data)
@@ -168,10 +179,11 @@ def _data_path(spec: SessionSpec, data: str | None) -> Path:
 
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
-    from feeds.sources import TableSource, read_options
+    from feeds.sources import read_options
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
+    from streamllm.market.tune_data import load_bars
     from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
 
@@ -182,21 +194,14 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     path = _data_path(spec, args.data)
     if spec.render.mode != "bars":
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
-    try:
-        opts = read_options(args)
-        # The bars' own interval, whatever the config's.
-        table = TableSource(path, "bar", columns=opts.columns, time_format=opts.time_format, tz=opts.tz,
-                            instrument=spec.instrument, signed_prices=opts.signed_prices)
-        bars = table.events()
-    except Exception as exc:  # polars/IO errors: name the file, keep the cause
-        raise CalibrationError(f"cannot read bars from {path}: {exc}") from exc
-    for note in table.notes:
-        print(f"note: {note}")
-    if table.stats.errors:
-        print(f"{path}: {table.stats.errors} rows left out ({table.stats.error_kinds}), e.g. "
-              f"{table.stats.error_samples[0]}", file=sys.stderr)
+    try:  # as every command reads files: bar tables, DBN OHLCV at their own interval; trades as session bars
+        sources = load_bars([str(path)], opts=read_options(args, instrument=spec.instrument),
+                            bar_seconds=float(spec.render.bar_seconds or 60))
+    except ValueError as exc:
+        raise CalibrationError(str(exc)) from None
+    bars = _one_instrument(sources, spec, path)
     if not bars:
-        raise CalibrationError(f"{path}: no usable bars ({table.stats.errors} rows refused)")
+        raise CalibrationError(f"{path}: no usable bars")
     if not 0 <= args.start < len(bars):
         raise CalibrationError(f"--start {args.start} is outside the file's {len(bars)} bars")
     bars = bars[args.start:]

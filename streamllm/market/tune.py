@@ -16,8 +16,11 @@ Time split, per data file (no window straddles a boundary):
            fit the heads                            L2, threshold    judged only
     --mix: |- train windows anywhere -|      (more markets, for training only: never judged on)
 
-Judged as well on other instruments (`--judge` files: Binance captures or bar tables,
-rendered into bars as the configs do) and on synthetic regimes (feeds/synthetic.py).
+Files are read as every command reads them (feeds/sources.open_source, the shared read
+flags): bar tables and Databento OHLCV at their own interval, trades (tables, DBN,
+captures) as bars of the session's interval. Judged as well on other instruments
+(`--judge` files, rendered into bars as the configs do) and on synthetic regimes
+(feeds/synthetic.py).
 Every extracted window is checkpointed under OUT/states; `--resume` reuses them.
 Writes OUT/head.safetensors (KBs), OUT/card.json and OUT/card.md.
 
@@ -84,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
     p.add_argument("--data", nargs="+", required=True,
-                   help="bar tables (CSV/Parquet) to train and validate on, or synthetic:SEED (feeds/synthetic.py); "
+                   help="files to train and validate on (bar or trade tables, Databento DBN, captures: read as inspect "
+                        "reads them), or synthetic:SEED (feeds/synthetic.py); "
                         "PATH@FROM..TO keeps the bars opening in that range (ISO dates, UTC; either end optional)")
     p.add_argument("--mix", nargs="+", default=[], metavar="DATA",
                    help="more markets for training only, as --data (e.g. synthetic:7 synthetic:8 "
@@ -115,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-windows", type=int, default=16)
     p.add_argument("--dev-windows", type=int, default=3)
     p.add_argument("--later-windows", type=int, default=4)
-    p.add_argument("--judge", nargs="*", default=[], help="other instruments: Binance captures (.gz) or bar tables (as --data, PATH@FROM..TO too)")
+    p.add_argument("--judge", nargs="*", default=[], help="other instruments, never trained on: files as --data (PATH@FROM..TO too)")
     p.add_argument("--judge-bar-seconds", type=float, help="bar interval for --judge captures (default: the session's; "
                                                            "bar tables keep their own)")
     p.add_argument("--judge-time-format", help="as --time-format, for --judge tables")

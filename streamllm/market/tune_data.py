@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,22 +73,29 @@ def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, l
             events = src.events() if isinstance(src, TableSource) else list(src)
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
-        own: dict[str, list[Any]] = {}
+        for note in getattr(src, "notes", ()):
+            print(f"note: {note}", file=sys.stderr)
+        if src.stats.errors:  # rows or records the reader refused: said, never silently dropped
+            print(f"{path}: {src.stats.errors} left out ({src.stats.error_kinds}), e.g. {src.stats.error_samples[0]}",
+                  file=sys.stderr)
+        own: dict[str, list[Any]] = {}  # this file's bars and trades, by instrument
         for ev in events:
-            if isinstance(ev, Bar):
+            if isinstance(ev, Bar | Trade):
                 own.setdefault(ev.instrument, []).append(ev)
-            elif isinstance(ev, Trade) and lo <= ev.ts_event < hi:
-                group = f"capture:{ev.instrument}" if file_format(path) == "capture" else f"{path.name}:{ev.instrument}"
-                trades.setdefault(group, []).append(ev)
-        if not own and not any(isinstance(ev, Trade) for ev in events):
+        if not own:
             raise TuneError(f"{path}: no bars or trades to make bars of (it holds {_kinds(events)})")
-        for inst, bars in own.items():
-            kept = [b for b in bars if lo <= b.ts_open < hi]
+        label = path.name + name[len(file):]
+        for inst, evs in own.items():
+            kept = [e for e in evs if lo <= (e.ts_open if isinstance(e, Bar) else e.ts_event) < hi]
             if not kept:
-                raise TuneError(f"{name}: no bar in that range (the file holds "
-                                f"{_day(bars[0].ts_open)} to {_day(bars[-1].ts_open)})")
-            # one instrument keeps the file's name (and so its windows' checkpointed states)
-            out[path.name + name[len(file):] + (f":{inst}" if len(own) > 1 else "")] = kept
+                first, last = (e.ts_open if isinstance(e, Bar) else e.ts_event for e in (evs[0], evs[-1]))
+                what = ("bar" if isinstance(evs[0], Bar) else "trade") + (f" of {inst}" if len(own) > 1 else "")
+                raise TuneError(f"{name}: no {what} in that range (the file holds {_day(first)} to {_day(last)})")
+            if isinstance(kept[0], Bar):  # one instrument keeps the file's name (and its windows' saved states)
+                out[label + (f":{inst}" if len(own) > 1 else "")] = [e for e in kept if isinstance(e, Bar)]
+            else:  # trades: a symbol's captures are one source, as they were recorded
+                group = f"capture:{inst}" if file_format(path) == "capture" else f"{label}:{inst}"
+                trades.setdefault(group, []).extend(e for e in kept if isinstance(e, Trade))
     for group, events in trades.items():
         events.sort(key=lambda t: t.ts_event)
         out[group] = list(to_bars(events, bar_seconds))
