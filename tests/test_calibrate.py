@@ -191,6 +191,12 @@ def test_files_are_read_as_every_command_reads_them(setup, tiny_model, capsys):
     run, reports, _ = calibrate(_parser().parse_args(args_for({**setup, "config": minutes, "data": trades},
                                                               "--warmup", "0")), model=tiny_model)
     assert run.updates == 30 and reports[0].samples == 30 - 4  # trend_up(n=5) from the 5th one-minute bar
+    # PATH@FROM..TO: the bars opening in that range, as tune takes it (write_bars: 10:00 to 10:59)
+    run, _, meta = calibrate(_parser().parse_args(args_for({**setup, "data": f"{setup['data']}@2024-01-02T10:20.."},
+                                                           "--warmup", "0")), model=tiny_model)
+    assert run.updates == 40 and meta["data"].endswith("bars.csv@2024-01-02T10:20..")
+    err = _error(capsys, args_for({**setup, "data": f"{setup['data']}@2024-13-01.."}))
+    assert "'2024-13-01' is not an ISO date" in err
     other = setup["dir"] / "other.toml"
     other.write_text(CONFIG.format(name="test", max_context=4096).replace('instrument = "TEST"', 'instrument = "NOPE"'))
     err = _error(capsys, args_for({**setup, "config": other, "data": two}))

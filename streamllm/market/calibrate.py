@@ -118,7 +118,8 @@ def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm calibrate", description=__doc__.split("\n")[0])
     p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
-    p.add_argument("--data", help="bars CSV/Parquet (default: the session's csv: feed)")
+    p.add_argument("--data", help="bars or trades: a table, Databento DBN or capture (default: the session's csv: "
+                                  "feed); PATH@FROM..TO replays the bars opening in that range (ISO dates, UTC)")
     p.add_argument("--target-precision", type=float, default=0.9)
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="write the risk-coverage plot here (PNG)")
@@ -165,16 +166,23 @@ def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path
                            f"the session's {spec.instrument!r} is not one of them (set the session's instrument)")
 
 
-def _data_path(spec: SessionSpec, data: str | None) -> Path:
+def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
+    """--data as given (PATH, or PATH@FROM..TO: the bars opening in that time range) and its file."""
+    from streamllm.market.tune_data import time_range
+
     if data is not None:
-        path = Path(data)
+        try:
+            path = Path(time_range(data)[0])
+        except ValueError as exc:
+            raise CalibrationError(str(exc)) from None
     elif spec.feed.path is not None and spec.feed.kind == "csv":
         path = spec.feed.path
+        data = str(path)
     else:
         raise CalibrationError(f"session {spec.name!r} has feed {spec.feed}; pass --data BARS.csv")
     if not path.is_file():
         raise CalibrationError(f"data file {path} does not exist")
-    return path
+    return data, path
 
 
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
@@ -191,11 +199,11 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
         raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")
     config = load_config(args.questions)
     spec = _pick_session(config, args.session)
-    path = _data_path(spec, args.data)
+    data, path = _data_path(spec, args.data)
     if spec.render.mode != "bars":
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
     try:  # as every command reads files: bar tables, DBN OHLCV at their own interval; trades as session bars
-        sources = load_bars([str(path)], opts=read_options(args, instrument=spec.instrument),
+        sources = load_bars([data], opts=read_options(args, instrument=spec.instrument),
                             bar_seconds=float(spec.render.bar_seconds or 60))
     except ValueError as exc:
         raise CalibrationError(str(exc)) from None
@@ -258,7 +266,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
         run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
     finally:
         engine.shutdown()
-    meta = {"config": str(args.questions), "data": str(path), "target_precision": args.target_precision,
+    meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
             "start": args.start, "adapter": adapter, "adapter_id": engine.adapter_id}
     return run, [summarize(r, args.target_precision) for r in run.records], meta
 
