@@ -302,8 +302,23 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     adapter = load_adapter(tmp_path / "out")
     assert [h.question_id for h in adapter.heads] == ["trend", "sma"] and adapter.model == "tiny"
     assert (tmp_path / "out" / "card.md").read_text().startswith("# Choice heads")
+    first = card["extract_minutes_all_windows"]
+    assert first > 0 and card["windows_untimed"] == 0
     assert cli_main([*argv, "--resume"]) == 0  # every window comes from its checkpoint
-    assert json.loads((tmp_path / "out" / "card.json").read_text())["tokens_extracted"] == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    # a resumed card still says what extracting every window cost, from the checkpoints' own times
+    assert card["tokens_extracted"] == 0 and card["extract_minutes_all_windows"] == first
+    assert f"{first} min extracting" in (tmp_path / "out" / "card.md").read_text()
+    saved = sorted((tmp_path / "out" / "states").glob("*.pt"))
+    for f in saved:  # checkpoints from before times were kept
+        d = torch.load(f)
+        del d["seconds"]
+        torch.save(d, f)
+    assert cli_main([*argv, "--resume"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert card["extract_minutes_all_windows"] == 0 and card["windows_untimed"] == len(saved) > 0
+    assert (f"not counting {len(saved)} windows checkpointed before times were kept"
+            in (tmp_path / "out" / "card.md").read_text())
     # Lines in basis points are other states: a resume under the changed config extracts them anew.
     config.write_text(CONFIG.replace('system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER))
     assert cli_main([*argv, "--resume"]) == 0

@@ -35,8 +35,13 @@ def _intro(card: dict[str, Any]) -> list[str]:
                 f"margin reaching precision {card['target_precision']} on the dev range (none: never on at least 10 "
                 "fired samples). Base model: the same rule on the unadapted model, its own dev threshold. Questions "
                 "named adhoc_* were never trained on: they show whether the model stayed general.", ""]
+    every = f"{card['tokens_all_windows']} tokens"
+    if "extract_minutes_all_windows" in card:  # what extracting them all cost, as each checkpoint recorded it
+        untimed = card.get("windows_untimed", 0)
+        every += f", {card['extract_minutes_all_windows']} min extracting" + (
+            f" (not counting {untimed} windows checkpointed before times were kept)" if untimed else "")
     run = (f"This run: {card['minutes']} min ({card['extract_minutes']} extracting {card['tokens_extracted']} "
-           f"tokens; all windows, resumed ones included: {card['tokens_all_windows']} tokens)")
+           f"tokens; all windows, resumed ones included: {every})")
     gate = (f"Gate threshold: the head's margin reaching precision {card['target_precision']} on the dev range "
             "(none: it never did on at least 10 fired samples, so the gate stays closed). ECE: how far the "
             "answers' choice probabilities are from how often they were right (expected calibration error, 10 bins).")

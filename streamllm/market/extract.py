@@ -47,14 +47,16 @@ class WindowStates:
     tokens: int  # tokens computed for this window (session + branches)
     lines: torch.Tensor | None = None
     line_labels: dict[str, torch.Tensor] | None = None
+    seconds: float | None = None  # wall time the extraction took (None: a checkpoint from before it was kept)
 
     def to_dict(self) -> dict[str, Any]:
         return {"features": self.features, "labels": self.labels, "bars": self.bars, "tokens": self.tokens,
-                "lines": self.lines, "line_labels": self.line_labels}
+                "lines": self.lines, "line_labels": self.line_labels, "seconds": self.seconds}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WindowStates:
-        return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]), d.get("lines"), d.get("line_labels"))
+        return cls(d["features"], d["labels"], d["bars"], int(d["tokens"]), d.get("lines"), d.get("line_labels"),
+                   d.get("seconds"))
 
 
 def session_ids(layout: PromptLayout, prefix: list[int], lines: Sequence[str]) -> tuple[list[int], list[int]]:

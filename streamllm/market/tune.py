@@ -277,10 +277,12 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
             spent = True
             continue
         window = task.sources[plan.source][plan.start: plan.start + plan.bars]
+        started = time.perf_counter()
         try:
             states = task.extractor.extract(window, stride=args.stride)
         except ValueError as exc:  # a window longer than the session's context
             raise TuneError(f"{plan.set} window {plan.key}: {exc}; use a smaller --window") from None
+        states.seconds = time.perf_counter() - started  # kept, so a --resume'd card still says what it all cost
         torch.save(states.to_dict(), path)  # the checkpoint: --resume starts after it
         got[task.spec.name, plan] = states
         tokens += states.tokens

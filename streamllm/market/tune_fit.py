@@ -146,6 +146,8 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
                             for s in ("train", *sets)},
         "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
         "tokens_all_windows": sum(st.tokens for st in got.values()),  # this run's and --resume'd checkpoints
+        "extract_minutes_all_windows": round(sum(st.seconds or 0.0 for st in got.values()) / 60, 2),
+        "windows_untimed": sum(st.seconds is None for st in got.values()),  # checkpoints from before times were kept
         "minutes": round((time.perf_counter() - t0) / 60, 2), "extract_minutes": round(extract_s / 60, 2),
         "adapter_bytes": path.stat().st_size, "questions": report,
     }
