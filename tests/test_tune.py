@@ -660,7 +660,7 @@ def test_tune_reads_dbn_bars_trade_tables_and_mapped_columns(tmp_path):
         load_bars([str(quotes)], opts=ReadOptions(), bar_seconds=60)
 
 
-def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch):
+def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch, capsys):
     """--data takes a DBN file end to end: windows cut from its bars, heads written, the card naming it."""
     import streamllm.model.loader as loader
 
@@ -672,6 +672,9 @@ def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch):
             "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "2", "--dev-windows", "1",
             "--later-windows", "1", "--synthetic-bars", "0", "--no-progress"]
     assert cli_main(argv) == 0
+    # what the file became is said before extraction starts
+    assert "streamllm tune: session test: es.ohlcv-1m.dbn: 400 bars of 60 s, 2023-11-14 to 2023-11-15" in (
+        capsys.readouterr().err)
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     assert card["data"] == [str(dbn_file)] and card["questions"]["trend"]["judged"]["later"]["samples"] > 0
     assert all("es.ohlcv-1m.dbn" in w for w in card["windows"]["train"])

@@ -53,6 +53,7 @@ from streamllm.market.tune_data import (
     TuneError,
     Variant,
     WindowPlan,
+    describe,
     load_bars,
     load_sources,
     plan_windows,
@@ -210,6 +211,9 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
         plans += [WindowPlan("synthetic" if synthetic else "other", name, start, size)
                   for start in spread(len(bars), size, 1 if synthetic else args.judge_windows)]
     sources.update(judged)
+    for name, bars in sources.items():  # what each file became, before minutes of extraction
+        if not name.startswith("synthetic"):  # a synthetic market is its seed
+            print(f"streamllm tune: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     return Task(spec, questions, sources, plans)
 
 

@@ -129,6 +129,14 @@ def time_range(item: str) -> tuple[str, int, int]:
     return path, ends[0], ends[1]
 
 
+def describe(name: str, bars: list[Any]) -> str:
+    """One line of what a source became: 'btc.csv: 44,640 bars of 60 s, 2022-01-01 to 2022-01-31'."""
+    if not bars:
+        return f"{name}: no bars"
+    return (f"{name}: {len(bars):,} bars of {bars[0].interval_ns / 1e9:g} s, {_day(bars[0].ts_open)} to "
+            f"{_day(bars[-1].ts_open)}")
+
+
 def _day(ns: int) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).date().isoformat()
 
