@@ -182,6 +182,7 @@ def test_files_are_read_as_every_command_reads_them(setup, tiny_model, capsys):
     two.write_text(f"symbol,{rows[0]}\n" + "".join(f"{s},{r}\n" for r in rows[1:] for s in ("OTHER", "TEST")))
     run, _, _ = calibrate(_parser().parse_args(args_for({**setup, "data": two}, "--warmup", "0")), model=tiny_model)
     assert run.updates == 60
+    assert "session test: two.csv:TEST: 60 bars of 60 s, 2024-01-02 to 2024-01-02" in capsys.readouterr().err
     trades = setup["dir"] / "trades.csv"
     trades.write_text("timestamp,price,size\n" + "".join(
         f"2024-01-02 10:{i // 6:02d}:{i % 6 * 10:02d},{100 + (i % 5) * 0.5 + (i // 6)},{1 + i % 3}\n"

@@ -191,7 +191,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
-    from streamllm.market.tune_data import load_bars
+    from streamllm.market.tune_data import describe, load_bars
     from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
 
@@ -208,6 +208,8 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     except ValueError as exc:
         raise CalibrationError(str(exc)) from None
     bars = _one_instrument(sources, spec, path)
+    name = next(n for n, b in sources.items() if b is bars)
+    print(f"streamllm calibrate: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars")
     if not 0 <= args.start < len(bars):
