@@ -155,13 +155,11 @@ def _pick_session(config: Any, name: str | None) -> SessionSpec:
     return spec
 
 
-def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path) -> list[Any]:
-    """The bars calibration replays: the file's only instrument, or the session's among several."""
-    if len(sources) == 1:
-        return next(iter(sources.values()))
-    mine = [name for name in sources if name.rpartition(":")[2] == spec.instrument]
+def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path) -> tuple[str, list[Any]]:
+    """The source calibration replays (name, bars): the file's only instrument, or the session's among several."""
+    mine = list(sources) if len(sources) == 1 else [n for n in sources if n.rpartition(":")[2] == spec.instrument]
     if len(mine) == 1:
-        return sources[mine[0]]
+        return mine[0], sources[mine[0]]
     raise CalibrationError(f"{path} holds {', '.join(sorted(sources))}; calibration replays one instrument and "
                            f"the session's {spec.instrument!r} is not one of them (set the session's instrument)")
 
@@ -207,8 +205,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
                             bar_seconds=float(spec.render.bar_seconds or 60))
     except ValueError as exc:
         raise CalibrationError(str(exc)) from None
-    bars = _one_instrument(sources, spec, path)
-    name = next(n for n, b in sources.items() if b is bars)
+    name, bars = _one_instrument(sources, spec, path)
     print(f"streamllm calibrate: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars")

@@ -59,7 +59,7 @@ def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, l
     `bar_seconds` per symbol, a symbol's captures merged into one source."""
     from feeds.bars import bars as to_bars
     from feeds.events import Bar, Trade
-    from feeds.sources import TableSource, file_format, open_source
+    from feeds.sources import file_format, open_source
 
     out: dict[str, list[Any]] = {}
     trades: dict[str, list[Any]] = {}
@@ -70,7 +70,7 @@ def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, l
             raise TuneError(f"data file {path} does not exist")
         try:
             src = open_source(path, opts)
-            events = src.events() if isinstance(src, TableSource) else list(src)
+            events = list(src)
         except (OSError, ValueError, KeyError) as exc:
             raise TuneError(f"cannot read bars from {path}: {exc}") from exc
         for note in getattr(src, "notes", ()):
@@ -78,28 +78,37 @@ def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, l
         if src.stats.errors:  # rows or records the reader refused: said, never silently dropped
             print(f"{path}: {src.stats.errors} left out ({src.stats.error_kinds}), e.g. {src.stats.error_samples[0]}",
                   file=sys.stderr)
-        own: dict[str, list[Any]] = {}  # this file's bars and trades, by instrument
+        bars_of: dict[str, list[Any]] = {}  # this file's bars and trades, by instrument
+        trades_of: dict[str, list[Any]] = {}
         for ev in events:
-            if isinstance(ev, Bar | Trade):
-                own.setdefault(ev.instrument, []).append(ev)
-        if not own:
+            if isinstance(ev, Bar):
+                bars_of.setdefault(ev.instrument, []).append(ev)
+            elif isinstance(ev, Trade):
+                trades_of.setdefault(ev.instrument, []).append(ev)
+        if not bars_of and not trades_of:
             raise TuneError(f"{path}: no bars or trades to make bars of (it holds {_kinds(events)})")
         label = path.name + name[len(file):]
-        for inst, evs in own.items():
-            kept = [e for e in evs if lo <= (e.ts_open if isinstance(e, Bar) else e.ts_event) < hi]
-            if not kept:
-                first, last = (e.ts_open if isinstance(e, Bar) else e.ts_event for e in (evs[0], evs[-1]))
-                what = ("bar" if isinstance(evs[0], Bar) else "trade") + (f" of {inst}" if len(own) > 1 else "")
-                raise TuneError(f"{name}: no {what} in that range (the file holds {_day(first)} to {_day(last)})")
-            if isinstance(kept[0], Bar):  # one instrument keeps the file's name (and its windows' saved states)
-                out[label + (f":{inst}" if len(own) > 1 else "")] = [e for e in kept if isinstance(e, Bar)]
-            else:  # trades: a symbol's captures are one source, as they were recorded
-                group = f"capture:{inst}" if file_format(path) == "capture" else f"{label}:{inst}"
-                trades.setdefault(group, []).extend(e for e in kept if isinstance(e, Trade))
+        for inst, evs in bars_of.items():  # one instrument keeps the file's name (and its windows' saved states)
+            several = len(bars_of) > 1
+            what = "bar" + (f" of {inst}" if several else "")
+            out[label + (f":{inst}" if several else "")] = _in_range(name, what, evs, "ts_open", lo, hi)
+        for inst, evs in trades_of.items():  # a symbol's captures are one source, as they were recorded
+            group = f"capture:{inst}" if file_format(path) == "capture" else f"{label}:{inst}"
+            what = "trade" + (f" of {inst}" if len(trades_of) > 1 else "")
+            trades.setdefault(group, []).extend(_in_range(name, what, evs, "ts_event", lo, hi))
     for group, events in trades.items():
         events.sort(key=lambda t: t.ts_event)
         out[group] = list(to_bars(events, bar_seconds))
     return out
+
+
+def _in_range(name: str, what: str, events: list[Any], at: str, lo: int, hi: int) -> list[Any]:
+    """The events whose time `at` falls in [lo, hi), or an error saying what the file holds instead."""
+    kept = [e for e in events if lo <= getattr(e, at) < hi]
+    if not kept:
+        raise TuneError(f"{name}: no {what} in that range (the file holds {_day(getattr(events[0], at))} to "
+                        f"{_day(getattr(events[-1], at))})")
+    return kept
 
 
 def _kinds(events: list[Any]) -> str:
