@@ -273,7 +273,7 @@ def run_system(system: str, engine, config: QueryConfig, warm: list[Any], timed:
     warm_lines = sum(a.stats.lines_pushed for a in atts.values())
     every = args.stateless_every if system == "stateless" else 1
     bar = tqdm(total=math.ceil(len(schedule) / every), desc=f"{system} @ {speed:g}x: answered", unit="ask",
-               leave=False)
+               leave=False, disable=args.no_progress)
     if system == "ours":
         engine.wait_idle()
         asker: Any = OursAsker(engine, config, run, args.adhoc_tokens, bar)

@@ -211,7 +211,7 @@ def bench(args: argparse.Namespace, model: Any = None) -> tuple[Run, dict[str, f
     if unknown or "ours" not in systems:
         raise ValueError(f"--systems: {unknown or 'ours missing'}; choose from {', '.join(SYSTEMS)} (ours first)")
     speeds, auto = speeds_of(args)
-    loaded = model if model is not None else load_model(args.model, progress=True)
+    loaded = model if model is not None else load_model(args.model, progress=not args.no_progress)
     run = Run(model_name=loaded.name)
     # The heads `streamllm tune` made for this config, as serve would load them (the baselines answer from the LM).
     chosen = pick_adapter(args.adapter, config.adapter, loaded.name, warn=run.notes.append, config=config)
@@ -338,6 +338,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the flat metrics here (rewritten as the run goes)")
     p.add_argument("--asks-out", help="append every ask of every system run here, one JSON line each")
     p.add_argument("--out", default="report", help="folder for report.md and the PNG plots")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (a run logged to a file: the per-system summary lines stay)")
     return p
 
 

@@ -64,7 +64,8 @@ def sweep_phase(engine, config: QueryConfig, args: argparse.Namespace, lines: li
 
     source_lines = counted()
     t0 = time.perf_counter()
-    bar = tqdm(total=len(sizes), desc="context sweep (recorded lines)", unit="size", leave=False)
+    bar = tqdm(total=len(sizes), desc="context sweep (recorded lines)", unit="size", leave=False,
+               disable=args.no_progress)
     try:
         for n in sizes:
             bar.set_postfix_str(f"filling to {n} tokens")
