@@ -444,3 +444,46 @@ def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_
                                    engine.prepos.find("test", "trend").ready_hidden, atol=1e-5, rtol=1e-5)
     finally:
         engine.shutdown()
+
+
+def test_fits_over_several_orders_serve_their_mean_in_the_heads_own_format():
+    """orders=3: three fits of the chosen candidate, each its own minibatch order; the served head (rank 3R,
+    one SeriesHead) gives the mean of the three fits' logits, and the dev loss reported is its own."""
+    from streamllm.market.seriesfit import _stack
+
+    g = torch.Generator().manual_seed(2)
+
+    def window(n):
+        feats = torch.randn(n, 10, generator=g)
+        sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() for i in range(n)])
+        return feats, (sums <= 0).long()
+
+    train, dev = samples([window(40) for _ in range(8)], 6), samples([window(40) for _ in range(4)], 6)
+    states = []
+    for order in range(3):  # three fits of one candidate, as fit_series draws them
+        torch.manual_seed(order)
+        model = _Model(10, 2, 6, 2)
+        torch.nn.init.normal_(model.lags)
+        states.append({n: p.detach().clone() for n, p in model.state_dict().items()})
+    mean = torch.stack([_fitted_logits(s, dev) for s in states]).mean(0)
+    stacked = _stack(states, 2)
+    assert stacked["proj.weight"].shape == (6, 10) and stacked["lags"].shape == (2, 6, 12)
+    torch.testing.assert_close(_fitted_logits(stacked, dev), mean, atol=1e-5, rtol=1e-5)
+
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=200, orders=3, grid=(1e-2,))
+    assert fit.proj.shape == (6, 10) and fit.lags.shape == (2, 6, 12)
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, ())
+    served = float(torch.nn.functional.cross_entropy(dev.logits(head), dev.labels))
+    assert abs(served - fit.dev_loss) < 1e-4
+    assert (dev.logits(head).argmax(1) == dev.labels).float().mean() > 0.85
+    once = fit_series(train, dev, 2, k=6, rank=2, steps=200, orders=1, grid=(1e-2,))
+    assert once.proj.shape == (2, 10)
+    with pytest.raises(ValueError, match="orders"):
+        fit_series(train, dev, 2, k=6, rank=2, orders=0)
+
+
+def _fitted_logits(state, s):
+    model = _Model(state["proj.weight"].shape[1], 2, 6, state["proj.weight"].shape[0])
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(s.lines, s.index, s.mask)

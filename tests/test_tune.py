@@ -394,6 +394,32 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert not any("@" in w for s in ("dev", "later") for w in card["windows"][s])
 
 
+def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(tiny_model, tmp_path, monkeypatch):
+    """--mix-dev-windows: a --mix table gives dev windows too, none overlapping or touching one of its
+    training windows; the card reports the dev set per market."""
+    import streamllm.model.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
+    config = tmp_path / "q.toml"
+    config.write_text(CONFIG)
+    data, other = write_bars(tmp_path / "bars.csv", 600), write_bars(tmp_path / "other.csv", 800)
+    argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
+            "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "3", "--dev-windows", "2",
+            "--later-windows", "2", "--synthetic-bars", "0", "--no-progress", "--mix", str(other),
+            "--mix-windows", "5"]
+    assert cli_main([*argv, "--mix-dev-windows", "3"]) == 0
+    card = json.loads((tmp_path / "out" / "card.json").read_text())
+    slots = {s: [int(w.split("-")[-2]) // 40 for w in card["windows"][s] if "other.csv" in w] for s in ("train", "dev")}
+    assert len(slots["train"]) == 5 and len(slots["dev"]) == 3 and not any("other.csv" in w for w in card["windows"]["later"])
+    assert all(abs(d - t) > 1 for d in slots["dev"] for t in slots["train"])
+    judged = next(iter(card["questions"].values()))["judged"]
+    assert {"dev", "dev/bars.csv", "dev/other.csv"} <= set(judged)
+    assert judged["dev"]["samples"] == judged["dev/bars.csv"]["samples"] + judged["dev/other.csv"]["samples"]
+    assert cli_main([*argv, "--mix-dev-windows", "3"]) == 0  # the same windows again: drawn from the seed
+    again = json.loads((tmp_path / "out" / "card.json").read_text())
+    assert again["windows"] == card["windows"]
+
+
 def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, monkeypatch):
     """--judge-windows spreads windows over a long judged file; the card pools every other market under
     "other" and shows each on its own, so a pooled figure cannot hide one market."""

@@ -7,6 +7,12 @@ from typing import Any
 _UNITS = {"price": "price units", "bp": "basis points of the previous close"}
 
 
+def _orders(series: dict[str, Any]) -> str:
+    n = series.get("fit_orders", 1)
+    return (f"; each head the mean of {n} fits in their own minibatch orders, its features and weight decay "
+            f"chosen by their mean development loss" if n > 1 else "")
+
+
 def _line_features(series: dict[str, Any]) -> str:
     words = series.get("words") or []
     named = "".join(f", word {w}'s last token" if isinstance(w, int) else f", the {w}... word's last token"
@@ -50,7 +56,7 @@ def _intro(card: dict[str, Any]) -> list[str]:
         return [f"# Series heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
                 f"Method `series` on `{card['model']}`: per question, a readout over the session's last {se['lines']} "
                 f"lines, each line read as {_line_features(se)} of the residual stream after layer {se['tap_layer']}, "
-                f"projected to {se['rank']} numbers (plus their magnitudes) and weighed per line. Judged at "
+                f"projected to {se['rank']} numbers (plus their magnitudes) and weighed per line{_orders(se)}. Judged at "
                 f"every bar with {se['lines']} lines of history (base model: at the decision points). {run}, "
                 f"{card['fit_steps']} AdamW steps, {card['adapter_bytes']} bytes.", data, "", gate, ""]
     return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",

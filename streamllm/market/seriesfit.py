@@ -120,12 +120,31 @@ class _Model(torch.nn.Module):
         return torch.einsum("nkr,ckr->nc", g, self.lags) + self.bias
 
 
+def _stack(states: list[dict[str, torch.Tensor]], rank: int) -> dict[str, torch.Tensor]:
+    """One head whose logits are the mean of the given heads': projections stacked (rank O*R), each
+    head's lags over [z, |z|] placed by its rows, divided by O. Exactly series_logits' format."""
+    o = len(states)
+    lags = [s["lags"] for s in states]
+    return {"proj.weight": torch.cat([s["proj.weight"] for s in states]),
+            "proj.bias": torch.cat([s["proj.bias"] for s in states]),
+            "lags": torch.cat([a[..., :rank] for a in lags] + [a[..., rank:] for a in lags], -1) / o,
+            "bias": torch.stack([s["bias"] for s in states]).mean(0)}
+
+
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
-               sets: dict[str, torch.Tensor] | None = None) -> SeriesFit:
-    """sets: candidate feature sets (column masks, feature_sets()); default all columns."""
+               sets: dict[str, torch.Tensor] | None = None, orders: int = 1) -> SeriesFit:
+    """sets: candidate feature sets (column masks, feature_sets()); default all columns.
+
+    orders: fits per candidate, each from its own initial weights and minibatch order. Which 600
+    minibatches a fit draws moves its optimum about as much as a change of features does
+    (docs/tuning.md), so a candidate (features, weight decay) is chosen by its mean development loss
+    over the orders, and the head served is the mean of that candidate's fits. Order o draws the same
+    minibatches for every candidate: candidates are compared on the same draws."""
     if len(train) == 0 or len(dev) == 0:
         raise ValueError("a series head needs training and development samples")
+    if orders < 1:
+        raise ValueError(f"orders must be >= 1, got {orders}")
     width = train.lines.shape[1]
     sets = sets or {"all": torch.ones(width, dtype=torch.bool)}
     mu = train.lines.mean(0)
@@ -133,30 +152,40 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     all_lines, all_dev = (train.lines - mu) / sd, (dev.lines - mu) / sd
     ce = torch.nn.functional.cross_entropy
     train_mask, dev_mask = train.mask, dev.mask
-    best: tuple[float, float, dict, str] | None = None
+    fits: dict[tuple[str, float], list[tuple[float, dict]]] = {}
     total = 0
-    gen = torch.Generator().manual_seed(seed)
     with torch.enable_grad():
         for (name, cols), wd in itertools.product(sets.items(), grid):
             lines, dev_lines = all_lines[:, cols], all_dev[:, cols]
-            torch.manual_seed(seed)
-            model = _Model(lines.shape[1], classes, k, rank)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
-            for step in range(1, steps + 1):
-                pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
-                loss = ce(model(lines, train.index[pick], train_mask[pick]), train.labels[pick])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                total += 1
-                if step % EVAL_EVERY == 0 or step == steps:
-                    with torch.no_grad():
-                        dev_loss = float(ce(model(dev_lines, dev.index, dev_mask), dev.labels))
-                    if best is None or dev_loss < best[0]:
-                        best = (dev_loss, wd, {n: p.detach().clone() for n, p in model.state_dict().items()}, name)
-    assert best is not None
-    dev_loss, wd, state, name = best
+            for order in range(orders):
+                gen = torch.Generator().manual_seed(seed * 1009 + order)
+                torch.manual_seed(seed * 1009 + order)
+                model = _Model(lines.shape[1], classes, k, rank)
+                opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
+                best: tuple[float, dict] | None = None
+                for step in range(1, steps + 1):
+                    pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
+                    loss = ce(model(lines, train.index[pick], train_mask[pick]), train.labels[pick])
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    total += 1
+                    if step % EVAL_EVERY == 0 or step == steps:
+                        with torch.no_grad():
+                            dev_loss = float(ce(model(dev_lines, dev.index, dev_mask), dev.labels))
+                        if best is None or dev_loss < best[0]:
+                            best = (dev_loss, {n: p.detach().clone() for n, p in model.state_dict().items()})
+                assert best is not None
+                fits.setdefault((name, wd), []).append(best)
+    (name, wd), chosen = min(fits.items(), key=lambda kv: sum(loss for loss, _ in kv[1]) / len(kv[1]))
+    state = _stack([s for _, s in chosen], rank) if orders > 1 else chosen[0][1]
     cols = sets[name]
-    proj = torch.zeros(rank, width)  # unread features: zero weights
+    width_r = state["proj.weight"].shape[0]
+    proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
-    return SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, dev_loss, name)
+    fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name)
+    with torch.no_grad():  # the served head's own development loss (the mean of the fits' logits)
+        g = torch.nn.functional.linear(dev.lines, fit.proj, fit.proj_bias)
+        g = torch.cat([g, g.abs()], -1)[dev.index] * dev_mask[..., None]
+        fit.dev_loss = float(ce(torch.einsum("nkr,ckr->nc", g, fit.lags) + fit.bias, dev.labels))
+    return fit

@@ -14,7 +14,8 @@ Time split, per data file (no window straddles a boundary):
 
     bars: |------------- train (70%) -------------|-- dev (10%) --|---- later (20%) ----|
            fit the heads                            L2, threshold    judged only
-    --mix: |- train windows anywhere -|      (more markets, for training only: never judged on)
+    --mix: |- train windows anywhere -|      (more markets, for training; --mix-dev-windows: dev windows
+                                              of a table too, none touching a training one)
 
 Files are read as every command reads them (feeds/sources.open_source, the shared read
 flags): bar tables and Databento OHLCV at their own interval, trades (tables, DBN,
@@ -101,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                         "seconds apart); e.g. price=0.00003 price=0.003,bars=30,every=86400; --mix-windows each")
     p.add_argument("--mix-windows", type=int, default=4,
                    help="training windows from each --mix source (each instrument of a synthetic market)")
+    p.add_argument("--mix-dev-windows", type=int, default=0, metavar="N",
+                   help="development windows from each --mix table too (never touching its training windows): "
+                        "features, weight decay, early stopping and the gate then judge those markets as well")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
     p.add_argument("--method", choices=("series", "head", "lora"), default="series",
                    help="series: a readout per question over the last lines' states (minutes on a CPU); head: over "
@@ -132,6 +136,9 @@ def _parser() -> argparse.ArgumentParser:
     series.add_argument("--tap-layer", type=int, default=12, help="read each line's residual stream after this layer")
     series.add_argument("--lines", type=int, default=24, help="lines a head reads (at least the labels' history)")
     series.add_argument("--series-rank", type=int, default=8, help="numbers a head takes from each line")
+    series.add_argument("--fit-orders", type=int, default=3, metavar="N",
+                        help="fits per candidate, each its own minibatch order: features and weight decay chosen by "
+                             "the mean development loss, the head served the mean of the chosen fits (rank N x R)")
     series.add_argument("--words", type=_words, default=(2, "v"), metavar="I,J",
                         help="words whose last token each line's features add: an index, or a prefix for the "
                              "line's first word that starts with it (default 2,v: a bar line's change and volume, "
@@ -178,7 +185,7 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     for name, bars in sources.items():
         plans += plan_windows(name, len(bars), args.window, {"train": args.train_windows, "dev": args.dev_windows,
                                                               "later": args.later_windows}, rng)
-    # --mix: more markets for training only (never dev or later: those judge --data's own later range).
+    # --mix: more markets for training (and with --mix-dev-windows for dev; never later: that is --data's).
     mixed = load_sources(args, spec, "--mix", args.mix, args.mix_windows)
     tables = {name for name in mixed if not name.startswith("synthetic-")}
     for name, bars in list(sources.items()):  # --mix-as: --data's own training range as other markets show it
@@ -195,6 +202,8 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
         if not train:
             raise TuneError(f"--mix {name}: {len(bars)} bars hold no window of {args.window}")
         plans += train
+        if name in tables:
+            plans += _mix_dev(name, len(bars), train, args)
     sources.update(mixed)
     if not any(p.set == "train" for p in plans) or not any(p.set == "dev" for p in plans):
         raise TuneError(f"--data has too few bars for train and dev windows of {args.window} bars")
@@ -217,6 +226,24 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     return Task(spec, questions, sources, plans)
 
 
+def _mix_dev(name: str, n_bars: int, train: list[WindowPlan], args: argparse.Namespace) -> list[WindowPlan]:
+    """--mix-dev-windows: development windows from a --mix table, none overlapping one of its training
+    windows (and none touching one, where the table leaves room), so the development loss that picks
+    each head's features, weight decay and best step (and calibrates its gate) judges the other markets
+    it trains on too, not only --data's."""
+    taken = {p.start // args.window for p in train}  # training slots (windows anywhere: slot * window)
+    free = [s for s in range(n_bars // args.window) if s not in taken]
+    apart = [s for s in free if not {s - 1, s + 1} & taken]
+    draw = random.Random(f"{args.seed}:{name}:dev")
+    picks = draw.sample(apart, min(args.mix_dev_windows, len(apart)))
+    rest = [s for s in free if s not in apart]
+    picks += draw.sample(rest, min(args.mix_dev_windows - len(picks), len(rest)))
+    if len(picks) < args.mix_dev_windows:
+        print(f"streamllm tune: --mix {name}: room for {len(picks)} of --mix-dev-windows {args.mix_dev_windows} "
+              f"beside its training windows", file=sys.stderr)
+    return [WindowPlan("dev", name, s * args.window, args.window, mixed=True) for s in sorted(picks)]
+
+
 def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -225,11 +252,13 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
 
     if not 0 < args.target_precision <= 1:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
-    if args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1:
-        raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0 and --judge-windows >= 1")
-    if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.window <= args.lines):
-        raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1 and --window > --lines "
-                        f"(got {args.lines}, {args.series_rank}, {args.window})")
+    if args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1 or args.mix_dev_windows < 0:
+        raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0, --judge-windows >= 1 and "
+                        "--mix-dev-windows >= 0")
+    if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.fit_orders < 1
+                                    or args.window <= args.lines):
+        raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1 and --window > "
+                        f"--lines (got {args.lines}, {args.series_rank}, {args.fit_orders}, {args.window})")
     t0 = time.perf_counter()
     config = load_config(args.questions)
     rng = random.Random(args.seed)

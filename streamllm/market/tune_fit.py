@@ -84,7 +84,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
     train, dev = gather("train"), gather("dev")
     fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
-                     sets=feature_sets(hidden, len(args.words)))
+                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders)
     least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       math.inf, tuple(args.words), least if least < args.lines else 0)
@@ -111,6 +111,9 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     judged_sources = sorted({p.source for _, p in got if p.set == "other"})
     if len(judged_sources) > 1:  # each other market on its own too: a pooled figure can hide one
         sets[sets.index("other") + 1:sets.index("other") + 1] = [f"other/{src}" for src in judged_sources]
+    dev_sources = sorted({p.source for _, p in got if p.set == "dev"})
+    if len(dev_sources) > 1:  # --mix-dev-windows: each market the development loss judges
+        sets[1:1] = [f"dev/{src}" for src in dev_sources]
     for head_id, q, members in groups(tasks):
         if args.method == "series":
             head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
@@ -153,7 +156,7 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     }
     if args.method == "series":
         card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
-                          "words": list(args.words)}
+                          "fit_orders": args.fit_orders, "words": list(args.words)}
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     (args.out / "card.md").write_text(card_markdown(card))
     return card
