@@ -57,14 +57,14 @@ tune: model $(OTHER_BARS) $(INDEX_BARS)
 	    --judge $(CAPTURES) $(OTHER_BARS) --judge-bar-seconds 5 --judge-windows 8 --window 250 --stride 12 \
 	    --train-windows 24 --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 \
 	    $(foreach f,$(INDEX_BARS),$(f)@..2004-08-01 $(f)@2013-04-01..) --time-format '%m/%d/%Y' \
-	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 --mix-windows 3 --synthetic-bars 150 \
+	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 --mix-windows 3 --mix-dev-windows 2 --synthetic-bars 150 \
 	    --judge-bars 150 --minutes 60
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --mix $(BTC_BARS) --mix-windows 8 --words 2 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --words 2 --minutes 30
 	$(BIN)/streamllm tune --questions queries/crypto.toml --data synthetic:200 --out queries/adapters/crypto \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 150 --stride 6 --train-windows 12 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --minutes 30
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
