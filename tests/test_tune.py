@@ -394,7 +394,8 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert not any("@" in w for s in ("dev", "later") for w in card["windows"][s])
 
 
-def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(tiny_model, tmp_path, monkeypatch):
+def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(tiny_model, tmp_path, monkeypatch,
+                                                                                 capsys):
     """--mix-dev-windows: a --mix table gives dev windows too, none overlapping or touching one of its
     training windows; the card reports the dev set per market."""
     import streamllm.model.loader as loader
@@ -418,6 +419,11 @@ def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(
     assert cli_main([*argv, "--mix-dev-windows", "3"]) == 0  # the same windows again: drawn from the seed
     again = json.loads((tmp_path / "out" / "card.json").read_text())
     assert again["windows"] == card["windows"]
+    argv[argv.index(str(other))] = "synthetic:3"  # a synthetic market trains only: said, not silently nothing
+    capsys.readouterr()
+    assert cli_main([*argv, "--mix-dev-windows", "1", "--fit-orders", "1"]) == 0
+    assert "no --mix table to draw them from" in capsys.readouterr().err
+    assert cli_main([*argv, "--mix-dev-windows", "-1"]) == 2
 
 
 def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ first lines: over the newest lags only (SeriesHead.reads). Every bar of every wi
 is a sample (the features come from the session's own ingest: no branch per sample),
 so a few dozen windows give thousands. Lines are standardized on the training set
 (folded back into the saved projection), weight decay is picked by development
-log-loss, the best step by development loss (early stopping), the gate's margin
+log-loss (the mean over several minibatch orders; the head served is the mean of that
+candidate's fits), the best step by development loss (early stopping), the gate's margin
 threshold calibrated on the development range. With word features (engine/taps.py)
 the fit also tries the words alone (a head that needs only a bar's change reads only
 that, fewer weights to fit from a month of bars) and keeps whichever set the
@@ -178,14 +179,14 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
                 assert best is not None
                 fits.setdefault((name, wd), []).append(best)
     (name, wd), chosen = min(fits.items(), key=lambda kv: sum(loss for loss, _ in kv[1]) / len(kv[1]))
-    state = _stack([s for _, s in chosen], rank) if orders > 1 else chosen[0][1]
+    state = _stack([s for _, s in chosen], rank)  # one fit: itself
     cols = sets[name]
     width_r = state["proj.weight"].shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
     fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name)
-    with torch.no_grad():  # the served head's own development loss (the mean of the fits' logits)
-        g = torch.nn.functional.linear(dev.lines, fit.proj, fit.proj_bias)
-        g = torch.cat([g, g.abs()], -1)[dev.index] * dev_mask[..., None]
-        fit.dev_loss = float(ce(torch.einsum("nkr,ckr->nc", g, fit.lags) + fit.bias, dev.labels))
+    served = _Model(width, classes, k, width_r)  # the served head's own development loss, on raw features
+    served.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
+    with torch.no_grad():
+        fit.dev_loss = float(ce(served(dev.lines, dev.index, dev_mask), dev.labels))
     return fit

@@ -259,6 +259,9 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                                     or args.window <= args.lines):
         raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1 and --window > "
                         f"--lines (got {args.lines}, {args.series_rank}, {args.fit_orders}, {args.window})")
+    if args.mix_dev_windows and all(m.startswith("synthetic:") for m in args.mix):
+        print("streamllm tune: --mix-dev-windows: no --mix table to draw them from (synthetic markets and "
+              "--mix-as variants train only)", file=sys.stderr)
     t0 = time.perf_counter()
     config = load_config(args.questions)
     rng = random.Random(args.seed)
