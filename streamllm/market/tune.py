@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mix-windows", type=int, default=4,
                    help="training windows from each --mix source (each instrument of a synthetic market)")
     p.add_argument("--mix-dev-windows", type=int, default=0, metavar="N",
-                   help="development windows from each --mix table too (never touching its training windows): "
+                   help="development windows from each --mix table too (never overlapping its training windows): "
                         "features, weight decay, early stopping and the gate then judge those markets as well")
     p.add_argument("--out", type=Path, required=True, help="adapter directory to write")
     p.add_argument("--method", choices=("series", "head", "lora"), default="series",
