@@ -365,17 +365,24 @@ def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path)
     assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
 
 
-def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
-    """--mix sources train the heads and are never judged on: dev and later stay --data's own ranges."""
+def _mix_run(tiny_model, tmp_path, monkeypatch, other_bars):
+    """tune's arguments for 600 bars of --data (windows of 40: 3 train, 2 dev, 2 later) on the tiny model,
+    and a second table of `other_bars` bars to --mix."""
     import streamllm.model.loader as loader
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)
-    data, other = write_bars(tmp_path / "bars.csv", 600), write_bars(tmp_path / "other.csv", 300)
+    data, other = write_bars(tmp_path / "bars.csv", 600), write_bars(tmp_path / "other.csv", other_bars)
     argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
             "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "3", "--dev-windows", "2",
             "--later-windows", "2", "--synthetic-bars", "0", "--no-progress"]
+    return argv, data, other
+
+
+def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
+    """--mix sources train the heads and are never judged on: dev and later stay --data's own ranges."""
+    argv, data, other = _mix_run(tiny_model, tmp_path, monkeypatch, other_bars=300)
     assert cli_main([*argv, "--mix", str(other), "--mix-windows", "7"]) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     mixed = {s: sum("other.csv" in w for w in card["windows"][s]) for s in ("train", "dev", "later")}
@@ -398,16 +405,8 @@ def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(
                                                                                  capsys):
     """--mix-dev-windows: a --mix table gives dev windows too, none overlapping or touching one of its
     training windows; the card reports the dev set per market."""
-    import streamllm.model.loader as loader
-
-    monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
-    config = tmp_path / "q.toml"
-    config.write_text(CONFIG)
-    data, other = write_bars(tmp_path / "bars.csv", 600), write_bars(tmp_path / "other.csv", 800)
-    argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
-            "--method", "head", "--window", "40", "--stride", "4", "--train-windows", "3", "--dev-windows", "2",
-            "--later-windows", "2", "--synthetic-bars", "0", "--no-progress", "--mix", str(other),
-            "--mix-windows", "5"]
+    argv, _, other = _mix_run(tiny_model, tmp_path, monkeypatch, other_bars=800)
+    argv += ["--mix", str(other), "--mix-windows", "5"]
     assert cli_main([*argv, "--mix-dev-windows", "3"]) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     slots = {s: [int(w.split("-")[-2]) // 40 for w in card["windows"][s] if "other.csv" in w] for s in ("train", "dev")}

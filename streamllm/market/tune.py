@@ -15,7 +15,7 @@ Time split, per data file (no window straddles a boundary):
     bars: |------------- train (70%) -------------|-- dev (10%) --|---- later (20%) ----|
            fit the heads                            L2, threshold    judged only
     --mix: |- train windows anywhere -|      (more markets, for training; --mix-dev-windows: dev windows
-                                              of a table too, none touching a training one)
+                                              of a table too, none overlapping a training one)
 
 Files are read as every command reads them (feeds/sources.open_source, the shared read
 flags): bar tables and Databento OHLCV at their own interval, trades (tables, DBN,
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                                     or args.window <= args.lines):
         raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1 and --window > "
                         f"--lines (got {args.lines}, {args.series_rank}, {args.fit_orders}, {args.window})")
-    if args.mix_dev_windows and all(m.startswith("synthetic:") for m in args.mix):
+    if args.mix_dev_windows and all(m.startswith("synthetic") for m in args.mix):
         print("streamllm tune: --mix-dev-windows: no --mix table to draw them from (synthetic markets and "
               "--mix-as variants train only)", file=sys.stderr)
     t0 = time.perf_counter()

@@ -108,12 +108,13 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
-    judged_sources = sorted({p.source for _, p in got if p.set == "other"})
-    if len(judged_sources) > 1:  # each other market on its own too: a pooled figure can hide one
-        sets[sets.index("other") + 1:sets.index("other") + 1] = [f"other/{src}" for src in judged_sources]
-    dev_sources = sorted({p.source for _, p in got if p.set == "dev"})
-    if len(dev_sources) > 1:  # --mix-dev-windows: each market the development loss judges
-        sets[1:1] = [f"dev/{src}" for src in dev_sources]
+    # Each market of a pooled set on its own too, after it: a pooled figure can hide one (other: the
+    # --judge markets; dev: --data's and, with --mix-dev-windows, each --mix table's).
+    for pooled in ("other", "dev"):
+        sources = sorted({p.source for _, p in got if p.set == pooled})
+        if len(sources) > 1:
+            at = sets.index(pooled) + 1
+            sets[at:at] = [f"{pooled}/{src}" for src in sources]
     for head_id, q, members in groups(tasks):
         if args.method == "series":
             head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
