@@ -368,6 +368,13 @@ def test_tune_series_writes_an_adapter_the_engine_serves(tiny_model, tmp_path, m
     assert "A session's first lines (fewer than 10 held)" in card and "min lines: trend 5, sma 8" in card
     judged = json.loads((out / "card.json").read_text())["questions"]["trend"]["judged"]["later"]
     assert "| ECE |" in card and 0 <= judged["ece"] <= 1 and judged["log_loss"] > 0
+    # How sure: block-bootstrap intervals, blocks of the label's 5 bars inside each of the 2 later windows.
+    lo, hi = judged["accuracy_interval"]
+    assert lo <= judged["accuracy"] <= hi
+    lo, hi = judged["coverage_at_target_interval"]
+    assert 0 <= lo <= hi <= 1
+    assert f"| {judged['accuracy']:.2f} ({judged['accuracy_interval'][0]:.2f}-" in card
+    assert "block-bootstrap resamples" in card
     engine = engine_with(tiny_model, out)
     try:
         spec = load_config(config).sessions[0]

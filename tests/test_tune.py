@@ -363,6 +363,16 @@ def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path)
         for key in ("coverage_at_target", "precision_at_target", "accuracy", "base_rate"):
             assert f"{key}.{q}" in out
     assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
+    # How sure: block-bootstrap intervals (blocks of each label's history; 18 bars give trend's 5-bar
+    # label 4 blocks, and the weakest question's blocks are the longest label's).
+    for q in ("trend", "sma"):
+        lo, hi = out[f"accuracy_interval.{q}"]
+        assert 0 <= lo <= out[f"accuracy.{q}"] <= hi <= 1
+        lo, hi = out[f"coverage_at_target_interval.{q}"]
+        assert 0 <= lo <= hi <= 1
+    lo, hi = out["min_coverage_at_target_interval"]
+    assert lo <= hi <= max(out["coverage_at_target_interval.trend"][1], out["coverage_at_target_interval.sma"][1])
+    assert out["interval_level"] == 0.9
 
 
 def _mix_run(tiny_model, tmp_path, monkeypatch, other_bars):

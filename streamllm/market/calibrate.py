@@ -98,6 +98,7 @@ def replay(engine: Any, spec: SessionSpec, bars: Sequence[Any], lines: Sequence[
                 record.gaps.append(decision.gap)
                 record.answers.append(decision.answer)
                 record.truths.append(truth)
+                record.bars.append(i)
             run.bars, run.updates = i + 1, run.updates + 1
             if run.updates == ESTIMATE_AFTER and len(bars) - i > 1:
                 each = (time.perf_counter() - t_first) / ESTIMATE_AFTER

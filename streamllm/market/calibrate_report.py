@@ -12,12 +12,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from streamllm.config import QuestionSpec
 from streamllm.engine.gate import (
     RiskCoveragePoint,
     balanced_accuracy,
     risk_coverage,
     threshold_for_precision,
+)
+from streamllm.market.intervals import (
+    LEVEL,
+    REPS,
+    block_ids,
+    block_interval,
+    coverage_at_precision,
+    percentile_interval,
+    shared_resamples,
 )
 
 
@@ -29,6 +40,7 @@ class QuestionRecord:
     gaps: list[float] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     truths: list[str] = field(default_factory=list)
+    bars: list[int] = field(default_factory=list)  # the replay bar each sample was taken at
     unknown: int = 0  # updates whose label had too few bars
 
     @property
@@ -59,6 +71,9 @@ class QuestionReport:
     # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
     # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
     balanced_accuracy: float | None = None
+    # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
+    accuracy_interval: tuple[float, float] | None = None
+    coverage_interval: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -91,12 +106,34 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
     base_rate = majority_n / len(record.truths) if record.truths else None
     config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
     top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
+    blocks = _blocks(record, record.spec.label.bars_needed)
+    right, margin = np.array(correct, dtype=np.float64), np.array(gaps, dtype=np.float64)
     return QuestionReport(
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
         record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
+        block_interval(lambda i: float(right[i].mean()), blocks),
+        block_interval(lambda i: coverage_at_precision(margin[i], right[i], target), blocks),
     )
+
+
+def _blocks(record: QuestionRecord, length: int) -> np.ndarray:
+    bars = record.bars or range(len(record.gaps))  # a record built by hand: one sample a bar
+    return block_ids(np.zeros(len(bars), dtype=np.int64), bars, length)
+
+
+def min_coverage_interval(records: Sequence[QuestionRecord], target: float) -> tuple[float, float] | None:
+    """Interval of the weakest question's coverage at `target`: the questions share the replay's bars, so
+    each resample draws the same blocks (the longest label's history) for all of them."""
+    records = [r for r in records if r.gaps]
+    if not records:
+        return None
+    length = max(r.spec.label.bars_needed for r in records)
+    data = [(np.array(r.gaps, dtype=np.float64), np.array(r.correct, dtype=np.float64)) for r in records]
+    draws = shared_resamples([_blocks(r, length) for r in records])
+    return percentile_interval([min(coverage_at_precision(g[i], c[i], target) for (g, c), i in zip(data, draw, strict=True))
+                                for draw in draws]) if draws else None
 
 
 # -- reporting -------------------------------------------------------------------------
@@ -111,8 +148,13 @@ def _num(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, 6)
 
 
+def _interval(x: tuple[float, float] | None) -> list[float] | None:
+    return None if x is None else [round(x[0], 4), round(x[1], 4)]
+
+
 def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, Any]) -> dict[str, Any]:
-    """Flat `question.metric` pairs plus the curves under `curves` (null where undefined)."""
+    """Flat `question.metric` pairs plus the curves under `curves` (null where undefined); intervals as
+    [low, high], the middle `interval_level` of block-bootstrap resamples (null below 2 blocks)."""
     out: dict[str, Any] = dict(meta)
     out.update(session=run.session, model=run.model, bars=run.bars, warmup=run.warmup, updates=run.updates,
                context_tokens=run.context_tokens, seconds=round(run.seconds, 2))
@@ -132,7 +174,12 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"accuracy.{r.id}"] = _num(r.accuracy)
         out[f"base_rate.{r.id}"] = _num(r.base_rate)
         out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
+        out[f"accuracy_interval.{r.id}"] = _interval(r.accuracy_interval)
+        out[f"coverage_at_target_interval.{r.id}"] = _interval(r.coverage_interval)
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
+    out["min_coverage_at_target_interval"] = _interval(
+        min_coverage_interval(run.records, meta["target_precision"]))
+    out["interval_level"] = LEVEL
     out["curves"] = curves
     return out
 
@@ -168,14 +215,22 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _span(x: tuple[float, float] | None) -> str:
+    return "-" if x is None else f"{x[0]:.2f}-{x[1]:.2f}"
+
+
 def table(reports: list[QuestionReport], target: float) -> str:
-    head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'precision':>9} " \
-           f"{'acc@all':>7} {'base rate':>14} {'balanced':>8}"
+    level = f"{LEVEL:.0%}"
+    head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'(' + level + ')':>11} " \
+           f"{'precision':>9} {'acc@all':>7} {'(' + level + ')':>11} {'base rate':>14} {'balanced':>8}"
     rows = [head, "-" * len(head)]
     for r in reports:
         base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
         rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
-                    f"{_fmt(r.precision):>9} {_fmt(r.accuracy):>7} {base:>14} {_fmt(r.balanced_accuracy):>8}")
+                    f"{_span(r.coverage_interval):>11} {_fmt(r.precision):>9} {_fmt(r.accuracy):>7} "
+                    f"{_span(r.accuracy_interval):>11} {base:>14} {_fmt(r.balanced_accuracy):>8}")
+    rows.append(f"({level}: the middle {level} of {REPS} block-bootstrap resamples, blocks as long as each label's "
+                "history; neighbouring bars are not independent samples)")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")

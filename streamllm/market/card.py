@@ -70,8 +70,20 @@ def _ece(judged: dict[str, Any]) -> str:
     return "-" if judged.get("ece") is None else format(judged["ece"], ".2f")
 
 
+def _with_interval(j: dict[str, Any], key: str) -> str:
+    """A figure and, where the card has one, its block-bootstrap interval: "0.69 (0.55-0.82)"."""
+    span = j.get(f"{key}_interval")
+    return f"{j[key]:.2f}" + ("" if span is None else f" ({span[0]:.2f}-{span[1]:.2f})")
+
+
+INTERVALS = ("In brackets: the middle 90% of 1000 block-bootstrap resamples (blocks of consecutive bars as long "
+             "as the label's history, within one window; neighbouring bars are not independent samples). "
+             "A set of one short window, such as a capture, has few blocks: its figures are rough.")
+
+
 def card_markdown(card: dict[str, Any]) -> str:
-    lines = _intro(card) + [
+    judged = [j for q in card["questions"].values() for j in q["judged"].values()]
+    lines = _intro(card) + ([INTERVALS, ""] if any("accuracy_interval" in j for j in judged) else []) + [
              "| question | set | n | accuracy | base rate | balanced acc | base model acc | coverage @thr | "
              "precision @thr | coverage at target (own) | ECE |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for qid, q in card["questions"].items():
@@ -80,10 +92,10 @@ def card_markdown(card: dict[str, Any]) -> str:
                 continue
             base = q["base_model"][s]
             balanced = "-" if j.get("balanced_accuracy") is None else format(j["balanced_accuracy"], ".2f")
-            lines.append(f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) "
-                         f"| {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
-                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | {j['coverage_at_target']:.2f} | "
-                         f"{_ece(j)} |")
+            lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
+                         f"({j['majority']}) | {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
+                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | "
+                         f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]
     if first:
@@ -92,7 +104,7 @@ def card_markdown(card: dict[str, Any]) -> str:
                       f"{qid} {q['min_lines']}" for qid, q in card["questions"].items() if "min_lines" in q) + ").", "",
                   "| question | set | n | accuracy | base rate | coverage @thr | precision @thr | ECE |",
                   "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {qid} | {s} | {j['samples']} | {j['accuracy']:.2f} | {j['base_rate']:.2f} ({j['majority']}) | "
+        lines += [f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} ({j['majority']}) | "
                   f"{j['coverage']:.2f} | {'-' if j['precision'] is None else format(j['precision'], '.2f')} | {_ece(j)} |"
                   for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]

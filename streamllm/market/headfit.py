@@ -13,9 +13,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from streamllm.engine.gate import balanced_accuracy, risk_coverage, threshold_for_precision
+from streamllm.market.intervals import judged_intervals
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 MIN_FIRED = 10  # a threshold resting on fewer fired dev samples is noise: the gate stays closed
@@ -83,8 +85,10 @@ def calibrate_threshold(logits: torch.Tensor, y: torch.Tensor, target: float) ->
     return point.threshold
 
 
-def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], threshold: float, target: float) -> dict:
-    """Accuracy, base rate, and the gate at `threshold` (calibrated elsewhere) and at this set's own best."""
+def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], threshold: float, target: float,
+          blocks: np.ndarray | None = None) -> dict:
+    """Accuracy, base rate, and the gate at `threshold` (calibrated elsewhere) and at this set's own best;
+    with each sample's block (market/intervals.py), intervals of the accuracy and that coverage too."""
     n = len(y)
     if n == 0:
         return {"samples": 0}
@@ -106,6 +110,7 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
         "answer_share": round(Counter(pred.tolist()).most_common(1)[0][1] / n, 4),
         "balanced_accuracy": round(balanced_accuracy(pred.tolist(), y.tolist()), 4),
         **probability_quality(logits, y),
+        **({} if blocks is None else judged_intervals(correct.numpy(), gap.numpy(), blocks, target)),
     }
 
 

@@ -23,8 +23,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from streamllm.market.intervals import block_ids
 from streamllm.model.adapter import SeriesHead, series_width
 
 LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
@@ -39,6 +41,7 @@ class Samples:
     index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first (left-filled: see reads)
     labels: torch.Tensor  # [N] choice index
     reads: torch.Tensor  # [N] lines each sample has: K, or fewer at a window's start (its newest `reads` count)
+    window: torch.Tensor  # [N] which of the set's windows each sample comes from
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -50,7 +53,12 @@ class Samples:
         return torch.arange(k) >= (k - self.reads)[:, None]
 
     def subset(self, keep: torch.Tensor) -> Samples:
-        return Samples(self.lines, self.index[keep], self.labels[keep], self.reads[keep])
+        return Samples(self.lines, self.index[keep], self.labels[keep], self.reads[keep], self.window[keep])
+
+    def blocks(self, length: int) -> np.ndarray:
+        """Each sample's block for a judged figure's interval (market/intervals.py): `length` consecutive
+        bars of one window."""
+        return block_ids(self.window.numpy(), self.index[:, -1].numpy(), length)
 
     def logits(self, head: SeriesHead) -> torch.Tensor:
         """[N, C]: the served head's logits for each sample, on exactly the lines the engine would give it."""
@@ -66,8 +74,8 @@ def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES
     """From (line features [W, F], labels [W] with -1 unknown) per window: every bar with a label and k
     lines, or with `least` to k - 1 lines at the window's start (least: None for whole windows only)."""
     least = k if least is None else max(1, min(least, k))
-    lines, index, labels, reads, offset = [], [], [], [], 0
-    for feats, y in windows:
+    lines, index, labels, reads, where, offset = [], [], [], [], [], 0
+    for w, (feats, y) in enumerate(windows):
         for i in range(least - 1, len(y)):
             if y[i] >= 0:
                 n = min(k, i + 1)
@@ -75,12 +83,14 @@ def samples(windows: Sequence[tuple[torch.Tensor, torch.Tensor]], k: int = LINES
                 index.append(torch.cat([torch.full((k - n,), first), torch.arange(first, offset + i + 1)]))
                 labels.append(int(y[i]))
                 reads.append(n)
+                where.append(w)
         lines.append(feats.float())
         offset += len(feats)
     width = lines[0].shape[1] if lines else 0
     return Samples(torch.cat(lines) if lines else torch.empty(0, width),
                    torch.stack(index) if index else torch.empty(0, k, dtype=torch.long),
-                   torch.tensor(labels, dtype=torch.long), torch.tensor(reads, dtype=torch.long))
+                   torch.tensor(labels, dtype=torch.long), torch.tensor(reads, dtype=torch.long),
+                   torch.tensor(where, dtype=torch.long))
 
 
 @dataclass(slots=True)

@@ -64,9 +64,9 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
     threshold = calibrate_threshold(xd @ fit.weight.T + fit.bias, yd, args.target_precision)
     head = ChoiceHead(head_id, q.text, q.choices, fit.weight, fit.bias, threshold)
 
-    def scores(set_name):
+    def scores(set_name):  # decision points: no bar order kept, so no intervals
         xs, ys = _gather(got, set_name, members, hidden)
-        return head.logits(xs), ys
+        return head.logits(xs), ys, None
 
     return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
 
@@ -95,7 +95,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
     def scores(set_name, first_lines=False):  # judged through the served head itself: the engine's numbers
         got_set = judged(set_name)
         got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
-        return got_set.logits(head), got_set.labels
+        return got_set.logits(head), got_set.labels, got_set.blocks(q.label.bars_needed)
 
     return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
                   "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
@@ -126,13 +126,13 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
                       "judged": {}, "base_model": {},
                       "threshold": None if math.isinf(head.threshold) else round(head.threshold, 4)})
         for s in sets:
-            logits, ys = scores(s)
-            entry["judged"][s] = judge(logits, ys, q.choices, head.threshold, args.target_precision)
+            logits, ys, blocks = scores(s)
+            entry["judged"][s] = judge(logits, ys, q.choices, head.threshold, args.target_precision, blocks)
             if args.method == "series":  # a session's first lines, apart: the main figures stay whole windows
-                logits, ys = scores(s, first_lines=True)
+                logits, ys, blocks = scores(s, first_lines=True)
                 if len(ys):
                     entry.setdefault("first_lines", {})[s] = judge(logits, ys, q.choices, head.threshold,
-                                                                   args.target_precision)
+                                                                   args.target_precision, blocks)
             xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)
