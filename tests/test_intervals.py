@@ -37,13 +37,13 @@ def test_blocks_hold_consecutive_bars_of_one_window():
     assert not set(ids[:7]) & set(ids[7:])  # no block spans two windows
 
 
-def test_resamples_draw_whole_blocks_and_need_two():
+def test_resamples_draw_whole_blocks_and_need_enough_of_them():
     blocks = np.repeat(np.arange(4), [3, 1, 2, 5])
     for idx in resamples(blocks, reps=50):
         drawn = blocks[idx]
         for b in np.unique(drawn):  # a drawn block comes with all its samples, once per draw
             assert (drawn == b).sum() % (blocks == b).sum() == 0
-    assert resamples(np.zeros(9, dtype=int)) == []
+    assert resamples(np.repeat(np.arange(3), 3)) == []  # 3 blocks: too few to say anything
     assert block_interval(lambda i: 0.5, np.zeros(9, dtype=int)) is None
 
 

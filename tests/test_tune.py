@@ -353,18 +353,18 @@ def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path)
     config.write_text(CONFIG)
     spec = load_config(config).sessions[0]
     save_heads(tmp_path / "ad", random_heads(spec, tiny_model.config.hidden_size), model=tiny_model.name)
-    args = calibrate_parser().parse_args(["--questions", str(config), "--data", str(write_bars(tmp_path / "b.csv", 60)),
+    args = calibrate_parser().parse_args(["--questions", str(config), "--data", str(write_bars(tmp_path / "b.csv", 80)),
                                           "--model", "tiny", "--no-progress", "--adapter", str(tmp_path / "ad"),
-                                          "--start", "20", "--bars", "25"])
+                                          "--start", "20", "--bars", "50"])
     run, reports, meta = calibrate(args, model=tiny_model)
     out = to_json(run, reports, meta)
-    assert meta["adapter_id"] == load_adapter(tmp_path / "ad").id and run.updates == 25 - 8 + 1
+    assert meta["adapter_id"] == load_adapter(tmp_path / "ad").id and run.updates == 50 - 8 + 1
     for q in ("trend", "sma"):
         for key in ("coverage_at_target", "precision_at_target", "accuracy", "base_rate"):
             assert f"{key}.{q}" in out
     assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
-    # How sure: block-bootstrap intervals (blocks of each label's history; 18 bars give trend's 5-bar
-    # label 4 blocks, and the weakest question's blocks are the longest label's).
+    # How sure: block-bootstrap intervals (blocks of each label's history: 43 bars give sma's 10-bar label
+    # 5 blocks; the weakest question's blocks are the longest label's).
     for q in ("trend", "sma"):
         lo, hi = out[f"accuracy_interval.{q}"]
         assert 0 <= lo <= out[f"accuracy.{q}"] <= hi <= 1

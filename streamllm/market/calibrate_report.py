@@ -154,7 +154,7 @@ def _interval(x: tuple[float, float] | None) -> list[float] | None:
 
 def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, Any]) -> dict[str, Any]:
     """Flat `question.metric` pairs plus the curves under `curves` (null where undefined); intervals as
-    [low, high], the middle `interval_level` of block-bootstrap resamples (null below 2 blocks)."""
+    [low, high], the middle `interval_level` of block-bootstrap resamples (null below 4 blocks)."""
     out: dict[str, Any] = dict(meta)
     out.update(session=run.session, model=run.model, bars=run.bars, warmup=run.warmup, updates=run.updates,
                context_tokens=run.context_tokens, seconds=round(run.seconds, 2))

@@ -23,6 +23,7 @@ import numpy as np
 LEVEL = 0.9  # the middle 90% of the resampled figures
 REPS = 1000
 SEED = 0  # fixed: a card written twice from the same samples shows the same intervals
+MIN_BLOCKS = 4  # fewer: no interval (resampling 2 or 3 blocks, or 3 samples, says nothing)
 
 
 def block_ids(groups: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
@@ -37,8 +38,7 @@ def block_ids(groups: Sequence[int] | np.ndarray, positions: Sequence[int] | np.
 
 def resamples(blocks: np.ndarray, reps: int = REPS, seed: int = SEED) -> list[np.ndarray]:
     """`reps` resamples of sample indices: each draws as many blocks as there are, with replacement,
-    and takes all of their samples (a block drawn twice counts twice). Empty below 2 blocks: one
-    block has no spread to measure."""
+    and takes all of their samples (a block drawn twice counts twice). Empty below MIN_BLOCKS."""
     return [one for (one,) in shared_resamples([blocks], reps, seed)]
 
 
@@ -48,7 +48,7 @@ def shared_resamples(blocks_per_set: Sequence[np.ndarray], reps: int = REPS, see
     and gives every set its samples in them."""
     blocks_per_set = [np.asarray(b, dtype=np.int64) for b in blocks_per_set]
     universe = np.unique(np.concatenate(blocks_per_set)) if blocks_per_set else np.empty(0, np.int64)
-    if len(universe) < 2:
+    if len(universe) < MIN_BLOCKS:
         return []
     members = []
     for blocks in blocks_per_set:
@@ -70,7 +70,7 @@ def percentile_interval(values: Sequence[float | None], level: float = LEVEL) ->
 
 def block_interval(stat: Callable[[np.ndarray], float | None], blocks: np.ndarray, *, reps: int = REPS,
                    level: float = LEVEL, seed: int = SEED) -> tuple[float, float] | None:
-    """Interval of `stat(sample indices)` over block resamples; None with fewer than 2 blocks."""
+    """Interval of `stat(sample indices)` over block resamples; None below MIN_BLOCKS blocks."""
     draws = resamples(blocks, reps, seed)
     return percentile_interval([stat(idx) for idx in draws], level) if draws else None
 
@@ -93,7 +93,7 @@ def coverage_at_precision(gaps: np.ndarray, correct: np.ndarray, target: float) 
 def judged_intervals(correct: np.ndarray, gaps: np.ndarray, blocks: np.ndarray, target: float, *,
                      reps: int = REPS, level: float = LEVEL) -> dict[str, list[float]]:
     """Intervals of a judged set's accuracy and coverage at `target` precision (its own threshold),
-    as [low, high] rounded for a card; {} where the set has fewer than 2 blocks."""
+    as [low, high] rounded for a card; {} where the set has fewer than MIN_BLOCKS blocks."""
     correct, gaps = np.asarray(correct, dtype=np.float64), np.asarray(gaps, dtype=np.float64)
     draws = resamples(blocks, reps)
     if not draws:
