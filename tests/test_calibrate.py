@@ -11,7 +11,13 @@ import pytest
 from feeds.sources import TableSource
 from streamllm.config import load_config
 from streamllm.market.calibrate import _parser, calibrate, cli_main
-from streamllm.market.calibrate_report import QuestionRecord, gate_at, summarize, table
+from streamllm.market.calibrate_report import (
+    QuestionRecord,
+    gate_at,
+    record_blocks,
+    summarize,
+    table,
+)
 
 SHARED_BARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 
@@ -149,6 +155,28 @@ def test_summary_unreachable_target_and_base_rate():
 def _error(capsys, argv: list[str]) -> str:
     assert cli_main(argv) == 2
     return capsys.readouterr().err
+
+
+def test_several_ranges_pool_into_one_report(setup, tiny_model, capsys):
+    """--start A B: each range replayed in a fresh session, the samples end to end, one threshold for all,
+    and no interval block spanning two ranges."""
+    single = [calibrate(_parser().parse_args(args_for(setup, "--start", s, "--bars", "25")), model=tiny_model)[0]
+              for s in ("0", "30")]
+    run, reports, meta = calibrate(_parser().parse_args(args_for(setup, "--start", "0", "30", "--bars", "25")),
+                                   model=tiny_model)
+    assert meta["start"] == [0, 30] and run.updates == single[0].updates + single[1].updates == 2 * 16
+    for k, rec in enumerate(run.records):
+        first, second = single[0].records[k], single[1].records[k]
+        assert rec.truths == first.truths + second.truths and rec.answers == first.answers + second.answers
+        assert rec.gaps == pytest.approx(first.gaps + second.gaps)
+        assert rec.bars == first.bars + second.bars and rec.ranges == [0] * len(first.bars) + [1] * len(second.bars)
+        blocks = record_blocks(rec, 21)  # a block as long as the range: still never one across two ranges
+        assert not set(blocks[:len(first.bars)]) & set(blocks[len(first.bars):])
+        assert reports[k].samples == len(first.gaps) + len(second.gaps)
+    assert cli_main(args_for(setup, "--start", "0", "30", "--bars", "25")) == 0
+    assert "in 2 ranges pooled" in capsys.readouterr().out
+    err = _error(capsys, args_for(setup, "--start", "0", "99"))
+    assert "--start 99 is outside the file's 60 bars" in err
 
 
 def test_clear_errors(setup, capsys):

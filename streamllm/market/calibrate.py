@@ -130,7 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--session", help="session of the config (default: the first with labelled questions)")
     p.add_argument("--warmup", type=int, help="bars pushed as one batch before recording "
                                               "(default: the longest label history minus one)")
-    p.add_argument("--start", type=int, default=0, help="skip this many bars of the file first (judge on later data)")
+    p.add_argument("--start", type=int, nargs="+", default=[0],
+                   help="skip this many bars of the file first (judge on later data); several: each range replayed "
+                        "in a fresh session (--bars each), their samples pooled: one threshold, intervals per range")
     heads = p.add_mutually_exclusive_group()
     heads.add_argument("--adapter", help="choice heads from `streamllm tune`: the gate decides from them (default: "
                                          "the config's [model] adapter when it was trained on --model)")
@@ -187,11 +189,7 @@ def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
     from feeds.sources import read_options
-    from streamllm.engine import Engine
-    from streamllm.engine.prompt import PromptLayout
-    from streamllm.market.render import Renderer
     from streamllm.market.tune_data import describe, load_bars
-    from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
 
     if not 0 < args.target_precision <= 1:
@@ -210,18 +208,61 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     print(f"streamllm calibrate: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars")
-    if not 0 <= args.start < len(bars):
-        raise CalibrationError(f"--start {args.start} is outside the file's {len(bars)} bars")
-    bars = bars[args.start:]
-    questions = labelled_questions(spec)
-    history = max(q.label.bars_needed for q in questions)
-    warmup = history - 1 if args.warmup is None else args.warmup
+    starts = args.start if isinstance(args.start, list) else [args.start]
+    for start in starts:
+        if not 0 <= start < len(bars):
+            raise CalibrationError(f"--start {start} is outside the file's {len(bars)} bars")
+        _warmup(args, spec, bars[start:])
+    loaded = model if model is not None else load_model(args.model, progress=True)
+    runs, meta = [], {}
+    for k, start in enumerate(starts):
+        if len(starts) > 1:
+            print(f"range {k + 1} of {len(starts)}: bars from {start}")
+        run, meta = _replay_range(args, config, spec, loaded, bars[start:])
+        runs.append(run)
+    run = runs[0] if len(runs) == 1 else pool(runs)
+    meta.update(config=str(args.questions), data=data, target_precision=args.target_precision,
+                start=starts[0] if len(starts) == 1 else starts)
+    return run, [summarize(r, args.target_precision) for r in run.records], meta
+
+
+def pool(runs: Sequence[CalibrationRun]) -> CalibrationRun:
+    """Several ranges' replays as one run: each question's samples end to end (one threshold for all),
+    each marked with its range so that no interval block spans two."""
+    records = [QuestionRecord(rs[0].spec) for rs in zip(*(r.records for r in runs), strict=True)]
+    for k, r in enumerate(runs):
+        for into, rec in zip(records, r.records, strict=True):
+            into.gaps += rec.gaps
+            into.answers += rec.answers
+            into.truths += rec.truths
+            into.bars += rec.bars
+            into.ranges += [k] * len(rec.bars)
+            into.unknown += rec.unknown
+    return CalibrationRun(runs[0].session, runs[0].model, sum(r.bars for r in runs), sum(r.warmup for r in runs),
+                          sum(r.updates for r in runs), max(r.context_tokens for r in runs),
+                          sum(r.seconds for r in runs), records)
+
+
+def _warmup(args: argparse.Namespace, spec: SessionSpec, bars: list[Any]) -> int:
+    """Bars pushed before recording, checked against a range's bars (before any model is loaded)."""
+    warmup = max(q.label.bars_needed for q in labelled_questions(spec)) - 1 if args.warmup is None else args.warmup
     if args.bars is not None and args.bars < 1:
         raise CalibrationError(f"--bars must be at least 1, got {args.bars}")
     if not 0 <= warmup < min(len(bars), args.bars or len(bars)):
         raise CalibrationError(f"--warmup {warmup} leaves no bars to record (of {min(len(bars), args.bars or len(bars))})")
+    return warmup
 
-    loaded = model if model is not None else load_model(args.model, progress=True)
+
+def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, loaded: Any,
+                  bars: list[Any]) -> tuple[CalibrationRun, dict[str, Any]]:
+    """One range's replay in a fresh engine: from its first bar, --bars of them (warmup included)."""
+    from streamllm.engine import Engine
+    from streamllm.engine.prompt import PromptLayout
+    from streamllm.market.render import Renderer
+    from streamllm.model.adapter import AdapterError, pick_adapter
+
+    questions = labelled_questions(spec)
+    warmup = _warmup(args, spec, bars)
     layout = PromptLayout(loaded.tokenizer)
     renderer = Renderer(changes=spec.render.changes)
     # Nothing beyond max_context lines can fit (a line is at least one token): render no more.
@@ -266,9 +307,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
         run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
     finally:
         engine.shutdown()
-    meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
-            "start": args.start, "adapter": adapter, "adapter_id": engine.adapter_id}
-    return run, [summarize(r, args.target_precision) for r in run.records], meta
+    return run, {"adapter": adapter, "adapter_id": engine.adapter_id}
 
 
 def cli_main(argv: list[str]) -> int:
@@ -278,7 +317,8 @@ def cli_main(argv: list[str]) -> int:
     except (CalibrationError, ConfigError, GateError) as exc:
         print(f"streamllm calibrate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup) in {run.seconds:.0f}s, "
+    ranges = f" in {len(meta['start'])} ranges pooled" if isinstance(meta["start"], list) else ""
+    print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup){ranges} in {run.seconds:.0f}s, "
           f"model {run.model}, target precision {args.target_precision:g}")
     print(table(reports, args.target_precision))
     if args.json is not None:

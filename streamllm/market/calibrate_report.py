@@ -41,6 +41,7 @@ class QuestionRecord:
     answers: list[str] = field(default_factory=list)
     truths: list[str] = field(default_factory=list)
     bars: list[int] = field(default_factory=list)  # the replay bar each sample was taken at
+    ranges: list[int] = field(default_factory=list)  # which replayed range, where several are pooled (else none)
     unknown: int = 0  # updates whose label had too few bars
 
     @property
@@ -106,7 +107,7 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
     base_rate = majority_n / len(record.truths) if record.truths else None
     config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
     top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
-    blocks = _blocks(record, record.spec.label.bars_needed)
+    blocks = record_blocks(record, record.spec.label.bars_needed)
     right, margin = np.array(correct, dtype=np.float64), np.array(gaps, dtype=np.float64)
     return QuestionReport(
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
@@ -118,9 +119,10 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
     )
 
 
-def _blocks(record: QuestionRecord, length: int) -> np.ndarray:
+def record_blocks(record: QuestionRecord, length: int) -> np.ndarray:
+    """Each sample's interval block: `length` consecutive bars of one replayed range."""
     bars = record.bars or range(len(record.gaps))  # a record built by hand: one sample a bar
-    return block_ids(np.zeros(len(bars), dtype=np.int64), bars, length)
+    return block_ids(record.ranges or np.zeros(len(bars), dtype=np.int64), bars, length)
 
 
 def min_coverage_interval(records: Sequence[QuestionRecord], target: float) -> tuple[float, float] | None:
@@ -131,7 +133,7 @@ def min_coverage_interval(records: Sequence[QuestionRecord], target: float) -> t
         return None
     length = max(r.spec.label.bars_needed for r in records)
     data = [(np.array(r.gaps, dtype=np.float64), np.array(r.correct, dtype=np.float64)) for r in records]
-    draws = shared_resamples([_blocks(r, length) for r in records])
+    draws = shared_resamples([record_blocks(r, length) for r in records])
     return percentile_interval([min(coverage_at_precision(g[i], c[i], target) for (g, c), i in zip(data, draw, strict=True))
                                 for draw in draws]) if draws else None
 

@@ -28,12 +28,12 @@ MIN_BLOCKS = 4  # fewer: no interval (resampling 2 or 3 blocks, or 3 samples, sa
 
 def block_ids(groups: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, length: int) -> np.ndarray:
     """Block of each sample: `groups[i]` the window (or replay) sample i comes from, `positions[i]`
-    its bar there; a block holds the samples of `length` consecutive bars of one group."""
+    its bar there; a block holds the samples of `length` consecutive bars of one group. The ids
+    depend on nothing else, so several sets over the same bars share them (shared_resamples)."""
     groups, positions = np.asarray(groups, dtype=np.int64), np.asarray(positions, dtype=np.int64)
     if groups.shape != positions.shape:
         raise ValueError(f"{len(groups)} groups but {len(positions)} positions")
-    keys = groups * (int(positions.max(initial=0)) // max(1, length) + 1) + positions // max(1, length)
-    return np.unique(keys, return_inverse=True)[1]
+    return (groups << 32) + positions // max(1, length)
 
 
 def resamples(blocks: np.ndarray, reps: int = REPS, seed: int = SEED) -> list[np.ndarray]:
