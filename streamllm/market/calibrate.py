@@ -190,6 +190,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
     from feeds.sources import read_options
     from streamllm.market.tune_data import describe, load_bars
+    from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
 
     if not 0 < args.target_precision <= 1:
@@ -208,21 +209,27 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     print(f"streamllm calibrate: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars")
-    starts = args.start if isinstance(args.start, list) else [args.start]
+    starts = args.start
     for start in starts:
         if not 0 <= start < len(bars):
             raise CalibrationError(f"--start {start} is outside the file's {len(bars)} bars")
-        _warmup(args, spec, bars[start:])
+    warmups = [_warmup(args, spec, bars[start:]) for start in starts]  # every range checked before the model loads
     loaded = model if model is not None else load_model(args.model, progress=True)
-    runs, meta = [], {}
-    for k, start in enumerate(starts):
+    try:  # as serve would: --adapter, else the config's heads when they fit the model
+        chosen = None if args.no_adapter else pick_adapter(args.adapter, config.adapter, loaded.name,
+                                                           warn=lambda m: print(m, file=sys.stderr), config=config)
+    except AdapterError as exc:
+        raise CalibrationError(str(exc)) from None
+    adapter = None if chosen is None else str(chosen.path)
+    runs = []
+    for k, (start, warmup) in enumerate(zip(starts, warmups, strict=True)):
         if len(starts) > 1:
             print(f"range {k + 1} of {len(starts)}: bars from {start}")
-        run, meta = _replay_range(args, config, spec, loaded, bars[start:])
+        run, adapter_id = _replay_range(args, config, spec, loaded, adapter, bars[start:], warmup)
         runs.append(run)
     run = runs[0] if len(runs) == 1 else pool(runs)
-    meta.update(config=str(args.questions), data=data, target_precision=args.target_precision,
-                start=starts[0] if len(starts) == 1 else starts)
+    meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
+            "start": starts[0] if len(starts) == 1 else starts, "adapter": adapter, "adapter_id": adapter_id}
     return run, [summarize(r, args.target_precision) for r in run.records], meta
 
 
@@ -253,16 +260,16 @@ def _warmup(args: argparse.Namespace, spec: SessionSpec, bars: list[Any]) -> int
     return warmup
 
 
-def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, loaded: Any,
-                  bars: list[Any]) -> tuple[CalibrationRun, dict[str, Any]]:
-    """One range's replay in a fresh engine: from its first bar, --bars of them (warmup included)."""
+def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, loaded: Any, adapter: str | None,
+                  bars: list[Any], warmup: int) -> tuple[CalibrationRun, str | None]:
+    """One range's replay in a fresh engine: from its first bar, --bars of them (warmup included);
+    the run and the adapter id the engine loaded."""
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
     from streamllm.market.render import Renderer
-    from streamllm.model.adapter import AdapterError, pick_adapter
+    from streamllm.model.adapter import AdapterError
 
     questions = labelled_questions(spec)
-    warmup = _warmup(args, spec, bars)
     layout = PromptLayout(loaded.tokenizer)
     renderer = Renderer(changes=spec.render.changes)
     # Nothing beyond max_context lines can fit (a line is at least one token): render no more.
@@ -295,10 +302,7 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
     branch_cells = 2 * block * sum(2 * (-(-n // block) + ENTRY_SLACK_BLOCKS) for n in entry_tokens)
     # Admission also keeps room for one compaction copy of the session (the engine's own rule).
     keep_free = CompactionPolicy().keep_free(branch_cells, spec.max_context_tokens)
-    try:  # as serve would: --adapter, else the config's heads when they fit the model
-        chosen = None if args.no_adapter else pick_adapter(args.adapter, config.adapter, loaded.name,
-                                                           warn=lambda m: print(m, file=sys.stderr), config=config)
-        adapter = None if chosen is None else str(chosen.path)
+    try:
         engine = Engine(loaded, max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
                         max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=adapter)
     except AdapterError as exc:
@@ -307,7 +311,7 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
         run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
     finally:
         engine.shutdown()
-    return run, {"adapter": adapter, "adapter_id": engine.adapter_id}
+    return run, engine.adapter_id
 
 
 def cli_main(argv: list[str]) -> int:

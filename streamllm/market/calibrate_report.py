@@ -25,9 +25,10 @@ from streamllm.market.intervals import (
     LEVEL,
     REPS,
     block_ids,
-    block_interval,
     coverage_at_precision,
+    gate_intervals,
     percentile_interval,
+    rounded,
     shared_resamples,
 )
 
@@ -107,15 +108,13 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
     base_rate = majority_n / len(record.truths) if record.truths else None
     config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
     top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
-    blocks = record_blocks(record, record.spec.label.bars_needed)
-    right, margin = np.array(correct, dtype=np.float64), np.array(gaps, dtype=np.float64)
+    spans = gate_intervals(correct, gaps, record_blocks(record, record.spec.label.bars_needed), target)
     return QuestionReport(
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
         record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
-        block_interval(lambda i: float(right[i].mean()), blocks),
-        block_interval(lambda i: coverage_at_precision(margin[i], right[i], target), blocks),
+        spans.get("accuracy"), spans.get("coverage_at_target"),
     )
 
 
@@ -150,10 +149,6 @@ def _num(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, 6)
 
 
-def _interval(x: tuple[float, float] | None) -> list[float] | None:
-    return None if x is None else [round(x[0], 4), round(x[1], 4)]
-
-
 def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, Any]) -> dict[str, Any]:
     """Flat `question.metric` pairs plus the curves under `curves` (null where undefined); intervals as
     [low, high], the middle `interval_level` of block-bootstrap resamples (null below 4 blocks)."""
@@ -176,10 +171,10 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"accuracy.{r.id}"] = _num(r.accuracy)
         out[f"base_rate.{r.id}"] = _num(r.base_rate)
         out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
-        out[f"accuracy_interval.{r.id}"] = _interval(r.accuracy_interval)
-        out[f"coverage_at_target_interval.{r.id}"] = _interval(r.coverage_interval)
+        out[f"accuracy_interval.{r.id}"] = rounded(r.accuracy_interval)
+        out[f"coverage_at_target_interval.{r.id}"] = rounded(r.coverage_interval)
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
-    out["min_coverage_at_target_interval"] = _interval(
+    out["min_coverage_at_target_interval"] = rounded(
         min_coverage_interval(run.records, meta["target_precision"]))
     out["interval_level"] = LEVEL
     out["curves"] = curves

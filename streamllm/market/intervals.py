@@ -68,11 +68,23 @@ def percentile_interval(values: Sequence[float | None], level: float = LEVEL) ->
     return float(lo), float(hi)
 
 
+def block_intervals(stats: dict[str, Callable[[np.ndarray], float | None]], blocks: np.ndarray, *,
+                    reps: int = REPS, level: float = LEVEL, seed: int = SEED) -> dict[str, tuple[float, float]]:
+    """Interval of each `stat(sample indices)`, all over the same block resamples; {} below MIN_BLOCKS."""
+    draws = resamples(blocks, reps, seed)
+    got = {name: percentile_interval([stat(idx) for idx in draws], level) for name, stat in stats.items()} if draws else {}
+    return {name: span for name, span in got.items() if span is not None}
+
+
 def block_interval(stat: Callable[[np.ndarray], float | None], blocks: np.ndarray, *, reps: int = REPS,
                    level: float = LEVEL, seed: int = SEED) -> tuple[float, float] | None:
     """Interval of `stat(sample indices)` over block resamples; None below MIN_BLOCKS blocks."""
-    draws = resamples(blocks, reps, seed)
-    return percentile_interval([stat(idx) for idx in draws], level) if draws else None
+    return block_intervals({"stat": stat}, blocks, reps=reps, level=level, seed=seed).get("stat")
+
+
+def rounded(span: tuple[float, float] | None) -> list[float] | None:
+    """An interval as a report writes it: [low, high] to 4 decimals."""
+    return None if span is None else [round(span[0], 4), round(span[1], 4)]
 
 
 def coverage_at_precision(gaps: np.ndarray, correct: np.ndarray, target: float) -> float:
@@ -90,17 +102,18 @@ def coverage_at_precision(gaps: np.ndarray, correct: np.ndarray, target: float) 
     return float(fired[ok].max()) / len(g) if ok.any() else 0.0
 
 
+def gate_intervals(correct: np.ndarray, gaps: np.ndarray, blocks: np.ndarray, target: float, *,
+                   reps: int = REPS, level: float = LEVEL) -> dict[str, tuple[float, float]]:
+    """Intervals of a set's accuracy and its coverage at `target` precision (its own threshold), over
+    the same resamples: keys "accuracy" and "coverage_at_target"; {} below MIN_BLOCKS blocks."""
+    correct, gaps = np.asarray(correct, dtype=np.float64), np.asarray(gaps, dtype=np.float64)
+    return block_intervals({"accuracy": lambda i: float(correct[i].mean()),
+                            "coverage_at_target": lambda i: coverage_at_precision(gaps[i], correct[i], target)},
+                           blocks, reps=reps, level=level)
+
+
 def judged_intervals(correct: np.ndarray, gaps: np.ndarray, blocks: np.ndarray, target: float, *,
                      reps: int = REPS, level: float = LEVEL) -> dict[str, list[float]]:
-    """Intervals of a judged set's accuracy and coverage at `target` precision (its own threshold),
-    as [low, high] rounded for a card; {} where the set has fewer than MIN_BLOCKS blocks."""
-    correct, gaps = np.asarray(correct, dtype=np.float64), np.asarray(gaps, dtype=np.float64)
-    draws = resamples(blocks, reps)
-    if not draws:
-        return {}
-    out = {}
-    for name, stat in (("accuracy", lambda i: float(correct[i].mean())),
-                       ("coverage_at_target", lambda i: coverage_at_precision(gaps[i], correct[i], target))):
-        lo, hi = percentile_interval([stat(i) for i in draws], level)
-        out[f"{name}_interval"] = [round(lo, 4), round(hi, 4)]
-    return out
+    """gate_intervals as a card writes them: `accuracy_interval` and `coverage_at_target_interval`."""
+    return {f"{name}_interval": rounded(span)
+            for name, span in gate_intervals(correct, gaps, blocks, target, reps=reps, level=level).items()}
