@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from streamllm.market.intervals import LEVEL, REPS
+
 _UNITS = {"price": "price units", "bp": "basis points of the previous close"}
 
 
@@ -76,8 +78,8 @@ def _with_interval(j: dict[str, Any], key: str) -> str:
     return f"{j[key]:.2f}" + ("" if span is None else f" ({span[0]:.2f}-{span[1]:.2f})")
 
 
-INTERVALS = ("In brackets: the middle 90% of 1000 block-bootstrap resamples (blocks of consecutive bars as long "
-             "as the label's history, within one window; neighbouring bars are not independent samples). "
+INTERVALS = (f"In brackets: the middle {LEVEL:.0%} of {REPS} block-bootstrap resamples (blocks of consecutive bars "
+             "as long as the label's history, within one window; neighbouring bars are not independent samples). "
              "A set of one short window, such as a capture, has few blocks: its figures are rough.")
 
 
