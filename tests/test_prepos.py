@@ -151,6 +151,24 @@ def test_push_question_without_gate_is_decoded_as_idle_work(engine):
     assert answer.text == engine.ask("s", "Describe.", max_tokens=3).text
 
 
+def test_push_false_questions_are_told_to_nobody(engine):
+    heard = []
+    engine.open_session("s")
+    engine.subscribe("s", heard.append)
+    engine.register("s", QuestionSpec("quiet", "Describe.", threshold=NEVER, max_tokens=3, push=False))
+    engine.register("s", QuestionSpec("dir", "Up or down?", choices=("up", "down"), threshold=ALWAYS, push=False))
+    engine.register("s", QuestionSpec("loud", "Next?", choices=("up", "down"), threshold=ALWAYS))
+    for i in range(3):
+        engine.push("s", LINES[i : i + 1])
+        engine.wait_idle()
+    assert heard and {a.question_id for a in heard} == {"loud"}
+    kept = {a.question_id: a for a in engine.standing("s")}
+    assert set(kept) == {"quiet", "dir", "loud"}  # still held for `standing` and snapshots
+    assert kept["quiet"].path == "gate" and kept["dir"].path == "fast" and kept["dir"].data_version == 3
+    asked = engine.ask("s", "quiet")  # an ask decodes it from the entry
+    assert asked.path == "entry" and asked.data_version == 3
+
+
 def test_watch_is_an_async_iterator(engine):
     engine.open_session("s")
     engine.register("s", QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1))

@@ -193,7 +193,7 @@ class Answering:
                           choices: dict[str, float] | None = None) -> None:
         changed = self.prepos.set_answer(st, text.strip(), path, confidence, version, choices)
         self._dirty.add(st.session.name)
-        if changed is not None:
+        if changed is not None and st.spec.push:  # push = false: kept for `standing`, told to nobody
             self.events.append((st.session.name, "standing", changed))
 
     def _on_token(self, br: Branch, token: int) -> None:
