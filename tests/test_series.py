@@ -331,35 +331,6 @@ def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained
         head.logits(torch.zeros(7, 10))
 
 
-def test_feature_sets_with_two_words_also_offer_the_first_word_alone():
-    sets = feature_sets(4, (2, "v"))
-    assert list(sets) == ["all", "words", "mean, last, word 2", "word 2"]
-    cols = {name: mask.nonzero().flatten().tolist() for name, mask in sets.items()}
-    assert cols["all"] == list(range(16)) and cols["words"] == list(range(8, 16))
-    assert cols["mean, last, word 2"] == list(range(12)) and cols["word 2"] == list(range(8, 12))
-    assert list(feature_sets(4, (2,))) == ["all", "words"] and list(feature_sets(4, ())) == ["all"]
-
-
-def test_fit_series_drops_a_second_word_that_is_only_noise():
-    """Lines [mean, last, word 2, v word] 4 wide each; the label sums word 2's first number. On the training
-    range the v word echoes the label (a coincidence of that range), on the development range it is noise:
-    the fit reads word 2 alone, the v word's columns get zero weights."""
-    g = torch.Generator().manual_seed(2)
-
-    def window(n, echo):
-        feats = torch.randn(n, 16, generator=g) * 3.0
-        sums = torch.stack([feats[max(0, i - 3): i + 1, 8].sum() for i in range(n)])
-        if echo:
-            feats[:, 12] = 3.0 * (1 - 2 * (sums <= 0).float()) + torch.randn(n, generator=g)
-        return feats, (sums <= 0).long()
-
-    train = samples([window(40, True) for _ in range(6)], 6)
-    dev = samples([window(40, False) for _ in range(4)], 6)
-    fit = fit_series(train, dev, 2, k=6, rank=2, steps=300, sets=feature_sets(4, (2, "v")))
-    assert fit.features == "word 2"
-    assert fit.proj[:, :8].abs().max() == 0 and fit.proj[:, 12:].abs().max() == 0 and fit.proj[:, 8:12].abs().max() > 0
-
-
 def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
     """Lines [mean, last, word] 4 wide each; the label sums the word's first number: the fit picks the words
     alone (the development loss prefers fewer noisy weights) and the unread columns get zero weights."""

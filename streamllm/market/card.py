@@ -19,9 +19,8 @@ def _line_features(series: dict[str, Any]) -> str:
     words = series.get("words") or []
     named = "".join(f", word {w}'s last token" if isinstance(w, int) else f", the {w}... word's last token"
                     for w in words)
-    either = ", or either with the first word only" if len(words) > 1 else ""
-    return f"[mean over its tokens, last token{named}]" + (
-        f" (each head reads all, or the words alone{either}: see features)" if words else "")
+    return f"[mean over its tokens, last token{named}]" + (" (each head reads all, or the words alone: see features)"
+                                                            if words else "")
 
 
 def _intro(card: dict[str, Any]) -> list[str]:
@@ -112,6 +111,6 @@ def card_markdown(card: dict[str, Any]) -> str:
                   for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):
-        lines += ["Features read: " + "; ".join(f"{qid}: {q['features']}" for qid, q in card["questions"].items()
+        lines += ["Features read: " + ", ".join(f"{qid} {q['features']}" for qid, q in card["questions"].items()
                                                 if "features" in q), ""]
     return "\n".join(lines)

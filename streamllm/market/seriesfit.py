@@ -12,9 +12,9 @@ log-loss (the mean over several minibatch orders; the head served is the mean of
 candidate's fits), the best step by development loss (early stopping), the gate's margin
 threshold calibrated on the development range. With word features (engine/taps.py)
 the fit also tries the words alone (a head that needs only a bar's change reads only
-that, fewer weights to fit from a month of bars), and with several words the first one
-without the rest (feature_sets()), and keeps whichever set the development loss
-prefers; the unread features get zero weights, so the engine's features stay one layout.
+that, fewer weights to fit from a month of bars) and keeps whichever set the
+development loss prefers; the unread features get zero weights, so the engine's
+features stay one layout.
 """
 
 from __future__ import annotations
@@ -105,31 +105,14 @@ class SeriesFit:
     features: str = "all"  # the feature set the head reads (feature_sets())
 
 
-def word_name(word: int | str) -> str:
-    """How a card names a line's word feature (engine/taps.py): an index, or the word a prefix picks."""
-    return f"word {word}" if isinstance(word, int) else f"{word}... word"
-
-
-def feature_sets(hidden: int, words: int | Sequence[int | str]) -> dict[str, torch.Tensor]:
-    """Column masks over a line's features [mean, last, word 1, ...] (each `hidden` wide) a fit may read:
-    all of them, or the words alone; with two words or more, also either with the first word only (its
-    change): an extra word that helps one question (volume, for a VWAP) can cost another its
-    accuracy (volatility, docs/tuning.md), so each head keeps it only if its development loss says so."""
-    names = tuple(range(1, words + 1)) if isinstance(words, int) else tuple(words)
-    width = series_width(hidden, len(names))
+def feature_sets(hidden: int, words: int) -> dict[str, torch.Tensor]:
+    """Column masks over a line's features [mean, last, word 1, ...] (each `hidden` wide) a fit may read."""
+    width = series_width(hidden, words)
     sets = {"all": torch.ones(width, dtype=torch.bool)}
-    if names:
+    if words:
         only = torch.zeros(width, dtype=torch.bool)
         only[2 * hidden:] = True
         sets["words"] = only
-    if len(names) > 1:
-        first = word_name(names[0])
-        cut = torch.zeros(width, dtype=torch.bool)
-        cut[: 3 * hidden] = True
-        sets[f"mean, last, {first}"] = cut
-        alone = torch.zeros(width, dtype=torch.bool)
-        alone[2 * hidden: 3 * hidden] = True
-        sets[first] = alone
     return sets
 
 

@@ -84,7 +84,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
     train, dev = gather("train"), gather("dev")
     fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
-                     sets=feature_sets(hidden, args.words), orders=args.fit_orders)
+                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders)
     least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       math.inf, tuple(args.words), least if least < args.lines else 0)
