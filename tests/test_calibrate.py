@@ -14,6 +14,7 @@ from streamllm.market.calibrate import _parser, calibrate, cli_main
 from streamllm.market.calibrate_report import (
     QuestionRecord,
     gate_at,
+    live_gate,
     record_blocks,
     summarize,
     table,
@@ -110,6 +111,11 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         else:
             assert report[f"{q}.precision"] >= 0.8
     assert report["trend.samples"] == 56 and report["sma.samples"] == 51
+    for r in reports:  # the live auto gate, as the engine would have run it on these samples
+        live = live_gate(run.records[reports.index(r)], 0.8)
+        assert report[f"live_fired.{r.id}"] == live.fired and report[f"live_first.{r.id}"] == live.first
+        assert report[f"live_coverage.{r.id}"] == round(live.coverage, 6)
+    assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])
     assert report["updates"] == 60 and report["bars"] == 60
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -150,6 +156,51 @@ def test_summary_unreachable_target_and_base_rate():
     # Balanced accuracy sees through it: all 'down' right, the one 'up' wrong -> (1 + 0) / 2.
     assert lazy_report.accuracy == 0.9 and lazy_report.balanced_accuracy == 0.5
     assert report.balanced_accuracy == (1 / 3 + 0) / 2  # 'up' right 1 of 3, 'down' 0 of 1
+
+
+def _live_record(n: int, seed: int = 3) -> QuestionRecord:
+    """A head that is right when its gap is large (gap > 1: right 95%; else a coin), truth runs of 4-12."""
+    import random
+
+    from streamllm.config import parse_question
+
+    spec = parse_question({"id": "q", "text": "up?", "choices": ["up", "down"], "label": "trend_up(n=2)"})
+    rng = random.Random(seed)
+    record, truth, left = QuestionRecord(spec), "up", 0
+    for i in range(n):
+        if left == 0:
+            truth, left = ("down" if truth == "up" else "up"), rng.randint(4, 12)
+        left -= 1
+        gap = rng.uniform(0, 3)
+        right = rng.random() < (0.95 if gap > 1 else 0.5)
+        record.gaps.append(gap)
+        record.truths.append(truth)
+        record.answers.append(truth if right else ("down" if truth == "up" else "up"))
+        record.bars.append(i)
+    return record
+
+
+def test_live_gate_is_the_engines_auto_threshold_on_the_replay():
+    """What threshold = "auto:0.9" would do: closed until an answer has 30 fired samples over 5 truth runs,
+    then firing only where the answers before were right; hindsight's threshold sees every answer."""
+    record = _live_record(600)
+    live = live_gate(record, 0.9)
+    assert live.first is not None and live.first >= 30  # nothing fires on no evidence
+    assert 0.2 < live.coverage < 0.8 and live.precision >= 0.85  # it fires where gaps are large, and is right there
+    # No evidence, no fast answers: a head that is never better than a coin never opens.
+    coin = _live_record(600)
+    coin.answers = [a if k % 2 else ("down" if a == "up" else "up") for k, a in enumerate(coin.truths)]
+    assert live_gate(coin, 0.9).first is None and live_gate(coin, 0.9).fired == 0
+    # Pooled ranges share one window (one session serving the market for longer): the second range
+    # starts open, so it fires more than the first did from closed.
+    twice = QuestionRecord(record.spec, record.gaps * 2, record.answers * 2, record.truths * 2,
+                           record.bars * 2, [0] * 600 + [1] * 600)
+    pooled = live_gate(twice, 0.9)
+    assert pooled.first == live.first and pooled.fired > 2 * live.fired
+    report = summarize(record, 0.9)
+    assert report.live == live
+    text = table([report], 0.9)
+    assert f"fired on {live.coverage:.2f} ({live.fired}) at precision {live.precision:.2f}" in text
 
 
 def _error(capsys, argv: list[str]) -> str:

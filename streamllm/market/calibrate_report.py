@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from streamllm.config import QuestionSpec
+from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.gate import (
     RiskCoveragePoint,
     balanced_accuracy,
@@ -76,6 +77,20 @@ class QuestionReport:
     # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
     accuracy_interval: tuple[float, float] | None = None
     coverage_interval: tuple[float, float] | None = None
+    live: LiveGate | None = None  # what threshold = "auto:<target>" would have done, live
+
+
+@dataclass(frozen=True, slots=True)
+class LiveGate:
+    """The live gate on the replay: `threshold`, `coverage` and `precision` above are hindsight (one
+    threshold chosen knowing every answer); this is the engine's own auto threshold, which fires on
+    an answer only from the answers scored before it (engine/calibration.py)."""
+
+    fired: int
+    right: int  # of those fired
+    first: int | None  # samples scored before its first fast answer (None: it never opened)
+    coverage: float
+    precision: float | None
 
 
 @dataclass(slots=True)
@@ -114,8 +129,27 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
         record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
-        spans.get("accuracy"), spans.get("coverage_at_target"),
+        spans.get("accuracy"), spans.get("coverage_at_target"), live_gate(record, target),
     )
+
+
+def live_gate(record: QuestionRecord, target: float) -> LiveGate:
+    """Feed the samples in replay order to the engine's LiveCalibration, called as engine/prepos.py calls
+    it under `threshold = "auto:<target>"`: each answer fires or not on the thresholds the answers
+    before it set, then is scored. It starts closed; pooled ranges share one window, as one session
+    serving that market for longer keeps its window through compactions."""
+    calibration = LiveCalibration(target)
+    fired = right = 0
+    first = None
+    for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
+        fires = gap >= calibration.threshold_for(answer)
+        if fires:
+            fired, right = fired + 1, right + (answer == truth)
+            first = version if first is None else first
+        calibration.expect(version, truth)
+        calibration.score(version, answer, gap, fires, calibration.threshold)
+    n = len(record.gaps)
+    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None)
 
 
 def record_blocks(record: QuestionRecord, length: int) -> np.ndarray:
@@ -173,6 +207,14 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
         out[f"accuracy_interval.{r.id}"] = rounded(r.accuracy_interval)
         out[f"coverage_at_target_interval.{r.id}"] = rounded(r.coverage_interval)
+    for r in reports:  # the live auto gate (LiveGate): what a session with threshold = "auto:<target>" did
+        live = r.live
+        out[f"live_coverage.{r.id}"] = None if live is None else _num(live.coverage)
+        out[f"live_precision.{r.id}"] = None if live is None else _num(live.precision)
+        out[f"live_fired.{r.id}"] = None if live is None else live.fired
+        out[f"live_first.{r.id}"] = None if live is None else live.first
+    lives = [r.live.coverage for r in reports if r.live is not None]
+    out["live_min_coverage"] = _num(min(lives)) if lives else None
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["min_coverage_at_target_interval"] = rounded(
         min_coverage_interval(run.records, meta["target_precision"]))
@@ -228,6 +270,15 @@ def table(reports: list[QuestionReport], target: float) -> str:
                     f"{_span(r.accuracy_interval):>11} {base:>14} {_fmt(r.balanced_accuracy):>8}")
     rows.append(f"({level}: the middle {level} of {REPS} block-bootstrap resamples, blocks as long as each label's "
                 "history; neighbouring bars are not independent samples)")
+    rows.append(f'live, threshold = "auto:{target:g}" as the engine runs it (starts closed; each answer fires on '
+                "the evidence of the answers scored before it):")
+    for r in reports:
+        live = r.live
+        if live is None or r.samples == 0:
+            continue
+        rows.append(f"  {r.id:<16} " + (f"never opened in {r.samples} samples" if live.first is None else
+                    f"fired on {live.coverage:.2f} ({live.fired}) at precision {_fmt(live.precision)}, "
+                    f"first after {live.first} samples"))
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
