@@ -116,6 +116,19 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         assert report[f"live_fired.{r.id}"] == live.fired and report[f"live_first.{r.id}"] == live.first
         assert report[f"live_coverage.{r.id}"] == round(live.coverage, 6)
     assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])
+    # Every sample as a row, for a look of one's own.
+    import polars as pl
+
+    for name in ("samples.csv", "samples.parquet"):
+        assert cli_main(args_for(setup, "--warmup", "0", "--target-precision", "0.8",
+                                 "--samples", str(setup["dir"] / name))) == 0
+        rows = pl.read_csv(setup["dir"] / name) if name.endswith(".csv") else pl.read_parquet(setup["dir"] / name)
+        assert rows.height == 56 + 51 and rows.columns == ["question", "range", "bar", "gap", "answer", "truth",
+                                                           "correct", "live_fired"]
+        trend = rows.filter(pl.col("question") == "trend")
+        assert trend["gap"].to_list() == pytest.approx(run.records[0].gaps, abs=1e-5)
+        assert trend["truth"].to_list() == run.records[0].truths and trend["bar"].to_list() == run.records[0].bars
+        assert trend["live_fired"].sum() == report["live_fired.trend"]
     assert report["updates"] == 60 and report["bars"] == 60
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

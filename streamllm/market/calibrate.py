@@ -34,6 +34,7 @@ from streamllm.market.calibrate_report import (
     summarize,
     table,
     to_json,
+    write_samples,
 )
 
 DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
@@ -124,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--target-precision", type=float, default=0.9)
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="write the risk-coverage plot here (PNG)")
+    p.add_argument("--samples", type=Path, metavar="FILE",
+                   help="write every sample here (question, range, bar, gap, answer, truth, correct, live_fired): "
+                        "CSV, or Parquet for a .parquet name")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--bars", type=int, help=f"bars to replay, warmup included (default {DEFAULT_BARS}, "
                                              "fewer when the session's context cannot hold them)")
@@ -328,6 +332,9 @@ def cli_main(argv: list[str]) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(run, reports, meta), indent=1) + "\n")
         print(f"wrote {args.json}")
+    if args.samples is not None:
+        rows = write_samples(run.records, args.target_precision, args.samples)
+        print(f"wrote {args.samples} ({rows} samples)")
     if args.plot is not None:
         plot(reports, args.target_precision, args.plot,
              f"{run.session}: {run.model}, {run.updates} updates")

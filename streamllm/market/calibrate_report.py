@@ -138,18 +138,41 @@ def live_gate(record: QuestionRecord, target: float) -> LiveGate:
     it under `threshold = "auto:<target>"`: each answer fires or not on the thresholds the answers
     before it set, then is scored. It starts closed; pooled ranges share one window, as one session
     serving that market for longer keeps its window through compactions."""
-    calibration = LiveCalibration(target)
-    fired = right = 0
-    first = None
-    for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
-        fires = gap >= calibration.threshold_for(answer)
-        if fires:
-            fired, right = fired + 1, right + (answer == truth)
-            first = version if first is None else first
-        calibration.expect(version, truth)
-        calibration.score(version, answer, gap, fires, calibration.threshold)
-    n = len(record.gaps)
+    fires = live_fires(record, target)
+    fired, right = sum(fires), sum(f and c for f, c in zip(fires, record.correct, strict=True))
+    first = fires.index(True) if fired else None
+    n = len(fires)
     return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None)
+
+
+def live_fires(record: QuestionRecord, target: float) -> list[bool]:
+    """Per sample, whether the live gate fired on it (live_gate)."""
+    calibration = LiveCalibration(target)
+    fires = []
+    for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
+        fires.append(gap >= calibration.threshold_for(answer))
+        calibration.expect(version, truth)
+        calibration.score(version, answer, gap, fires[-1], calibration.threshold)
+    return fires
+
+
+def write_samples(records: Sequence[QuestionRecord], target: float, path: Path) -> int:
+    """Every sample as a row (question, range, bar, gap, answer, truth, correct, live_fired): CSV, or
+    Parquet for a .parquet path, for a look of one's own (polars, pandas, a spreadsheet). Returns rows."""
+    import polars as pl
+
+    frames = [pl.DataFrame({
+        "question": [r.spec.id] * len(r.gaps), "range": r.ranges or [0] * len(r.gaps),
+        "bar": r.bars or list(range(len(r.gaps))), "gap": r.gaps, "answer": r.answers, "truth": r.truths,
+        "correct": r.correct, "live_fired": live_fires(r, target)},
+        schema={"question": pl.String, "range": pl.Int64, "bar": pl.Int64, "gap": pl.Float64, "answer": pl.String,
+                "truth": pl.String, "correct": pl.Boolean, "live_fired": pl.Boolean}) for r in records]
+    table = pl.concat(frames) if frames else pl.DataFrame()
+    if path.suffix == ".parquet":
+        table.write_parquet(path)
+    else:
+        table.write_csv(path)
+    return table.height
 
 
 def record_blocks(record: QuestionRecord, length: int) -> np.ndarray:
