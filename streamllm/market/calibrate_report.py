@@ -1,6 +1,7 @@
 """What `streamllm calibrate` measured: per labelled question, the samples it recorded, the
-risk-coverage curve and the threshold that reaches the target precision; then the same as
-JSON (`question.metric` and the issue-13 summary keys), a table and a PNG plot.
+risk-coverage curve and the threshold that reaches the target precision (hindsight), and what
+the live auto gate did on the same samples; then the same as JSON (`question.metric` and the
+issue-13 summary keys), a table, a PNG plot and the samples as rows.
 """
 
 from __future__ import annotations
