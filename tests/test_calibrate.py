@@ -111,8 +111,8 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         else:
             assert report[f"{q}.precision"] >= 0.8
     assert report["trend.samples"] == 56 and report["sma.samples"] == 51
-    for r in reports:  # the live auto gate, as the engine would have run it on these samples
-        live = live_gate(run.records[reports.index(r)], 0.8)
+    for record, r in zip(run.records, reports, strict=True):  # the live gate, as the engine would run it here
+        live = live_gate(record, 0.8)
         assert report[f"live_fired.{r.id}"] == live.fired and report[f"live_first.{r.id}"] == live.first
         assert report[f"live_coverage.{r.id}"] == round(live.coverage, 6)
     assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])

@@ -333,7 +333,7 @@ def cli_main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(to_json(run, reports, meta), indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.samples is not None:
-        rows = write_samples(run.records, args.target_precision, args.samples)
+        rows = write_samples(run.records, reports, args.samples)
         print(f"wrote {args.samples} ({rows} samples)")
     if args.plot is not None:
         plot(reports, args.target_precision, args.plot,

@@ -92,6 +92,7 @@ class LiveGate:
     first: int | None  # samples scored before its first fast answer (None: it never opened)
     coverage: float
     precision: float | None
+    fires: tuple[bool, ...] = field(default=(), repr=False)  # per sample, in replay order (--samples)
 
 
 @dataclass(slots=True)
@@ -139,35 +140,31 @@ def live_gate(record: QuestionRecord, target: float) -> LiveGate:
     it under `threshold = "auto:<target>"`: each answer fires or not on the thresholds the answers
     before it set, then is scored. It starts closed; pooled ranges share one window, as one session
     serving that market for longer keeps its window through compactions."""
-    fires = live_fires(record, target)
-    fired, right = sum(fires), sum(f and c for f, c in zip(fires, record.correct, strict=True))
-    first = fires.index(True) if fired else None
-    n = len(fires)
-    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None)
-
-
-def live_fires(record: QuestionRecord, target: float) -> list[bool]:
-    """Per sample, whether the live gate fired on it (live_gate)."""
     calibration = LiveCalibration(target)
     fires = []
     for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
         fires.append(gap >= calibration.threshold_for(answer))
         calibration.expect(version, truth)
         calibration.score(version, answer, gap, fires[-1], calibration.threshold)
-    return fires
+    fired, right = sum(fires), sum(f and c for f, c in zip(fires, record.correct, strict=True))
+    first = fires.index(True) if fired else None
+    n = len(fires)
+    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None, tuple(fires))
 
 
-def write_samples(records: Sequence[QuestionRecord], target: float, path: Path) -> int:
-    """Every sample as a row (question, range, bar, gap, answer, truth, correct, live_fired): CSV, or
-    Parquet for a .parquet path, for a look of one's own (polars, pandas, a spreadsheet). Returns rows."""
+def write_samples(records: Sequence[QuestionRecord], reports: Sequence[QuestionReport], path: Path) -> int:
+    """Every sample as a row (question, range, bar, gap, answer, truth, correct, live_fired: the reports'
+    live gate): CSV, or Parquet for a .parquet path, for a look of one's own (polars, pandas, a
+    spreadsheet). Returns rows."""
     import polars as pl
 
     frames = [pl.DataFrame({
         "question": [r.spec.id] * len(r.gaps), "range": r.ranges or [0] * len(r.gaps),
         "bar": r.bars or list(range(len(r.gaps))), "gap": r.gaps, "answer": r.answers, "truth": r.truths,
-        "correct": r.correct, "live_fired": live_fires(r, target)},
+        "correct": r.correct, "live_fired": list(report.live.fires)},
         schema={"question": pl.String, "range": pl.Int64, "bar": pl.Int64, "gap": pl.Float64, "answer": pl.String,
-                "truth": pl.String, "correct": pl.Boolean, "live_fired": pl.Boolean}) for r in records]
+                "truth": pl.String, "correct": pl.Boolean, "live_fired": pl.Boolean})
+        for r, report in zip(records, reports, strict=True)]
     table = pl.concat(frames) if frames else pl.DataFrame()
     if path.suffix == ".parquet":
         table.write_parquet(path)
