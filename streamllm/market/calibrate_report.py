@@ -72,13 +72,13 @@ class QuestionReport:
     config_coverage: float
     config_precision: float | None
     curve: list[RiskCoveragePoint]
+    live: LiveGate  # what threshold = "auto:<target>" would have done, live
     # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
     # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
     balanced_accuracy: float | None = None
     # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
     accuracy_interval: tuple[float, float] | None = None
     coverage_interval: tuple[float, float] | None = None
-    live: LiveGate | None = None  # what threshold = "auto:<target>" would have done, live
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +130,8 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
-        record.spec.threshold, config_coverage, config_precision, curve, balanced_accuracy(record.answers, record.truths),
-        spans.get("accuracy"), spans.get("coverage_at_target"), live_gate(record, target),
+        record.spec.threshold, config_coverage, config_precision, curve, live_gate(record, target),
+        balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
     )
 
 
@@ -229,13 +229,11 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"accuracy_interval.{r.id}"] = rounded(r.accuracy_interval)
         out[f"coverage_at_target_interval.{r.id}"] = rounded(r.coverage_interval)
     for r in reports:  # the live auto gate (LiveGate): what a session with threshold = "auto:<target>" did
-        live = r.live
-        out[f"live_coverage.{r.id}"] = None if live is None else _num(live.coverage)
-        out[f"live_precision.{r.id}"] = None if live is None else _num(live.precision)
-        out[f"live_fired.{r.id}"] = None if live is None else live.fired
-        out[f"live_first.{r.id}"] = None if live is None else live.first
-    lives = [r.live.coverage for r in reports if r.live is not None]
-    out["live_min_coverage"] = _num(min(lives)) if lives else None
+        out[f"live_coverage.{r.id}"] = _num(r.live.coverage)
+        out[f"live_precision.{r.id}"] = _num(r.live.precision)
+        out[f"live_fired.{r.id}"] = r.live.fired
+        out[f"live_first.{r.id}"] = r.live.first
+    out["live_min_coverage"] = _num(min((r.live.coverage for r in reports), default=None))
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["min_coverage_at_target_interval"] = rounded(
         min_coverage_interval(run.records, meta["target_precision"]))
@@ -295,7 +293,7 @@ def table(reports: list[QuestionReport], target: float) -> str:
                 "the evidence of the answers scored before it):")
     for r in reports:
         live = r.live
-        if live is None or r.samples == 0:
+        if r.samples == 0:
             continue
         rows.append(f"  {r.id:<16} " + (f"never opened in {r.samples} samples" if live.first is None else
                     f"fired on {live.coverage:.2f} ({live.fired}) at precision {_fmt(live.precision)}, "
