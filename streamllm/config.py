@@ -22,6 +22,7 @@ from typing import Any
 from streamllm.market.labels import LabelError, LabelSpec, parse_label
 
 DEFAULT_THRESHOLD = 2.0  # logit gap; e^2 ~ 7x odds between the top two answers
+DEFAULT_AUTO_CONFIDENCE = 0.5  # an auto threshold judges its precision by the point estimate
 DEFAULT_MAX_TOKENS_CHOICES = 8  # decoding stops as soon as the answer names a choice
 DEFAULT_MAX_TOKENS_FREE = 48
 DEFAULT_MAX_CONTEXT_TOKENS = 4096
@@ -83,6 +84,9 @@ class QuestionSpec:
     # threshold = "auto:P": the engine sets the threshold live from labelled answers to reach
     # precision P (engine/calibration.py); `threshold` is then inf (closed) until there is evidence.
     target_precision: float | None = None
+    # auto_confidence = C (with "auto:P"): open only where a lower bound of the precision, at one-sided
+    # confidence C, reaches P; 0.5 is the point estimate (engine/calibration.py).
+    auto_confidence: float = DEFAULT_AUTO_CONFIDENCE
 
     @property
     def threshold_text(self) -> float | str:
@@ -341,7 +345,8 @@ class _Reader:
 
     def question(self, data: Any, path: str) -> QuestionSpec:
         table = self.table(data, path)
-        self.keys(table, path, ("id", "text", "choices", "threshold", "max_tokens", "label", "push"))
+        self.keys(table, path, ("id", "text", "choices", "threshold", "auto_confidence", "max_tokens", "label",
+                                "push"))
         question_id = self.name(table, path, "id")
         text = self.text(table, path, "text")
         choices = self.choices(table, path)
@@ -353,7 +358,20 @@ class _Reader:
         if target is not None and label is None:
             raise self.fail(_join(path, "threshold"), "auto thresholds learn from the label: give the question "
                                                       "a `label` (see docs/questions.md) or a number")
-        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push, target)
+        confidence = self.auto_confidence(table, path, target)
+        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push, target, confidence)
+
+    def auto_confidence(self, table: Mapping[str, Any], path: str, target: float | None) -> float:
+        """How sure an auto threshold must be of its precision: 0.5 <= C < 1, only beside "auto:P"."""
+        if "auto_confidence" not in table:
+            return DEFAULT_AUTO_CONFIDENCE
+        key = _join(path, "auto_confidence")
+        if target is None:
+            raise self.fail(key, 'only with threshold = "auto:P" (it sets how sure the live threshold must be)')
+        value = self.get(table, path, "auto_confidence", (int, float), "a number", DEFAULT_AUTO_CONFIDENCE)
+        if not 0.5 <= value < 1:
+            raise self.fail(key, f"expected a one-sided confidence with 0.5 <= C < 1 (e.g. 0.9), got {value!r}")
+        return float(value)
 
     def threshold(self, table: Mapping[str, Any], path: str) -> tuple[float, float | None]:
         """(threshold, target precision): a logit gap >= 0, or "auto:P" with 0.5 <= P < 1 (closed: inf)."""

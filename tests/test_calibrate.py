@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -115,6 +116,7 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         live = live_gate(record, 0.8)
         assert report[f"live_fired.{r.id}"] == live.fired and report[f"live_first.{r.id}"] == live.first
         assert report[f"live_coverage.{r.id}"] == round(live.coverage, 6)
+        assert report[f"live_confidence.{r.id}"] == 0.5
     assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])
     # Every sample as a row, for a look of one's own.
     import polars as pl
@@ -211,9 +213,23 @@ def test_live_gate_is_the_engines_auto_threshold_on_the_replay():
     pooled = live_gate(twice, 0.9)
     assert pooled.first == live.first and pooled.fired > 2 * live.fired
     report = summarize(record, 0.9)
-    assert report.live == live
+    assert report.live == live and live.confidence == 0.5  # the question's own auto_confidence (default)
     text = table([report], 0.9)
     assert f"fired on {live.coverage:.2f} ({live.fired}) at precision {live.precision:.2f}" in text
+
+
+def test_a_confident_live_gate_fires_on_a_subset_and_follows_the_question_or_the_flag():
+    """auto_confidence judges each threshold by a lower bound of its precision: on the same window
+    no threshold it accepts is one the point estimate rejects, so it fires on a subset of the answers."""
+    record = _live_record(1200, seed=5)
+    point, sure = live_gate(record, 0.9), live_gate(record, 0.9, confidence=0.9)
+    assert sure.fired < point.fired and sure.first >= point.first
+    assert all(p or not s for p, s in zip(point.fires, sure.fires, strict=True))
+    assert sure.confidence == 0.9 and summarize(record, 0.9, 0.9).live == sure
+    own = QuestionRecord(dataclasses.replace(record.spec, auto_confidence=0.9), record.gaps, record.answers,
+                         record.truths, record.bars)
+    assert live_gate(own, 0.9) == sure and live_gate(own, 0.9, 0.5) == point
+    assert "(auto_confidence 0.9)" in table([summarize(record, 0.9, 0.9)], 0.9)
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -263,6 +279,9 @@ def test_clear_errors(setup, capsys):
 
     err = _error(capsys, args_for(setup, "--warmup", "60"))
     assert "--warmup 60" in err
+
+    err = _error(capsys, args_for(setup, "--auto-confidence", "1"))
+    assert "--auto-confidence must be in [0.5, 1), got 1.0" in err
 
 
 def test_files_are_read_as_every_command_reads_them(setup, tiny_model, capsys):

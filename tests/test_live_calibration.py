@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import urllib.request
 
 import pytest
@@ -18,8 +19,9 @@ from feeds.bars import BarAggregator
 from feeds.events import Trade
 from feeds.synthetic import synthetic_events
 from streamllm.config import ConfigError, parse_question
+from streamllm.durability.snapshot import question_dict
 from streamllm.engine import Engine
-from streamllm.engine.calibration import LiveCalibration
+from streamllm.engine.calibration import LiveCalibration, precision_floor
 from streamllm.engine.gate import Gate, risk_coverage, threshold_for_precision
 from streamllm.market.attach import Attachment, AttachSpec
 from streamllm.service.server import StreamServer
@@ -62,6 +64,42 @@ def test_config_reads_auto_thresholds_and_needs_a_label() -> None:
         parse_question({"id": "q", "text": "up or down?", "choices": ["up", "down"], "threshold": "auto:0.9"})
 
 
+def test_config_reads_auto_confidence_only_beside_an_auto_threshold() -> None:
+    spec = parse_question({**QUESTION, "threshold": "auto:0.9", "auto_confidence": 0.9})
+    assert spec.auto_confidence == 0.9 and parse_question({**QUESTION, "threshold": "auto:0.9"}).auto_confidence == 0.5
+    assert parse_question(question_dict(spec)) == spec  # logs and snapshots keep it
+    assert "auto_confidence" not in question_dict(parse_question({**QUESTION, "threshold": "auto:0.9"}))
+    with pytest.raises(ConfigError, match=r"auto_confidence.*only with threshold"):
+        parse_question({**QUESTION, "threshold": 2.0, "auto_confidence": 0.9})
+    for bad in (1.0, 0.4, "high", True):
+        with pytest.raises(ConfigError, match="auto_confidence"):
+            parse_question({**QUESTION, "threshold": "auto:0.9", "auto_confidence": bad})
+
+
+def _wilson_low_by_bisection(hits: int, n: int, z: float) -> float:
+    """The reference: the smallest p the score test at z does not reject, (p_hat - p)^2 <= z^2 p (1 - p) / n,
+    found by bisection below p_hat."""
+    p_hat = hits / n
+    lo, hi = 0.0, p_hat
+    if (p_hat - lo) ** 2 <= z * z * lo * (1 - lo) / n:
+        return 0.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if (p_hat - mid) ** 2 <= z * z * mid * (1 - mid) / n:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def test_precision_floor_is_the_wilson_score_bound() -> None:
+    for hits, n in [(27, 30), (30, 30), (0, 5), (450, 500), (1, 1), (88, 97)]:
+        assert precision_floor(hits, n, 0.0) == hits / n  # confidence 0.5: the point estimate, exactly
+        for z in (0.8416, 1.2816, 2.3263):
+            assert precision_floor(hits, n, z) == pytest.approx(_wilson_low_by_bisection(hits, n, z), abs=1e-9)
+            assert 0.0 <= precision_floor(hits, n, z) < hits / n or hits == 0
+
+
 def test_auto_thresholds_are_each_answers_offline_curve_point_with_enough_evidence() -> None:
     rng = random.Random(7)
     cal = LiveCalibration(target=0.9, window=200, min_evidence=30, min_runs=5)
@@ -97,7 +135,8 @@ def test_auto_thresholds_are_each_answers_offline_curve_point_with_enough_eviden
 
 def _reference_fit(cal: LiveCalibration) -> dict[str, float]:
     """The offline curve: risk_coverage per answer, points with enough fired samples from enough runs,
-    the most-covering one reaching the target."""
+    the most-covering one reaching the target (its Wilson bound, at auto_confidence above 0.5)."""
+    z = statistics.NormalDist().inv_cdf(cal.confidence)
     out = {}
     for answer in {a for *_, a, _ in cal.samples}:
         mine = [(g, c, r) for g, c, _, a, r in cal.samples if a == answer]
@@ -106,18 +145,23 @@ def _reference_fit(cal: LiveCalibration) -> dict[str, float]:
         curve = [p for p in risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
                  if p.coverage * len(mine) >= cal.min_evidence - 1e-9
                  and len({r for g, _, r in mine if g >= p.threshold}) >= cal.min_runs]
+        if z > 0:  # judge each point by its bound: the score test's lowest p for its hits of fired
+            fired = [round(p.coverage * len(mine)) for p in curve]
+            curve = [p._replace(precision=_wilson_low_by_bisection(round(p.precision * k), k, z))
+                     for p, k in zip(curve, fired, strict=True)]
         point = threshold_for_precision(curve, cal.target)
         if point is not None:
             out[answer] = point.threshold
     return out
 
 
+@pytest.mark.parametrize("confidence", [0.5, 0.9])
 @pytest.mark.parametrize("seed", range(4))
-def test_the_one_pass_fit_and_running_counts_equal_the_offline_curve(seed: int) -> None:
+def test_the_one_pass_fit_and_running_counts_equal_the_offline_curve(seed: int, confidence: float) -> None:
     """Tied gaps, three answers, a window that evicts: at every step the fit is the offline curve's
     point and the summary's figures are the window's own."""
     rng = random.Random(seed)
-    cal = LiveCalibration(target=0.75, window=90, min_evidence=8, min_runs=3)
+    cal = LiveCalibration(target=0.75, confidence=confidence, window=90, min_evidence=8, min_runs=3)
     truth = "a"
     for version in range(1, 400):
         if rng.random() < 0.15:
@@ -165,6 +209,30 @@ def test_one_long_run_of_a_slow_label_is_not_evidence_enough() -> None:
     # Now the window spans many runs: both answers open, above the lagging answers' gaps.
     assert cal.thresholds == {"up": 2.0, "down": 2.0}
     assert not step("up", "down", 1.0) and step("up", "up", 2.0)
+
+
+def test_a_confident_auto_threshold_is_never_below_the_point_estimates() -> None:
+    """Both see the same window; a bound below the point estimate accepts only thresholds the point
+    estimate accepts too, so each answer opens later and higher, and the summary says which rule ran."""
+    rng = random.Random(11)
+    point, sure = LiveCalibration(target=0.85), LiveCalibration(target=0.85, confidence=0.9)
+    truth, opened = "up", set()
+    for version in range(1, 1500):
+        if rng.random() < 0.1:
+            truth = "down" if truth == "up" else "up"
+        gap = rng.uniform(0, 3)
+        right = rng.random() < (0.97 if gap > 1.5 else 0.75)
+        answer = truth if right else ("down" if truth == "up" else "up")
+        for cal in (point, sure):
+            cal.expect(version, truth)
+            cal.score(version, answer, gap, fired=gap >= cal.threshold_for(answer), threshold=cal.threshold)
+        for a in ("up", "down"):
+            assert sure.threshold_for(a) >= point.threshold_for(a), version
+            if math.isfinite(sure.threshold_for(a)):
+                opened.add(a)
+    assert opened == {"up", "down"} and sure.thresholds != point.thresholds
+    assert (point.summary.confidence, sure.summary.confidence) == (0.5, 0.9)
+    assert LiveCalibration().summary is None and LiveCalibration()._summary(math.inf).confidence is None
 
 
 def test_a_closed_gate_skips_only_refits_that_could_not_open_it() -> None:

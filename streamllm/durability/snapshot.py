@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from streamllm.config import ConfigError, QuestionSpec, parse_question
+from streamllm.config import DEFAULT_AUTO_CONFIDENCE, ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.state import SessionState, export_session, import_session
@@ -71,6 +71,8 @@ def question_dict(spec: QuestionSpec) -> dict[str, Any]:
         out["choices"] = list(spec.choices)
     if spec.label is not None:
         out["label"] = spec.label.text
+    if spec.auto_confidence != DEFAULT_AUTO_CONFIDENCE:
+        out["auto_confidence"] = spec.auto_confidence
     return out
 
 

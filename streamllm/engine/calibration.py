@@ -15,6 +15,13 @@ per answer (choice): for each, the most-covering threshold whose fired samples *
 that answer* reach precision P on at least MIN_EVIDENCE of them spread over at least
 MIN_RUNS truth runs (engine/gate.py `risk_coverage`), or closed (inf) until then.
 
+"Reach precision P" is judged on the window's point estimate (hits / fired) by default; with
+`auto_confidence = C` it is judged on a lower confidence bound of that precision instead (Wilson
+score interval, one-sided at C): the window's precision at the most-covering threshold is the best
+of many looks, so out of the window it tends to land a little under P (0.87-0.89 against 0.9 on a
+stock's daily bars, docs/tuning.md); a bound trades coverage for that margin. C = 0.5 is the point
+estimate itself.
+
 Per answer, because evidence is per answer: a window of right "no"s says nothing about a
 "yes" (a pooled threshold opened on a rare-event question's "no"s and then fired its
 first "yes"s, wrong, in `bench replay`). Per truth run, because a slow label's samples
@@ -34,6 +41,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from operator import itemgetter
+from statistics import NormalDist
 
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
@@ -53,6 +61,7 @@ class CalibrationSummary:
     accuracy: float | None  # correct / samples
     threshold: float | None  # the gate's threshold now (None: closed)
     target: float | None  # the auto target precision, if any
+    confidence: float | None  # how sure the auto threshold is of reaching it (0.5: the point estimate)
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -61,6 +70,7 @@ class CalibrationSummary:
 @dataclass(slots=True)
 class LiveCalibration:
     target: float | None = None  # threshold = "auto:P"
+    confidence: float = 0.5  # auto_confidence = C: judge P on a lower bound at one-sided confidence C
     window: int = WINDOW
     min_evidence: int = MIN_EVIDENCE
     min_runs: int = MIN_RUNS
@@ -119,8 +129,8 @@ class LiveCalibration:
 
     def fit(self) -> dict[str, float]:
         """Per answer: the lowest threshold whose window samples giving that answer, at or above
-        it, reach the target precision on at least min_evidence of them from at least min_runs
-        truth runs; answers with no such threshold are absent (closed).
+        it, reach the target precision (its lower bound at `confidence`) on at least min_evidence
+        of them from at least min_runs truth runs; answers with no such threshold are absent (closed).
 
         One pass per answer down its gaps (the risk-coverage curve, engine/gate.py, with each
         point's truth runs): coverage grows along the pass, so the last point that qualifies is
@@ -129,6 +139,7 @@ class LiveCalibration:
         for gap, correct, _, answer, run in self.samples:
             by_answer.setdefault(answer, []).append((gap, correct, run))
         out: dict[str, float] = {}
+        z = NormalDist().inv_cdf(self.confidence)
         for answer, mine in by_answer.items():
             n = len(mine)
             if n < self.min_evidence:
@@ -140,7 +151,8 @@ class LiveCalibration:
                 runs.add(run)
                 if fired < n and mine[fired][0] == gap:
                     continue  # a threshold fires on the whole tie: judge it at the tie's last sample
-                if fired >= self.min_evidence and len(runs) >= self.min_runs and hits / fired >= self.target:
+                if (fired >= self.min_evidence and len(runs) >= self.min_runs
+                        and precision_floor(hits, fired, z) >= self.target):
                     best = gap
             if best is not None:
                 out[answer] = float(best)
@@ -156,4 +168,19 @@ class LiveCalibration:
         n, fired = len(self.samples), self.fired
         return CalibrationSummary(
             n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
-            self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target)
+            self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target,
+            self.confidence if self.target is not None else None)
+
+
+def precision_floor(hits: int, fired: int, z: float) -> float:
+    """The lower end of the Wilson score interval for hits / fired at normal quantile z (z = 0: the
+    point estimate). Wilson rather than the normal approximation: it stays inside [0, 1] and is not
+    degenerate at hits == fired, which is where a good gate's high thresholds live. A few float
+    operations, evaluated at every point of a refit's pass, so written out rather than imported."""
+    p = hits / fired
+    if z <= 0:
+        return p
+    z2 = z * z
+    centre = p + z2 / (2 * fired)
+    spread = z * math.sqrt(p * (1 - p) / fired + z2 / (4 * fired * fired))
+    return (centre - spread) / (1 + z2 / fired)

@@ -79,7 +79,7 @@ class Prepositioner:
         if spec.id in questions:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
         st = Standing(session, spec, gate, list(prompt_ids),
-                      calibration=LiveCalibration(spec.target_precision))
+                      calibration=LiveCalibration(spec.target_precision, spec.auto_confidence))
         questions[spec.id] = st
         return st
 

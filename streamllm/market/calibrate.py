@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="bars or trades: a table, Databento DBN or capture (default: the session's csv: "
                                   "feed); PATH@FROM..TO replays the bars opening in that range (ISO dates, UTC)")
     p.add_argument("--target-precision", type=float, default=0.9)
+    p.add_argument("--auto-confidence", type=float, metavar="C",
+                   help="replay the live auto gate judging its precision by a lower bound at one-sided confidence C "
+                        "(0.5 <= C < 1; 0.5: the point estimate; default: each question's own auto_confidence)")
     p.add_argument("--json", type=Path, help="write the report here")
     p.add_argument("--plot", type=Path, help="write the risk-coverage plot here (PNG)")
     p.add_argument("--samples", type=Path, metavar="FILE",
@@ -199,6 +202,8 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
 
     if not 0 < args.target_precision <= 1:
         raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")
+    if args.auto_confidence is not None and not 0.5 <= args.auto_confidence < 1:
+        raise CalibrationError(f"--auto-confidence must be in [0.5, 1), got {args.auto_confidence}")
     config = load_config(args.questions)
     spec = _pick_session(config, args.session)
     data, path = _data_path(spec, args.data)
@@ -234,7 +239,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     run = runs[0] if len(runs) == 1 else pool(runs)
     meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
             "start": starts[0] if len(starts) == 1 else starts, "adapter": adapter, "adapter_id": adapter_id}
-    return run, [summarize(r, args.target_precision) for r in run.records], meta
+    return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
 
 
 def pool(runs: Sequence[CalibrationRun]) -> CalibrationRun:

@@ -92,6 +92,7 @@ class LiveGate:
     first: int | None  # samples scored before its first fast answer (None: it never opened)
     coverage: float
     precision: float | None
+    confidence: float  # the auto_confidence it ran at (0.5: the point estimate)
     fires: tuple[bool, ...] = field(default=(), repr=False)  # per sample, in replay order (--samples)
 
 
@@ -114,7 +115,9 @@ def gate_at(gaps: Sequence[float], correct: Sequence[bool], threshold: float) ->
     return coverage, (sum(fired) / len(fired) if fired else None), len(fired)
 
 
-def summarize(record: QuestionRecord, target: float) -> QuestionReport:
+def summarize(record: QuestionRecord, target: float, confidence: float | None = None) -> QuestionReport:
+    """The hindsight gate at `target`, and the live one at `confidence` (default: the question's own
+    auto_confidence)."""
     gaps, correct = record.gaps, record.correct
     curve = risk_coverage(gaps, correct)
     point = threshold_for_precision(curve, target)
@@ -130,17 +133,19 @@ def summarize(record: QuestionRecord, target: float) -> QuestionReport:
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
-        record.spec.threshold, config_coverage, config_precision, curve, live_gate(record, target),
+        record.spec.threshold, config_coverage, config_precision, curve, live_gate(record, target, confidence),
         balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
     )
 
 
-def live_gate(record: QuestionRecord, target: float) -> LiveGate:
+def live_gate(record: QuestionRecord, target: float, confidence: float | None = None) -> LiveGate:
     """Feed the samples in replay order to the engine's LiveCalibration, called as engine/prepos.py calls
-    it under `threshold = "auto:<target>"`: each answer fires or not on the thresholds the answers
-    before it set, then is scored. It starts closed; pooled ranges share one window, as one session
-    serving that market for longer keeps its window through compactions."""
-    calibration = LiveCalibration(target)
+    it under `threshold = "auto:<target>"` and `auto_confidence = <confidence>` (default: the question's
+    own): each answer fires or not on the thresholds the answers before it set, then is scored. It
+    starts closed; pooled ranges share one window, as one session serving that market for longer
+    keeps its window through compactions."""
+    confidence = record.spec.auto_confidence if confidence is None else confidence
+    calibration = LiveCalibration(target, confidence)
     fires = []
     for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
         fires.append(gap >= calibration.threshold_for(answer))
@@ -149,7 +154,8 @@ def live_gate(record: QuestionRecord, target: float) -> LiveGate:
     fired, right = sum(fires), sum(f and c for f, c in zip(fires, record.correct, strict=True))
     first = fires.index(True) if fired else None
     n = len(fires)
-    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None, tuple(fires))
+    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None, confidence,
+                    tuple(fires))
 
 
 def write_samples(records: Sequence[QuestionRecord], reports: Sequence[QuestionReport], path: Path) -> int:
@@ -233,6 +239,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"live_precision.{r.id}"] = _num(r.live.precision)
         out[f"live_fired.{r.id}"] = r.live.fired
         out[f"live_first.{r.id}"] = r.live.first
+        out[f"live_confidence.{r.id}"] = r.live.confidence
     out["live_min_coverage"] = _num(min((r.live.coverage for r in reports), default=None))
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["min_coverage_at_target_interval"] = rounded(
@@ -290,14 +297,15 @@ def table(reports: list[QuestionReport], target: float) -> str:
     rows.append(f"({level}: the middle {level} of {REPS} block-bootstrap resamples, blocks as long as each label's "
                 "history; neighbouring bars are not independent samples)")
     rows.append(f'live, threshold = "auto:{target:g}" as the engine runs it (starts closed; each answer fires on '
-                "the evidence of the answers scored before it):")
+                "the evidence of the answers scored before it; auto_confidence 0.5 judges the precision it saw, "
+                "higher a lower bound of it):")
     for r in reports:
         live = r.live
         if r.samples == 0:
             continue
         rows.append(f"  {r.id:<16} " + (f"never opened in {r.samples} samples" if live.first is None else
                     f"fired on {live.coverage:.2f} ({live.fired}) at precision {_fmt(live.precision)}, "
-                    f"first after {live.first} samples"))
+                    f"first after {live.first} samples") + f" (auto_confidence {live.confidence:g})")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
