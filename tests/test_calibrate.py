@@ -237,6 +237,61 @@ def _error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err
 
 
+RUN_KEYS = {"data", "start", "adapter", "adapter_id", "model", "bars", "warmup", "updates", "context_tokens",
+            "seconds", "from_samples"}  # what a replay knows of itself and a file of its samples does not
+
+
+@pytest.mark.parametrize("name", ["samples.parquet", "samples.csv"])
+def test_recorded_samples_judged_again_give_the_replays_report(setup, tiny_model, capsys, name):
+    """--from-samples: the rows a pooled replay wrote, judged with no model, give every figure of that
+    replay's report (thresholds, curves, intervals by range, the live gate); then another confidence."""
+    replayed, again, rows = setup["dir"] / "replayed.json", setup["dir"] / "again.json", setup["dir"] / name
+    pooled = ("--start", "0", "30", "--bars", "25", "--target-precision", "0.6")
+    assert cli_main(args_for(setup, *pooled, "--json", str(replayed), "--samples", str(rows))) == 0
+    capsys.readouterr()
+    judge = ["--questions", str(setup["config"]), "--from-samples", str(rows), "--target-precision", "0.6"]
+    assert cli_main([*judge, "--json", str(again)]) == 0
+    assert "samples on 32 bars in 2 ranges pooled from" in capsys.readouterr().out
+    first, second = json.loads(replayed.read_text()), json.loads(again.read_text())
+    assert set(first) - RUN_KEYS == set(second) - RUN_KEYS
+    assert {k: v for k, v in first.items() if k not in RUN_KEYS} == {k: v for k, v in second.items() if k not in RUN_KEYS}
+    assert second["start"] == [0, 1] and second["from_samples"] == str(rows)
+    # ... and judged at another auto_confidence: only the live figures can change, and fire no more.
+    assert cli_main([*judge, "--auto-confidence", "0.95", "--json", str(again)]) == 0
+    sure = json.loads(again.read_text())
+    for q in ("trend", "sma"):
+        assert sure[f"live_confidence.{q}"] == 0.95 and sure[f"live_fired.{q}"] <= first[f"live_fired.{q}"]
+        assert sure[f"coverage_at_target.{q}"] == first[f"coverage_at_target.{q}"]
+
+
+def test_a_samples_file_that_cannot_be_judged_says_what_and_where(setup, capsys):
+    import polars as pl
+
+    def judge(path, *extra):
+        return _error(capsys, ["--questions", str(setup["config"]), "--from-samples", str(path), *extra])
+
+    good = {"question": ["trend", "trend", "sma"], "range": [0, 0, 0], "bar": [5, 6, 10], "gap": [0.5, 1.5, 2.0],
+            "answer": ["up", "down", "yes"], "truth": ["up", "up", "no"]}
+    path = setup["dir"] / "s.csv"
+    assert "does not exist" in judge(path)
+    pl.DataFrame({k: v for k, v in good.items() if k != "truth"}).write_csv(path)
+    assert "no column truth" in judge(path)
+    pl.DataFrame({**good, "gap": [0.5, None, 2.0]}).write_csv(path)
+    assert "data row 2: gap is empty or not a finite value" in judge(path)
+    pl.DataFrame({**good, "question": ["trend", "volume", "sma"]}).write_csv(path)
+    err = judge(path)
+    assert "question 'volume' is not a labelled question of session 'test' (trend, sma)" in err
+    pl.DataFrame({**good, "answer": ["up", "sideways", "yes"]}).write_csv(path)
+    assert "question 'trend': answer 'sideways' is not one of its choices ['up', 'down']" in judge(path)
+    path.write_bytes(b"\x00\x01 not a table")
+    assert "no column question, range, bar, gap, answer, truth" in judge(path)
+    bad = setup["dir"] / "s.parquet"
+    bad.write_bytes(b"PAR1 broken")
+    assert "not a readable samples table" in judge(bad)
+    pl.DataFrame(good).write_csv(path)
+    assert "--data, --start only apply to a replay" in judge(path, "--data", str(setup["data"]), "--start", "5")
+
+
 def test_several_ranges_pool_into_one_report(setup, tiny_model, capsys):
     """--start A B: each range replayed in a fresh session, the samples end to end, one threshold for all,
     and no interval block spanning two ranges."""

@@ -34,8 +34,8 @@ from streamllm.market.calibrate_report import (
     summarize,
     table,
     to_json,
-    write_samples,
 )
+from streamllm.market.calibrate_samples import SamplesError, read_samples, write_samples
 
 DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
 ESTIMATE_AFTER = 5  # updates timed before the run-time estimate is printed
@@ -131,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=Path, metavar="FILE",
                    help="write every sample here (question, range, bar, gap, answer, truth, correct, live_fired): "
                         "CSV, or Parquet for a .parquet name")
+    p.add_argument("--from-samples", type=Path, metavar="FILE",
+                   help="judge the samples a replay wrote with --samples (CSV or Parquet) instead of replaying: "
+                        "another --target-precision or --auto-confidence in seconds, no model")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--bars", type=int, help=f"bars to replay, warmup included (default {DEFAULT_BARS}, "
                                              "fewer when the session's context cannot hold them)")
@@ -206,6 +209,8 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
         raise CalibrationError(f"--auto-confidence must be in [0.5, 1), got {args.auto_confidence}")
     config = load_config(args.questions)
     spec = _pick_session(config, args.session)
+    if args.from_samples is not None:
+        return _from_samples(args, config, spec)
     data, path = _data_path(spec, args.data)
     if spec.render.mode != "bars":
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
@@ -239,6 +244,27 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     run = runs[0] if len(runs) == 1 else pool(runs)
     meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
             "start": starts[0] if len(starts) == 1 else starts, "adapter": adapter, "adapter_id": adapter_id}
+    return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
+
+
+REPLAY_ONLY = ("data", "bars", "warmup", "adapter", "no_adapter")
+
+
+def _from_samples(args: argparse.Namespace, config: Any, spec: SessionSpec) -> tuple[CalibrationRun, list, dict]:
+    """A replay's recorded samples judged again: the questions (labels, choices, auto_confidence) from
+    the config, the answers from the file; nothing is replayed, so replay options are refused."""
+    given = [f"--{name.replace('_', '-')}" for name in REPLAY_ONLY if getattr(args, name) not in (None, False)]
+    if args.start != [0]:
+        given.append("--start")
+    if given:
+        raise CalibrationError(f"--from-samples judges recorded answers; {', '.join(given)} only apply to a replay")
+    try:
+        run = read_samples(args.from_samples, spec.name, labelled_questions(spec))
+    except SamplesError as exc:
+        raise CalibrationError(str(exc)) from None
+    ranges = sorted({k for r in run.records for k in r.ranges})
+    meta = {"config": str(args.questions), "from_samples": str(args.from_samples),
+            "target_precision": args.target_precision, "start": ranges if len(ranges) > 1 else 0}
     return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
 
 
@@ -331,8 +357,12 @@ def cli_main(argv: list[str]) -> int:
         print(f"streamllm calibrate: error: {exc}", file=sys.stderr)
         return 2
     ranges = f" in {len(meta['start'])} ranges pooled" if isinstance(meta["start"], list) else ""
-    print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup){ranges} in {run.seconds:.0f}s, "
-          f"model {run.model}, target precision {args.target_precision:g}")
+    if args.from_samples is not None:
+        print(f"\n{sum(len(r.gaps) for r in run.records)} samples on {run.updates} bars{ranges} from "
+              f"{args.from_samples} (no replay), target precision {args.target_precision:g}")
+    else:
+        print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup){ranges} in {run.seconds:.0f}s, "
+              f"model {run.model}, target precision {args.target_precision:g}")
     print(table(reports, args.target_precision))
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(run, reports, meta), indent=1) + "\n")

@@ -1,7 +1,7 @@
 """What `streamllm calibrate` measured: per labelled question, the samples it recorded, the
 risk-coverage curve and the threshold that reaches the target precision (hindsight), and what
 the live auto gate did on the same samples; then the same as JSON (`question.metric` and the
-issue-13 summary keys), a table, a PNG plot and the samples as rows.
+issue-13 summary keys), a table and a PNG plot. The samples as rows: market/calibrate_samples.py.
 """
 
 from __future__ import annotations
@@ -156,27 +156,6 @@ def live_gate(record: QuestionRecord, target: float, confidence: float | None = 
     n = len(fires)
     return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None, confidence,
                     tuple(fires))
-
-
-def write_samples(records: Sequence[QuestionRecord], reports: Sequence[QuestionReport], path: Path) -> int:
-    """Every sample as a row (question, range, bar, gap, answer, truth, correct, live_fired: the reports'
-    live gate): CSV, or Parquet for a .parquet path, for a look of one's own (polars, pandas, a
-    spreadsheet). Returns rows."""
-    import polars as pl
-
-    frames = [pl.DataFrame({
-        "question": [r.spec.id] * len(r.gaps), "range": r.ranges or [0] * len(r.gaps),
-        "bar": r.bars or list(range(len(r.gaps))), "gap": r.gaps, "answer": r.answers, "truth": r.truths,
-        "correct": r.correct, "live_fired": list(report.live.fires)},
-        schema={"question": pl.String, "range": pl.Int64, "bar": pl.Int64, "gap": pl.Float64, "answer": pl.String,
-                "truth": pl.String, "correct": pl.Boolean, "live_fired": pl.Boolean})
-        for r, report in zip(records, reports, strict=True)]
-    table = pl.concat(frames) if frames else pl.DataFrame()
-    if path.suffix == ".parquet":
-        table.write_parquet(path)
-    else:
-        table.write_csv(path)
-    return table.height
 
 
 def record_blocks(record: QuestionRecord, length: int) -> np.ndarray:
