@@ -2,22 +2,36 @@
 
 synthetic feed -> 5 s bars -> sessions (one per instrument) -> standing questions,
 pre-positioned after every bar -> standing answers shown live as they change, plus a
-question asked now and then on each path (fast, entry, cold) with its latency.
+question asked now and then on each path (fast, entry, cold) with its latency. Every answer
+that has a ground truth is shown beside it: labelled choices are scored live by the engine,
+and the free-text number questions (the last close, the highest close) against the bars the
+answer's data version holds, so a fast wrong answer shows as wrong.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from feeds.events import Bar
 from streamllm.config import QueryConfig, load_config
 from streamllm.engine import Engine
+from streamllm.market.attach import Attachment
+from streamllm.market.render import fixed
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "queries" / "demo.toml"
+ADHOC = "What was the highest close so far? Answer with the number only."
+ADHOC_TOKENS = 24  # SmolLM2 writes a number digit by digit: "The highest close so far is 60083.67" is 17
+# Free-text questions whose truth the demo knows: the standing last_close (demo.toml) and ADHOC.
+FREE_TEXT_TRUTHS = {"last_close": "last", ADHOC: "high"}
+NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")
 
 
 def open_from_config(engine: Engine, config: QueryConfig) -> None:
@@ -29,11 +43,52 @@ def open_from_config(engine: Engine, config: QueryConfig) -> None:
             engine.register(s.name, q)
 
 
-async def _feed(engine: Engine, config: QueryConfig, speed: float, duration_s: float, seed: int):
-    from feeds.synthetic import SyntheticFeed
-    from streamllm.market.attach import Attachment, AttachSpec, attach
+@dataclass
+class Witness(Attachment):
+    """An attachment that also keeps, for each data version it pushed, the last and the highest
+    close of the bars in the session so far: the truth of the demo's free-text number questions."""
 
-    attachments = [Attachment(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions]
+    closes: dict[int, tuple[float, float, int]] = field(default_factory=dict)  # version -> (last, high, dp)
+    _last: float = math.nan
+    _high: float = -math.inf
+    _dp: int = 0
+
+    def _saw_bar(self, bar: Bar) -> None:
+        super()._saw_bar(bar)
+        if bar.trades > 0:  # an empty interval's bar repeats the last close
+            self._last, self._high, self._dp = bar.close, max(self._high, bar.close), max(self._dp, bar.px_dp)
+
+    def flush(self):
+        ack = super().flush()  # every bar seen so far is in the lines it pushed (or coalesced into them)
+        if ack is not None and not math.isnan(self._last):
+            self.closes[ack.data_version] = (self._last, self._high, self._dp)
+        return ack
+
+    def truth(self, question: str, version: int) -> str | None:
+        """The right number for a free-text question at `version`, as a bar line writes it; None if unknown."""
+        kind, seen = FREE_TEXT_TRUTHS.get(question), self.closes.get(version)
+        if kind is None or seen is None:
+            return None
+        last, high, dp = seen
+        return fixed(last if kind == "last" else high, dp)
+
+
+def names_number(text: str, truth: str) -> bool:
+    """Whether the answer names the true number (any of its numbers, thousands commas allowed)."""
+    want = float(truth)
+    for token in NUMBER.findall(text):
+        try:
+            if math.isclose(float(token.replace(",", "")), want, rel_tol=0, abs_tol=1e-9 * max(1.0, abs(want))):
+                return True
+        except ValueError:  # "1,2.3" and the like: not a number
+            continue
+    return False
+
+
+async def _feed(attachments: list[Witness], speed: float, duration_s: float, seed: int) -> list[Witness]:
+    from feeds.synthetic import SyntheticFeed
+    from streamllm.market.attach import attach
+
     feed = SyntheticFeed(seed=seed)
     await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
     return attachments
@@ -46,7 +101,8 @@ class Display:
         self.engine = engine
         self.config = config
         self.t0 = time.monotonic()
-        self.asks: list[tuple[str, str, str, float, int, str]] = []  # session, question, path, ms, version, text
+        self.asks: list[tuple[str, str, str, float, int, str, str]] = []  # ... text, verdict ("" if no truth)
+        self.judged: list[tuple[str, str, bool]] = []  # free-text asks with a truth: session, question, right
         self.live = None
         if live:
             from rich.live import Live
@@ -64,8 +120,8 @@ class Display:
             for a in self.engine.standing(s.name):
                 t.add_row(s.name, a.question_id, a.text[:40], a.path, f"{a.confidence:.2f}", _right(a.calibration),
                           str(a.data_version), f"{now - a.updated_at:.1f} s old")
-        for session, question, path, ms, version, text in self.asks[-6:]:
-            t.add_row(session, f"ask: {question[:30]}", text[:40], path, "", "", str(version), f"took {ms:.2f} ms")
+        for session, question, path, ms, version, text, verdict in self.asks[-6:]:
+            t.add_row(session, f"ask: {question[:30]}", text[:40], path, "", verdict, str(version), f"took {ms:.2f} ms")
         return t
 
     def on_change(self, answer) -> None:
@@ -73,21 +129,27 @@ class Display:
             print(f"[{time.monotonic() - self.t0:6.1f}s] {answer.session}/{answer.question_id} -> "
                   f"{answer.text!r} ({answer.path}, gap {answer.confidence:.2f}, v{answer.data_version})", flush=True)
 
-    def on_ask(self, session: str, question: str, answer) -> None:
-        self.asks.append((session, question, answer.path, answer.latency_ms, answer.data_version, answer.text))
+    def on_ask(self, session: str, question: str, answer, truth: str | None = None) -> None:
+        verdict = ""
+        if truth is not None:
+            right = names_number(answer.text, truth)
+            self.judged.append((session, question, right))
+            verdict = f"{'right' if right else 'wrong'}: {truth}"
+        self.asks.append((session, question, answer.path, answer.latency_ms, answer.data_version, answer.text,
+                          verdict))
         if self.live is None:
             print(f"[{time.monotonic() - self.t0:6.1f}s] ask {session}: {question!r} -> {answer.text!r} "
                   f"[{answer.path}, {answer.latency_ms:.2f} ms, {answer.tokens_computed} tokens computed, "
-                  f"v{answer.data_version}]", flush=True)
+                  f"v{answer.data_version}]" + (f" {verdict}" if verdict else ""), flush=True)
 
     def refresh(self) -> None:
         if self.live is not None:
             self.live.update(self.table())
 
 
-async def _asker(engine: Engine, config: QueryConfig, display: Display, every_s: float) -> None:
+async def _asker(engine: Engine, config: QueryConfig, display: Display, every_s: float,
+                 witnesses: dict[str, Witness]) -> None:
     """Now and then ask each session a standing question and an ad-hoc one."""
-    adhoc = "What was the highest close so far? Answer with the number only."
     i = 0
     while True:
         await asyncio.sleep(every_s)
@@ -95,8 +157,9 @@ async def _asker(engine: Engine, config: QueryConfig, display: Display, every_s:
             if engine.session_info(s.name).data_version == 0 or not s.questions:
                 continue
             q = s.questions[i % len(s.questions)]
-            display.on_ask(s.name, q.id, await engine.ask_async(s.name, q.id))
-            display.on_ask(s.name, adhoc, await engine.ask_async(s.name, adhoc, max_tokens=12))
+            for question, kw in ((q.id, {}), (ADHOC, {"max_tokens": ADHOC_TOKENS})):
+                answer = await engine.ask_async(s.name, question, **kw)
+                display.on_ask(s.name, question, answer, witnesses[s.name].truth(question, answer.data_version))
         i += 1
 
 
@@ -106,9 +169,12 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
         engine.subscribe(s.name, display.on_change)
     if display.live is not None:
         display.live.start()
-    asker = asyncio.create_task(_asker(engine, config, display, args.ask_every))
+    from streamllm.market.attach import AttachSpec
+
+    witnesses = {s.name: Witness(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions}
+    asker = asyncio.create_task(_asker(engine, config, display, args.ask_every, witnesses))
     try:
-        feed = asyncio.create_task(_feed(engine, config, args.speed, args.duration, args.seed))
+        feed = asyncio.create_task(_feed(list(witnesses.values()), args.speed, args.duration, args.seed))
         while not feed.done():
             display.refresh()
             await asyncio.sleep(0.5)
@@ -129,10 +195,14 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
 
 def _summary(engine: Engine, display: Display) -> None:
     by_path: dict[str, list[float]] = {}
-    for _, _, path, ms, _, _ in display.asks:
+    for _, _, path, ms, *_ in display.asks:
         by_path.setdefault(path, []).append(ms)
     print("\nasks by path: " + ", ".join(
         f"{p}: {len(v)} asks, median {statistics.median(v):.2f} ms" for p, v in sorted(by_path.items())))
+    if display.judged:
+        right = sum(r for *_, r in display.judged)
+        print(f"free-text number asks: right {right} of {len(display.judged)} (the closes the bars held; "
+              "a 135M model reads few numbers back: the choice questions are what its heads were tuned for)")
     stats = engine.stats()
     print(f"engine: {stats['forward_calls']} forward calls, {stats['tokens_computed']} tokens computed, "
           f"{engine.prepos.entry_tokens} of them pre-positioning entries; {engine.fast_answers} fast answers")
