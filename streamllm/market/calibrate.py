@@ -210,7 +210,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     config = load_config(args.questions)
     spec = _pick_session(config, args.session)
     if args.from_samples is not None:
-        return _from_samples(args, config, spec)
+        return _from_samples(args, spec)
     data, path = _data_path(spec, args.data)
     if spec.render.mode != "bars":
         raise CalibrationError(f"session {spec.name!r} renders {spec.render.mode!r}; calibration replays bars")
@@ -250,7 +250,7 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
 REPLAY_ONLY = ("data", "bars", "warmup", "adapter", "no_adapter")
 
 
-def _from_samples(args: argparse.Namespace, config: Any, spec: SessionSpec) -> tuple[CalibrationRun, list, dict]:
+def _from_samples(args: argparse.Namespace, spec: SessionSpec) -> tuple[CalibrationRun, list, dict]:
     """A replay's recorded samples judged again: the questions (labels, choices, auto_confidence) from
     the config, the answers from the file; nothing is replayed, so replay options are refused."""
     given = [f"--{name.replace('_', '-')}" for name in REPLAY_ONLY if getattr(args, name) not in (None, False)]
