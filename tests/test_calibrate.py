@@ -13,6 +13,7 @@ from feeds.sources import TableSource
 from streamllm.config import load_config
 from streamllm.market.calibrate import _parser, calibrate, cli_main
 from streamllm.market.calibrate_report import (
+    CONFIDENCES,
     QuestionRecord,
     gate_at,
     live_gate,
@@ -117,6 +118,8 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         assert report[f"live_fired.{r.id}"] == live.fired and report[f"live_first.{r.id}"] == live.first
         assert report[f"live_coverage.{r.id}"] == round(live.coverage, 6)
         assert report[f"live_confidence.{r.id}"] == 0.5
+        by = {g["confidence"]: g for g in report[f"live_by_confidence.{r.id}"]}
+        assert list(by) == list(CONFIDENCES) and by[0.5]["fired"] == live.fired
     assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])
     # Every sample as a row, for a look of one's own.
     import polars as pl
@@ -230,6 +233,16 @@ def test_a_confident_live_gate_fires_on_a_subset_and_follows_the_question_or_the
                          record.truths, record.bars)
     assert live_gate(own, 0.9) == sure and live_gate(own, 0.9, 0.5) == point
     assert "(auto_confidence 0.9)" in table([summarize(record, 0.9, 0.9)], 0.9)
+    # Every report also replays the gate at each of CONFIDENCES, for choosing one.
+    report = summarize(record, 0.9)
+    assert [g.confidence for g in report.live_by_confidence] == list(CONFIDENCES)
+    assert report.live_by_confidence[CONFIDENCES.index(0.5)] == point
+    assert report.live_by_confidence[CONFIDENCES.index(0.9)] == sure
+    fired = [g.fired for g in report.live_by_confidence]
+    assert fired == sorted(fired, reverse=True) and fired[0] > fired[-1]
+    row = next(line for line in table([report], 0.9).splitlines() if line.strip().startswith("q ")
+               and "@" in line)
+    assert f"{sure.coverage:.2f} @ {sure.precision:.2f}" in row
 
 
 def _error(capsys, argv: list[str]) -> str:

@@ -73,12 +73,17 @@ class QuestionReport:
     config_precision: float | None
     curve: list[RiskCoveragePoint]
     live: LiveGate  # what threshold = "auto:<target>" would have done, live
+    # The same live gate at each of CONFIDENCES: what auto_confidence would cost and buy here.
+    live_by_confidence: tuple[LiveGate, ...]
     # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
     # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
     balanced_accuracy: float | None = None
     # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
     accuracy_interval: tuple[float, float] | None = None
     coverage_interval: tuple[float, float] | None = None
+
+
+CONFIDENCES = (0.5, 0.7, 0.8, 0.9, 0.95)  # auto_confidence values every report replays the live gate at
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +139,7 @@ def summarize(record: QuestionRecord, target: float, confidence: float | None = 
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
         record.spec.threshold, config_coverage, config_precision, curve, live_gate(record, target, confidence),
+        tuple(live_gate(record, target, c) for c in CONFIDENCES),
         balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
     )
 
@@ -219,6 +225,9 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"live_fired.{r.id}"] = r.live.fired
         out[f"live_first.{r.id}"] = r.live.first
         out[f"live_confidence.{r.id}"] = r.live.confidence
+        out[f"live_by_confidence.{r.id}"] = [
+            {"confidence": g.confidence, "coverage": _num(g.coverage), "precision": _num(g.precision),
+             "fired": g.fired, "first": g.first} for g in r.live_by_confidence]
     out["live_min_coverage"] = _num(min((r.live.coverage for r in reports), default=None))
     out["min_coverage_at_target"] = _num(min((r.coverage for r in reports), default=None))
     out["min_coverage_at_target_interval"] = rounded(
@@ -285,6 +294,15 @@ def table(reports: list[QuestionReport], target: float) -> str:
         rows.append(f"  {r.id:<16} " + (f"never opened in {r.samples} samples" if live.first is None else
                     f"fired on {live.coverage:.2f} ({live.fired}) at precision {_fmt(live.precision)}, "
                     f"first after {live.first} samples") + f" (auto_confidence {live.confidence:g})")
+    if any(r.samples for r in reports):
+        rows.append("the same live gate at each auto_confidence (coverage at precision; higher: fewer fast answers, "
+                    "a margin under the target):")
+        rows.append(f"  {'':<16} " + " ".join(f"{c:>13g}" for c in CONFIDENCES))
+        for r in reports:
+            if r.samples:
+                rows.append(f"  {r.id:<16} " + " ".join(
+                    f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {_fmt(g.precision):>4}".rjust(13)
+                    for g in r.live_by_confidence))
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
