@@ -158,13 +158,16 @@ def test_push_false_questions_are_told_to_nobody(engine):
     engine.register("s", QuestionSpec("quiet", "Describe.", threshold=NEVER, max_tokens=3, push=False))
     engine.register("s", QuestionSpec("dir", "Up or down?", choices=("up", "down"), threshold=ALWAYS, push=False))
     engine.register("s", QuestionSpec("loud", "Next?", choices=("up", "down"), threshold=ALWAYS))
+    engine.register("s", QuestionSpec("sure", "Say more.", threshold=ALWAYS, max_tokens=3, push=False))
     for i in range(3):
         engine.push("s", LINES[i : i + 1])
         engine.wait_idle()
     assert heard and {a.question_id for a in heard} == {"loud"}
     kept = {a.question_id: a for a in engine.standing("s")}
-    assert set(kept) == {"quiet", "dir", "loud"}  # still held for `standing` and snapshots
+    assert set(kept) == {"quiet", "dir", "loud", "sure"}  # still held for `standing` and snapshots
     assert kept["quiet"].path == "gate" and kept["dir"].path == "fast" and kept["dir"].data_version == 3
+    # A free-text first token is not a whole answer even where the gate fired: path "gate", not "fast".
+    assert kept["sure"].path == "gate" and engine.ask("s", "sure").path == "fast"
     asked = engine.ask("s", "quiet")  # an ask decodes it from the entry
     assert asked.path == "entry" and asked.data_version == 3
 

@@ -161,8 +161,9 @@ class Answering:
             dec.prepaid = dec.num_computed
             st.decoding = dec
             self._on_token(dec, rec.token_id)
-        else:  # nobody is pushed this answer: keep the gate's view for snapshots and `standing`
-            self._standing_changed(st, rec.text, "fast" if rec.fired else "gate", rec.confidence, rec.data_version)
+        else:  # nobody is pushed this answer: keep the gate's view (its first token, fired or not: the
+            # record is not final) for snapshots and `standing`, as path "gate", never a whole answer's path
+            self._standing_changed(st, rec.text, "gate", rec.confidence, rec.data_version)
 
     def _answer_from_entry(self, st: Standing, br: Branch) -> None:
         """Final from the gate's view (fast, or a choice question's best choice); else decode from the entry."""
