@@ -9,6 +9,7 @@ Skips (saying why) when Playwright or a Chromium binary is missing; CI installs 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ id = "trend"
 text = "Up or down?"
 choices = ["up", "down"]
 threshold = 0.0
+label = "trend_up(n=3)"
 [[sessions.questions]]
 id = "calm"
 text = "Calm or wild?"
@@ -87,6 +89,12 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             assert row.locator("td.answer").inner_text() in ("up", "down")
             assert row.locator("td.path").inner_text() in ("fast", "entry")
             assert card.locator('tr[data-question="calm"] td.answer').inner_text() in ("calm", "wild")
+            # a labelled question shows its answers scored live; an unlabelled one has nothing to show
+            page.wait_for_function("""() => /^\\d+% of \\d+$/.test(document.querySelector('section.card[data-session="btc"] '
+                                       + 'tr[data-question="trend"] td.right').textContent)""", timeout=60_000)
+            assert re.fullmatch(r"\d+% at (\d+%|-)", row.locator("td.gate").inner_text())
+            assert "fixed threshold" in row.locator("td.gate").get_attribute("title")
+            assert card.locator('tr[data-question="calm"] td.right').inner_text() == "-"
             # the chart is drawn from the bars the session ingested
             page.wait_for_function("""() => Number(document.querySelector('section.card[data-session="btc"]')
                                        .dataset.bars || 0) > 3""", timeout=30_000)

@@ -100,6 +100,8 @@
     const chart = el("div", { class: "chart" });
     const table = el("table");
     table.innerHTML = "<thead><tr><th>question</th><th>answer</th><th>path</th><th>confidence</th>" +
+      "<th title=\"labelled questions: standing answers scored against the label, over the last 500\">right (live)</th>" +
+      "<th title=\"the gate over the same window: share answered fast, and right among those\">gate</th>" +
       "<th>data_version</th><th>age</th></tr></thead><tbody></tbody>";
     card.append(h2, chart, table);
     $("#sessions").append(card);
@@ -121,16 +123,22 @@
     const old = s.answers.get(a.question_id);
     if (!row) {
       row = el("tr", { "data-question": a.question_id });
-      for (const cls of ["question", "answer", "path", "confidence num", "dv num", "age num"]) row.append(el("td", { class: cls }));
+      for (const cls of ["question", "answer", "path", "confidence num", "right num", "gate num", "dv num", "age num"]) {
+        row.append(el("td", { class: cls }));
+      }
       $("tbody", s.card).append(row);
     }
     s.answers.set(a.question_id, a);
     $(".question", row).textContent = a.question_id;
-    $(".answer", row).textContent = a.text;
+    // path "gate": a push = false free-text question's first token only (nobody is sent its whole answer)
+    const partial = a.path === "gate";
+    $(".answer", row).textContent = partial ? `${a.text}…` : a.text;
+    $(".answer", row).title = partial ? "first token only (push = false): ask it for the whole answer" : "";
     const path = $(".path", row);
     path.textContent = a.path;
     path.className = "path path-" + a.path;
     $(".confidence", row).textContent = typeof a.confidence === "number" ? a.confidence.toFixed(2) : "-";
+    showCalibration(row, a.calibration);
     $(".dv", row).textContent = a.data_version;
     row.dataset.version = a.data_version;
     if (old && old.text !== a.text) {
@@ -138,6 +146,29 @@
       setTimeout(() => row.classList.remove("flash"), 800);
     }
     ages();
+  }
+
+  const pct = (x) => (typeof x === "number" ? `${Math.round(100 * x)}%` : "-");
+
+  // Live calibration (docs/calibration.md): only labelled questions carry it; the rest show "-".
+  function showCalibration(row, c) {
+    const right = $(".right", row), gate = $(".gate", row);
+    if (!c || !c.samples) {
+      right.textContent = gate.textContent = "-";
+      gate.title = "";
+      return;
+    }
+    right.textContent = `${pct(c.accuracy)} of ${c.samples}`;
+    const rule = typeof c.target === "number"
+      ? `auto:${c.target}` + (typeof c.confidence === "number" && c.confidence > 0.5 ? `, confidence ${c.confidence}` : "")
+      : "fixed threshold";
+    if (c.threshold === null && typeof c.target === "number") {
+      gate.textContent = "closed";
+      gate.title = `${rule}: not enough evidence yet to reach precision ${c.target}`;
+    } else {
+      gate.textContent = `${pct(c.coverage)} at ${pct(c.precision)}`;
+      gate.title = `${rule}; threshold ${typeof c.threshold === "number" ? c.threshold.toFixed(2) : "-"}`;
+    }
   }
 
   function onData(name, version) {
