@@ -23,6 +23,7 @@ from pathlib import Path
 from feeds.events import Bar
 from streamllm.config import QueryConfig, load_config
 from streamllm.engine import Engine
+from streamllm.engine.calibration import calibration_cells, percent
 from streamllm.market.attach import Attachment
 from streamllm.market.render import fixed
 
@@ -212,19 +213,13 @@ def _summary(engine: Engine, display: Display) -> None:
               f"{info.lines_ingested} lines ingested")
     for name, questions in engine.calibration().items():  # answers scored against their labels, live
         for qid, c in questions.items():
-            print(f"  {name}/{qid}: right {_right(c)}; gate fired on {_pct(c['coverage'])} "
-                  f"with precision {_pct(c['precision'])}")
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"
+            print(f"  {name}/{qid}: right {_right(c)}; gate fired on {percent(c['coverage'])} "
+                  f"with precision {percent(c['precision'])}")
 
 
 def _right(calibration: dict | None) -> str:
     """Live accuracy of a labelled question's standing answers (docs/calibration.md)."""
-    if not calibration:
-        return ""
-    return f"{_pct(calibration['accuracy'])} of {calibration['samples']}"
+    return calibration_cells(calibration)[0]
 
 
 def cli_main(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 """`streamllm watch SESSION`: a live table of a session's standing answers.
 
 Subscribes, shows the snapshot, then updates rows as `standing` events arrive; the
-header follows `data` events. Age counts from each answer's `updated_at`.
+header follows `data` events. Age counts from each answer's `updated_at`; a labelled
+question's row shows its live calibration (right so far, and the gate).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
+from streamllm.engine.calibration import calibration_cells
 from streamllm.service.client import AsyncClient, add_connection_args, run_command
 
 
@@ -45,7 +47,8 @@ class WatchState:
         table = Table(title=f"{self.session}  data_version {self.data_version}  ({self.events} events)",
                       title_justify="left")
         for column, justify in (("question", "left"), ("answer", "left"), ("path", "left"),
-                                ("confidence", "right"), ("data_version", "right"), ("age", "right")):
+                                ("confidence", "right"), ("right (live)", "right"), ("gate", "right"),
+                                ("data_version", "right"), ("age", "right")):
             table.add_column(column, justify=justify)  # type: ignore[arg-type]
         for qid in sorted(self.answers):
             a = self.answers[qid]
@@ -53,8 +56,10 @@ class WatchState:
             updated = a.get("updated_at")
             age = f"{max(0.0, now - updated):.1f}s" if isinstance(updated, int | float) else "-"
             behind = a.get("data_version", 0) < self.data_version
-            table.add_row(qid, str(a.get("text", "")), str(a.get("path", "")),
+            text = str(a.get("text", "")) + ("…" if a.get("path") == "gate" else "")  # a first token only
+            table.add_row(qid, text, str(a.get("path", "")),
                           f"{confidence:.2f}" if isinstance(confidence, int | float) else "-",
+                          *calibration_cells(a.get("calibration")),
                           f"{a.get('data_version', '-')}" + (" (behind)" if behind else ""), age)
         return table
 
