@@ -7,6 +7,7 @@ aggregation for the truths a feed attachment sends.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
@@ -39,10 +40,10 @@ def _varied_lines(i: int) -> list[str]:
     return [random.Random(2000 + i).choice(["rise", "fall", "up", "down", "flat", "x"])]
 
 
-def _run(tiny_model, truths_for, threshold, lines=_lines, pushes=PUSHES):
+def _run(tiny_model, truths_for, threshold, lines=_lines, pushes=PUSHES, max_cells=4096):
     """Push `pushes` batches, each ingested and pre-positioned before the next; returns
     (version, standing answer text, path, gap) per version and the (still running) engine."""
-    engine = Engine(tiny_model, max_cells=4096, max_context=2048)
+    engine = Engine(tiny_model, max_cells=max_cells, max_context=2048)
     engine.open_session("s")
     engine.register("s", parse_question({**QUESTION, "threshold": threshold}))
     seen = []
@@ -233,6 +234,64 @@ def test_a_confident_auto_threshold_is_never_below_the_point_estimates() -> None
     assert opened == {"up", "down"} and sure.thresholds != point.thresholds
     assert (point.summary.confidence, sure.summary.confidence) == (0.5, 0.9)
     assert LiveCalibration().summary is None and LiveCalibration()._summary(math.inf).confidence is None
+
+
+@pytest.mark.parametrize("confidence", [0.5, 0.9])
+def test_an_exported_window_restored_goes_on_as_if_never_interrupted(confidence: float) -> None:
+    """A snapshot carries the window: restored (through JSON) into a fresh LiveCalibration, it has the
+    same thresholds and figures, and every later sample gives both the same ones."""
+    rng = random.Random(5)
+    whole = LiveCalibration(target=0.85, confidence=confidence, window=120, min_evidence=10, min_runs=3)
+    restored = None
+    truth = "up"
+    for version in range(1, 500):
+        if rng.random() < 0.1:
+            truth = "down" if truth == "up" else "up"
+        gap = rng.uniform(0, 3)
+        answer = truth if rng.random() < (0.95 if gap > 1.5 else 0.6) else ("down" if truth == "up" else "up")
+        for cal in filter(None, (whole, restored)):
+            cal.expect(version, truth)
+            cal.score(version, answer, gap, fired=gap >= cal.threshold_for(answer), threshold=1.0)
+        if version == 250:  # the restart, mid-stream, the window full and the gate open
+            assert whole.thresholds
+            restored = LiveCalibration(target=0.85, confidence=confidence, window=120, min_evidence=10, min_runs=3)
+            restored.restore(json.loads(json.dumps(whole.export())), 1.0)
+        if restored is not None:
+            assert restored.thresholds == whole.thresholds and restored.summary == whole.summary, version
+            assert (restored.run, restored.last_truth) == (whole.run, whole.last_truth)
+    with pytest.raises(ValueError, match="calibration window malformed"):
+        LiveCalibration().restore({"samples": [[1.0, True]], "scored": 1, "run": 1, "last_truth": "up"}, 1.0)
+    with pytest.raises(ValueError, match="calibration window malformed"):
+        LiveCalibration().restore({"samples": []}, 1.0)
+
+
+def test_an_auto_gate_stays_open_through_a_snapshot_and_an_eviction(tiny_model, tmp_path) -> None:
+    """The window travels with the session: restored under another name it answers fast at once,
+    with the figures and per-answer thresholds it had, instead of closing for 30 new samples."""
+    reference, engine = _run(tiny_model, lambda i: None, 2.0, _varied_lines, 60)
+    engine.shutdown()
+    answer_at = {v: text for v, text, *_ in reference}
+    _, engine = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9", _varied_lines, 60,
+                     max_cells=12288)
+    try:
+        live = engine.calibration()["s"]["trend"]
+        assert live["threshold"] is not None  # open
+        path = tmp_path / "s.safetensors"
+        engine.snapshot_session("s", path)
+        engine.restore_session(path, "copy")
+        assert engine.wait_idle(timeout=60)  # its entries are computed again; their answers carry the figures
+        assert engine.calibration()["copy"]["trend"] == live
+        gates = [engine.core.prepos.find(name, "trend").gate for name in ("s", "copy")]
+        assert gates[1].choice_thresholds == gates[0].choice_thresholds and gates[1].threshold == gates[0].threshold
+        asked = engine.ask("copy", "trend")
+        assert asked.text == engine.ask("s", "trend").text and asked.path == engine.ask("s", "trend").path
+        engine.evict_session("copy", tmp_path / "evicted")
+        engine.push("copy", _varied_lines(60))  # comes back on its next push, window and all
+        assert engine.wait_idle(timeout=60)
+        back = engine.calibration()["copy"]["trend"]
+        assert back["scored"] >= live["scored"] and back["threshold"] is not None
+    finally:
+        engine.shutdown()
 
 
 def test_a_closed_gate_skips_only_refits_that_could_not_open_it() -> None:

@@ -74,6 +74,7 @@ def test_restore_gives_the_same_logits_as_the_live_session(engine, tmp_path):
     ("versions", "version bookkeeping inconsistent"),
     ("data_version", "is not computed"),
     ("garbage", "not a readable safetensors file"),
+    ("calibration", "question 'trend': calibration window malformed"),
 ])
 def test_damaged_snapshots_are_refused_naming_the_problem(engine, tmp_path, damage, message):
     filled(engine)
@@ -95,6 +96,8 @@ def test_damaged_snapshots_are_refused_naming_the_problem(engine, tmp_path, dama
     elif damage == "versions":
         meta_ends = engine.sessions["live"].version_ends
         rewrite(path, version_ends=meta_ends[:-1])
+    elif damage == "calibration":
+        rewrite(path, calibration={"trend": {"samples": [[0.5, True, "no"]], "scored": 1, "run": 1}})
     elif damage == "data_version":
         rewrite(path, data_version=len(engine.sessions["live"].version_ends) + 3)
     free = engine.store.manager.num_free_blocks

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from streamllm.config import DEFAULT_AUTO_CONFIDENCE, ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
+from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.state import SessionState, export_session, import_session
 from streamllm.engine.state import evict_session as evict_state
@@ -219,6 +220,14 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
                      for i, q in enumerate(meta.get("questions", []))]
     except ConfigError as exc:
         raise bad(f"standing question does not parse: {exc}") from None
+    calibration = meta.get("calibration") or {}
+    if not isinstance(calibration, dict):
+        raise bad(f"calibration is {type(calibration).__name__}, expected an object per question")
+    for qid, saved in calibration.items():  # each window is read now, so a bad one never reaches the core
+        try:
+            LiveCalibration().restore(saved, 0.0)
+        except ValueError as exc:
+            raise bad(f"question {qid!r}: {exc}") from None
     features, index = tensors.get("line_features"), tensors.get("line_index")
     width = series_width(engine.model.config.hidden_size, len(engine.core.tap_words))  # what this engine's taps keep
     if features is not None and (features.ndim != 2 or features.shape[1] != width

@@ -114,6 +114,33 @@ class LiveCalibration:
         self.summary = self._summary(self.threshold if self.target is not None else threshold)
         return True
 
+    def export(self) -> dict:
+        """The window as JSON-able data (snapshots, evictions, moves): an auto gate restored from it
+        opens where it was, not closed again until 30 new fired samples over 5 truth runs."""
+        return {"samples": [list(s) for s in self.samples], "scored": self.scored, "run": self.run,
+                "last_truth": self.last_truth}
+
+    def restore(self, saved: dict, fixed_threshold: float) -> None:
+        """Take back an `export`ed window (its newest `window` samples); thresholds and figures are
+        refitted from it. Raises ValueError naming what is malformed."""
+        try:
+            samples = [(float(g), bool(c), bool(f), str(a), int(r)) for g, c, f, a, r in saved["samples"]]
+            scored, run = int(saved["scored"]), int(saved["run"])
+            last_truth = saved["last_truth"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"calibration window malformed ({exc!r})") from None
+        if last_truth is not None and not isinstance(last_truth, str):
+            raise ValueError(f"calibration window malformed (last_truth {last_truth!r})")
+        self.samples = deque(samples[-self.window:])
+        self.correct = self.fired = self.fired_correct = 0
+        for sample in self.samples:
+            self._count(sample, 1)
+        self.scored, self.run, self.last_truth = max(scored, len(self.samples)), run, last_truth
+        if self.target is not None:
+            self.thresholds = self.fit()
+        self.summary = self._summary(self.threshold if self.target is not None else fixed_threshold) \
+            if self.samples else None
+
     @property
     def threshold(self) -> float:
         """The lowest live threshold over the answers (inf: the gate is closed for every answer)."""

@@ -54,6 +54,10 @@ def export_session(core: Any, name: str) -> SessionState:
         "line_ends": list(s.line_ends), "lines_cut": s.lines_cut, "data_version": s.data_version, "lines_ingested": s.lines_ingested,
         "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
     }
+    # Each labelled question's live calibration window travels too: an auto gate stays open across an
+    # eviction, a move or a restart from a checkpoint instead of closing until there is new evidence.
+    meta["calibration"] = {st.spec.id: st.calibration.export() for st in core.prepos.standing(name)
+                           if st.calibration.samples}
     state = SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
                          list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
     if s.taps is not None and s.taps.lines:
@@ -111,8 +115,13 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     s.data_version, s.lines_ingested = int(meta["data_version"]), int(meta["lines_ingested"])
     s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
     core.sessions[name] = s
+    saved = meta.get("calibration") or {}
     for spec, gate, prompt_ids in gates:
-        core.prepos.register(s, spec, gate, prompt_ids)
+        st = core.prepos.register(s, spec, gate, prompt_ids)
+        if spec.id in saved:  # checked by the snapshot's reader; a window from memory is our own
+            st.calibration.restore(saved[spec.id], gate.effective_threshold)
+            if gate.auto:
+                gate.threshold, gate.choice_thresholds = st.calibration.threshold, dict(st.calibration.thresholds)
     core._dirty.add(name)
     core._maybe_compact(s)  # restored with more pending than its budget: compaction makes the room
     return core.info(s)
