@@ -446,6 +446,8 @@ def test_metrics_and_stats_carry_the_live_figures(tiny_model, serve_in_thread) -
         assert f'streamllm_question_accuracy{{question="trend",session="s"}} {float(cal["accuracy"])}' in text
         assert 'streamllm_question_samples{question="trend",session="s"} 3.0' in text
         assert "streamllm_question_threshold{" not in text  # closed: no figure rather than +Inf
+        assert 'streamllm_question_target{question="trend",session="s"} 0.9' in text  # what to alert against
+        assert 'streamllm_question_confidence{question="trend",session="s"} 0.5' in text
 
 
 def test_websocket_push_carries_truths_and_stats_report_the_figures(tiny_model, serve_in_thread) -> None:
