@@ -20,6 +20,8 @@ from feeds.bars import BarAggregator
 from feeds.events import Trade
 from feeds.synthetic import synthetic_events
 from streamllm.config import ConfigError, parse_question
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.durability.recovery import recover
 from streamllm.durability.snapshot import question_dict
 from streamllm.engine import Engine
 from streamllm.engine.calibration import LiveCalibration, precision_floor
@@ -292,6 +294,28 @@ def test_an_auto_gate_stays_open_through_a_snapshot_and_an_eviction(tiny_model, 
         assert back["scored"] >= live["scored"] and back["threshold"] is not None
     finally:
         engine.shutdown()
+
+
+def test_truths_are_logged_and_a_recovery_scores_the_versions_it_replays(tiny_model, tmp_path) -> None:
+    """Truths are accepted input: the ingest log keeps them with their batch, and a recovery from the
+    log pushes them again, so the answers it recomputes are scored (before: an empty window)."""
+    log_dir = tmp_path / "log"
+    engine = Engine(tiny_model, max_cells=4096, max_context=2048, ingest_log=IngestLog(log_dir))
+    engine.open_session("s")
+    engine.register("s", parse_question({**QUESTION, "threshold": "auto:0.9"}))
+    for i in range(12):
+        engine.push("s", _lines(i), truths={"trend": "up"} if i % 3 else {"trend": "down"})
+        assert engine.wait_idle(timeout=30)
+    scored = engine.calibration()["s"]["trend"]["scored"]
+    engine.shutdown()
+    again = Engine(tiny_model, max_cells=4096, max_context=2048)
+    try:
+        report = recover(again, IngestLog(log_dir))
+        assert not report.failed and report.batches == 12
+        assert again.wait_idle(timeout=60)
+        assert 1 <= again.calibration()["s"]["trend"]["scored"] <= scored  # (replay may skip versions' entries)
+    finally:
+        again.shutdown()
 
 
 def test_a_closed_gate_skips_only_refits_that_could_not_open_it() -> None:

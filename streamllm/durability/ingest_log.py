@@ -203,8 +203,10 @@ class IngestLog:
         self.append(Record("restore", session, data_version, meta={"path": str(Path(snapshot).absolute())}))
 
     def record_push(self, session: str, data_version: int, lines: list[str],
-                    source: tuple[str, int] | None = None) -> None:
-        """`source` = (feed id, position after this batch): kept with the batch; an older one is a duplicate."""
+                    source: tuple[str, int] | None = None, truths: dict[str, str] | None = None) -> None:
+        """`source` = (feed id, position after this batch): kept with the batch; an older one is a duplicate.
+        `truths` (labelled questions' right choices as of this batch) are accepted input too: a recovery
+        pushes them again, so the versions it replays are scored as they were the first time."""
         meta: dict[str, Any] = {}
         if source is not None:
             feed, pos = source
@@ -215,6 +217,8 @@ class IngestLog:
                     raise DuplicateBatch(f"session {session!r}: feed {feed!r} batch at position {pos} is behind "
                                          f"the logged position {last}: already delivered, dropped")
                 meta = {"feed": feed, "pos": int(pos)}
+        if truths:
+            meta["truths"] = dict(truths)
         self.append(Record("push", session, data_version, list(lines), time.time_ns(), meta))
         if source is not None:
             self.positions.setdefault(session, {})[source[0]] = int(source[1])

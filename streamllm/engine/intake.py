@@ -89,7 +89,7 @@ class Intake:
                 if name in self._evicted:
                     return None
                 version = self._next_version(name, batch.new_tokens)
-            self.ingest_log.record_push(name, version, batch.lines, batch.source)  # on disk before the ack
+            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)  # on disk before the ack
             with self._lock:
                 return self._enqueue(name, batch, version)
 
