@@ -15,6 +15,7 @@ from streamllm.market.calibrate import _parser, calibrate, cli_main
 from streamllm.market.calibrate_report import (
     CONFIDENCES,
     QuestionRecord,
+    confidence_for_target,
     gate_at,
     live_gate,
     record_blocks,
@@ -120,6 +121,8 @@ def test_calibration_report_and_plot(setup, tiny_model, capsys):
         assert report[f"live_confidence.{r.id}"] == 0.5
         by = {g["confidence"]: g for g in report[f"live_by_confidence.{r.id}"]}
         assert list(by) == list(CONFIDENCES) and by[0.5]["fired"] == live.fired
+        assert report[f"live_confidence_for_target.{r.id}"] == next(
+            (c for c, g in by.items() if g["precision"] is not None and g["precision"] >= 0.8), None)
     assert report["live_min_coverage"] == min(report["live_coverage.trend"], report["live_coverage.sma"])
     # Every sample as a row, for a look of one's own.
     import polars as pl
@@ -242,7 +245,11 @@ def test_a_confident_live_gate_fires_on_a_subset_and_follows_the_question_or_the
     assert fired == sorted(fired, reverse=True) and fired[0] > fired[-1]
     row = next(line for line in table([report], 0.9).splitlines() if line.strip().startswith("q ")
                and "@" in line)
-    assert f"{sure.coverage:.2f} @ {sure.precision:.2f}" in row
+    assert f"{sure.coverage:.2f} @ {sure.precision:.3f}" in row
+    reaching = [g.confidence for g in report.live_by_confidence if g.precision >= 0.9]
+    assert row.endswith(f"   {reaching[0]:g}" if reaching else "   none")
+    assert confidence_for_target(report, 0.9) == (reaching[0] if reaching else None)
+    assert confidence_for_target(report, 0.999) is None
 
 
 def _error(capsys, argv: list[str]) -> str:

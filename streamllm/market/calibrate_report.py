@@ -144,6 +144,13 @@ def summarize(record: QuestionRecord, target: float, confidence: float | None = 
     )
 
 
+def confidence_for_target(report: QuestionReport, target: float) -> float | None:
+    """The lowest of CONFIDENCES whose live gate fired and was right at least `target` of the time on
+    this replay (the auto_confidence to set for the target as a floor here); None: none was."""
+    return next((g.confidence for g in report.live_by_confidence
+                 if g.precision is not None and g.precision >= target), None)
+
+
 def live_gate(record: QuestionRecord, target: float, confidence: float | None = None) -> LiveGate:
     """Feed the samples in replay order to the engine's LiveCalibration, called as engine/prepos.py calls
     it under `threshold = "auto:<target>"` and `auto_confidence = <confidence>` (default: the question's
@@ -225,6 +232,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"live_fired.{r.id}"] = r.live.fired
         out[f"live_first.{r.id}"] = r.live.first
         out[f"live_confidence.{r.id}"] = r.live.confidence
+        out[f"live_confidence_for_target.{r.id}"] = confidence_for_target(r, meta["target_precision"])
         out[f"live_by_confidence.{r.id}"] = [
             {"confidence": g.confidence, "coverage": _num(g.coverage), "precision": _num(g.precision),
              "fired": g.fired, "first": g.first} for g in r.live_by_confidence]
@@ -296,13 +304,15 @@ def table(reports: list[QuestionReport], target: float) -> str:
                     f"first after {live.first} samples") + f" (auto_confidence {live.confidence:g})")
     if any(r.samples for r in reports):
         rows.append("the same live gate at each auto_confidence (coverage at precision; higher: fewer fast answers, "
-                    "a margin under the target):")
-        rows.append(f"  {'':<16} " + " ".join(f"{c:>13g}" for c in CONFIDENCES))
+                    "a margin under the target), and the lowest that reached the target here:")
+        rows.append(f"  {'':<16} " + " ".join(f"{c:>13g}" for c in CONFIDENCES) + "   lowest reaching "
+                    f"{target:g}")
         for r in reports:
             if r.samples:
+                enough = confidence_for_target(r, target)
                 rows.append(f"  {r.id:<16} " + " ".join(
-                    f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {_fmt(g.precision):>4}".rjust(13)
-                    for g in r.live_by_confidence))
+                    f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {_fmt(g.precision, '.3f')}".rjust(13)
+                    for g in r.live_by_confidence) + f"   {'none' if enough is None else f'{enough:g}'}")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
