@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 
 from streamllm.config import DEFAULT_AUTO_CONFIDENCE, ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
-from streamllm.engine.calibration import LiveCalibration
+from streamllm.engine.calibration import read_window
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.state import SessionState, export_session, import_session
 from streamllm.engine.state import evict_session as evict_state
@@ -225,7 +225,7 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
         raise bad(f"calibration is {type(calibration).__name__}, expected an object per question")
     for qid, saved in calibration.items():  # each window is read now, so a bad one never reaches the core
         try:
-            LiveCalibration().restore(saved, 0.0)
+            read_window(saved)
         except ValueError as exc:
             raise bad(f"question {qid!r}: {exc}") from None
     features, index = tensors.get("line_features"), tensors.get("line_index")

@@ -42,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from operator import itemgetter
 from statistics import NormalDist
+from typing import Any
 
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
@@ -111,7 +112,7 @@ class LiveCalibration:
         if self.target is not None and (self.scored % RETUNE_EVERY == 0
                                         or (math.isinf(self.threshold) and self._could_open())):
             self.thresholds = self.fit()
-        self.summary = self._summary(self.threshold if self.target is not None else threshold)
+        self.summary = self._summary(threshold)
         return True
 
     def export(self) -> dict:
@@ -122,15 +123,8 @@ class LiveCalibration:
 
     def restore(self, saved: dict, fixed_threshold: float) -> None:
         """Take back an `export`ed window (its newest `window` samples); thresholds and figures are
-        refitted from it. Raises ValueError naming what is malformed."""
-        try:
-            samples = [(float(g), bool(c), bool(f), str(a), int(r)) for g, c, f, a, r in saved["samples"]]
-            scored, run = int(saved["scored"]), int(saved["run"])
-            last_truth = saved["last_truth"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"calibration window malformed ({exc!r})") from None
-        if last_truth is not None and not isinstance(last_truth, str):
-            raise ValueError(f"calibration window malformed (last_truth {last_truth!r})")
+        refitted from it. Raises ValueError naming what is malformed (`read_window`)."""
+        samples, scored, run, last_truth = read_window(saved)
         self.samples = deque(samples[-self.window:])
         self.correct = self.fired = self.fired_correct = 0
         for sample in self.samples:
@@ -138,8 +132,7 @@ class LiveCalibration:
         self.scored, self.run, self.last_truth = max(scored, len(self.samples)), run, last_truth
         if self.target is not None:
             self.thresholds = self.fit()
-        self.summary = self._summary(self.threshold if self.target is not None else fixed_threshold) \
-            if self.samples else None
+        self.summary = self._summary(fixed_threshold) if self.samples else None
 
     @property
     def threshold(self) -> float:
@@ -191,12 +184,27 @@ class LiveCalibration:
         self.fired += sign * fired
         self.fired_correct += sign * (fired and correct)
 
-    def _summary(self, threshold: float) -> CalibrationSummary:
+    def _summary(self, fixed_threshold: float) -> CalibrationSummary:
+        """The window's figures; the threshold is the live one under auto, else the gate's fixed one."""
+        threshold = self.threshold if self.target is not None else fixed_threshold
         n, fired = len(self.samples), self.fired
         return CalibrationSummary(
             n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
             self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target,
             self.confidence if self.target is not None else None)
+
+
+def read_window(saved: Any) -> tuple[list[tuple[float, bool, bool, str, int]], int, int, str | None]:
+    """An `export`ed window, checked: (samples, scored, run, last_truth); ValueError names what is
+    malformed. Snapshot readers call it alone, before anything reaches the core."""
+    try:
+        samples = [(float(g), bool(c), bool(f), str(a), int(r)) for g, c, f, a, r in saved["samples"]]
+        scored, run, last_truth = int(saved["scored"]), int(saved["run"]), saved["last_truth"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"calibration window malformed ({exc!r})") from None
+    if last_truth is not None and not isinstance(last_truth, str):
+        raise ValueError(f"calibration window malformed (last_truth {last_truth!r})")
+    return samples, scored, run, last_truth
 
 
 def precision_floor(hits: int, fired: int, z: float) -> float:

@@ -214,9 +214,13 @@ class Prepositioner:
         if not st.spec.choices or not cal.score(rec.data_version, rec.text, rec.confidence, rec.fired,
                                                 st.gate.effective_threshold):
             return
+        self.sync_gate(st)
+
+    @staticmethod
+    def sync_gate(st: Standing) -> None:
+        """An auto gate takes its calibration's live thresholds (the next decision uses them)."""
         if st.gate.auto:
-            st.gate.threshold = cal.threshold  # the next decision uses them
-            st.gate.choice_thresholds = dict(cal.thresholds)
+            st.gate.threshold, st.gate.choice_thresholds = st.calibration.threshold, dict(st.calibration.thresholds)
 
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)

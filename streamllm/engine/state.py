@@ -120,8 +120,7 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
         st = core.prepos.register(s, spec, gate, prompt_ids)
         if spec.id in saved:  # checked by the snapshot's reader; a window from memory is our own
             st.calibration.restore(saved[spec.id], gate.effective_threshold)
-            if gate.auto:
-                gate.threshold, gate.choice_thresholds = st.calibration.threshold, dict(st.calibration.thresholds)
+            core.prepos.sync_gate(st)
     core._dirty.add(name)
     core._maybe_compact(s)  # restored with more pending than its budget: compaction makes the room
     return core.info(s)
