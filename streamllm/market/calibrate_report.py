@@ -134,12 +134,14 @@ def summarize(record: QuestionRecord, target: float, confidence: float | None = 
     config_coverage, config_precision, _ = gate_at(gaps, correct, record.spec.threshold)
     top_answer, top_n = Counter(record.answers).most_common(1)[0] if record.answers else (None, 0)
     spans = gate_intervals(correct, gaps, record_blocks(record, record.spec.label.bars_needed), target)
+    own = record.spec.auto_confidence if confidence is None else confidence
+    by_confidence = {c: live_gate(record, target, c) for c in CONFIDENCES}  # the main one is often among them
     return QuestionReport(
         record.spec.id, len(gaps), record.unknown, threshold, coverage, precision, fired,
         max((p.precision for p in curve), default=None), gate_at(gaps, correct, 0.0)[1],
         majority, top_answer, top_n / len(record.answers) if record.answers else None, base_rate, base_rate,
-        record.spec.threshold, config_coverage, config_precision, curve, live_gate(record, target, confidence),
-        tuple(live_gate(record, target, c) for c in CONFIDENCES),
+        record.spec.threshold, config_coverage, config_precision, curve,
+        by_confidence.get(own) or live_gate(record, target, own), tuple(by_confidence.values()),
         balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
     )
 
