@@ -69,9 +69,8 @@ def read_samples(path: Path, session: str, questions: Sequence[QuestionSpec]) ->
     except pl.exceptions.PolarsError as exc:
         raise SamplesError(f"{path}: range and bar must be integers and gap a number ({exc})") from None
     for column in COLUMNS:
-        bad = table.with_row_index("row").filter(
-            pl.col(column).is_null() | (pl.col(column).is_nan() if column == "gap" else pl.lit(False))
-            | (pl.col(column).is_infinite() if column == "gap" else pl.lit(False)))
+        unusable = pl.col(column).is_null() | (~pl.col(column).is_finite() if column == "gap" else False)
+        bad = table.with_row_index("row").filter(unusable)
         if bad.height:
             row = bad["row"][0] + 1
             raise SamplesError(f"{path}: data row {row}: {column} is empty or not a finite value "
