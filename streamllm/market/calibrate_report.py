@@ -93,7 +93,6 @@ class LiveGate:
     an answer only from the answers scored before it (engine/calibration.py)."""
 
     fired: int
-    right: int  # of those fired
     first: int | None  # samples scored before its first fast answer (None: it never opened)
     coverage: float
     precision: float | None
@@ -169,7 +168,7 @@ def live_gate(record: QuestionRecord, target: float, confidence: float | None = 
     fired, right = sum(fires), sum(f and c for f, c in zip(fires, record.correct, strict=True))
     first = fires.index(True) if fired else None
     n = len(fires)
-    return LiveGate(fired, right, first, fired / n if n else 0.0, right / fired if fired else None, confidence,
+    return LiveGate(fired, first, fired / n if n else 0.0, right / fired if fired else None, confidence,
                     tuple(fires))
 
 
