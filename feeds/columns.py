@@ -2,7 +2,8 @@
 
 - `parse_columns`: `--columns ts_event=time,close=Close`, refusing fields we do not have.
 - `ts_ns`: a time column (epoch numbers, datetimes or text) -> ns since the epoch, UTC;
-  a day/month-ambiguous date (`11/5/2019`) is refused with the `--time-format` the data proves.
+  a day/month-ambiguous date (`11/5/2019`) is refused with the `--time-format` the data proves;
+  a year-first one (`2024.01.02`, MetaTrader's) is read as year, month, day.
 - `infer_dp`: the fewest decimals at which every value round-trips, float32 text included.
 """
 
@@ -18,6 +19,7 @@ FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker",
           "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
 UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]|$)")
+_YEAR_FIRST = re.compile(r"^\s*\d{4}[./]\d{2}[./]\d{2}")  # 2024.01.02 (MetaTrader), 2024/01/02: unambiguous
 _SLASHED = re.compile(r"^\s*(\d{1,2})([/.-])(\d{1,2})\2(\d{2,4})(?:[ T](\d{1,2}:\d{2}(:\d{2})?(\.\d+)?))?")
 
 
@@ -105,6 +107,8 @@ def ts_ns(col: pl.Series, where: str, unit: str | None = None, time_format: str 
                 col.head(100).str.to_datetime(format=time_format, time_unit="ns", strict=True)
             except Exception:
                 time_format = None
+        if time_format is None and _YEAR_FIRST.match(next(iter(col.drop_nulls().head(1).to_list()), "")):
+            col = col.str.replace(r"^\s*(\d{4})[./](\d{2})[./](\d{2})", "${1}-${2}-${3}")
         if time_format is None:
             _slashed_format(col.head(5000).to_list(), where)
         try:

@@ -2,7 +2,7 @@
 
   *.gz                       raw websocket capture (feeds.capture), venue sniffed or given
   *.dbn, *.dbn.zst           Databento DBN (feeds.dbn): trades, MBP-1/BBO, OHLCV
-  *.csv, *.csv.gz, *.parquet trades, quotes or bars table (feeds.tables), kind from its columns
+  *.csv, *.tsv, *.txt (.gz), *.parquet  trades, quotes or bars table (feeds.tables), kind from its columns
 
 Each source has `stats` (a `ParseStats`): damaged lines, impossible values and missing
 cells are counted there by kind, never raised past the source. A file that cannot be read
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from feeds.capture import CaptureSource, read_capture
-from feeds.tables import TableSource
+from feeds.tables import TABLE_SUFFIXES, TableSource
 from feeds.wire import WireParser
 
 __all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open_source", "parser_for",
@@ -63,12 +63,12 @@ def file_format(path: Path) -> str:
     name = path.name.lower()
     if name.endswith((".dbn", ".dbn.zst")):
         return "dbn"
-    if name.endswith((".csv", ".csv.gz", ".txt", ".parquet")):
+    if name.endswith(TABLE_SUFFIXES):
         return "table"
     if name.endswith(".gz"):
         return "capture"
     raise ValueError(f"{path}: unknown file format; expected a capture (.gz), Databento DBN (.dbn, .dbn.zst), "
-                     "or a table (.csv, .csv.gz, .parquet)")
+                     f"or a table ({', '.join(TABLE_SUFFIXES)})")
 
 
 def open_source(path: str | Path, opts: ReadOptions | None = None, *, what: str = "feed") -> Any:

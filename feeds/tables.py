@@ -17,13 +17,22 @@ never has to guess:
   time column when no column is named like one.
 - A side column may say BUYER/SELLER, buy/sell, B/S, bid/ask or 1/-1; a maker flag column
   (`is_buyer_maker`) maps too. A table without either leaves the side unknown, never "sell".
+- Layouts as tools write them: a comma, tab (MetaTrader), semicolon or pipe between cells
+  (a semicolon table may write decimal commas); names in angle brackets (`<CLOSE>`); a
+  date and a time of day in two columns (`<DATE>` `2024.01.02`, `<TIME>` `00:00:00`); a
+  real-volume column of zeros beside a tick-volume one (MetaTrader's forex) reads the ticks.
+- Headerless tables are read only in published layouts (Binance's public data, Kraken's
+  downloadable OHLCVT and trades), each recognized by its column count *and* its cells;
+  any other first row of data is refused with a request for a header.
 
 Cells are read by `feeds/columns.py` (times, precision, the column mapping).
 """
 
 from __future__ import annotations
 
+import csv
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +50,7 @@ KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
 # Column names tried when the mapping does not name a field.
 ALIASES: dict[str, tuple[str, ...]] = {
     "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time", "transact_time"),
+    "volume": ("volume", "vol", "real_volume"),
     "price": ("price", "px", "last"),
     "size": ("size", "qty", "quantity", "amount", "volume"),
     "trades": ("trades", "count", "number_of_trades", "num_trades", "trade_count"),
@@ -56,19 +66,36 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
 # it with an empty header): when no time alias matches, it is the time column.
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
-# Binance's public data (data.binance.vision) writes spot CSVs without a header: the layout is
-# known by its column count (klines, trades, aggTrades; Binance's docs, "Public data").
-BINANCE_HEADERLESS = {  # column count -> (file kind, columns)
-    12: ("klines", ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume", "count",
-                    "taker_buy_volume", "taker_buy_quote_volume", "ignore")),
-    7: ("trades", ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match")),
-    8: ("aggTrades", ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time",
-                      "is_buyer_maker", "is_best_match")),
+# Published tables without a header, known by column count and checked by their cells: Binance's
+# public data (data.binance.vision, "Public data": klines, trades, aggTrades; spot files have no
+# header) and Kraken's downloadable history (support.kraken.com: OHLCVT per pair and interval,
+# `XBTUSD_60.csv`, and time & sales, `XBTUSD.csv`; times in epoch seconds).
+HEADERLESS = {  # column count -> [(venue, file kind, columns, does a first row fit?)]
+    12: [("binance", "klines", ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume",
+                                "count", "taker_buy_volume", "taker_buy_quote_volume", "ignore"), lambda c: True)],
+    7: [("binance", "trades", ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match"),
+         lambda c: _is_bool(c[5])),
+        ("kraken", "OHLCVT", ("time", "open", "high", "low", "close", "volume", "trades"),
+         lambda c: _epoch_s(c[0]) and c[6].isdigit())],
+    8: [("binance", "aggTrades", ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time",
+                                  "is_buyer_maker", "is_best_match"), lambda c: _is_bool(c[6]))],
+    3: [("kraken", "trades", ("time", "price", "size"), lambda c: _epoch_s(c[0]))],
 }
+TABLE_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".parquet")
+SEPARATORS = ("\t", ";", "|", ",")  # tried in this order: a comma may be a decimal comma in a ';' table
+# Columns that hold a tick count where a forex source has no real volume (MetaTrader's <TICKVOL>).
+TICK_VOLUME = ("tickvol", "tick_volume", "ticks")
+_TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?\s*$")
+_DATE_CELL = re.compile(r"^\d{1,4}[./-]\d{1,2}[./-]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?)?$|^\d{1,2}:\d{2}(:\d{2})?$")
+_DECIMAL_COMMA = re.compile(r"^-?\d+,\d+$")
 
+
+def column_key(name: str) -> str:
+    """How a column name is matched: case-blind, MetaTrader's angle brackets off (`<CLOSE>` is close)."""
+    return name.strip().strip("<>").strip().lower()
 
 def guess_kind(columns: list[str]) -> str:
-    names = {c.lower() for c in columns}
+    names = {column_key(c) for c in columns}
     if {"open", "high", "low", "close"} <= names:
         return "bar"
     if names & {"bid", "bid_price", "bp", "bid_px_00"}:
@@ -113,32 +140,44 @@ class TableSource:
         try:
             if name.endswith(".parquet"):
                 return pl.read_parquet(self.path)
-            if name.endswith((".csv", ".txt", ".csv.gz")):
-                first = _first_line(self.path)
+            if name.endswith(TABLE_SUFFIXES):
+                first, sep, decimal_comma = _layout(self.path)
+                if sep != ",":
+                    self.notes.append(f"{self.path}: cells separated by {_SEP_NAMES[sep]}"
+                                      + (", numbers with a decimal comma" if decimal_comma else ""))
                 if not _is_data_row(first):
-                    return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000)
-                if len(first) not in BINANCE_HEADERLESS:
-                    known = ", ".join(f"{kind}: {n} columns" for n, (kind, _) in BINANCE_HEADERLESS.items())
-                    raise TableFormatError(
-                        f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables "
-                        f"are read only in Binance's public-data layouts ({known}); add a header row naming the columns")
-                kind, layout = BINANCE_HEADERLESS[len(first)]
-                self.notes.append(f"{self.path}: no header; read as Binance public data ({kind})")
+                    return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000, separator=sep,
+                                       decimal_comma=decimal_comma)
+                venue, kind, layout = self._headerless(first)
+                self.notes.append(f"{self.path}: no header; read as {venue.capitalize()} public data ({kind})")
                 if self.venue == "file":
-                    self.venue = "binance"
-                if not self._named:
-                    self.instrument = self.path.name.split("-")[0].upper()  # BTCUSDT-1m-2024-08-08.csv
-                return pl.read_csv(self.path, has_header=False, new_columns=list(layout), infer_schema_length=10_000)
+                    self.venue = venue
+                if not self._named:  # BTCUSDT-1m-2024-08-08.csv, XBTUSD_60.csv
+                    self.instrument = self.path.name.split("-" if venue == "binance" else "_")[0].split(".")[0].upper()
+                return pl.read_csv(self.path, has_header=False, new_columns=list(layout), infer_schema_length=10_000,
+                                   separator=sep, decimal_comma=decimal_comma)
+        except TableFormatError:
+            raise
         except Exception as exc:  # polars/IO errors: name the file, keep the cause
             raise TableFormatError(f"{self.path}: cannot read as a table: {str(exc).splitlines()[0]}") from exc
-        raise TableFormatError(f"{self.path}: expected .parquet or .csv")
+        raise TableFormatError(f"{self.path}: expected one of {', '.join(TABLE_SUFFIXES)}")
+
+    def _headerless(self, first: list[str]) -> tuple[str, str, tuple[str, ...]]:
+        for venue, kind, layout, fits in HEADERLESS.get(len(first), []):
+            if fits(first):
+                return venue, kind, layout
+        known = "; ".join(f"{v} {k}: {n} columns" for n, options in sorted(HEADERLESS.items())
+                          for v, k, _, _ in options)
+        raise TableFormatError(
+            f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables are read "
+            f"only in published layouts ({known}); add a header row naming the columns")
 
     def _col(self, df: pl.DataFrame, name: str, required: bool = True) -> pl.Series | None:
         if name in self.columns:
             if self.columns[name] not in df.columns:
                 raise TableFormatError(f"{self.path}: mapped column {self.columns[name]!r} for {name} not in {df.columns}")
             return df[self.columns[name]]
-        lower = {c.lower(): c for c in df.columns}
+        lower = {column_key(c): c for c in df.columns}
         for alias in ALIASES.get(name, (name,)):
             if alias.lower() in lower:
                 return df[lower[alias.lower()]]
@@ -163,7 +202,8 @@ class TableSource:
         if self.kind == "book":
             raise TableFormatError(f"{self.path}: book deltas load only from our own Parquet schema")
         where = str(self.path)
-        t = self._col(df, "ts_event")
+        t = self._date_and_time(df)
+        t = self._col(df, "ts_event") if t is None else t
         assert t is not None
         ts = ts_ns(t, f"{where} column {t.name!r}", self.ts_unit, self.time_format, self.tz, self.notes)
         recv_col = self._col(df, "ts_recv", required=False)
@@ -174,6 +214,38 @@ class TableSource:
         rows = getattr(self, "_" + self.kind)(df, ts, recv, insts, recv_col is not None)
         self.stats.events = len(rows)
         return rows
+
+    def _date_and_time(self, df: pl.DataFrame) -> pl.Series | None:
+        """A date column and a time-of-day column (MetaTrader's <DATE> <TIME>, many brokers' Date,Time)
+        are one time: joined as "DATE TIME" text. None when the table writes one time column."""
+        if "ts_event" in self.columns:
+            return None
+        keys = {column_key(c): c for c in df.columns}
+        date, time_ = keys.get("date"), keys.get("time")
+        if date is None or time_ is None or df[time_].dtype != pl.Utf8 or df[date].dtype != pl.Utf8:
+            return None
+        sample = df[time_].drop_nulls().head(100).to_list()
+        if not sample or not all(_TIME_OF_DAY.match(v) for v in sample):
+            return None
+        self.notes.append(f"{self.path}: times joined from columns {date!r} and {time_!r}")
+        joined = df.select(pl.concat_str([pl.col(date).str.strip_chars(), pl.col(time_).str.strip_chars()],
+                                         separator=" ")).to_series()
+        return joined.alias(f"{date} {time_}")
+
+    def _volume(self, df: pl.DataFrame) -> tuple[list[Any] | None, bool]:
+        """The bars' volume; a real-volume column of zeros beside a tick-volume one reads the ticks
+        (MetaTrader writes <VOL> 0 for forex, where only <TICKVOL> counts anything)."""
+        keys = {column_key(c): c for c in df.columns}
+        ticks = next((keys[k] for k in TICK_VOLUME if k in keys), None)
+        col = self._col(df, "volume", required=ticks is None or "volume" in self.columns)
+        if ticks is not None and "volume" not in self.columns and (col is None or not (col.cast(pl.Float64, strict=False).fill_null(0) != 0).any()):
+            self.notes.append(f"{self.path}: volume read from {ticks!r} (a tick count, not traded units)"
+                              + ("" if col is None else f": {col.name!r} is all zero"))
+            col = df[ticks]
+        try:
+            return col.cast(pl.Float64).to_list(), col.dtype == pl.Float32
+        except Exception as exc:
+            raise TableFormatError(f"{self.path}: column {col.name!r} (volume) is not numeric: {exc}") from exc
 
     # --- per kind: columns -> checked rows ---
     def _num(self, df: pl.DataFrame, name: str, required: bool = True) -> tuple[list[Any] | None, bool]:
@@ -245,7 +317,7 @@ class TableSource:
         return out
 
     def _bar(self, df, ts, recv, insts, has_recv) -> list[Bar]:
-        cols = {k: self._num(df, k) for k in ("open", "high", "low", "close", "volume")}
+        cols = {k: self._num(df, k) for k in ("open", "high", "low", "close")} | {"volume": self._volume(df)}
         o, h, lo, c, vol = (cols[k][0] for k in ("open", "high", "low", "close", "volume"))
         n, nan = len(ts), math.nan
         cnt_col = self._col(df, "trades", required=False)
@@ -292,18 +364,47 @@ class TableSource:
         return iter(self.events())
 
 
-def _first_line(path: Path) -> list[str]:
+_SEP_NAMES = {"\t": "tabs", ";": "semicolons", "|": "pipes", ",": "commas"}
+
+
+def _layout(path: Path) -> tuple[list[str], str, bool]:
+    """The first row's cells, the separator and whether numbers write a decimal comma. The
+    separator is the first of tab, ';', '|', ',' that splits the first two rows alike into
+    two or more cells."""
     import gzip
 
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        return [cell.strip().strip('"') for cell in f.readline().rstrip("\r\n").split(",")]
+    with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+        rows = [f.readline().rstrip("\r\n") for _ in range(2)]
+    rows = [r for r in rows if r]
+    sep = ","
+    for cand in SEPARATORS:
+        counts = {len(next(csv.reader([r], delimiter=cand))) for r in rows}
+        if len(counts) == 1 and counts.pop() >= 2:
+            sep = cand
+            break
+    cells = [[c.strip() for c in next(csv.reader([r], delimiter=sep))] for r in rows] or [[""]]
+    data = cells[-1] if len(cells) > 1 and not _is_data_row(cells[0]) else cells[0]
+    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for c in data)
+    return cells[0], sep, decimal_comma
+
+
+def _is_bool(cell: str) -> bool:
+    return cell.lower() in ("true", "false")
+
+
+def _epoch_s(cell: str) -> bool:
+    """Epoch seconds, 2001-2286 (Kraken's times), integral or with a fraction."""
+    try:
+        return 1e9 <= float(cell) < 1e10
+    except ValueError:
+        return False
 
 
 def _is_data_row(cells: list[str]) -> bool:
     """A first row of numbers and booleans only is data: no header names a column like that."""
     def value(cell: str) -> bool:
-        if cell.lower() in ("true", "false"):
+        if _is_bool(cell) or _DATE_CELL.match(cell):  # a date or a time names no column
             return True
         try:
             float(cell)
@@ -311,7 +412,7 @@ def _is_data_row(cells: list[str]) -> bool:
             return False
         return True
 
-    return len(cells) > 1 and all(value(c) for c in cells)
+    return len(cells) > 1 and all(value(c.replace(",", ".") if _DECIMAL_COMMA.match(c) else c) for c in cells)
 
 
 def _nan(x: float | None) -> float:

@@ -208,6 +208,75 @@ def test_binance_public_data_reads_without_a_header(tmp_path: Path) -> None:
         TableSource(odd, "bar").events()
 
 
+def test_kraken_downloadable_history_reads_without_a_header(tmp_path: Path) -> None:
+    # support.kraken.com's OHLCVT zips (XBTUSD_60.csv: epoch seconds, o, h, l, c, volume, trades) and
+    # time & sales (XBTUSD.csv: epoch seconds, price, volume); 7 columns of numbers are not Binance trades.
+    ohlcvt = tmp_path / "XBTUSD_60.csv"
+    ohlcvt.write_text("1381095200,122.00000,123.50000,121.90000,123.00000,1.50000000,3\n"
+                      "1381098800,123.00000,123.00000,122.10000,122.20000,0.75000000,2\n")
+    src = open_source(ohlcvt)
+    first, second = src.events()
+    assert (first.venue, first.instrument, first.interval_ns, first.trades, first.close) == (
+        "kraken", "XBTUSD", 3600 * S, 3, 123.0)
+    assert first.ts_event == (1381095200 + 3600) * S  # Kraken times a candle by its open
+    assert math.isnan(first.buy_volume)  # no side split published: unknown, not "0% bought"
+    assert any("Kraken public data (OHLCVT)" in n for n in src.notes)
+    sales = tmp_path / "XBTUSD.csv"
+    sales.write_text("1381201115,120.00000,0.10000000\n1381201115.5,120.5,0.2\n")
+    a, b = open_source(sales).events()
+    assert (a.venue, a.instrument, a.price, a.size, a.side, b.ts_event) == (
+        "kraken", "XBTUSD", 120.0, 0.1, UNKNOWN_SIDE, 1381201115_500_000_000)
+    # A 7-column table that is neither (no booleans, no epoch seconds) is still refused.
+    odd = tmp_path / "odd.csv"
+    odd.write_text("1723075200000,1,2,0.5,1.5,10,3\n")
+    with pytest.raises(TableFormatError, match="kraken OHLCVT: 7 columns.*add a header row"):
+        TableSource(odd, "bar").events()
+
+
+def test_metatrader_and_european_layouts_read_as_written(tmp_path: Path) -> None:
+    # MetaTrader 5's bar export: tabs, <NAMES> in brackets, a dotted year-first date and a time of
+    # day in two columns, <VOL> all zero for forex beside the tick count.
+    mt = tmp_path / "EURUSD_H1.csv"
+    mt.write_text("<DATE>\t<TIME>\t<OPEN>\t<HIGH>\t<LOW>\t<CLOSE>\t<TICKVOL>\t<VOL>\t<SPREAD>\n"
+                  "2024.01.02\t00:00:00\t1.10380\t1.10420\t1.10350\t1.10400\t812\t0\t8\n"
+                  "2024.01.02\t01:00:00\t1.10400\t1.10500\t1.10390\t1.10480\t1044\t0\t7\n")
+    src = open_source(mt)
+    first, second = src.events()
+    assert first.interval_ns == 3600 * S and first.ts_event == 1704157200 * S  # 2024-01-02 01:00 UTC
+    assert (first.instrument, first.open, first.close, first.volume, second.volume) == (
+        "EURUSD", 1.1038, 1.104, 812.0, 1044.0)
+    assert any("'<TICKVOL>'" in n and "'<VOL>' is all zero" in n for n in src.notes)
+    assert any("separated by tabs" in n for n in src.notes)
+    # A real volume is kept when it has one; a mapping always wins.
+    stock = tmp_path / "AAPL_D1.csv"
+    stock.write_text("<DATE>\t<TIME>\t<OPEN>\t<HIGH>\t<LOW>\t<CLOSE>\t<TICKVOL>\t<VOL>\t<SPREAD>\n"
+                     "2024.01.02\t00:00:00\t185.0\t186.0\t184.0\t185.5\t5000\t61000000\t1\n")
+    (bar,) = open_source(stock).events()
+    assert bar.volume == 61_000_000
+    (mapped,) = open_source(stock, ReadOptions(columns={"volume": "<TICKVOL>"})).events()
+    assert mapped.volume == 5000
+    # A semicolon table with decimal commas (European spreadsheet exports) and separate Date/Time.
+    eu = tmp_path / "DAX_M1.csv"
+    eu.write_text("Date;Time;Open;High;Low;Close;Volume\n"
+                  "2024-03-01;09:00;17700,5;17712,25;17698,0;17710,75;1200\n"
+                  "2024-03-01;09:01;17710,75;17715,0;17705,5;17706,0;800\n")
+    src = open_source(eu)
+    a, b = src.events()
+    assert (a.open, a.high, a.close, b.close, a.interval_ns) == (17700.5, 17712.25, 17710.75, 17706.0, 60 * S)
+    assert any("semicolons, numbers with a decimal comma" in n for n in src.notes)
+    # MetaTrader 4's history export has no header, and its first row is dates and numbers: refused
+    # with what to do, never read with a data row as its header.
+    mt4 = tmp_path / "EURUSD60.csv"
+    mt4.write_text("2024.01.02,00:00,1.10380,1.10420,1.10350,1.10400,812\n")
+    with pytest.raises(TableFormatError, match="is data, not a header"):
+        TableSource(mt4, "bar").events()
+    # A pipe-separated trades table.
+    piped = tmp_path / "es_trades.csv"
+    piped.write_text("time|price|size|side\n2024-03-01T14:30:00Z|5100.25|3|B\n")
+    (t,) = open_source(piped).events()
+    assert (t.price, t.size, t.side) == (5100.25, 3.0, BUY)
+
+
 def test_yahoo_float32_text_renders_at_the_prices_own_decimals(tmp_path: Path) -> None:
     # Yahoo's daily CSVs (e.g. arch's S&P 500 data) write float32 prices at 6 decimals.
     csv = tmp_path / "sp500.csv"
