@@ -49,11 +49,13 @@ from feeds.wire import ParseStats
 KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
 # Column names tried when the mapping does not name a field.
 ALIASES: dict[str, tuple[str, ...]] = {
-    "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time", "transact_time"),
+    # window_start / sip_timestamp: Polygon's flat files; created_time: OKX's trade history.
+    "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time", "transact_time",
+                 "window_start", "sip_timestamp", "created_time"),
     "volume": ("volume", "vol", "real_volume"),
     "price": ("price", "px", "last"),
     "size": ("size", "qty", "quantity", "amount", "volume"),
-    "trades": ("trades", "count", "number_of_trades", "num_trades", "trade_count"),
+    "trades": ("trades", "count", "number_of_trades", "num_trades", "trade_count", "transactions"),
     "buy_volume": ("buy_volume", "taker_buy_volume", "taker_buy_base_asset_volume", "taker_buy_base_volume"),
     "side": ("side", "aggressor", "aggressor_side", "taker_side"),
     "maker": ("is_buyer_maker", "isBuyerMaker", "buyer_maker", "is_buyer_market_maker"),
@@ -61,7 +63,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "ask": ("ask", "ask_price", "ap", "ask_px_00"),
     "bid_size": ("bid_size", "bid_qty", "bs", "bid_sz_00"),
     "ask_size": ("ask_size", "ask_qty", "as", "ask_sz_00"),
-    "instrument": ("instrument", "symbol"),
+    "instrument": ("instrument", "symbol", "ticker", "instrument_name", "instrument_id"),
 }
 # A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
 # it with an empty header): when no time alias matches, it is the time column.

@@ -76,13 +76,13 @@ def check_bar(o: float, h: float, lo: float, c: float, v: float, signed: bool = 
 # Aggressor side as venues and tables spell it.
 SIDE_WORDS: dict[str, int] = {
     "buy": BUY, "b": BUY, "buyer": BUY, "bid": BUY, "1": BUY, "+1": BUY,
-    "sell": SELL, "s": SELL, "seller": SELL, "ask": SELL, "offer": SELL, "-1": SELL,
+    "sell": SELL, "s": SELL, "seller": SELL, "ask": SELL, "a": SELL, "offer": SELL, "-1": SELL,  # A: Databento's ask
     "": UNKNOWN_SIDE, "0": UNKNOWN_SIDE, "unknown": UNKNOWN_SIDE, "n": UNKNOWN_SIDE, "none": UNKNOWN_SIDE,
 }
 
 
 def side_of(value: Any, field: str = "side") -> int:
-    """BUYER/SELLER, buy/sell, B/S, bid/ask, 1/-1 (0 or empty: unknown) -> BUY/SELL/UNKNOWN_SIDE."""
+    """BUYER/SELLER, buy/sell, B/S or B/A, bid/ask, 1/-1 (0, N or empty: unknown) -> BUY/SELL/UNKNOWN_SIDE."""
     if value is None:
         return UNKNOWN_SIDE
     if isinstance(value, bool):

@@ -277,6 +277,34 @@ def test_metatrader_and_european_layouts_read_as_written(tmp_path: Path) -> None
     assert (t.price, t.size, t.side) == (5100.25, 3.0, BUY)
 
 
+def test_vendor_flat_files_keep_their_instruments_and_times(tmp_path: Path) -> None:
+    # Polygon's minute aggregates: many tickers in one file, window_start in ns. Read as one
+    # instrument, AAPL's and MSFT's bars would interleave into one nonsense series.
+    aggs = tmp_path / "2024-03-01.csv.gz"
+    aggs.write_bytes(gzip.compress(b"ticker,volume,open,close,high,low,window_start,transactions\n"
+                                   b"AAPL,4930,179.55,179.6,179.66,179.52,1709301600000000000,77\n"
+                                   b"MSFT,1200,415.1,415.3,415.4,415.0,1709301600000000000,31\n"
+                                   b"AAPL,3020,179.6,179.7,179.75,179.58,1709301660000000000,52\n"))
+    rows = open_source(aggs).events()
+    assert [(b.instrument, b.close, b.trades) for b in rows] == [("AAPL", 179.6, 77), ("MSFT", 415.3, 31),
+                                                                   ("AAPL", 179.7, 52)]
+    assert rows[0].interval_ns == 60 * S and rows[0].ts_event == (1709301600 + 60) * S
+    # OKX's trade history (created_time in ms) and a Databento CSV (side A = sell aggressor, N unknown).
+    okx = tmp_path / "BTC-USDT-trades-2024-03-01.csv"
+    okx.write_text("instrument_name,trade_id,side,price,size,created_time\n"
+                   "BTC-USDT,1,buy,61000.1,0.01,1709251200123\nBTC-USDT,2,sell,61000.0,0.02,1709251200456\n")
+    a, b = open_source(okx).events()
+    assert (a.instrument, a.side, b.side, a.ts_event) == ("BTC-USDT", BUY, SELL, 1709251200123 * 10**6)
+    dbn = tmp_path / "glbx-trades.csv"
+    dbn.write_text("ts_recv,ts_event,rtype,publisher_id,instrument_id,action,side,depth,price,size,flags,"
+                   "ts_in_delta,sequence,symbol\n"
+                   "1709301600000100000,1709301600000000000,0,1,42,T,A,0,5100.25,2,0,100,1,ESH4\n"
+                   "1709301600000200000,1709301600000100000,0,1,42,T,N,0,5100.50,1,0,100,2,ESH4\n")
+    src = open_source(dbn)
+    sold, unknown = src.events()
+    assert (sold.instrument, sold.side, unknown.side, src.stats.errors) == ("ESH4", SELL, UNKNOWN_SIDE, 0)
+
+
 def test_yahoo_float32_text_renders_at_the_prices_own_decimals(tmp_path: Path) -> None:
     # Yahoo's daily CSVs (e.g. arch's S&P 500 data) write float32 prices at 6 decimals.
     csv = tmp_path / "sp500.csv"
