@@ -25,12 +25,12 @@ never has to guess:
   downloadable OHLCVT and trades), each recognized by its column count *and* its cells;
   any other first row of data is refused with a request for a header.
 
-Cells are read by `feeds/columns.py` (times, precision, the column mapping).
+Cells are read by `feeds/columns.py` (times, precision, the column mapping); the file's separator,
+header and headerless layouts are told by `feeds/layouts.py`.
 """
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 from collections import Counter
@@ -43,6 +43,15 @@ import polars as pl
 
 from feeds.columns import TableFormatError, infer_dp, ts_ns
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, from_table
+from feeds.layouts import (
+    SEP_NAMES,
+    TABLE_SUFFIXES,
+    column_key,
+    headerless,
+    is_data_row,
+    known_headerless,
+    sniff,
+)
 from feeds.validate import BadValue, check_bar, nonnegative, positive, price, side_of
 from feeds.wire import ParseStats
 
@@ -68,33 +77,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
 # A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
 # it with an empty header): when no time alias matches, it is the time column.
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
-# Published tables without a header, known by column count and checked by their cells: Binance's
-# public data (data.binance.vision, "Public data": klines, trades, aggTrades; spot files have no
-# header) and Kraken's downloadable history (support.kraken.com: OHLCVT per pair and interval,
-# `XBTUSD_60.csv`, and time & sales, `XBTUSD.csv`; times in epoch seconds).
-HEADERLESS = {  # column count -> [(venue, file kind, columns, does a first row fit?)]
-    12: [("binance", "klines", ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume",
-                                "count", "taker_buy_volume", "taker_buy_quote_volume", "ignore"), lambda c: True)],
-    7: [("binance", "trades", ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match"),
-         lambda c: _is_bool(c[5])),
-        ("kraken", "OHLCVT", ("time", "open", "high", "low", "close", "volume", "trades"),
-         lambda c: _epoch_s(c[0]) and c[6].isdigit())],
-    8: [("binance", "aggTrades", ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time",
-                                  "is_buyer_maker", "is_best_match"), lambda c: _is_bool(c[6]))],
-    3: [("kraken", "trades", ("time", "price", "size"), lambda c: _epoch_s(c[0]))],
-}
-TABLE_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".parquet")
-SEPARATORS = ("\t", ";", "|", ",")  # tried in this order: a comma may be a decimal comma in a ';' table
 # Columns that hold a tick count where a forex source has no real volume (MetaTrader's <TICKVOL>).
 TICK_VOLUME = ("tickvol", "tick_volume", "ticks")
 _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?\s*$")
-_DATE_CELL = re.compile(r"^\d{1,4}[./-]\d{1,2}[./-]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?)?$|^\d{1,2}:\d{2}(:\d{2})?$")
-_DECIMAL_COMMA = re.compile(r"^-?\d+,\d+$")
 
-
-def column_key(name: str) -> str:
-    """How a column name is matched: case-blind, MetaTrader's angle brackets off (`<CLOSE>` is close)."""
-    return name.strip().strip("<>").strip().lower()
 
 def guess_kind(columns: list[str]) -> str:
     names = {column_key(c) for c in columns}
@@ -143,11 +129,11 @@ class TableSource:
             if name.endswith(".parquet"):
                 return pl.read_parquet(self.path)
             if name.endswith(TABLE_SUFFIXES):
-                first, sep, decimal_comma = _layout(self.path)
+                first, sep, decimal_comma = sniff(self.path)
                 if sep != ",":
-                    self.notes.append(f"{self.path}: cells separated by {_SEP_NAMES[sep]}"
+                    self.notes.append(f"{self.path}: cells separated by {SEP_NAMES[sep]}"
                                       + (", numbers with a decimal comma" if decimal_comma else ""))
-                if not _is_data_row(first):
+                if not is_data_row(first):
                     return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000, separator=sep,
                                        decimal_comma=decimal_comma)
                 venue, kind, layout = self._headerless(first)
@@ -165,14 +151,12 @@ class TableSource:
         raise TableFormatError(f"{self.path}: expected one of {', '.join(TABLE_SUFFIXES)}")
 
     def _headerless(self, first: list[str]) -> tuple[str, str, tuple[str, ...]]:
-        for venue, kind, layout, fits in HEADERLESS.get(len(first), []):
-            if fits(first):
-                return venue, kind, layout
-        known = "; ".join(f"{v} {k}: {n} columns" for n, options in sorted(HEADERLESS.items())
-                          for v, k, _, _ in options)
-        raise TableFormatError(
-            f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables are read "
-            f"only in published layouts ({known}); add a header row naming the columns")
+        found = headerless(first)
+        if found is None:
+            raise TableFormatError(
+                f"{self.path}: the first row {','.join(first)[:80]!r} is data, not a header; headerless tables are "
+                f"read only in published layouts ({known_headerless()}); add a header row naming the columns")
+        return found
 
     def _col(self, df: pl.DataFrame, name: str, required: bool = True) -> pl.Series | None:
         if name in self.columns:
@@ -364,57 +348,6 @@ class TableSource:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.events())
-
-
-_SEP_NAMES = {"\t": "tabs", ";": "semicolons", "|": "pipes", ",": "commas"}
-
-
-def _layout(path: Path) -> tuple[list[str], str, bool]:
-    """The first row's cells, the separator and whether numbers write a decimal comma. The
-    separator is the first of tab, ';', '|', ',' that splits the first two rows alike into
-    two or more cells."""
-    import gzip
-
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
-        rows = [f.readline().rstrip("\r\n") for _ in range(2)]
-    rows = [r for r in rows if r]
-    sep = ","
-    for cand in SEPARATORS:
-        counts = {len(next(csv.reader([r], delimiter=cand))) for r in rows}
-        if len(counts) == 1 and counts.pop() >= 2:
-            sep = cand
-            break
-    cells = [[c.strip() for c in next(csv.reader([r], delimiter=sep))] for r in rows] or [[""]]
-    data = cells[-1] if len(cells) > 1 and not _is_data_row(cells[0]) else cells[0]
-    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for c in data)
-    return cells[0], sep, decimal_comma
-
-
-def _is_bool(cell: str) -> bool:
-    return cell.lower() in ("true", "false")
-
-
-def _epoch_s(cell: str) -> bool:
-    """Epoch seconds, 2001-2286 (Kraken's times), integral or with a fraction."""
-    try:
-        return 1e9 <= float(cell) < 1e10
-    except ValueError:
-        return False
-
-
-def _is_data_row(cells: list[str]) -> bool:
-    """A first row of numbers and booleans only is data: no header names a column like that."""
-    def value(cell: str) -> bool:
-        if _is_bool(cell) or _DATE_CELL.match(cell):  # a date or a time names no column
-            return True
-        try:
-            float(cell)
-        except ValueError:
-            return False
-        return True
-
-    return len(cells) > 1 and all(value(c.replace(",", ".") if _DECIMAL_COMMA.match(c) else c) for c in cells)
 
 
 def _nan(x: float | None) -> float:

@@ -1,0 +1,101 @@
+"""How a text table is laid out: its separator, its header, the published layouts without one.
+
+Tools write tables their own way: commas, tabs (MetaTrader 5's export), semicolons with
+decimal commas (European spreadsheets), pipes; names in angle brackets (`<CLOSE>`); and
+some publish files with no header at all (Binance's public data, Kraken's downloadable
+history). This module says which, from the first two rows, before polars reads the file;
+`feeds/tables.py` then maps the columns.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import re
+from pathlib import Path
+
+# Published tables without a header, known by column count and checked by their cells: Binance's
+# public data (data.binance.vision, "Public data": klines, trades, aggTrades; spot files have no
+# header) and Kraken's downloadable history (support.kraken.com: OHLCVT per pair and interval,
+# `XBTUSD_60.csv`, and time & sales, `XBTUSD.csv`; times in epoch seconds).
+HEADERLESS = {  # column count -> [(venue, file kind, columns, does a first row fit?)]
+    12: [("binance", "klines", ("open_time", "open", "high", "low", "close", "volume", "close_time", "quote_volume",
+                                "count", "taker_buy_volume", "taker_buy_quote_volume", "ignore"), lambda c: True)],
+    7: [("binance", "trades", ("id", "price", "qty", "quote_qty", "time", "is_buyer_maker", "is_best_match"),
+         lambda c: _is_bool(c[5])),
+        ("kraken", "OHLCVT", ("time", "open", "high", "low", "close", "volume", "trades"),
+         lambda c: _epoch_s(c[0]) and c[6].isdigit())],
+    8: [("binance", "aggTrades", ("agg_trade_id", "price", "qty", "first_trade_id", "last_trade_id", "transact_time",
+                                  "is_buyer_maker", "is_best_match"), lambda c: _is_bool(c[6]))],
+    3: [("kraken", "trades", ("time", "price", "size"), lambda c: _epoch_s(c[0]))],
+}
+TABLE_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".parquet")
+SEPARATORS = ("\t", ";", "|", ",")  # tried in this order: a comma may be a decimal comma in a ';' table
+_DATE_CELL = re.compile(r"^\d{1,4}[./-]\d{1,2}[./-]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?)?$|^\d{1,2}:\d{2}(:\d{2})?$")
+_DECIMAL_COMMA = re.compile(r"^-?\d+,\d+$")
+
+
+def column_key(name: str) -> str:
+    """How a column name is matched: case-blind, MetaTrader's angle brackets off (`<CLOSE>` is close)."""
+    return name.strip().strip("<>").strip().lower()
+
+
+def headerless(first: list[str]) -> tuple[str, str, tuple[str, ...]] | None:
+    """(venue, file kind, columns) of the published layout a headerless first row fits, else None."""
+    for venue, kind, columns, fits in HEADERLESS.get(len(first), []):
+        if fits(first):
+            return venue, kind, columns
+    return None
+
+
+def known_headerless() -> str:
+    return "; ".join(f"{v} {k}: {n} columns" for n, options in sorted(HEADERLESS.items()) for v, k, _, _ in options)
+
+
+SEP_NAMES = {"\t": "tabs", ";": "semicolons", "|": "pipes", ",": "commas"}
+
+
+def sniff(path: Path) -> tuple[list[str], str, bool]:
+    """The first row's cells, the separator and whether numbers write a decimal comma. The
+    separator is the first of tab, ';', '|', ',' that splits the first two rows alike into
+    two or more cells."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+        rows = [f.readline().rstrip("\r\n") for _ in range(2)]
+    rows = [r for r in rows if r]
+    sep = ","
+    for cand in SEPARATORS:
+        counts = {len(next(csv.reader([r], delimiter=cand))) for r in rows}
+        if len(counts) == 1 and counts.pop() >= 2:
+            sep = cand
+            break
+    cells = [[c.strip() for c in next(csv.reader([r], delimiter=sep))] for r in rows] or [[""]]
+    data = cells[-1] if len(cells) > 1 and not is_data_row(cells[0]) else cells[0]
+    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for c in data)
+    return cells[0], sep, decimal_comma
+
+
+def _is_bool(cell: str) -> bool:
+    return cell.lower() in ("true", "false")
+
+
+def _epoch_s(cell: str) -> bool:
+    """Epoch seconds, 2001-2286 (Kraken's times), integral or with a fraction."""
+    try:
+        return 1e9 <= float(cell) < 1e10
+    except ValueError:
+        return False
+
+
+def is_data_row(cells: list[str]) -> bool:
+    """A first row of numbers and booleans only is data: no header names a column like that."""
+    def value(cell: str) -> bool:
+        if _is_bool(cell) or _DATE_CELL.match(cell):  # a date or a time names no column
+            return True
+        try:
+            float(cell)
+        except ValueError:
+            return False
+        return True
+
+    return len(cells) > 1 and all(value(c.replace(",", ".") if _DECIMAL_COMMA.match(c) else c) for c in cells)
