@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import gzip
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 # Published tables without a header, known by column count and checked by their cells: Binance's
@@ -55,12 +56,32 @@ def known_headerless() -> str:
 SEP_NAMES = {"\t": "tabs", ";": "semicolons", "|": "pipes", ",": "commas"}
 
 
-def sniff(path: Path) -> tuple[list[str], str, bool]:
-    """The first row's cells, the separator and whether numbers write a decimal comma. The
-    separator is the first of tab, ';', '|', ',' that splits the first two rows alike into
-    two or more cells."""
+@dataclass(frozen=True, slots=True)
+class Layout:
+    first: list[str]  # the first row's cells
+    separator: str
+    decimal_comma: bool
+    encoding: str  # "utf-8" or "utf-16" (MetaTrader's and Excel's "Unicode text" exports)
+
+
+def _open_text(path: Path, encoding: str):
     opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+    return opener(path, "rt", encoding=encoding, errors="replace", newline="")
+
+
+def encoding_of(path: Path) -> str:
+    """UTF-16 when the file starts with its byte-order mark, else UTF-8 (a UTF-8 BOM is skipped)."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    with opener(path, "rb") as f:
+        head = f.read(2)
+    return "utf-16" if head in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
+
+
+def sniff(path: Path) -> Layout:
+    """How the file is written. The separator is the first of tab, ';', '|', ',' that splits the
+    first two rows alike into two or more cells; a ';' or tab table may write decimal commas."""
+    encoding = encoding_of(path)
+    with _open_text(path, "utf-8-sig" if encoding == "utf-8" else encoding) as f:
         rows = [f.readline().rstrip("\r\n") for _ in range(2)]
     rows = [r for r in rows if r]
     sep = ","
@@ -72,7 +93,13 @@ def sniff(path: Path) -> tuple[list[str], str, bool]:
     cells = [[c.strip() for c in next(csv.reader([r], delimiter=sep))] for r in rows] or [[""]]
     data = cells[-1] if len(cells) > 1 and not is_data_row(cells[0]) else cells[0]
     decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for c in data)
-    return cells[0], sep, decimal_comma
+    return Layout(cells[0], sep, decimal_comma, encoding)
+
+
+def utf8_bytes(path: Path) -> bytes:
+    """A UTF-16 table as UTF-8 for polars (which reads UTF-8 only); the whole file, in memory."""
+    with _open_text(path, "utf-16") as f:
+        return f.read().encode("utf-8")
 
 
 def _is_bool(cell: str) -> bool:

@@ -17,7 +17,7 @@ never has to guess:
   time column when no column is named like one.
 - A side column may say BUYER/SELLER, buy/sell, B/S, bid/ask or 1/-1; a maker flag column
   (`is_buyer_maker`) maps too. A table without either leaves the side unknown, never "sell".
-- Layouts as tools write them: a comma, tab (MetaTrader), semicolon or pipe between cells
+- Layouts as tools write them: UTF-8 or UTF-16 text; a comma, tab (MetaTrader), semicolon or pipe between cells
   (a semicolon table may write decimal commas); names in angle brackets (`<CLOSE>`); a
   date and a time of day in two columns (`<DATE>` `2024.01.02`, `<TIME>` `00:00:00`); a
   real-volume column of zeros beside a tick-volume one (MetaTrader's forex) reads the ticks.
@@ -31,6 +31,7 @@ header and headerless layouts are told by `feeds/layouts.py`.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 from collections import Counter
@@ -51,6 +52,7 @@ from feeds.layouts import (
     is_data_row,
     known_headerless,
     sniff,
+    utf8_bytes,
 )
 from feeds.validate import BadValue, check_bar, nonnegative, positive, price, side_of
 from feeds.wire import ParseStats
@@ -129,21 +131,23 @@ class TableSource:
             if name.endswith(".parquet"):
                 return pl.read_parquet(self.path)
             if name.endswith(TABLE_SUFFIXES):
-                first, sep, decimal_comma = sniff(self.path)
-                if sep != ",":
-                    self.notes.append(f"{self.path}: cells separated by {SEP_NAMES[sep]}"
-                                      + (", numbers with a decimal comma" if decimal_comma else ""))
-                if not is_data_row(first):
-                    return pl.read_csv(self.path, try_parse_dates=False, infer_schema_length=10_000, separator=sep,
-                                       decimal_comma=decimal_comma)
-                venue, kind, layout = self._headerless(first)
+                lay = sniff(self.path)
+                source = self.path if lay.encoding == "utf-8" else io.BytesIO(utf8_bytes(self.path))
+                if lay.encoding != "utf-8" or lay.separator != ",":
+                    self.notes.append(f"{self.path}: " + ", ".join(
+                        ([f"{lay.encoding.upper()} text"] if lay.encoding != "utf-8" else [])
+                        + [f"cells separated by {SEP_NAMES[lay.separator]}"]
+                        + (["numbers with a decimal comma"] if lay.decimal_comma else [])))
+                read = dict(infer_schema_length=10_000, separator=lay.separator, decimal_comma=lay.decimal_comma)
+                if not is_data_row(lay.first):
+                    return pl.read_csv(source, try_parse_dates=False, **read)
+                venue, kind, columns = self._headerless(lay.first)
                 self.notes.append(f"{self.path}: no header; read as {venue.capitalize()} public data ({kind})")
                 if self.venue == "file":
                     self.venue = venue
                 if not self._named:  # BTCUSDT-1m-2024-08-08.csv, XBTUSD_60.csv
                     self.instrument = self.path.name.split("-" if venue == "binance" else "_")[0].split(".")[0].upper()
-                return pl.read_csv(self.path, has_header=False, new_columns=list(layout), infer_schema_length=10_000,
-                                   separator=sep, decimal_comma=decimal_comma)
+                return pl.read_csv(source, has_header=False, new_columns=list(columns), **read)
         except TableFormatError:
             raise
         except Exception as exc:  # polars/IO errors: name the file, keep the cause

@@ -247,6 +247,18 @@ def test_metatrader_and_european_layouts_read_as_written(tmp_path: Path) -> None
         "EURUSD", 1.1038, 1.104, 812.0, 1044.0)
     assert any("'<TICKVOL>'" in n and "'<VOL>' is all zero" in n for n in src.notes)
     assert any("separated by tabs" in n for n in src.notes)
+    # The same export saved as "Unicode text" (UTF-16 with its byte-order mark, Windows line ends).
+    u16 = tmp_path / "EURUSD_H1_u16.txt"
+    u16.write_text(mt.read_text().replace("\n", "\r\n"), encoding="utf-16", newline="")
+    src16 = open_source(u16)
+    assert [(b.ts_event, b.close, b.volume) for b in src16.events()] == [
+        (b.ts_event, b.close, b.volume) for b in (first, second)]
+    assert any("UTF-16 text, cells separated by tabs" in n for n in src16.notes)
+    # Excel's "CSV UTF-8" starts with a byte-order mark that must not become part of the first name.
+    excel = tmp_path / "SPY.csv"
+    excel.write_bytes(b"\xef\xbb\xbfDate,Open,High,Low,Close,Volume\r\n2024-01-02,472.2,473.7,470.5,472.7,123\r\n")
+    (spy,) = open_source(excel).events()
+    assert (spy.close, spy.volume) == (472.7, 123.0)
     # A real volume is kept when it has one; a mapping always wins.
     stock = tmp_path / "AAPL_D1.csv"
     stock.write_text("<DATE>\t<TIME>\t<OPEN>\t<HIGH>\t<LOW>\t<CLOSE>\t<TICKVOL>\t<VOL>\t<SPREAD>\n"
