@@ -60,9 +60,9 @@ from feeds.wire import ParseStats
 KINDS = {"trade": Trade, "quote": Quote, "bar": Bar, "book": BookDelta}
 # Column names tried when the mapping does not name a field.
 ALIASES: dict[str, tuple[str, ...]] = {
-    # window_start / sip_timestamp: Polygon's flat files; created_time: OKX's trade history.
+    # window_start / sip_timestamp: Polygon's flat files; created_time: OKX's trade history; Gmt time: Dukascopy.
     "ts_event": ("ts_event", "timestamp", "time", "ts", "datetime", "date", "open_time", "transact_time",
-                 "window_start", "sip_timestamp", "created_time"),
+                 "window_start", "sip_timestamp", "created_time", "gmt time"),
     "volume": ("volume", "vol", "real_volume"),
     "price": ("price", "px", "last"),
     "size": ("size", "qty", "quantity", "amount", "volume"),

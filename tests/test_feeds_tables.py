@@ -315,6 +315,14 @@ def test_vendor_flat_files_keep_their_instruments_and_times(tmp_path: Path) -> N
     src = open_source(dbn)
     sold, unknown = src.events()
     assert (sold.instrument, sold.side, unknown.side, src.stats.errors) == ("ESH4", SELL, UNKNOWN_SIDE, 0)
+    # Dukascopy's export: 'Gmt time', day-first dotted dates (the format the data proves is asked for).
+    duka = tmp_path / "EURUSD_Candlestick_1_Hour_BID_01.01.2024-13.01.2024.csv"
+    duka.write_text("Gmt time,Open,High,Low,Close,Volume\n01.01.2024 22:00:00.000,1.10376,1.104,1.1037,1.1039,123.45\n"
+                    "13.01.2024 00:00:00.000,1.1039,1.1042,1.1038,1.104,50\n")
+    with pytest.raises(TableFormatError, match="day above 12 first: pass --time-format '%d.%m.%Y %H:%M:%S%.f'"):
+        open_source(duka).events()
+    a, _ = open_source(duka, ReadOptions(time_format="%d.%m.%Y %H:%M:%S%.f")).events()
+    assert (a.instrument, a.ts_open) == ("EURUSD", 1704146400 * S)  # 2024-01-01 22:00 UTC
 
 
 def test_yahoo_float32_text_renders_at_the_prices_own_decimals(tmp_path: Path) -> None:
