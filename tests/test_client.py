@@ -109,7 +109,7 @@ def test_watch_state_table():
     state.apply({"type": "standing", "question_id": "vol", "text": "no", "path": "entry", "confidence": 0.4,
                  "data_version": 4, "updated_at": 101.0, "calibration": {
                      "samples": 31, "scored": 40, "precision": 0.97, "coverage": 1.0, "accuracy": 0.968,
-                     "threshold": None, "target": 0.9, "confidence": 0.5}})
+                     "threshold": None, "target": 0.9, "confidence": 0.5, "base_rate": 0.62}})
     state.apply({"type": "standing", "question_id": "zz", "text": "The", "path": "gate", "confidence": 0.7,
                  "data_version": 4, "updated_at": 101.0, "calibration": {
                      "samples": 20, "scored": 20, "precision": 1.0, "coverage": 0.9, "accuracy": 0.95,
@@ -118,7 +118,7 @@ def test_watch_state_table():
     cells = {col.header: list(col._cells) for col in table.columns}
     assert cells["question"] == ["trend", "vol", "zz"] and cells["answer"] == ["up", "no", "The…"]
     assert cells["path"] == ["fast", "entry", "gate"] and cells["confidence"] == ["2.50", "0.40", "0.70"]
-    assert cells["right (live)"] == ["-", "97% of 31", "95% of 20"] and cells["gate"] == ["-", "closed", "90% at 100%"]
+    assert cells["right (live)"] == ["-", "97% of 31, base 62%", "95% of 20"] and cells["gate"] == ["-", "closed", "90% at 100%"]
     assert cells["data_version"] == ["3 (behind)", "4", "4"] and cells["age"] == ["2.0s", "1.0s", "1.0s"]
     assert "data_version 4" in str(table.title)
 

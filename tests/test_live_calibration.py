@@ -141,8 +141,8 @@ def _reference_fit(cal: LiveCalibration) -> dict[str, float]:
     the most-covering one reaching the target (its Wilson bound, at auto_confidence above 0.5)."""
     z = statistics.NormalDist().inv_cdf(cal.confidence)
     out = {}
-    for answer in {a for *_, a, _ in cal.samples}:
-        mine = [(g, c, r) for g, c, _, a, r in cal.samples if a == answer]
+    for answer in {a for _, _, _, a, *_ in cal.samples}:
+        mine = [(g, c, r) for g, c, _, a, r, _ in cal.samples if a == answer]
         if len(mine) < cal.min_evidence:
             continue
         curve = [p for p in risk_coverage([g for g, _, _ in mine], [c for _, c, _ in mine])
@@ -175,7 +175,7 @@ def test_the_one_pass_fit_and_running_counts_equal_the_offline_curve(seed: int, 
         cal.score(version, answer, gap, fired=rng.random() < 0.5, threshold=cal.threshold)
         assert cal.fit() == _reference_fit(cal), version
         n = len(cal.samples)
-        fired = [c for _, c, f, _, _ in cal.samples if f]
+        fired = [c for _, c, f, *_ in cal.samples if f]
         s = cal.summary
         assert (s.samples, s.coverage, s.accuracy) == (n, len(fired) / n, sum(c for _, c, *_ in cal.samples) / n)
         assert s.precision == (sum(fired) / len(fired) if fired else None)
@@ -265,6 +265,29 @@ def test_an_exported_window_restored_goes_on_as_if_never_interrupted(confidence:
         LiveCalibration().restore({"samples": [[1.0, True]], "scored": 1, "run": 1, "last_truth": "up"}, 1.0)
     with pytest.raises(ValueError, match="calibration window malformed"):
         LiveCalibration().restore({"samples": []}, 1.0)
+
+
+def test_the_base_rate_is_the_windows_most_common_truth() -> None:
+    """Beside accuracy, the share a constant answer would score: counted directly over the window's
+    truths at every step, as old samples leave it; a window saved before samples kept their truth
+    restores with the base rate unknown (None), never a guess."""
+    rng = random.Random(11)
+    cal = LiveCalibration(window=40)
+    truths: list[str] = []
+    for version in range(1, 200):
+        truth = "yes" if rng.random() < 0.08 else "no"  # a rare event, as a volume spike is
+        truths.append(truth)
+        cal.expect(version, truth)
+        cal.score(version, "no", 1.0, fired=False, threshold=2.0)
+        window = truths[-40:]
+        expected = max(window.count("yes"), window.count("no")) / len(window)
+        assert cal.summary.base_rate == pytest.approx(expected), version
+        assert cal.summary.accuracy == pytest.approx(window.count("no") / len(window))  # always "no": the base rate
+    old = cal.export()
+    old["samples"] = [s[:5] for s in old["samples"]]
+    before = LiveCalibration(window=40)
+    before.restore(json.loads(json.dumps(old)), 2.0)
+    assert before.summary.base_rate is None and before.summary.accuracy == cal.summary.accuracy
 
 
 def test_an_auto_gate_stays_open_through_a_snapshot_and_an_eviction(tiny_model, tmp_path) -> None:
@@ -469,6 +492,7 @@ def test_metrics_and_stats_carry_the_live_figures(tiny_model, serve_in_thread) -
             text = reply.read().decode()
         assert f'streamllm_question_accuracy{{question="trend",session="s"}} {float(cal["accuracy"])}' in text
         assert 'streamllm_question_samples{question="trend",session="s"} 3.0' in text
+        assert 'streamllm_question_base_rate{question="trend",session="s"} 1.0' in text  # every truth "up"
         assert "streamllm_question_threshold{" not in text  # closed: no figure rather than +Inf
         assert 'streamllm_question_target{question="trend",session="s"} 0.9' in text  # what to alert against
         assert 'streamllm_question_confidence{question="trend",session="s"} 0.5' in text

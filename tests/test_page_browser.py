@@ -90,7 +90,7 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             assert row.locator("td.path").inner_text() in ("fast", "entry")
             assert card.locator('tr[data-question="calm"] td.answer').inner_text() in ("calm", "wild")
             # a labelled question shows its answers scored live; an unlabelled one has nothing to show
-            page.wait_for_function("""() => /^\\d+% of \\d+$/.test(document.querySelector('section.card[data-session="btc"] '
+            page.wait_for_function("""() => /^\\d+% of \\d+, base \\d+%$/.test(document.querySelector('section.card[data-session="btc"] '
                                        + 'tr[data-question="trend"] td.right').textContent)""", timeout=60_000)
             assert re.fullmatch(r"\d+% at (\d+%|-)", row.locator("td.gate").inner_text())
             assert "fixed threshold" in row.locator("td.gate").get_attribute("title")

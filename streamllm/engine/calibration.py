@@ -6,10 +6,11 @@ labelled question on the data as of that batch (`push(..., truths={question_id: 
 the label computed on the bars the batch completes). When the question's entry for that
 data version is ready, its answer is scored against the truth there:
 
-    sample = (gap, correct, fired, answer, run)     one per pre-positioned data version
+    sample = (gap, correct, fired, answer, run, truth)     one per pre-positioned data version
 
 Over a rolling window the engine reports precision (correct among answers the gate
-fired on), coverage (fired / answered) and accuracy (correct / answered). A question
+fired on), coverage (fired / answered), accuracy (correct / answered) and the base rate
+(the share of the most common truth: what always giving it would score). A question
 configured with `threshold = "auto:P"` has its thresholds set from the same window, one
 per answer (choice): for each, the most-covering threshold whose fired samples *giving
 that answer* reach precision P on at least MIN_EVIDENCE of them spread over at least
@@ -38,7 +39,7 @@ The truth is the judge, never the answer: nothing on an answer path reads it.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from operator import itemgetter
 from statistics import NormalDist
@@ -49,6 +50,9 @@ MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
 MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet
+# One scored answer: (gap, correct, fired, answer, truth run, truth; None where a window saved
+# before truths were kept does not say).
+Sample = tuple[float, bool, bool, str, int, str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +67,9 @@ class CalibrationSummary:
     threshold: float | None  # the gate's threshold now (None: closed)
     target: float | None  # the auto target precision, if any
     confidence: float | None  # how sure the auto threshold is of reaching it (0.5: the point estimate)
+    # The share of the window's truths that are its most common one: what always giving that
+    # answer would score. accuracy means something only beside it (a volume spike is 1-9% of bars).
+    base_rate: float | None = None
 
     def to_dict(self) -> dict[str, float | int | None]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -77,7 +84,7 @@ class LiveCalibration:
     min_runs: int = MIN_RUNS
     thresholds: dict[str, float] = field(default_factory=dict)  # live, per answer, while `target` is set
     scored: int = 0
-    samples: deque[tuple[float, bool, bool, str, int]] = field(default_factory=deque)  # (gap, correct, fired, answer, run)
+    samples: deque[Sample] = field(default_factory=deque)
     truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
@@ -86,6 +93,7 @@ class LiveCalibration:
     correct: int = 0
     fired: int = 0
     fired_correct: int = 0
+    truth_counts: Counter[str] = field(default_factory=Counter)  # the window's truths (where known)
 
     def expect(self, version: int, choice: str) -> None:
         """The truth at `version` (sent with the push that makes it)."""
@@ -103,7 +111,7 @@ class LiveCalibration:
         truth = truth.casefold()
         if truth != self.last_truth:
             self.run, self.last_truth = self.run + 1, truth
-        sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run)
+        sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run, truth)
         self.samples.append(sample)
         self._count(sample, 1)
         if len(self.samples) > self.window:
@@ -127,6 +135,7 @@ class LiveCalibration:
         samples, scored, run, last_truth = read_window(saved)
         self.samples = deque(samples[-self.window:])
         self.correct = self.fired = self.fired_correct = 0
+        self.truth_counts = Counter()
         for sample in self.samples:
             self._count(sample, 1)
         self.scored, self.run, self.last_truth = max(scored, len(self.samples)), run, last_truth
@@ -156,7 +165,7 @@ class LiveCalibration:
         point's truth runs): coverage grows along the pass, so the last point that qualifies is
         the most-covering one (`threshold_for_precision`'s pick)."""
         by_answer: dict[str, list[tuple[float, bool, int]]] = {}
-        for gap, correct, _, answer, run in self.samples:
+        for gap, correct, _, answer, run, _ in self.samples:
             by_answer.setdefault(answer, []).append((gap, correct, run))
         out: dict[str, float] = {}
         z = NormalDist().inv_cdf(self.confidence)
@@ -178,27 +187,36 @@ class LiveCalibration:
                 out[answer] = float(best)
         return out
 
-    def _count(self, sample: tuple[float, bool, bool, str, int], sign: int) -> None:
-        _, correct, fired, _, _ = sample
+    def _count(self, sample: Sample, sign: int) -> None:
+        _, correct, fired, _, _, truth = sample
         self.correct += sign * correct
         self.fired += sign * fired
         self.fired_correct += sign * (fired and correct)
+        if truth is not None:
+            self.truth_counts[truth] += sign
+            if not self.truth_counts[truth]:
+                del self.truth_counts[truth]
 
     def _summary(self, fixed_threshold: float) -> CalibrationSummary:
         """The window's figures; the threshold is the live one under auto, else the gate's fixed one."""
         threshold = self.threshold if self.target is not None else fixed_threshold
-        n, fired = len(self.samples), self.fired
+        n, fired, known = len(self.samples), self.fired, self.truth_counts.total()
         return CalibrationSummary(
             n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
             self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target,
-            self.confidence if self.target is not None else None)
+            self.confidence if self.target is not None else None,
+            max(self.truth_counts.values()) / known if known else None)
 
 
-def read_window(saved: Any) -> tuple[list[tuple[float, bool, bool, str, int]], int, int, str | None]:
+def read_window(saved: Any) -> tuple[list[Sample], int, int, str | None]:
     """An `export`ed window, checked: (samples, scored, run, last_truth); ValueError names what is
-    malformed. Snapshot readers call it alone, before anything reaches the core."""
+    malformed. Snapshot readers call it alone, before anything reaches the core. A window saved
+    before samples kept their truth (5 fields) comes back with the truth unknown."""
     try:
-        samples = [(float(g), bool(c), bool(f), str(a), int(r)) for g, c, f, a, r in saved["samples"]]
+        samples = [(float(g), bool(c), bool(f), str(a), int(r), None if not t or t[0] is None else str(t[0]))
+                   for g, c, f, a, r, *t in saved["samples"]]
+        if any(len(s) not in (5, 6) for s in saved["samples"]):
+            raise ValueError("a sample is [gap, correct, fired, answer, run, truth]")
         scored, run, last_truth = int(saved["scored"]), int(saved["run"]), saved["last_truth"]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"calibration window malformed ({exc!r})") from None
@@ -223,11 +241,13 @@ def precision_floor(hits: int, fired: int, z: float) -> float:
 
 def calibration_cells(c: dict | None) -> tuple[str, str]:
     """A question's live figures (a summary's to_dict) as the two short cells the terminal tables
-    show (demo, watch; the page's app.js mirrors them): right "97% of 31", gate "100% at 97%" or
-    "closed" (an auto gate without evidence); "-" for both without a scored answer."""
+    show (demo, watch; the page's app.js mirrors them): right "97% of 31, base 62%", gate "100% at
+    97%" or "closed" (an auto gate without evidence); "-" for both without a scored answer."""
     if not c or not c.get("samples"):
         return "-", "-"
     right = f"{percent(c.get('accuracy'))} of {c['samples']}"
+    if c.get("base_rate") is not None:
+        right += f", base {percent(c['base_rate'])}"
     if c.get("threshold") is None and c.get("target") is not None:
         return right, "closed"
     return right, f"{percent(c.get('coverage'))} at {percent(c.get('precision'))}"

@@ -28,10 +28,10 @@ class _EngineCollector(Collector):
 
 
 class _CalibrationCollector(Collector):
-    """Live precision / coverage / accuracy / threshold per labelled standing question, and an auto
+    """Live precision / coverage / accuracy / base rate / threshold per labelled standing question, and an auto
     gate's target and confidence (so an alert reads `precision < on(session, question) target`)."""
 
-    FIGURES = ("precision", "coverage", "accuracy", "threshold", "samples", "target", "confidence")
+    FIGURES = ("precision", "coverage", "accuracy", "base_rate", "threshold", "samples", "target", "confidence")
 
     def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]]) -> None:
         self._calibration = calibration

@@ -100,7 +100,7 @@
     const chart = el("div", { class: "chart" });
     const table = el("table");
     table.innerHTML = "<thead><tr><th>question</th><th>answer</th><th>path</th><th>confidence</th>" +
-      "<th title=\"labelled questions: standing answers scored against the label, over the last 500\">right (live)</th>" +
+      "<th title=\"labelled questions: standing answers scored against the label, over the last 500; base: what always giving the most common truth would score\">right (live)</th>" +
       "<th title=\"the gate over the same window: share answered fast, and right among those\">gate</th>" +
       "<th>data_version</th><th>age</th></tr></thead><tbody></tbody>";
     card.append(h2, chart, table);
@@ -158,7 +158,7 @@
       gate.title = "";
       return;
     }
-    right.textContent = `${pct(c.accuracy)} of ${c.samples}`;
+    right.textContent = `${pct(c.accuracy)} of ${c.samples}` + (typeof c.base_rate === "number" ? `, base ${pct(c.base_rate)}` : "");
     const rule = typeof c.target === "number"
       ? `auto:${c.target}` + (typeof c.confidence === "number" && c.confidence > 0.5 ? `, confidence ${c.confidence}` : "")
       : "fixed threshold";
