@@ -374,9 +374,9 @@ def cli_main(argv: list[str]) -> int:
             if f"{s}_ms_p50@{tag}" in metrics:
                 rows.append([f"{tag}x", s, metrics[f"{s}_ms_p50@{tag}"], metrics[f"{s}_ms_p99@{tag}"],
                              int(metrics[f"{s}_asks@{tag}"]), metrics[f"{s}_accuracy@{tag}"],
-                             "yes" if metrics[f"{s}_diverged@{tag}"] else "no"])
+                             metrics[f"{s}_base_rate@{tag}"], "yes" if metrics[f"{s}_diverged@{tag}"] else "no"])
     print_table("live replay: standing asks (ms, from ask to answer)",
-                ["speed", "system", "p50", "p99", "asks", "accuracy", "diverged"], rows)
+                ["speed", "system", "p50", "p99", "asks", "accuracy", "base rate", "diverged"], rows)
     for note in run.notes:
         print(f"note: {note}")
     print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))

@@ -8,6 +8,7 @@ systems, each system's saturation speed, and the context sweep's.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from bench.common import median, percentile
@@ -45,6 +46,7 @@ def system_metrics(run: SystemRun, tag: str) -> dict[str, float]:
     labelled = [r for r in standing if r.truth is not None]
     m[f"{s}_labelled@{tag}"] = len(labelled)
     m[f"{s}_accuracy@{tag}"] = sum(bool(r.correct) for r in labelled) / len(labelled) if labelled else math.nan
+    m[f"{s}_base_rate@{tag}"] = base_rate(labelled)
     is_diverged, growth = diverged(run)
     m[f"{s}_growth@{tag}"], m[f"{s}_diverged@{tag}"] = growth, float(is_diverged)
     if s == "ours":
@@ -62,6 +64,16 @@ def system_metrics(run: SystemRun, tag: str) -> dict[str, float]:
     else:
         m[f"{s}_wait_ms_p50@{tag}"] = median([r.wait_ms for r in ok])
     return m
+
+
+def base_rate(labelled: list) -> float:
+    """What always answering each question's most common truth would score on these asks: the
+    accuracy a system must beat to know anything (nan without labelled asks)."""
+    by_question: dict[tuple[str, str], Counter[str]] = {}
+    for r in labelled:
+        by_question.setdefault((r.session, r.spec.id), Counter())[r.truth.casefold()] += 1
+    n = sum(c.total() for c in by_question.values())
+    return sum(max(c.values()) for c in by_question.values()) / n if n else math.nan
 
 
 def speed_tag(speed: float) -> str:

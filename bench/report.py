@@ -133,11 +133,12 @@ def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) 
                 continue
             rows.append([f"{t}x", s, _f(m[f"{s}_ms_p50@{t}"], ".2f"), _f(m[f"{s}_ms_p99@{t}"], ".1f"),
                          int(m[f"{s}_asks@{t}"]), int(m[f"{s}_unanswered@{t}"]),
-                         _f(m[f"{s}_accuracy@{t}"], ".2f"), int(m[f"{s}_labelled@{t}"]),
+                         _f(m[f"{s}_accuracy@{t}"], ".2f"), _f(m.get(f"{s}_base_rate@{t}"), ".2f"),
+                         int(m[f"{s}_labelled@{t}"]),
                          _f(m.get(f"speedup_vs_{s}@{t}"), ".1f"), _f(m[f"{s}_adhoc_ms_p50@{t}"], ".0f"),
                          "yes" if m[f"{s}_diverged@{t}"] else "no"])
     lines += [_table(["speed", "system", "p50 ms", "p99 ms", "standing answered", "unanswered", "accuracy",
-                      "labelled", "its p50 / ours", "ad hoc p50 ms", "backlog diverged"], rows), "",
+                      "base rate", "labelled", "its p50 / ours", "ad hoc p50 ms", "backlog diverged"], rows), "",
               "![latency vs feed rate](latency_vs_feed_rate.png)", ""]
     rows = []
     for v in run.speeds:

@@ -18,13 +18,15 @@ from bench.baselines import Peer, PrefixCache, Stateless, common_prefix
 from bench.live import LiveAsk, SystemRun, TokenSink, diverged, live_schedule
 from bench.loadgen import poisson_schedule
 from bench.replay import cli_main, matches
+from bench.replay_metrics import base_rate
 from streamllm.config import QuestionSpec, load_config
 from streamllm.engine import Engine
 from streamllm.engine.gate import Gate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot"
 ROOT = Path(__file__).resolve().parents[1]
-PER_SPEED = ("{s}_ms_p50@{v}", "{s}_ms_p99@{v}", "{s}_accuracy@{v}", "{s}_asks@{v}", "{s}_diverged@{v}")
+PER_SPEED = ("{s}_ms_p50@{v}", "{s}_ms_p99@{v}", "{s}_accuracy@{v}", "{s}_base_rate@{v}", "{s}_asks@{v}",
+             "{s}_diverged@{v}")
 OURS = ("speedup_vs_prefixcache@{v}", "speedup_vs_stateless@{v}", "gate_coverage@{v}", "gate_precision@{v}",
         "lag_versions_p99@{v}", "compactions@{v}")
 STANDING = {"btc": ["trend_1m", "volume_spike"], "eth": ["trend_1m"]}
@@ -348,3 +350,15 @@ def test_ours_serves_with_the_configs_adapter(tiny_model, tmp_path, monkeypatch)
     assert report["_meta"]["adapter"] == str(tmp_path / "ad") and report["_meta"]["adapter_id"]
     assert report["ours_labelled@60"] >= 1
     assert report["gate_coverage@60"] > 0  # random heads with threshold 0 fire once they have their 6 lines
+
+
+def test_the_base_rate_is_each_questions_constant_answer_on_the_same_asks() -> None:
+    """The accuracy a system must beat: per question (session and id), its most common truth's
+    count, summed over questions, over every labelled ask; spellings differ only in case."""
+    NS = SimpleNamespace
+    trend, spike = NS(id="trend"), NS(id="spike")
+    asks = ([NS(session="btc", spec=trend, truth=t) for t in ("up", "Up", "down")]  # up 2 of 3
+            + [NS(session="eth", spec=trend, truth="down")]  # its own question: 1 of 1
+            + [NS(session="btc", spec=spike, truth=t) for t in ("no",) * 9 + ("yes",)])  # 9 of 10
+    assert base_rate(asks) == (2 + 1 + 9) / 14
+    assert math.isnan(base_rate([]))
