@@ -187,6 +187,12 @@ def test_binance_public_data_reads_without_a_header(tmp_path: Path) -> None:
         "binance", "BTCUSDT", 812, 7.1, 60 * S)
     assert render_lines([first, second])[1] == "00:01 57044.1 +34.1 h+5.9 l-9 v9.5 n640 b34"
     assert any("Binance public data (klines)" in n for n in src.notes)
+    # Spot files from 2025 on stamp microseconds (Binance's public-data changelog): the same bars.
+    micro = tmp_path / "BTCUSDT-1m-2025-01-01.csv"
+    micro.write_text("1723075200000000,56990.01,57022.50,56975.99,57010.00,12.34567,1723075259999999,"
+                     "703456.1,812,7.1,404000.2,0\n")
+    (again,) = open_source(micro).events()
+    assert (again.ts_event, again.interval_ns, again.close) == (first.ts_event, 60 * S, first.close)
     trades = tmp_path / "ETHUSDT-trades-2024-08-08.csv"
     trades.write_text("123,2512.01,0.5,1256.0,1723075200123,True,True\n124,2512.02,0.25,628.0,1723075200456,False,True\n")
     sold, bought = open_source(trades).events()
