@@ -377,6 +377,17 @@ def cli_main(argv: list[str]) -> int:
                              metrics[f"{s}_base_rate@{tag}"], "yes" if metrics[f"{s}_diverged@{tag}"] else "no"])
     print_table("live replay: standing asks (ms, from ask to answer)",
                 ["speed", "system", "p50", "p99", "asks", "accuracy", "base rate", "diverged"], rows)
+    ran = [s for s in SYSTEMS if any(f"{s}_ms_p50@{speed_tag(v)}" in metrics for v in run.speeds)]
+    rows = []
+    for speed in run.speeds:
+        tag = speed_tag(speed)
+        for q in sorted({k[len("ours_accuracy."):].split("@")[0] for k in metrics
+                         if k.startswith("ours_accuracy.") and k.endswith(f"@{tag}")}):
+            rows.append([f"{tag}x", q, int(metrics[f"ours_labelled.{q}@{tag}"]), metrics[f"ours_base_rate.{q}@{tag}"],
+                         *(metrics.get(f"{s}_accuracy.{q}@{tag}", float("nan")) for s in ran)])
+    if rows:
+        print_table("accuracy per question (base rate: always its most common truth, on ours' asks)",
+                    ["speed", "question", "labelled", "base rate", *ran], rows)
     for note in run.notes:
         print(f"note: {note}")
     print(f"wrote {path}" + (f" and {args.json}" if args.json else ""))

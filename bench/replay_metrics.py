@@ -47,6 +47,10 @@ def system_metrics(run: SystemRun, tag: str) -> dict[str, float]:
     m[f"{s}_labelled@{tag}"] = len(labelled)
     m[f"{s}_accuracy@{tag}"] = sum(bool(r.correct) for r in labelled) / len(labelled) if labelled else math.nan
     m[f"{s}_base_rate@{tag}"] = base_rate(labelled)
+    for qid in sorted({r.spec.id for r in labelled}):  # per question id, pooled over sessions
+        mine = [r for r in labelled if r.spec.id == qid]
+        m[f"{s}_accuracy.{qid}@{tag}"] = sum(bool(r.correct) for r in mine) / len(mine)
+        m[f"{s}_base_rate.{qid}@{tag}"], m[f"{s}_labelled.{qid}@{tag}"] = base_rate(mine), len(mine)
     is_diverged, growth = diverged(run)
     m[f"{s}_growth@{tag}"], m[f"{s}_diverged@{tag}"] = growth, float(is_diverged)
     if s == "ours":

@@ -143,6 +143,16 @@ def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) 
     rows = []
     for v in run.speeds:
         t = f"{v:g}"
+        for q in sorted({k.split(".", 1)[1].split("@")[0] for k in m if k.startswith("ours_accuracy.") and k.endswith(f"@{t}")}):
+            rows.append([f"{t}x", q, int(m[f"ours_labelled.{q}@{t}"]), _f(m.get(f"ours_base_rate.{q}@{t}"), ".2f")]
+                        + [_f(m.get(f"{s}_accuracy.{q}@{t}"), ".2f") for s in systems])
+    if rows:
+        lines += ["Accuracy per question on its labelled standing asks, beside its base rate (what always "
+                  "giving its most common truth scores on ours' asks).", "",
+                  _table(["speed", "question", "labelled", "base rate", *systems], rows), ""]
+    rows = []
+    for v in run.speeds:
+        t = f"{v:g}"
         if f"ours_ms_p50@{t}" in m:
             rows.append([f"{t}x", _f(feed_rate(m, v), ".2f"), int(m[f"ours_fast_asks@{t}"]),
                          int(m[f"ours_entry_asks@{t}"]), int(m[f"ours_cold_asks@{t}"]),

@@ -226,6 +226,14 @@ def _run(tmp_path: Path, extra: list[str]) -> dict:
         for key in OURS:
             assert key.format(v=v) in report, key.format(v=v)
         assert report[f"ours_asks@{v}"] >= 1 and report[f"ours_unanswered@{v}"] == 0
+        # Per question: its labelled asks add up to the whole, and so do its right answers.
+        per_q = {k.split(".", 1)[1].split("@")[0] for k in report if k.startswith("ours_labelled.") and k.endswith(f"@{v}")}
+        n = report[f"ours_labelled@{v}"]
+        if n:
+            assert per_q and sum(report[f"ours_labelled.{q}@{v}"] for q in per_q) == n
+            assert sum(report[f"ours_accuracy.{q}@{v}"] * report[f"ours_labelled.{q}@{v}"]
+                       for q in per_q) == pytest.approx(report[f"ours_accuracy@{v}"] * n)
+            assert all(0.5 <= report[f"ours_base_rate.{q}@{v}"] <= 1 for q in per_q)  # two choices at most here
         # The same schedule reached every system; stateless got every 3rd ask of it.
         assert report[f"ours_asks@{v}"] + report[f"ours_adhoc_asks@{v}"] == \
             report[f"prefixcache_asks@{v}"] + report[f"prefixcache_adhoc_asks@{v}"]
