@@ -31,6 +31,7 @@ HEADERLESS = {  # column count -> [(venue, file kind, columns, does a first row 
     3: [("kraken", "trades", ("time", "price", "size"), lambda c: _epoch_s(c[0]))],
 }
 TABLE_SUFFIXES = (".csv", ".csv.gz", ".tsv", ".tsv.gz", ".txt", ".txt.gz", ".parquet")
+SNIFF_ROWS = 100  # rows read to tell the layout (the separator: the first two)
 SEPARATORS = ("\t", ";", "|", ",")  # tried in this order: a comma may be a decimal comma in a ';' table
 _DATE_CELL = re.compile(r"^\d{1,4}[./-]\d{1,2}[./-]\d{1,4}([ T]\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?)?$|^\d{1,2}:\d{2}(:\d{2})?$")
 _DECIMAL_COMMA = re.compile(r"^-?\d+,\d+$")
@@ -79,20 +80,19 @@ def encoding_of(path: Path) -> str:
 
 def sniff(path: Path) -> Layout:
     """How the file is written. The separator is the first of tab, ';', '|', ',' that splits the
-    first two rows alike into two or more cells; a ';' or tab table may write decimal commas."""
+    first two rows alike into two or more cells; a ';' or tab table writes decimal commas when any
+    of its first SNIFF_ROWS rows does (a first bar of whole numbers says nothing)."""
     encoding = encoding_of(path)
     with _open_text(path, "utf-8-sig" if encoding == "utf-8" else encoding) as f:
-        rows = [f.readline().rstrip("\r\n") for _ in range(2)]
-    rows = [r for r in rows if r]
+        rows = [r for r in (f.readline().rstrip("\r\n") for _ in range(SNIFF_ROWS)) if r]
     sep = ","
     for cand in SEPARATORS:
-        counts = {len(next(csv.reader([r], delimiter=cand))) for r in rows}
+        counts = {len(next(csv.reader([r], delimiter=cand))) for r in rows[:2]}
         if len(counts) == 1 and counts.pop() >= 2:
             sep = cand
             break
-    cells = [[c.strip() for c in next(csv.reader([r], delimiter=sep))] for r in rows] or [[""]]
-    data = cells[-1] if len(cells) > 1 and not is_data_row(cells[0]) else cells[0]
-    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for c in data)
+    cells = [[c.strip() for c in row] for row in csv.reader(rows, delimiter=sep)] or [[""]]
+    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for row in cells for c in row)
     return Layout(cells[0], sep, decimal_comma, encoding)
 
 

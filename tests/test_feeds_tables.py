@@ -282,6 +282,11 @@ def test_metatrader_and_european_layouts_read_as_written(tmp_path: Path) -> None
     a, b = src.events()
     assert (a.open, a.high, a.close, b.close, a.interval_ns) == (17700.5, 17712.25, 17710.75, 17706.0, 60 * S)
     assert any("semicolons, numbers with a decimal comma" in n for n in src.notes)
+    # A first bar of whole numbers does not hide the decimal commas of the bars after it.
+    whole = tmp_path / "DAX_D1.csv"
+    whole.write_text("Date;Open;High;Low;Close;Volume\n2024-03-01;17700;17712;17698;17710;1200\n"
+                     "2024-03-04;17710;17715,5;17705,5;17706,25;800\n")
+    assert [b.close for b in open_source(whole).events()] == [17710.0, 17706.25]
     # MetaTrader 4's history export has no header, and its first row is dates and numbers: refused
     # with what to do, never read with a data row as its header.
     mt4 = tmp_path / "EURUSD60.csv"
