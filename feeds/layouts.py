@@ -80,8 +80,8 @@ def encoding_of(path: Path) -> str:
 
 def sniff(path: Path) -> Layout:
     """How the file is written. The separator is the first of tab, ';', '|', ',' that splits the
-    first two rows alike into two or more cells; a ';' or tab table writes decimal commas when any
-    of its first SNIFF_ROWS rows does (a first bar of whole numbers says nothing)."""
+    first two rows alike into two or more cells; a ';' table writes decimal commas when any of its
+    first SNIFF_ROWS rows does (a first bar of whole numbers says nothing)."""
     encoding = encoding_of(path)
     with _open_text(path, "utf-8-sig" if encoding == "utf-8" else encoding) as f:
         rows = [r for r in (f.readline().rstrip("\r\n") for _ in range(SNIFF_ROWS)) if r]
@@ -92,7 +92,9 @@ def sniff(path: Path) -> Layout:
             sep = cand
             break
     cells = [[c.strip() for c in row] for row in csv.reader(rows, delimiter=sep)] or [[""]]
-    decimal_comma = sep != "," and any(_DECIMAL_COMMA.match(c) for row in cells for c in row)
+    # Only a ';' table: that is the convention of locales that write decimal commas, and in a tab table
+    # '12,345' is as likely a thousands separator, which must not silently become 12.345.
+    decimal_comma = sep == ";" and any(_DECIMAL_COMMA.match(c) for row in cells for c in row)
     return Layout(cells[0], sep, decimal_comma, encoding)
 
 

@@ -287,6 +287,11 @@ def test_metatrader_and_european_layouts_read_as_written(tmp_path: Path) -> None
     whole.write_text("Date;Open;High;Low;Close;Volume\n2024-03-01;17700;17712;17698;17710;1200\n"
                      "2024-03-04;17710;17715,5;17705,5;17706,25;800\n")
     assert [b.close for b in open_source(whole).events()] == [17710.0, 17706.25]
+    # In a tab table a comma may be a thousands separator: never read as a decimal point.
+    thousands = tmp_path / "SPY_D1.tsv"
+    thousands.write_text("Date\tOpen\tHigh\tLow\tClose\tVolume\n2024-03-01\t510\t512\t509\t511\t12,345\n")
+    with pytest.raises(TableFormatError, match="'Volume' .*not numeric"):
+        open_source(thousands).events()
     # MetaTrader 4's history export has no header, and its first row is dates and numbers: refused
     # with what to do, never read with a data row as its header.
     mt4 = tmp_path / "EURUSD60.csv"
