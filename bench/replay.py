@@ -41,7 +41,7 @@ from bench.live import (
     live_schedule,
     run_system,
 )
-from bench.replay_metrics import SYSTEMS, Run, metrics_of, speed_tag
+from bench.replay_metrics import SYSTEMS, Run, metrics_of, questions_of, speed_tag
 from bench.sweep import sweep_phase
 from streamllm.config import QueryConfig, load_config
 
@@ -381,8 +381,7 @@ def cli_main(argv: list[str]) -> int:
     rows = []
     for speed in run.speeds:
         tag = speed_tag(speed)
-        for q in sorted({k[len("ours_accuracy."):].split("@")[0] for k in metrics
-                         if k.startswith("ours_accuracy.") and k.endswith(f"@{tag}")}):
+        for q in questions_of(metrics, tag):
             rows.append([f"{tag}x", q, int(metrics[f"ours_labelled.{q}@{tag}"]), metrics[f"ours_base_rate.{q}@{tag}"],
                          *(metrics.get(f"{s}_accuracy.{q}@{tag}", float("nan")) for s in ran)])
     if rows:

@@ -80,6 +80,12 @@ def base_rate(labelled: list) -> float:
     return sum(max(c.values()) for c in by_question.values()) / n if n else math.nan
 
 
+def questions_of(m: dict[str, float], tag: str) -> list[str]:
+    """The question ids ours has per-question figures for at this speed (`ours_accuracy.Q@tag`)."""
+    return sorted({k[len("ours_accuracy."):].rsplit("@", 1)[0] for k in m
+                   if k.startswith("ours_accuracy.") and k.endswith(f"@{tag}")})
+
+
 def speed_tag(speed: float) -> str:
     return f"{speed:g}"
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from bench.common import machine, median
 from bench.live import BETWEEN_ASKS
+from bench.replay_metrics import questions_of
 
 SYSTEM_TEXT = {
     "ours": "streamllm: stateful sessions whose KV cache grows with the data; standing questions are "
@@ -143,7 +144,7 @@ def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) 
     rows = []
     for v in run.speeds:
         t = f"{v:g}"
-        for q in sorted({k.split(".", 1)[1].split("@")[0] for k in m if k.startswith("ours_accuracy.") and k.endswith(f"@{t}")}):
+        for q in questions_of(m, t):
             rows.append([f"{t}x", q, int(m[f"ours_labelled.{q}@{t}"]), _f(m.get(f"ours_base_rate.{q}@{t}"), ".2f")]
                         + [_f(m.get(f"{s}_accuracy.{q}@{t}"), ".2f") for s in systems])
     if rows:
