@@ -244,6 +244,8 @@ def _run(tmp_path: Path, extra: list[str]) -> dict:
         assert (out / name).stat().st_size > 0, name
     text = (out / "report.md").read_text()
     assert "Between asks" in text and "from the push" in text and "Caveats" in text
+    if any(report[f"ours_labelled@{v}"] for v in ("1", "20")):  # each question beside its base rate
+        assert "Accuracy per question" in text and "| base rate |" in text
     return report
 
 
