@@ -65,15 +65,17 @@ class Layout:
     encoding: str  # "utf-8" or "utf-16" (MetaTrader's and Excel's "Unicode text" exports)
 
 
+def _opener(path: Path):
+    return gzip.open if path.name.lower().endswith(".gz") else open
+
+
 def _open_text(path: Path, encoding: str):
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    return opener(path, "rt", encoding=encoding, errors="replace", newline="")
+    return _opener(path)(path, "rt", encoding=encoding, errors="replace", newline="")
 
 
 def encoding_of(path: Path) -> str:
     """UTF-16 when the file starts with its byte-order mark, else UTF-8 (a UTF-8 BOM is skipped)."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    with opener(path, "rb") as f:
+    with _opener(path)(path, "rb") as f:
         head = f.read(2)
     return "utf-16" if head in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
 

@@ -167,10 +167,10 @@ class TableSource:
             if self.columns[name] not in df.columns:
                 raise TableFormatError(f"{self.path}: mapped column {self.columns[name]!r} for {name} not in {df.columns}")
             return df[self.columns[name]]
-        lower = {column_key(c): c for c in df.columns}
+        keys = _by_key(df)
         for alias in ALIASES.get(name, (name,)):
-            if alias.lower() in lower:
-                return df[lower[alias.lower()]]
+            if alias.lower() in keys:
+                return df[keys[alias.lower()]]
         if name == "ts_event" and df.columns and df.columns[0] in INDEX_NAMES:
             self.notes.append(f"{self.path}: times read from the unnamed first column (a dataframe's index)")
             return df[df.columns[0]]
@@ -210,7 +210,7 @@ class TableSource:
         are one time: joined as "DATE TIME" text. None when the table writes one time column."""
         if "ts_event" in self.columns:
             return None
-        keys = {column_key(c): c for c in df.columns}
+        keys = _by_key(df)
         date, time_ = keys.get("date"), keys.get("time")
         if date is None or time_ is None or df[time_].dtype != pl.Utf8 or df[date].dtype != pl.Utf8:
             return None
@@ -222,26 +222,25 @@ class TableSource:
                                          separator=" ")).to_series()
         return joined.alias(f"{date} {time_}")
 
-    def _volume(self, df: pl.DataFrame) -> tuple[list[Any] | None, bool]:
+    def _volume(self, df: pl.DataFrame) -> tuple[list[Any], bool]:
         """The bars' volume; a real-volume column of zeros beside a tick-volume one reads the ticks
         (MetaTrader writes <VOL> 0 for forex, where only <TICKVOL> counts anything)."""
-        keys = {column_key(c): c for c in df.columns}
+        keys = _by_key(df)
         ticks = next((keys[k] for k in TICK_VOLUME if k in keys), None)
         col = self._col(df, "volume", required=ticks is None or "volume" in self.columns)
-        if ticks is not None and "volume" not in self.columns and (col is None or not (col.cast(pl.Float64, strict=False).fill_null(0) != 0).any()):
+        if ticks is not None and "volume" not in self.columns and (col is None or _all_zero(col)):
             self.notes.append(f"{self.path}: volume read from {ticks!r} (a tick count, not traded units)"
                               + ("" if col is None else f": {col.name!r} is all zero"))
             col = df[ticks]
-        try:
-            return col.cast(pl.Float64).to_list(), col.dtype == pl.Float32
-        except Exception as exc:
-            raise TableFormatError(f"{self.path}: column {col.name!r} (volume) is not numeric: {exc}") from exc
+        return self._floats(col, "volume")
 
     # --- per kind: columns -> checked rows ---
     def _num(self, df: pl.DataFrame, name: str, required: bool = True) -> tuple[list[Any] | None, bool]:
         col = self._col(df, name, required)
-        if col is None:
-            return None, False
+        return (None, False) if col is None else self._floats(col, name)
+
+    def _floats(self, col: pl.Series, name: str) -> tuple[list[Any], bool]:
+        """A column's values as floats, and whether it was float32 (its text precision)."""
         try:
             return col.cast(pl.Float64).to_list(), col.dtype == pl.Float32
         except Exception as exc:
@@ -352,6 +351,15 @@ class TableSource:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.events())
+
+
+def _by_key(df: pl.DataFrame) -> dict[str, str]:
+    """The frame's column names by how they are matched (`column_key`)."""
+    return {column_key(c): c for c in df.columns}
+
+
+def _all_zero(col: pl.Series) -> bool:
+    return not (col.cast(pl.Float64, strict=False).fill_null(0) != 0).any()
 
 
 def _nan(x: float | None) -> float:
