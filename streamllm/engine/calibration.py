@@ -213,10 +213,10 @@ def read_window(saved: Any) -> tuple[list[Sample], int, int, str | None]:
     malformed. Snapshot readers call it alone, before anything reaches the core. A window saved
     before samples kept their truth (5 fields) comes back with the truth unknown."""
     try:
-        samples = [(float(g), bool(c), bool(f), str(a), int(r), None if not t or t[0] is None else str(t[0]))
-                   for g, c, f, a, r, *t in saved["samples"]]
         if any(len(s) not in (5, 6) for s in saved["samples"]):
             raise ValueError("a sample is [gap, correct, fired, answer, run, truth]")
+        samples = [(float(g), bool(c), bool(f), str(a), int(r), None if not t or t[0] is None else str(t[0]))
+                   for g, c, f, a, r, *t in saved["samples"]]
         scored, run, last_truth = int(saved["scored"]), int(saved["run"]), saved["last_truth"]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"calibration window malformed ({exc!r})") from None
