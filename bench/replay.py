@@ -41,7 +41,7 @@ from bench.live import (
     live_schedule,
     run_system,
 )
-from bench.replay_metrics import SYSTEMS, Run, metrics_of, questions_of, speed_tag
+from bench.replay_metrics import SYSTEMS, Run, metrics_of, per_question, speed_tag
 from bench.sweep import sweep_phase
 from streamllm.config import QueryConfig, load_config
 
@@ -378,12 +378,7 @@ def cli_main(argv: list[str]) -> int:
     print_table("live replay: standing asks (ms, from ask to answer)",
                 ["speed", "system", "p50", "p99", "asks", "accuracy", "base rate", "diverged"], rows)
     ran = [s for s in SYSTEMS if any(f"{s}_ms_p50@{speed_tag(v)}" in metrics for v in run.speeds)]
-    rows = []
-    for speed in run.speeds:
-        tag = speed_tag(speed)
-        for q in questions_of(metrics, tag):
-            rows.append([f"{tag}x", q, int(metrics[f"ours_labelled.{q}@{tag}"]), metrics[f"ours_base_rate.{q}@{tag}"],
-                         *(metrics.get(f"{s}_accuracy.{q}@{tag}", float("nan")) for s in ran)])
+    rows = per_question(metrics, run.speeds, ran)
     if rows:
         print_table("accuracy per question (base rate: always its most common truth, on ours' asks)",
                     ["speed", "question", "labelled", "base rate", *ran], rows)

@@ -80,10 +80,17 @@ def base_rate(labelled: list) -> float:
     return sum(max(c.values()) for c in by_question.values()) / n if n else math.nan
 
 
-def questions_of(m: dict[str, float], tag: str) -> list[str]:
-    """The question ids ours has per-question figures for at this speed (`ours_accuracy.Q@tag`)."""
-    return sorted({k[len("ours_accuracy."):].rsplit("@", 1)[0] for k in m
-                   if k.startswith("ours_accuracy.") and k.endswith(f"@{tag}")})
+def per_question(m: dict[str, float], speeds: list[float], systems: list[str]) -> list[list]:
+    """Rows [speed, question, labelled, base rate, each system's accuracy] for every question ours
+    has per-question figures for (`ours_accuracy.Q@tag`); the terminal and report.md print them."""
+    rows = []
+    for speed in speeds:
+        tag = speed_tag(speed)
+        for q in sorted({k[len("ours_accuracy."):].rsplit("@", 1)[0] for k in m
+                         if k.startswith("ours_accuracy.") and k.endswith(f"@{tag}")}):
+            rows.append([f"{tag}x", q, int(m[f"ours_labelled.{q}@{tag}"]), m[f"ours_base_rate.{q}@{tag}"],
+                         *(m.get(f"{s}_accuracy.{q}@{tag}", math.nan) for s in systems)])
+    return rows
 
 
 def speed_tag(speed: float) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.common import machine, median
 from bench.live import BETWEEN_ASKS
-from bench.replay_metrics import questions_of
+from bench.replay_metrics import per_question
 
 SYSTEM_TEXT = {
     "ours": "streamllm: stateful sessions whose KV cache grows with the data; standing questions are "
@@ -141,12 +141,8 @@ def write_report(out: Path, run, m: dict[str, float], args: argparse.Namespace) 
     lines += [_table(["speed", "system", "p50 ms", "p99 ms", "standing answered", "unanswered", "accuracy",
                       "base rate", "labelled", "its p50 / ours", "ad hoc p50 ms", "backlog diverged"], rows), "",
               "![latency vs feed rate](latency_vs_feed_rate.png)", ""]
-    rows = []
-    for v in run.speeds:
-        t = f"{v:g}"
-        for q in questions_of(m, t):
-            rows.append([f"{t}x", q, int(m[f"ours_labelled.{q}@{t}"]), _f(m.get(f"ours_base_rate.{q}@{t}"), ".2f")]
-                        + [_f(m.get(f"{s}_accuracy.{q}@{t}"), ".2f") for s in systems])
+    rows = [[speed, q, n, *(_f(x, ".2f") for x in figures)]
+            for speed, q, n, *figures in per_question(m, run.speeds, systems)]
     if rows:
         lines += ["Accuracy per question on its labelled standing asks, beside its base rate (what always "
                   "giving its most common truth scores on ours' asks).", "",
