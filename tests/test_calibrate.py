@@ -177,6 +177,9 @@ def test_summary_unreachable_target_and_base_rate():
     # Balanced accuracy sees through it: all 'down' right, the one 'up' wrong -> (1 + 0) / 2.
     assert lazy_report.accuracy == 0.9 and lazy_report.balanced_accuracy == 0.5
     assert report.balanced_accuracy == (1 / 3 + 0) / 2  # 'up' right 1 of 3, 'down' 0 of 1
+    # Ranks: 'up' truths lean 0.5, -1.0, -3.0 toward up, the 'down' truth 2.0: every pair misordered.
+    assert report.ranking == 0.0 and lazy_report.ranking == 0.5  # a constant margin orders nothing
+    assert "margin barely tells the truths apart (ranks 0.50)" in text
 
 
 def _live_record(n: int, seed: int = 3) -> QuestionRecord:

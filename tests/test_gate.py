@@ -10,6 +10,7 @@ from streamllm.engine.gate import (
     RiskCoveragePoint,
     answer_variants,
     candidate_first_tokens,
+    margin_ranking,
     risk_coverage,
     threshold_for_precision,
     top_two,
@@ -183,3 +184,25 @@ def test_match_choice_finds_the_first_named_choice_as_a_word():
     assert match_choice("It is upward", ("up", "down")) is None  # whole words only
     assert match_choice("YES", ("yes", "no")) == "yes"
     assert match_choice("", ("yes", "no")) is None
+
+
+def test_margin_ranking_is_the_pairwise_share_of_truths_it_orders():
+    """Against its definition counted pair by pair: over every (truth up, truth down) pair, 1 where the
+    'up' sample leans further toward up, 1/2 on a tie; answers and truths casefolded."""
+    import itertools
+    import random
+
+    rng = random.Random(5)
+    answers = [rng.choice(["up", "Down"]) for _ in range(60)]
+    gaps = [round(rng.uniform(0, 2), 1) for _ in range(60)]  # rounded: ties across and within truths
+    truths = [rng.choice(["UP", "down"]) for _ in range(60)]
+    signed = [g if a.casefold() == "up" else -g for a, g in zip(answers, gaps, strict=True)]
+    ups = [m for m, t in zip(signed, truths, strict=True) if t == "UP"]
+    downs = [m for m, t in zip(signed, truths, strict=True) if t == "down"]
+    pairs = [(u > d) + 0.5 * (u == d) for u, d in itertools.product(ups, downs)]
+    assert margin_ranking(answers, gaps, truths, "up") == pytest.approx(sum(pairs) / len(pairs))
+    # Perfect, reversed, blind, and undefined with one truth only.
+    assert margin_ranking(["up", "down"], [1.0, 1.0], ["up", "down"], "up") == 1.0
+    assert margin_ranking(["up", "down"], [1.0, 1.0], ["down", "up"], "up") == 0.0
+    assert margin_ranking(["no"] * 4, [3.0] * 4, ["yes", "no", "no", "no"], "yes") == 0.5
+    assert margin_ranking(["up", "down"], [1.0, 2.0], ["up", "up"], "up") is None

@@ -248,6 +248,31 @@ def balanced_accuracy(answers: Sequence[object], truths: Sequence[object]) -> fl
     return sum(right[t] / n for t, n in seen.items()) / len(seen) if seen else None
 
 
+def margin_ranking(answers: Sequence[str], gaps: Sequence[float], truths: Sequence[str], first: str) -> float | None:
+    """How well the answers' margins rank the truths: the chance that a sample whose truth is `first`
+    (choices[0]) leans further toward it than one whose truth is not (ties half), the ROC AUC of the
+    signed margin (gap toward the answer, negated when the answer is not `first`). 0.5: the margin
+    does not tell the truths apart, so no cutoff or bias on it can; near 1 with a low balanced
+    accuracy: it ranks them, and only the decision point (0) is off. None without both truths.
+    By ranks (Mann-Whitney U), ties sharing their mean rank; answers and truths compared casefolded."""
+    first = first.casefold()
+    margins = [g if a.casefold() == first else -g for a, g in zip(answers, gaps, strict=True)]
+    positive = [t.casefold() == first for t in truths]
+    n_pos = sum(positive)
+    n_neg = len(positive) - n_pos
+    if not n_pos or not n_neg:
+        return None
+    order = sorted(range(len(margins)), key=margins.__getitem__)
+    rank_sum, i = 0.0, 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and margins[order[j + 1]] == margins[order[i]]:
+            j += 1
+        rank_sum += ((i + j) / 2 + 1) * sum(positive[order[k]] for k in range(i, j + 1))
+        i = j + 1
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
 def match_choice(text: str, choices: Sequence[str]) -> str | None:
     """The choice a decoded answer names first, as a whole word, any case ("The price is going
     up." -> "up"); None when it names none. Lets an entry-path answer to a choice question end

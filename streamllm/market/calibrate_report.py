@@ -20,6 +20,7 @@ from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.gate import (
     RiskCoveragePoint,
     balanced_accuracy,
+    margin_ranking,
     risk_coverage,
     threshold_for_precision,
 )
@@ -81,6 +82,9 @@ class QuestionReport:
     # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
     accuracy_interval: tuple[float, float] | None = None
     coverage_interval: tuple[float, float] | None = None
+    # engine/gate.py margin_ranking: whether the margin tells the truths apart at all (0.5: no). With a
+    # low balanced accuracy it says which is off: the decision point (high), or the head (about 0.5).
+    ranking: float | None = None
 
 
 CONFIDENCES = (0.5, 0.7, 0.8, 0.9, 0.95)  # auto_confidence values every report replays the live gate at
@@ -142,6 +146,7 @@ def summarize(record: QuestionRecord, target: float, confidence: float | None = 
         record.spec.threshold, config_coverage, config_precision, curve,
         by_confidence.get(own) or live_gate(record, target, own), tuple(by_confidence.values()),
         balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
+        margin_ranking(record.answers, gaps, record.truths, record.spec.choices[0]) if record.spec.choices else None,
     )
 
 
@@ -214,7 +219,8 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         for key in ("samples", "unknown", "fired", "majority", "top_answer"):
             out[f"{r.id}.{key}"] = getattr(r, key)
         for key in ("threshold", "coverage", "precision", "best_precision", "accuracy", "base_rate", "top_answer_share",
-                    "majority_precision", "config_threshold", "config_coverage", "config_precision", "balanced_accuracy"):
+                    "majority_precision", "config_threshold", "config_coverage", "config_precision", "balanced_accuracy",
+                    "ranking"):
             out[f"{r.id}.{key}"] = _num(getattr(r, key))
         curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
                         for name in ("threshold", "coverage", "precision")}
@@ -225,6 +231,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"accuracy.{r.id}"] = _num(r.accuracy)
         out[f"base_rate.{r.id}"] = _num(r.base_rate)
         out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
+        out[f"ranking.{r.id}"] = _num(r.ranking)
         out[f"accuracy_interval.{r.id}"] = rounded(r.accuracy_interval)
         out[f"coverage_at_target_interval.{r.id}"] = rounded(r.coverage_interval)
     for r in reports:  # the live auto gate (LiveGate): what a session with threshold = "auto:<target>" did
@@ -284,15 +291,16 @@ def _span(x: tuple[float, float] | None) -> str:
 def table(reports: list[QuestionReport], target: float) -> str:
     level = f"{LEVEL:.0%}"
     head = f"{'question':<16} {'samples':>7} {'threshold':>9} {'coverage':>8} {'(' + level + ')':>11} " \
-           f"{'precision':>9} {'acc@all':>7} {'(' + level + ')':>11} {'base rate':>14} {'balanced':>8}"
+           f"{'precision':>9} {'acc@all':>7} {'(' + level + ')':>11} {'base rate':>14} {'balanced':>8} {'ranks':>5}"
     rows = [head, "-" * len(head)]
     for r in reports:
         base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
         rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
                     f"{_span(r.coverage_interval):>11} {_fmt(r.precision):>9} {_fmt(r.accuracy):>7} "
-                    f"{_span(r.accuracy_interval):>11} {base:>14} {_fmt(r.balanced_accuracy):>8}")
+                    f"{_span(r.accuracy_interval):>11} {base:>14} {_fmt(r.balanced_accuracy):>8} {_fmt(r.ranking):>5}")
     rows.append(f"({level}: the middle {level} of {REPS} block-bootstrap resamples, blocks as long as each label's "
-                "history; neighbouring bars are not independent samples)")
+                "history; neighbouring bars are not independent samples. ranks: how well the margin tells the "
+                "truths apart, 0.5 not at all, 1 perfectly)")
     rows.append(f'live, threshold = "auto:{target:g}" as the engine runs it (starts closed; each answer fires on '
                 "the evidence of the answers scored before it; auto_confidence 0.5 judges the precision it saw, "
                 "higher a lower bound of it):")
@@ -325,7 +333,18 @@ def table(reports: list[QuestionReport], target: float) -> str:
         elif r.precision is not None and r.base_rate is not None and r.precision <= r.base_rate:
             rows.append(f"{r.id}: precision {r.precision:.2f} is no better than always answering "
                         f"{r.majority!r} ({r.base_rate:.2f}); the model says {r.top_answer!r} "
-                        f"{r.top_answer_share:.0%} of the time")
+                        f"{r.top_answer_share:.0%} of the time" + _ranking_hint(r))
         if r.samples and r.config_coverage == 0.0 and math.isfinite(r.config_threshold):
             rows.append(f"{r.id}: its configured threshold {r.config_threshold:g} never fires on these bars")
     return "\n".join(rows)
+
+
+def _ranking_hint(r: QuestionReport) -> str:
+    """Why a question answering its base rate does: the decision point, or the margin itself."""
+    if r.ranking is None:
+        return ""
+    if r.ranking < 0.65:
+        return (f"; its margin barely tells the truths apart (ranks {r.ranking:.2f}), so no cutoff on it "
+                "would do better: the head needs to learn this market")
+    return (f"; its margin ranks the truths ({r.ranking:.2f}): a cutoff other than the argmax could "
+            "answer the rarer one right")
