@@ -50,6 +50,17 @@ def headerless(first: list[str]) -> tuple[str, str, tuple[str, ...]] | None:
     return None
 
 
+# Kraken names its files by pair, and its OHLCVT files by pair and interval in minutes: XBTUSD.csv,
+# XXBTZUSD_60.csv. A file named otherwise in the same shape (time, price, size is common) is read in
+# that layout but not credited to Kraken.
+_KRAKEN_NAME = re.compile(r"[A-Z0-9]{5,12}(_\d{1,5})?\.csv(\.gz)?")
+
+
+def named_as_venue(venue: str, path: Path) -> bool:
+    """Whether a headerless file's name is how `venue` names its published files (Kraken only checks)."""
+    return venue != "kraken" or _KRAKEN_NAME.fullmatch(path.name) is not None
+
+
 def known_headerless() -> str:
     return "; ".join(f"{v} {k}: {n} columns" for n, options in sorted(HEADERLESS.items()) for v, k, _, _ in options)
 

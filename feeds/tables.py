@@ -51,6 +51,7 @@ from feeds.layouts import (
     headerless,
     is_data_row,
     known_headerless,
+    named_as_venue,
     sniff,
     utf8_bytes,
 )
@@ -142,6 +143,12 @@ class TableSource:
                 if not is_data_row(lay.first):
                     return pl.read_csv(source, try_parse_dates=False, **read)
                 venue, kind, columns = self._headerless(lay.first)
+                if not named_as_venue(venue, self.path):  # the layout fits, the name is not the venue's
+                    self.notes.append(f"{self.path}: no header; read in {venue.capitalize()}'s {kind} layout "
+                                      f"({', '.join(columns)}), venue not assumed from it")
+                    if not self._named:
+                        self.instrument = self.path.name.split(".")[0]
+                    return pl.read_csv(source, has_header=False, new_columns=list(columns), **read)
                 self.notes.append(f"{self.path}: no header; read as {venue.capitalize()} public data ({kind})")
                 if self.venue == "file":
                     self.venue = venue

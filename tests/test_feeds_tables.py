@@ -232,6 +232,13 @@ def test_kraken_downloadable_history_reads_without_a_header(tmp_path: Path) -> N
     a, b = open_source(sales).events()
     assert (a.venue, a.instrument, a.price, a.size, a.side, b.ts_event) == (
         "kraken", "XBTUSD", 120.0, 0.1, UNKNOWN_SIDE, 1381201115_500_000_000)
+    # The same shape under another name (time, price, size is common) is read, but not credited to Kraken.
+    ticks = tmp_path / "eurusd_ticks.csv"
+    ticks.write_text("1381201115,1.3550,2\n1381201116,1.3551,1\n")
+    src = open_source(ticks)
+    a, _ = src.events()
+    assert (a.venue, a.instrument, a.price, a.size) == ("file", "eurusd_ticks", 1.355, 2.0)
+    assert any("Kraken's trades layout (time, price, size), venue not assumed" in n for n in src.notes)
     # A 7-column table that is neither (no booleans, no epoch seconds) is still refused.
     odd = tmp_path / "odd.csv"
     odd.write_text("1723075200000,1,2,0.5,1.5,10,3\n")
