@@ -180,6 +180,9 @@ def test_summary_unreachable_target_and_base_rate():
     # Ranks: 'up' truths lean 0.5, -1.0, -3.0 toward up, the 'down' truth 2.0: every pair misordered.
     assert report.ranking == 0.0 and lazy_report.ranking == 0.5  # a constant margin orders nothing
     assert "margin barely tells the truths apart (ranks 0.50)" in text
+    # Under 30 scored answers no bias is fitted: the biased replay is the argmax itself.
+    assert lazy_report.biased.accuracy == lazy_report.accuracy and lazy_report.biased.said_first == 0
+    assert "accuracy 0.90 (argmax 0.90); answered 'up' 0 times, right 0" in text
 
 
 def _live_record(n: int, seed: int = 3) -> QuestionRecord:

@@ -362,6 +362,8 @@ def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path)
     for q in ("trend", "sma"):
         for key in ("coverage_at_target", "precision_at_target", "accuracy", "base_rate"):
             assert f"{key}.{q}" in out
+        assert out[f"ranking.{q}"] is None or 0 <= out[f"ranking.{q}"] <= 1
+        assert 0 <= out[f"bias_accuracy.{q}"] <= 1
     assert out["min_coverage_at_target"] == min(out["coverage_at_target.trend"], out["coverage_at_target.sma"])
     # How sure: block-bootstrap intervals (blocks of each label's history: 43 bars give sma's 10-bar label
     # 5 blocks; the weakest question's blocks are the longest label's).

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.calibration import LiveCalibration
+from streamllm.engine.calibration import WINDOW, LiveCalibration
 from streamllm.engine.gate import (
     RiskCoveragePoint,
     balanced_accuracy,
@@ -24,6 +24,7 @@ from streamllm.engine.gate import (
     risk_coverage,
     threshold_for_precision,
 )
+from streamllm.market.decision_bias import BiasedReplay, biased_replay
 from streamllm.market.intervals import (
     LEVEL,
     REPS,
@@ -85,6 +86,8 @@ class QuestionReport:
     # engine/gate.py margin_ranking: whether the margin tells the truths apart at all (0.5: no). With a
     # low balanced accuracy it says which is off: the decision point (high), or the head (about 0.5).
     ranking: float | None = None
+    # market/decision_bias.py: the answers replayed with a live decision bias (None: not two choices).
+    biased: BiasedReplay | None = None
 
 
 CONFIDENCES = (0.5, 0.7, 0.8, 0.9, 0.95)  # auto_confidence values every report replays the live gate at
@@ -147,6 +150,8 @@ def summarize(record: QuestionRecord, target: float, confidence: float | None = 
         by_confidence.get(own) or live_gate(record, target, own), tuple(by_confidence.values()),
         balanced_accuracy(record.answers, record.truths), spans.get("accuracy"), spans.get("coverage_at_target"),
         margin_ranking(record.answers, gaps, record.truths, record.spec.choices[0]) if record.spec.choices else None,
+        biased_replay(record.answers, gaps, record.truths, record.spec.choices[0])
+        if len(record.spec.choices) == 2 else None,
     )
 
 
@@ -232,6 +237,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
         out[f"base_rate.{r.id}"] = _num(r.base_rate)
         out[f"balanced_accuracy.{r.id}"] = _num(r.balanced_accuracy)
         out[f"ranking.{r.id}"] = _num(r.ranking)
+        out[f"bias_accuracy.{r.id}"] = _num(r.biased.accuracy) if r.biased else None
         out[f"accuracy_interval.{r.id}"] = rounded(r.accuracy_interval)
         out[f"coverage_at_target_interval.{r.id}"] = rounded(r.coverage_interval)
     for r in reports:  # the live auto gate (LiveGate): what a session with threshold = "auto:<target>" did
@@ -322,6 +328,13 @@ def table(reports: list[QuestionReport], target: float) -> str:
                 rows.append(f"  {r.id:<16} " + " ".join(
                     f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {_fmt(g.precision, '.3f')}".rjust(13)
                     for g in r.live_by_confidence) + f"   {'none' if enough is None else f'{enough:g}'}")
+    if any(r.biased and r.biased.accuracy is not None for r in reports):
+        rows.append(f"with a live decision bias (not in the engine yet; market/decision_bias.py): each answer's margin "
+                    f"moved by the bias that was right most often on the {WINDOW} answers before it:")
+        for r in reports:
+            if r.biased and r.biased.accuracy is not None:
+                rows.append(f"  {r.id:<16} accuracy {r.biased.accuracy:.2f} (argmax {_fmt(r.accuracy)}); "
+                            f"answered {r.biased.first!r} {r.biased.said_first} times, right {r.biased.right_first}")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
