@@ -134,6 +134,10 @@ class Stress:
         self.hot = [f"hot{i}" for i in range(cfg.hot_sessions)]
         self.lines = market_lines(seed=cfg.seed, instruments=("BTCUSDT", "ETHUSDT"))
         self._lines_lock = threading.Lock()
+        # Question ids a worker saw registered, per session: an unregister names one of them (else
+        # a random id), so that on a slow machine, with few operations in the storm, unregisters
+        # still meet registered questions. Only a hint for choosing: the engine decides.
+        self.registered: dict[str, set[str]] = {}
 
     def next_lines(self, n: int) -> list[str]:
         with self._lines_lock:
@@ -176,11 +180,17 @@ class Stress:
         elif r < 0.55:
             self.ask(rng, rng.choice(self.churn + self.hot))
         elif r < 0.67:
-            self._op("register", lambda: e.register(name, rng.choice(QUESTIONS)))
+            question = rng.choice(QUESTIONS)
+            if self._op("register", lambda: e.register(name, question)):
+                self.registered.setdefault(name, set()).add(question.id)
         elif r < 0.77:
-            self._op("unregister", lambda: e.unregister(name, rng.choice(QUESTIONS).id))
+            seen = sorted(self.registered.get(name, ()))
+            question_id = rng.choice(seen) if seen else rng.choice(QUESTIONS).id
+            if self._op("unregister", lambda: e.unregister(name, question_id)):
+                self.registered.get(name, set()).discard(question_id)
         elif r < 0.87:
             if self._op("close", lambda: e.close_session(name)):
+                self.registered.pop(name, None)
                 time.sleep(rng.random() * 0.05)
                 self._op("open", lambda: e.open_session(name, max_context=self.cfg.max_context))
         else:
