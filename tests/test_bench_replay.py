@@ -232,7 +232,7 @@ def _run(tmp_path: Path, extra: list[str]) -> dict:
         if n:
             assert per_q and sum(report[f"ours_labelled.{q}@{v}"] for q in per_q) == n
             assert sum(report[f"ours_accuracy.{q}@{v}"] * report[f"ours_labelled.{q}@{v}"]
-                       for q in per_q) == pytest.approx(report[f"ours_accuracy@{v}"] * n)
+                       for q in per_q) == pytest.approx(report[f"ours_accuracy@{v}"] * n, abs=1e-3 * n)  # accuracies rounded to 4 places
             assert all(0.5 <= report[f"ours_base_rate.{q}@{v}"] <= 1 for q in per_q)  # two choices at most here
         # The same schedule reached every system; stateless got every 3rd ask of it.
         assert report[f"ours_asks@{v}"] + report[f"ours_adhoc_asks@{v}"] == \
