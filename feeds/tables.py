@@ -143,17 +143,17 @@ class TableSource:
                 if not is_data_row(lay.first):
                     return pl.read_csv(source, try_parse_dates=False, **read)
                 venue, kind, columns = self._headerless(lay.first)
-                if not named_as_venue(venue, self.path):  # the layout fits, the name is not the venue's
+                if named_as_venue(venue, self.path):
+                    self.notes.append(f"{self.path}: no header; read as {venue.capitalize()} public data ({kind})")
+                    if self.venue == "file":
+                        self.venue = venue
+                    if not self._named:  # BTCUSDT-1m-2024-08-08.csv, XBTUSD_60.csv
+                        self.instrument = self.path.name.split("-" if venue == "binance" else "_")[0].split(".")[0].upper()
+                else:  # the layout fits, the name is not the venue's
                     self.notes.append(f"{self.path}: no header; read in {venue.capitalize()}'s {kind} layout "
                                       f"({', '.join(columns)}), venue not assumed from it")
                     if not self._named:
                         self.instrument = self.path.name.split(".")[0]
-                    return pl.read_csv(source, has_header=False, new_columns=list(columns), **read)
-                self.notes.append(f"{self.path}: no header; read as {venue.capitalize()} public data ({kind})")
-                if self.venue == "file":
-                    self.venue = venue
-                if not self._named:  # BTCUSDT-1m-2024-08-08.csv, XBTUSD_60.csv
-                    self.instrument = self.path.name.split("-" if venue == "binance" else "_")[0].split(".")[0].upper()
                 return pl.read_csv(source, has_header=False, new_columns=list(columns), **read)
         except TableFormatError:
             raise

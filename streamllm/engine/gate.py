@@ -248,6 +248,15 @@ def balanced_accuracy(answers: Sequence[object], truths: Sequence[object]) -> fl
     return sum(right[t] / n for t, n in seen.items()) / len(seen) if seen else None
 
 
+def signed_margins(answers: Sequence[str], gaps: Sequence[float], truths: Sequence[str],
+                   first: str) -> tuple[list[float], list[bool]]:
+    """Each answer's margin toward `first` (its gap, negated when it answered the other choice) and
+    whether its truth is `first`; casefolded. What margin_ranking and a decision bias read."""
+    first = first.casefold()
+    margins = [g if a.casefold() == first else -g for a, g in zip(answers, gaps, strict=True)]
+    return margins, [t.casefold() == first for t in truths]
+
+
 def margin_ranking(answers: Sequence[str], gaps: Sequence[float], truths: Sequence[str], first: str) -> float | None:
     """How well the answers' margins rank the truths: the chance that a sample whose truth is `first`
     (choices[0]) leans further toward it than one whose truth is not (ties half), the ROC AUC of the
@@ -255,9 +264,7 @@ def margin_ranking(answers: Sequence[str], gaps: Sequence[float], truths: Sequen
     does not tell the truths apart, so no cutoff or bias on it can; near 1 with a low balanced
     accuracy: it ranks them, and only the decision point (0) is off. None without both truths.
     By ranks (Mann-Whitney U), ties sharing their mean rank; answers and truths compared casefolded."""
-    first = first.casefold()
-    margins = [g if a.casefold() == first else -g for a, g in zip(answers, gaps, strict=True)]
-    positive = [t.casefold() == first for t in truths]
+    margins, positive = signed_margins(answers, gaps, truths, first)
     n_pos = sum(positive)
     n_neg = len(positive) - n_pos
     if not n_pos or not n_neg:

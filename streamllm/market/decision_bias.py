@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from streamllm.engine.calibration import MIN_EVIDENCE, RETUNE_EVERY, WINDOW
+from streamllm.engine.gate import signed_margins
 
 MIN_GAIN = 3  # right answers a bias must add on its window before it moves off 0 (noise stays at 0)
 
@@ -61,10 +62,14 @@ def fit_bias(margins: Sequence[float], positive: Sequence[bool], min_gain: int =
 class BiasedReplay:
     first: str  # the first choice, whose margin the bias moves
     accuracy: float | None  # right / samples, each answered with the bias fitted before it
-    said_first: int  # samples answered with the first choice
-    right_first: int  # ... of them right
+    right_first: int  # answers of the first choice that were right
     last_bias: float  # the bias fitted on the replay's last window
     says_first: tuple[bool, ...] = field(default=(), repr=False)  # per sample: answered the first choice
+
+    @property
+    def said_first(self) -> int:
+        """Samples answered with the first choice."""
+        return sum(self.says_first)
 
 
 def biased_replay(answers: Sequence[str], gaps: Sequence[float], truths: Sequence[str], first: str,
@@ -72,10 +77,8 @@ def biased_replay(answers: Sequence[str], gaps: Sequence[float], truths: Sequenc
     """Each sample answered by sign(margin + b), b from `fit_bias` on up to `window` samples before it,
     refitted every RETUNE_EVERY samples as the engine refits a live threshold (0 until `min_samples`
     are in); answers and truths compared casefolded."""
-    choice, first = first, first.casefold()
-    margins = [g if a.casefold() == first else -g for a, g in zip(answers, gaps, strict=True)]
-    positive = [t.casefold() == first for t in truths]
-    right = said = said_right = 0
+    margins, positive = signed_margins(answers, gaps, truths, first)
+    right = said_right = 0
     bias, says = 0.0, []
     for i, (m, p) in enumerate(zip(margins, positive, strict=True)):
         lo = max(0, i - window)
@@ -84,6 +87,5 @@ def biased_replay(answers: Sequence[str], gaps: Sequence[float], truths: Sequenc
         says_first = m + bias > 0
         says.append(says_first)
         right += says_first == p
-        said += says_first
         said_right += says_first and p
-    return BiasedReplay(choice, right / len(margins) if margins else None, said, said_right, bias, tuple(says))
+    return BiasedReplay(first, right / len(margins) if margins else None, said_right, bias, tuple(says))
