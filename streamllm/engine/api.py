@@ -87,6 +87,7 @@ class Engine(Intake, Residency, Subscribable):
         stale_policy: str = "wait",
         compact_at: float = 0.75,
         retain: float = 0.5,
+        compact_early: float = 2.0,
         progress: bool = False,
         ingest_log=None,
         adapter=None,
@@ -96,7 +97,9 @@ class Engine(Intake, Residency, Subscribable):
         if stale_policy not in ("wait", "stale"):
             raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
         self.stale_policy = stale_policy
-        policy = CompactionPolicy(compact_at, retain)
+        # compact_early: CompactionPolicy.safety; 0 starts copies at compact_at only, by tokens alone
+        # (the same cuts on any machine), never earlier by the feed's measured pace.
+        policy = CompactionPolicy(compact_at, retain, compact_early)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self.model_name = loaded.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
