@@ -41,6 +41,24 @@ SAMPLES: dict[str, list[bytes]] = {
         b'"ask_qty":3.0,"last":1.05,"volume":10.0,"vwap":1.0,"low":0.9,"high":1.2,"change":0.1,"change_pct":1.0}]}',
         b'{"channel":"heartbeat"}',
     ],
+    "coinbase-exchange": [
+        b'{"type":"match","trade_id":10,"sequence":50,"maker_order_id":"a","taker_order_id":"b",'
+        b'"time":"2014-11-07T08:19:27.028459Z","product_id":"BTC-USD","size":"5.23512","price":"400.23","side":"sell"}',
+        b'{"type":"ticker","sequence":1,"product_id":"BTC-USD","price":"8500","best_bid":"8500","best_bid_size":"1",'
+        b'"best_ask":"8500.01","best_ask_size":"2","time":"2022-01-01T00:00:00Z"}',
+        b'{"type":"snapshot","product_id":"BTC-USD","bids":[["10101.10","0.45054140"]],"asks":[["10102.55","0.57753524"]]}',
+        b'{"type":"l2update","product_id":"BTC-USD","time":"2019-08-14T20:42:27.265Z",'
+        b'"changes":[["buy","10101.80000000","0.162567"]]}',
+    ],
+    "kraken-v1": [
+        b'[0,[["5541.20000","0.15850568","1534614057.321597","s","l",""]],"trade","XBT/USD"]',
+        b'[0,["5698.40000","5700.00000","1542057299.545897","1.01234567","0.98765432"],"spread","XBT/USD"]',
+        b'[42,["1542057314.748456","1542057360.000000","3586.70000","3586.70000","3586.60000","3586.60000",'
+        b'"3586.68894","0.03373000",2],"ohlc-1","XBT/USD"]',
+        b'[1234,{"a":[["5541.30000","2.50700000","1534614248.456738"]]},{"b":[["5541.20000","1.52900000",'
+        b'"1534614248.765567","r"]],"c":"974942666"},"book-10","XBT/USD"]',
+        b'{"event":"subscriptionStatus","status":"error","errorMessage":"Currency pair not supported"}',
+    ],
     "alpaca": [
         b'[{"T":"success","msg":"connected"}]',
         b'[{"T":"t","i":96921,"S":"AAPL","x":"D","p":126.55,"s":1,"t":"2021-02-22T15:51:44.208Z","c":["@"],"z":"C"}]',

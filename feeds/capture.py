@@ -1,7 +1,13 @@
-"""Raw websocket captures: gzip text, one message per line, `<recv_ns> <raw json>`.
+"""Raw websocket captures: one message per line, with the time it was received.
 
-The format of ../shared/data/binance-spot and of our recorder. A capture goes through the
-same parser as the live adapter, so a replay and a live session see identical events.
+  ours (../shared/data/binance-spot, feeds/recorder.py)   gzip, `<recv_ns> <raw json>`
+  cryptofeed's raw logs (`raw_data_collection`, files     plain text or gzip,
+  named like COINBASE.ws.28.0)                            `<recv_seconds>: <raw json>`; its
+                                                          `wss://... <->` connection and `<-`
+                                                          sent-message lines are not messages
+
+A capture goes through the same parser as the live adapter, so a replay and a live session
+see identical events.
 
 A damaged file never ends a replay with a bare traceback: a truncated gzip stream, a file
 that is not gzip at all, or a line without a receive time is counted in the parser's stats
@@ -12,13 +18,14 @@ and every message read before the damage is kept.
 from __future__ import annotations
 
 import gzip
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feeds.wire import ParseStats, UnsupportedFormat, WireParser, fast_loads
+from feeds.wire import ParseStats, UnsupportedFormat, WireParser, epoch_ns, fast_loads
 
 OnError = Callable[[str, str, bytes], None]  # (kind, message, sample)
 
@@ -34,15 +41,22 @@ def read_capture(path: str | Path, on_error: OnError | None = None) -> Iterator[
         on_error(kind, text, sample)
 
     try:
-        with gzip.open(path, "rb") as fh:
+        with _open(Path(path)) as fh:
             for line in fh:
                 lineno += 1
                 nbytes += len(line)
                 head, sep, raw = line.rstrip(b"\r\n").partition(b" ")
-                if not sep or not head.isdigit():
-                    fail("bad_line", f"{path}:{lineno}: expected '<recv_ns> <json>', got {line[:60]!r}", line)
-                    continue
-                yield int(head), raw
+                if not head and not sep:
+                    continue  # a blank line (cryptofeed ends its logs with some)
+                if head.isdigit() and sep:
+                    yield int(head), raw
+                elif head.endswith(b":") and sep and _SECONDS.fullmatch(head[:-1]):
+                    yield epoch_ns(head[:-1].decode()), raw  # cryptofeed: '1618678132.9348202: {...}'
+                elif head.startswith(_LOG_LINES):
+                    continue  # cryptofeed: a connection opened, or a message we sent
+                else:
+                    fail("bad_line", f"{path}:{lineno}: expected '<recv_ns> <json>' (or cryptofeed's "
+                         f"'<recv_seconds>: <json>'), got {line[:60]!r}", line)
     except gzip.BadGzipFile as exc:
         fail("not_gzip", f"{path}: not a gzip capture ({exc}); read {lineno} lines first", b"")
     except (EOFError, zlib.error, OSError) as exc:
@@ -50,16 +64,31 @@ def read_capture(path: str | Path, on_error: OnError | None = None) -> Iterator[
              f"({nbytes} bytes uncompressed): {type(exc).__name__}: {exc}; the {lineno} lines before are kept", b"")
 
 
+_SECONDS = re.compile(rb"\d{9,10}(\.\d+)?")
+_LOG_LINES = (b"wss://", b"ws://", b"https://", b"http://")
+
+
+def _open(path: Path) -> Any:
+    """A .gz capture is gzip (else the not_gzip error below); another name is read as gzip when it
+    starts like one, else as plain text (cryptofeed writes its raw logs uncompressed)."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    with open(path, "rb") as fh:
+        magic = fh.read(2)
+    return gzip.open(path, "rb") if magic == b"\x1f\x8b" else open(path, "rb")
+
+
 def sniff_venue(raw: bytes) -> str:
     """The venue whose wire format one message is in; UnsupportedFormat says what it is otherwise."""
-    from feeds.coinbase import EXCHANGE_REFUSAL, EXCHANGE_TYPES
-    from feeds.kraken import V1_REFUSAL
+    from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
 
     msg: Any = fast_loads(raw)
     if isinstance(msg, list):
         if msg and isinstance(msg[0], dict) and "T" in msg[0]:
             return "alpaca"
-        raise UnsupportedFormat(V1_REFUSAL)
+        if len(msg) >= 4 and isinstance(msg[-2], str) and isinstance(msg[-1], str):
+            return "kraken-v1"  # [channelID, payload, ..., channelName, pair]
+        raise UnsupportedFormat(f"a JSON array that is neither Alpaca's nor Kraken v1's: {raw[:60]!r}")
     if not isinstance(msg, dict):
         raise UnsupportedFormat(f"a capture message is a JSON object or array, got {type(msg).__name__}")
     if "stream" in msg or "e" in msg or "lastUpdateId" in msg or ("u" in msg and "b" in msg):
@@ -69,11 +98,11 @@ def sniff_venue(raw: bytes) -> str:
     if "channel" in msg or "method" in msg:
         return "kraken"
     if "event" in msg:
-        raise UnsupportedFormat(V1_REFUSAL)
+        return "kraken-v1"
     if msg.get("type") in EXCHANGE_TYPES:
-        raise UnsupportedFormat(EXCHANGE_REFUSAL)
+        return "coinbase-exchange"
     raise UnsupportedFormat("not a capture of a supported venue (binance spot/usdm/coinm, coinbase advanced "
-                            f"trade, kraken v2, alpaca): first message keys {sorted(msg)[:8]}")
+                            f"trade or exchange ws-feed, kraken v2 or v1, alpaca): first message keys {sorted(msg)[:8]}")
 
 
 def detect_venue(path: str | Path, probe: int = 20) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, decimals
 from feeds.validate import check_bar, error_kind, nonnegative, positive
 from feeds.wire import (
@@ -41,11 +42,10 @@ DEFAULT_URL = "wss://advanced-trade-ws.coinbase.com"
 CANDLE_NS = 300 * 1_000_000_000
 _SIDES = {"BUY": BUY, "SELL": SELL}
 NAN = math.nan
-# Coinbase Exchange ws-feed (wss://ws-feed.exchange.coinbase.com): flat messages keyed by "type".
-EXCHANGE_TYPES = frozenset({"match", "last_match", "ticker", "l2update", "snapshot", "received", "open", "done",
-                            "change", "activate", "heartbeat", "subscriptions", "status", "full"})
-EXCHANGE_REFUSAL = ("this looks like Coinbase Exchange (ws-feed: messages keyed by 'type', no 'channel'); "
-                    "supported: Coinbase Advanced Trade (advanced-trade-ws, messages with 'channel' and 'events')")
+# Coinbase Exchange ws-feed messages (flat, keyed by "type") are another parser's: say which.
+EXCHANGE_REFUSAL = ("this looks like Coinbase Exchange (ws-feed: messages keyed by 'type', no 'channel'); this "
+                    "parser reads Advanced Trade. Read ws-feed captures as venue 'coinbase-exchange' (a capture's "
+                    "venue is sniffed: feeds/coinbase_exchange.py)")
 
 
 class CoinbaseParser:

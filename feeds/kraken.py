@@ -35,8 +35,8 @@ VENUE = "kraken"
 DEFAULT_URL = "wss://ws.kraken.com/v2"
 _SIDES = {"buy": BUY, "sell": SELL}
 MIN_NS = 60 * 1_000_000_000
-V1_REFUSAL = ("this looks like Kraken websocket v1 (ws.kraken.com: array messages, 'event' objects); "
-              "supported: Kraken websocket v2 (wss://ws.kraken.com/v2, objects with 'channel')")
+V1_REFUSAL = ("this looks like Kraken websocket v1 (ws.kraken.com: array messages, 'event' objects); this parser "
+              "reads v2. Read v1 captures as venue 'kraken-v1' (a capture's venue is sniffed: feeds/kraken_v1.py)")
 
 
 class KrakenParser:

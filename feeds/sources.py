@@ -1,6 +1,7 @@
 """Recorded sources: which reader a file needs, and one call that opens them all.
 
-  *.gz                       raw websocket capture (feeds.capture), venue sniffed or given
+  *.gz, NAME.ws.N.M          raw websocket capture (feeds.capture; the second: cryptofeed's raw logs),
+                             venue sniffed or given
   *.dbn, *.dbn.zst           Databento DBN (feeds.dbn): trades, MBP-1/BBO, OHLCV
   *.csv, *.tsv, *.txt (.gz), *.parquet  trades, quotes or bars table (feeds.tables), kind from its columns
 
@@ -12,6 +13,7 @@ as asked at all (unknown format, ambiguous dates) raises ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +44,15 @@ def parser_for(venue: str, **kw: Any) -> WireParser:
         from feeds.alpaca import AlpacaParser
 
         return AlpacaParser(**kw)
-    raise ValueError(f"unknown venue {venue!r} (binance, coinbase, kraken, alpaca)")
+    if venue == "coinbase-exchange":
+        from feeds.coinbase_exchange import CoinbaseExchangeParser
+
+        return CoinbaseExchangeParser(**kw)
+    if venue == "kraken-v1":
+        from feeds.kraken_v1 import KrakenV1Parser
+
+        return KrakenV1Parser(**kw)
+    raise ValueError(f"unknown venue {venue!r} (binance, coinbase, coinbase-exchange, kraken, kraken-v1, alpaca)")
 
 
 @dataclass
@@ -59,15 +69,18 @@ class ReadOptions:
     signed_prices: bool = False  # tables: read prices at or below zero (futures spreads, WTI 2020)
 
 
+_CRYPTOFEED_LOG = re.compile(r"\.ws\.\d+\.\d+$")  # cryptofeed's raw logs: BINANCE.ws.1.0, KRAKEN.ws.48.0
+
+
 def file_format(path: Path) -> str:
     name = path.name.lower()
     if name.endswith((".dbn", ".dbn.zst")):
         return "dbn"
     if name.endswith(TABLE_SUFFIXES):
         return "table"
-    if name.endswith(".gz"):
+    if name.endswith(".gz") or _CRYPTOFEED_LOG.search(name):
         return "capture"
-    raise ValueError(f"{path}: unknown file format; expected a capture (.gz), Databento DBN (.dbn, .dbn.zst), "
+    raise ValueError(f"{path}: unknown file format; expected a capture (.gz, or cryptofeed's NAME.ws.N.M), Databento DBN (.dbn, .dbn.zst), "
                      f"or a table ({', '.join(TABLE_SUFFIXES)})")
 
 

@@ -114,6 +114,15 @@ class SeqTracker:
 _SECONDS_CACHE: dict[str, int] = {}
 
 
+def epoch_ns(text: str) -> int:
+    """'1618678142.557535' (seconds since the epoch, as Kraken v1 and cryptofeed's raw logs write
+    them) -> ns, exactly: read as a float the last digits would be rounded away."""
+    whole, dot, frac = text.strip().partition(".")
+    if not whole.isdigit() or (dot and not (frac.isdigit() or frac == "")):
+        raise ValueError(f"not seconds since the epoch: {text!r}")
+    return int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or 0)
+
+
 def rfc3339_ns(text: str) -> int:
     """'2023-02-09T20:19:35.39625135Z' -> ns since epoch, keeping all nine digits.
 

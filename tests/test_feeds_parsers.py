@@ -233,18 +233,17 @@ def test_parquet_round_trip(tmp_path: Path) -> None:
         assert read_parquet(tmp_path / "x.parquet", type(evs[0])) == evs
 
 
-def test_older_formats_are_named_and_refused_with_what_is_supported() -> None:
+def test_the_newer_parsers_name_the_older_formats_and_the_venue_that_reads_them() -> None:
     cb = CoinbaseParser()
     match = {"type": "match", "trade_id": 10, "sequence": 50, "maker_order_id": "a", "taker_order_id": "b",
              "time": "2014-11-07T08:19:27.028459Z", "product_id": "BTC-USD", "size": "5.23512", "price": "400.23",
              "side": "sell"}
     assert cb.parse(json.dumps(match), 1) == []
     assert cb.stats.error_kinds == {"unsupported_format": 1}
-    assert "Coinbase Exchange (ws-feed" in cb.stats.error_samples[0] and "supported: Coinbase Advanced Trade" in \
+    assert "Coinbase Exchange (ws-feed" in cb.stats.error_samples[0] and "'coinbase-exchange'" in \
         cb.stats.error_samples[0]
     kr = KrakenParser()
     assert kr.parse('[0,[["5541.20000","0.15850568","1534614057.321597","s","l",""]],"trade","XBT/USD"]', 1) == []
     assert kr.parse('{"event":"heartbeat"}', 1) == []
     assert kr.stats.error_kinds == {"unsupported_format": 2}
-    assert "Kraken websocket v1" in kr.stats.error_samples[0] and "supported: Kraken websocket v2" in \
-        kr.stats.error_samples[0]
+    assert "Kraken websocket v1" in kr.stats.error_samples[0] and "'kraken-v1'" in kr.stats.error_samples[0]
