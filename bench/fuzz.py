@@ -59,6 +59,18 @@ SAMPLES: dict[str, list[bytes]] = {
         b'"1534614248.765567","r"]],"c":"974942666"},"book-10","XBT/USD"]',
         b'{"event":"subscriptionStatus","status":"error","errorMessage":"Currency pair not supported"}',
     ],
+    "okx": [
+        b'{"arg":{"channel":"trades","instId":"BTC-USDT"},"data":[{"instId":"BTC-USDT","tradeId":"130639474",'
+        b'"px":"42219.9","sz":"0.12060306","side":"buy","ts":"1630048897897"}]}',
+        b'{"arg":{"channel":"books","instId":"BTC-USDT"},"action":"update","data":[{"asks":[["8476.98","415","0","13"]],'
+        b'"bids":[["8476.97","256","0","12"]],"ts":"1597026383085","checksum":-855196043,"prevSeqId":1,"seqId":2}]}',
+        b'{"arg":{"channel":"candle1m","instId":"BTC-USDT"},"data":[["1597026360000","8533","8553.7","8527.1",'
+        b'"8548.2","45247","529","529","1"]]}',
+        b'{"arg":{"channel":"tickers","instId":"BTC-USDT"},"data":[{"instId":"BTC-USDT","bidPx":"1","bidSz":"2",'
+        b'"askPx":"1.1","askSz":"3","ts":"1"}]}',
+        b'{"event":"error","code":"60012","msg":"Invalid request"}',
+        b'pong',
+    ],
     "alpaca": [
         b'[{"T":"success","msg":"connected"}]',
         b'[{"T":"t","i":96921,"S":"AAPL","x":"D","p":126.55,"s":1,"t":"2021-02-22T15:51:44.208Z","c":["@"],"z":"C"}]',

@@ -8,6 +8,8 @@ Per venue (see each venue module's docstring for the documented rules):
   binance   subscribe by message; the server pings every 20 s and `websockets` pongs.
   coinbase  one subscribe per channel within 5 s, plus `heartbeats` to keep quiet channels open.
   kraken    subscribe per channel; application ping every `ping_s` (the server heartbeats too).
+  okx       one subscribe for all channel/instrument pairs; a "ping" text every `ping_s` (OKX
+            closes a connection silent for 30 s; candles need the /ws/v5/business url).
   alpaca    wait for "connected", send auth, wait for "authenticated", then subscribe.
 A silent connection (nothing for `idle_timeout_s`) is treated as dead. Disconnects
 reconnect with exponential backoff and full jitter; an auth refusal raises `AuthError`
@@ -31,7 +33,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from feeds import alpaca, binance, coinbase, kraken
+from feeds import alpaca, binance, coinbase, kraken, okx
 from feeds.sources import parser_for
 from feeds.wire import AuthError, Loads, fast_loads
 
@@ -41,12 +43,14 @@ DEFAULT_URLS = {
     "binance": binance.DEFAULT_URL,
     "coinbase": coinbase.DEFAULT_URL,
     "kraken": kraken.DEFAULT_URL,
+    "okx": okx.DEFAULT_URL,
     "alpaca": alpaca.DEFAULT_URL,
 }
 DEFAULT_CHANNELS = {
     "binance": binance.DEFAULT_CHANNELS,
     "coinbase": coinbase.DEFAULT_CHANNELS,
     "kraken": kraken.DEFAULT_CHANNELS,
+    "okx": okx.DEFAULT_CHANNELS,
     "alpaca": alpaca.DEFAULT_CHANNELS,
 }
 
@@ -164,6 +168,8 @@ class FeedAdapter:
         elif v == "kraken":
             for msg in kraken.subscribe_messages(syms, chans):
                 await ws.send(_send_text(msg))
+        elif v == "okx":
+            await ws.send(_send_text(okx.subscribe_message(syms, chans)))
         elif v == "alpaca":
             parser: alpaca.AlpacaParser = self.parser  # type: ignore[assignment]
             parser.authenticated = False
@@ -179,7 +185,7 @@ class FeedAdapter:
         pending, self._pending = self._pending, []
         for ev in pending:
             yield ev
-        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue == "kraken" else None
+        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue in ("kraken", "okx") else None
         try:
             while True:
                 try:
@@ -200,4 +206,4 @@ class FeedAdapter:
             while True:
                 await asyncio.sleep(self.ping_s)
                 req_id += 1
-                await ws.send(_send_text(kraken.ping_message(req_id)))
+                await ws.send(okx.PING if self.venue == "okx" else _send_text(kraken.ping_message(req_id)))

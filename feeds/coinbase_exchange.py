@@ -62,7 +62,7 @@ class CoinbaseExchangeParser:
         except AuthError:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"coinbase {type(exc).__name__} {exc}", raw, error_kind(exc))
+            self.stats.error(f"coinbase-exchange {type(exc).__name__} {exc}", raw, error_kind(exc))
             return []
         self.stats.events += len(out)
         return out

@@ -45,7 +45,7 @@ class KrakenV1Parser:
         try:
             out = self._dispatch(self.loads(raw), ts_recv)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"kraken {type(exc).__name__} {exc}", raw, error_kind(exc))
+            self.stats.error(f"kraken-v1 {type(exc).__name__} {exc}", raw, error_kind(exc))
             return []
         self.stats.events += len(out)
         return out

@@ -44,6 +44,10 @@ def parser_for(venue: str, **kw: Any) -> WireParser:
         from feeds.alpaca import AlpacaParser
 
         return AlpacaParser(**kw)
+    if venue == "okx":
+        from feeds.okx import OkxParser
+
+        return OkxParser(**kw)
     if venue == "coinbase-exchange":
         from feeds.coinbase_exchange import CoinbaseExchangeParser
 
@@ -52,7 +56,7 @@ def parser_for(venue: str, **kw: Any) -> WireParser:
         from feeds.kraken_v1 import KrakenV1Parser
 
         return KrakenV1Parser(**kw)
-    raise ValueError(f"unknown venue {venue!r} (binance, coinbase, coinbase-exchange, kraken, kraken-v1, alpaca)")
+    raise ValueError(f"unknown venue {venue!r} (binance, coinbase, coinbase-exchange, kraken, kraken-v1, okx, alpaca)")
 
 
 @dataclass

@@ -98,6 +98,9 @@ def test_feed_paths_resolve_against_the_config_folder(tmp_path):
     [
         ("synthetic", FeedSpec("synthetic")),
         ("replay:/data/btc.gz", FeedSpec("replay", Path("/data/btc.gz"))),
+        ("okx", FeedSpec("okx", None, ("ETHUSDT",))),  # a venue's symbols: the instrument as written
+        ("kraken:wss://beta-ws.kraken.com/v2", FeedSpec("kraken", None, ("ETHUSDT",), url="wss://beta-ws.kraken.com/v2")),
+        ("binance:ws://127.0.0.1:9000/stream", FeedSpec("binance", None, ("ethusdt",), url="ws://127.0.0.1:9000/stream")),
         ("csv:/data/bars.csv", FeedSpec("csv", Path("/data/bars.csv"))),
     ],
 )
@@ -159,8 +162,12 @@ BAD_CONFIGS = [
     ("sessions.0.instrument", "  ", "sessions[0].instrument", "must not be empty"),
     ("sessions.0.feed", "binanse", "sessions[0].feed", "unknown feed 'binanse' (did you mean 'binance'?)"),
     ("sessions.0.feed", "csv:", "sessions[0].feed", "'csv' needs a path"),
-    ("sessions.0.feed", "binance:btc", "sessions[0].feed", "takes no path"),
-    ("sessions.1.symbols", ["ethusdt"], "sessions[1].symbols", "only for feeds 'binance' and 'cryptofeed'"),
+    ("sessions.0.feed", "binance:btc", "sessions[0].feed", "after 'binance': a websocket endpoint (ws://... or "
+     "wss://...), got 'btc'"),
+    ("sessions.0.feed", "synthetic:7", "sessions[0].feed", "'synthetic' takes no path"),
+    ("sessions.0.feed", "bybit", "sessions[0].feed", "unknown feed 'bybit'; use 'synthetic', a venue (binance, "
+     "coinbase, kraken, okx, alpaca"),
+    ("sessions.1.symbols", ["ethusdt"], "sessions[1].symbols", "only for live venues and 'cryptofeed'"),
     ("sessions.0.symbols", [], "sessions[0].symbols", "expected non-empty strings"),
     ("sessions.0.render", "bars", "sessions[0].render", "expected a table, got a string"),
     ("sessions.0.render.mode", "candles", "sessions[0].render.mode", "unknown mode 'candles'"),

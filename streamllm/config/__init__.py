@@ -16,6 +16,7 @@ from streamllm.config.specs import (
     DEFAULT_THRESHOLD,
     FEED_KINDS,
     FEEDS_WITH_PATH,
+    LIVE_VENUES,
     MAX_CHOICES,
     MIN_CONTEXT_TOKENS,
     RENDER_MODES,
@@ -31,7 +32,7 @@ from streamllm.config.specs import (
 __all__ = [
     "CHANGE_UNITS", "DEFAULT_AUTO_CONFIDENCE", "DEFAULT_BAR_SECONDS", "DEFAULT_MAX_CONTEXT_TOKENS",
     "DEFAULT_MAX_TOKENS_CHOICES", "DEFAULT_MAX_TOKENS_FREE", "DEFAULT_SYSTEM_PROMPT", "DEFAULT_THRESHOLD",
-    "FEED_KINDS", "FEEDS_WITH_PATH", "MAX_CHOICES", "MIN_CONTEXT_TOKENS", "RENDER_MODES", "ConfigError",
+    "FEED_KINDS", "FEEDS_WITH_PATH", "LIVE_VENUES", "MAX_CHOICES", "MIN_CONTEXT_TOKENS", "RENDER_MODES", "ConfigError",
     "FeedSpec", "QueryConfig", "QuestionSpec", "RenderSpec", "SessionSpec", "load_config", "normalize_question",
     "parse_config", "parse_question",
 ]

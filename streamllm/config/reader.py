@@ -27,6 +27,7 @@ from streamllm.config.specs import (
     DEFAULT_THRESHOLD,
     FEED_KINDS,
     FEEDS_WITH_PATH,
+    LIVE_VENUES,
     MAX_CHOICES,
     MIN_CONTEXT_TOKENS,
     RENDER_MODES,
@@ -198,34 +199,39 @@ class _Reader:
         if kind not in FEED_KINDS:
             close = difflib.get_close_matches(kind, FEED_KINDS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise self.fail(key, f"unknown feed {kind!r}{hint}; use 'binance', 'synthetic', "
-                                 "'replay:PATH', 'csv:PATH' or 'cryptofeed:EXCHANGE'")
+            raise self.fail(key, f"unknown feed {kind!r}{hint}; use 'synthetic', a venue ({', '.join(LIVE_VENUES)}; "
+                                 "':wss://...' for another endpoint), 'replay:PATH', 'csv:PATH' or "
+                                 "'cryptofeed:EXCHANGE'")
         if kind == "cryptofeed":
             if not location.strip():
                 raise self.fail(key, "'cryptofeed' needs an exchange: 'cryptofeed:EXCHANGE' (e.g. KRAKEN_FUTURES)")
-            default = [instrument]
-            symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)
-            if not symbols or not all(isinstance(s, str) and s.strip() for s in symbols):
-                raise self.fail(_join(path, "symbols"), f"expected non-empty strings, got {symbols!r}")
-            return FeedSpec(kind, None, tuple(s.strip() for s in symbols), location.strip().upper())
+            return FeedSpec(kind, None, self.symbols(table, path, [instrument]), location.strip().upper())
         if kind in FEEDS_WITH_PATH and not location.strip():
             raise self.fail(key, f"{kind!r} needs a path: '{kind}:PATH'")
-        if kind not in FEEDS_WITH_PATH and location:
+        if "symbols" in table and kind not in LIVE_VENUES:
+            raise self.fail(_join(path, "symbols"), f"only for live venues and 'cryptofeed', not {kind!r}")
+        if kind in LIVE_VENUES:
+            url = location.strip()
+            if url and not re.fullmatch(r"wss?://\S+", url):
+                raise self.fail(key, f"after {kind!r}: a websocket endpoint (ws://... or wss://...), got {url!r}")
+            if kind == "binance":  # stream names: lower case, no separators
+                default = [re.sub(r"[^a-z0-9]", "", instrument.lower())]
+                return FeedSpec(kind, None, tuple(s.lower() for s in self.symbols(table, path, default)), url=url)
+            return FeedSpec(kind, None, self.symbols(table, path, [instrument]), url=url)  # as the venue spells it
+        if location and kind not in FEEDS_WITH_PATH:
             raise self.fail(key, f"{kind!r} takes no path (got {location!r})")
-        if "symbols" in table and kind != "binance":
-            raise self.fail(_join(path, "symbols"), f"only for feeds 'binance' and 'cryptofeed', not {kind!r}")
-        if kind == "binance":
-            default = [re.sub(r"[^a-z0-9]", "", instrument.lower())]
-            symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)
-            if not symbols or not all(isinstance(s, str) and s.strip() for s in symbols):
-                raise self.fail(_join(path, "symbols"), f"expected non-empty strings, got {symbols!r}")
-            return FeedSpec(kind, None, tuple(s.strip().lower() for s in symbols))
         if kind in FEEDS_WITH_PATH:
             file = Path(location.strip()).expanduser()
             if self.base_dir is not None and not file.is_absolute():
                 file = Path(os.path.normpath(self.base_dir.absolute() / file))
             return FeedSpec(kind, file)
         return FeedSpec(kind)
+
+    def symbols(self, table: Mapping[str, Any], path: str, default: list[str]) -> tuple[str, ...]:
+        symbols = self.get(table, path, "symbols", (list,), "a list of strings", default)
+        if not symbols or not all(isinstance(s, str) and s.strip() for s in symbols):
+            raise self.fail(_join(path, "symbols"), f"expected non-empty strings, got {symbols!r}")
+        return tuple(s.strip() for s in symbols)
 
     def render(self, data: Any, path: str) -> RenderSpec:
         table = self.table(data, path)

@@ -24,7 +24,8 @@ DEFAULT_SYSTEM_PROMPT = (
     "You watch live market data for {instrument}. Each line is one bar, oldest first. "
     "Answer each question briefly."
 )
-FEED_KINDS = ("synthetic", "binance", "replay", "csv", "cryptofeed")
+LIVE_VENUES = ("binance", "coinbase", "kraken", "okx", "alpaca")  # native adapters: feeds/adapters.py
+FEED_KINDS = ("synthetic", *LIVE_VENUES, "replay", "csv", "cryptofeed")
 FEEDS_WITH_PATH = ("replay", "csv")
 RENDER_MODES = ("bars", "events")
 CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (market/render.py)
@@ -43,12 +44,15 @@ class ConfigError(ValueError):
 class FeedSpec:
     kind: str  # one of FEED_KINDS
     path: Path | None = None  # replay / csv: resolved against the config file's folder
-    symbols: tuple[str, ...] = ()  # binance: stream symbols, lower case; cryptofeed: its symbols
+    symbols: tuple[str, ...] = ()  # live venues: what to subscribe (binance: lower case); cryptofeed: its symbols
     exchange: str = ""  # cryptofeed: the exchange (KRAKEN_FUTURES, BYBIT, ...)
+    url: str = ""  # live venues: a websocket endpoint other than the venue's default (testnet, another region)
 
     def __str__(self) -> str:
         if self.exchange:
             return f"{self.kind}:{self.exchange}"
+        if self.url:
+            return f"{self.kind}:{self.url}"
         return f"{self.kind}:{self.path}" if self.path is not None else self.kind
 
 

@@ -1,6 +1,6 @@
 """`streamllm serve`: engine, feeds and the service (websocket, HTTP, page) from one config file.
 
-    streamllm serve --config queries/crypto.toml [--feed synthetic|binance|replay:FILE[,FILE]]
+    streamllm serve --config queries/crypto.toml [--feed synthetic|binance|okx|...|replay:FILE[,FILE]]
                     [--host 127.0.0.1] [--port 8765] [--model smollm2-135m] [--tokens tokens.toml]
 
 Each config session is opened in the engine under the owner tenant (`--owner`, default
@@ -15,6 +15,8 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -22,7 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamllm.config import ConfigError, FeedSpec, QueryConfig, SessionSpec, load_config
+from streamllm.config import (
+    LIVE_VENUES,
+    ConfigError,
+    FeedSpec,
+    QueryConfig,
+    SessionSpec,
+    load_config,
+)
 from streamllm.service.bars import TapSink
 from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
@@ -33,7 +42,7 @@ log = logging.getLogger("streamllm.service.serve")
 
 @dataclass(slots=True)
 class FeedGroup:
-    """Sessions fed from one source (one synthetic market, one Binance connection, one replay)."""
+    """Sessions fed from one source (one synthetic market, one venue connection, one replay)."""
 
     feed: FeedSpec
     sessions: list[SessionSpec] = field(default_factory=list)
@@ -44,20 +53,31 @@ def parse_feed_override(text: str) -> FeedSpec:
     kind, _, rest = text.partition(":")
     if kind == "synthetic" and not rest:
         return FeedSpec("synthetic")
-    if kind == "binance" and not rest:
-        return FeedSpec("binance")
+    if kind in LIVE_VENUES and (not rest or re.fullmatch(r"wss?://\S+", rest.strip())):
+        return FeedSpec(kind, url=rest.strip())
     if kind in ("replay", "csv") and rest.strip():
         return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
     if kind == "cryptofeed" and rest.strip():
         return FeedSpec(kind, None, (), rest.strip().upper())
-    raise ValueError(f"--feed {text!r}: use synthetic, binance, replay:FILE[,FILE...], csv:FILE or cryptofeed:EXCHANGE")
+    raise ValueError(f"--feed {text!r}: use synthetic, a venue ({', '.join(LIVE_VENUES)}; VENUE:wss://... for "
+                     "another endpoint), replay:FILE[,FILE...], csv:FILE or cryptofeed:EXCHANGE")
+
+
+def venue_credentials(venue: str) -> dict[str, str]:
+    """Alpaca's keys from the environment variables its own SDKs read; other venues' market data is public."""
+    if venue != "alpaca":
+        return {}
+    key, secret = os.environ.get("APCA_API_KEY_ID", ""), os.environ.get("APCA_API_SECRET_KEY", "")
+    if not key or not secret:
+        raise ValueError("feed 'alpaca' needs your Alpaca keys in APCA_API_KEY_ID and APCA_API_SECRET_KEY")
+    return {"key": key, "secret": secret}
 
 
 def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGroup]:
     groups: dict[str, FeedGroup] = {}
     for spec in config.sessions:
         feed = override or spec.feed
-        key = feed.kind if feed.kind in ("synthetic", "binance") else str(feed)
+        key = str(feed)  # one source per feed: a venue connection carries all its sessions' symbols
         groups.setdefault(key, FeedGroup(feed)).sessions.append(spec)
     return list(groups.values())
 
@@ -71,13 +91,15 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         from feeds.synthetic import SyntheticFeed
 
         return SyntheticFeed(seed=seed).aevents(speed=speed)
-    if feed.kind == "binance":
+    if feed.kind in LIVE_VENUES:
         from feeds.adapters import FeedAdapter
 
         symbols: list[str] = []
         for spec in group.sessions:
-            symbols += [s for s in (spec.feed.symbols or (spec.instrument.lower(),)) if s not in symbols]
-        return FeedAdapter("binance", symbols).events()
+            own = spec.feed.symbols if spec.feed.kind == feed.kind else ()
+            default = re.sub(r"[^a-z0-9]", "", spec.instrument.lower()) if feed.kind == "binance" else spec.instrument
+            symbols += [s for s in (own or (default,)) if s not in symbols]
+        return FeedAdapter(feed.kind, symbols, url=feed.url or None, credentials=venue_credentials(feed.kind)).events()
     if feed.kind == "cryptofeed":
         from feeds.cryptofeed_adapter import CryptofeedAdapter
 
@@ -275,7 +297,8 @@ def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, confi
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="streamllm serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="queries/*.toml: sessions, feeds and standing questions")
-    parser.add_argument("--feed", help="override every session's feed: synthetic | binance | replay:FILE[,FILE]")
+    parser.add_argument("--feed", help="override every session's feed: synthetic | binance | coinbase | kraken | okx | "
+                        "alpaca (VENUE:wss://... another endpoint) | replay:FILE[,FILE] | csv:FILE | cryptofeed:EXCHANGE")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, HF dir or .gguf")
@@ -332,6 +355,7 @@ def main(argv: list[str]) -> int:
         groups = group_feeds(config, override) if config is not None else []
         for group in groups:
             group.read = read_options(args)
+            venue_credentials(group.feed.kind)  # missing keys are a start-up error, not a reconnect loop
     except (TokenConfigError, ConfigError, ValueError) as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
         return 2
