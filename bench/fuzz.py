@@ -59,6 +59,19 @@ SAMPLES: dict[str, list[bytes]] = {
         b'"1534614248.765567","r"]],"c":"974942666"},"book-10","XBT/USD"]',
         b'{"event":"subscriptionStatus","status":"error","errorMessage":"Currency pair not supported"}',
     ],
+    "bybit": [
+        b'{"topic":"publicTrade.BTCUSDT","type":"snapshot","ts":1672304486868,"data":[{"T":1672304486865,'
+        b'"s":"BTCUSDT","S":"Buy","v":"0.001","p":"16578.50","L":"PlusTick","i":"20f43950","BT":false}]}',
+        b'{"topic":"orderbook.50.BTCUSDT","type":"delta","ts":1672304484978,"data":{"s":"BTCUSDT",'
+        b'"b":[["16493.50","0.006"]],"a":[["16611.00","0"]],"u":18521289,"seq":7961638724},"cts":1672304484961}',
+        b'{"topic":"tickers.BTCUSDT","type":"snapshot","cs":1,"ts":1673272861686,"data":{"symbol":"BTCUSDT",'
+        b'"markPrice":"17217.33","indexPrice":"17227.36","fundingRate":"-0.000212","bid1Price":"17215.50",'
+        b'"bid1Size":"84.489","ask1Price":"17216.00","ask1Size":"83.020"}}',
+        b'{"topic":"kline.5.BTCUSDT","type":"snapshot","ts":1,"data":[{"start":1672324800000,"end":1672325099999,'
+        b'"interval":"5","open":"16649.5","close":"16677","high":"16677","low":"16608","volume":"2.081",'
+        b'"confirm":true}]}',
+        b'{"success":false,"ret_msg":"error:handler not found","conn_id":"c","op":"subscribe"}',
+    ],
     "okx": [
         b'{"arg":{"channel":"trades","instId":"BTC-USDT"},"data":[{"instId":"BTC-USDT","tradeId":"130639474",'
         b'"px":"42219.9","sz":"0.12060306","side":"buy","ts":"1630048897897"}]}',

@@ -8,6 +8,8 @@ Per venue (see each venue module's docstring for the documented rules):
   binance   subscribe by message; the server pings every 20 s and `websockets` pongs.
   coinbase  one subscribe per channel within 5 s, plus `heartbeats` to keep quiet channels open.
   kraken    subscribe per channel; application ping every `ping_s` (the server heartbeats too).
+  bybit     subscribe topics ten a request; {"op": "ping"} every `ping_s` (Bybit asks for 20 s;
+            the product line is in the url: /v5/public/spot, linear, inverse).
   okx       one subscribe for all channel/instrument pairs; a "ping" text every `ping_s` (OKX
             closes a connection silent for 30 s; candles need the /ws/v5/business url).
   alpaca    wait for "connected", send auth, wait for "authenticated", then subscribe.
@@ -33,7 +35,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from feeds import alpaca, binance, coinbase, kraken, okx
+from feeds import alpaca, binance, bybit, coinbase, kraken, okx
 from feeds.sources import parser_for
 from feeds.wire import AuthError, Loads, fast_loads
 
@@ -44,6 +46,7 @@ DEFAULT_URLS = {
     "coinbase": coinbase.DEFAULT_URL,
     "kraken": kraken.DEFAULT_URL,
     "okx": okx.DEFAULT_URL,
+    "bybit": bybit.DEFAULT_URL,
     "alpaca": alpaca.DEFAULT_URL,
 }
 DEFAULT_CHANNELS = {
@@ -51,6 +54,7 @@ DEFAULT_CHANNELS = {
     "coinbase": coinbase.DEFAULT_CHANNELS,
     "kraken": kraken.DEFAULT_CHANNELS,
     "okx": okx.DEFAULT_CHANNELS,
+    "bybit": bybit.DEFAULT_CHANNELS,
     "alpaca": alpaca.DEFAULT_CHANNELS,
 }
 
@@ -170,6 +174,9 @@ class FeedAdapter:
                 await ws.send(_send_text(msg))
         elif v == "okx":
             await ws.send(_send_text(okx.subscribe_message(syms, chans)))
+        elif v == "bybit":
+            for msg in bybit.subscribe_messages(syms, chans):
+                await ws.send(_send_text(msg))
         elif v == "alpaca":
             parser: alpaca.AlpacaParser = self.parser  # type: ignore[assignment]
             parser.authenticated = False
@@ -185,7 +192,7 @@ class FeedAdapter:
         pending, self._pending = self._pending, []
         for ev in pending:
             yield ev
-        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue in ("kraken", "okx") else None
+        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue in ("kraken", "okx", "bybit") else None
         try:
             while True:
                 try:
@@ -200,10 +207,17 @@ class FeedAdapter:
             if pinger is not None:
                 pinger.cancel()
 
+    def _ping(self, req_id: int) -> str:
+        if self.venue == "okx":
+            return okx.PING
+        if self.venue == "bybit":
+            return _send_text(bybit.ping_message())
+        return _send_text(kraken.ping_message(req_id))
+
     async def _ping_loop(self, ws: ClientConnection) -> None:
         req_id = 0
         with contextlib.suppress(ConnectionClosed, asyncio.CancelledError):
             while True:
                 await asyncio.sleep(self.ping_s)
                 req_id += 1
-                await ws.send(okx.PING if self.venue == "okx" else _send_text(kraken.ping_message(req_id)))
+                await ws.send(self._ping(req_id))

@@ -97,6 +97,8 @@ def sniff_venue(raw: bytes) -> str:
         return "coinbase"
     if "channel" in msg or "method" in msg:
         return "kraken"
+    if "topic" in msg or ("op" in msg and "conn_id" in msg):
+        return "bybit"  # {"topic": "publicTrade.BTCUSDT", "type", "ts", "data"}; replies to ops carry conn_id
     if "arg" in msg or ("event" in msg and ("code" in msg or "connId" in msg)):
         return "okx"  # {"arg": {"channel", "instId"}, "data"}; its events carry arg, code or connId
     if "event" in msg:
@@ -104,7 +106,7 @@ def sniff_venue(raw: bytes) -> str:
     if msg.get("type") in EXCHANGE_TYPES:
         return "coinbase-exchange"
     raise UnsupportedFormat("not a capture of a supported venue (binance spot/usdm/coinm, coinbase advanced "
-                            f"trade or exchange ws-feed, kraken v2 or v1, okx v5, alpaca): first message keys {sorted(msg)[:8]}")
+                            f"trade or exchange ws-feed, kraken v2 or v1, okx v5, bybit v5, alpaca): first message keys {sorted(msg)[:8]}")
 
 
 def detect_venue(path: str | Path, probe: int = 20) -> str:

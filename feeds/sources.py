@@ -44,6 +44,10 @@ def parser_for(venue: str, **kw: Any) -> WireParser:
         from feeds.alpaca import AlpacaParser
 
         return AlpacaParser(**kw)
+    if venue == "bybit":
+        from feeds.bybit import BybitParser
+
+        return BybitParser(**kw)
     if venue == "okx":
         from feeds.okx import OkxParser
 
@@ -56,7 +60,7 @@ def parser_for(venue: str, **kw: Any) -> WireParser:
         from feeds.kraken_v1 import KrakenV1Parser
 
         return KrakenV1Parser(**kw)
-    raise ValueError(f"unknown venue {venue!r} (binance, coinbase, coinbase-exchange, kraken, kraken-v1, okx, alpaca)")
+    raise ValueError(f"unknown venue {venue!r} (binance, bybit, coinbase, coinbase-exchange, kraken, kraken-v1, okx, alpaca)")
 
 
 @dataclass

@@ -1,0 +1,125 @@
+"""Bybit v5 public streams: the documented messages, a capture sniffed as Bybit, and the live
+adapter against a local server that speaks Bybit's protocol (topics ten a request, op ping)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from websockets.asyncio.server import serve
+
+from feeds.adapters import FeedAdapter
+from feeds.bybit import BybitParser, kline_ns, subscribe_messages
+from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade
+from feeds.sources import open_source
+
+TRADE = {"topic": "publicTrade.BTCUSDT", "type": "snapshot", "ts": 1672304486868, "data": [
+    {"T": 1672304486865, "s": "BTCUSDT", "S": "Buy", "v": "0.001", "p": "16578.50", "L": "PlusTick",
+     "i": "20f43950-d8dd-5b31-9112-a178eb6023af", "BT": False}]}
+
+
+def _book(kind: str, u: int, bids: list[list[str]], asks: list[list[str]]) -> str:
+    return json.dumps({"topic": "orderbook.50.BTCUSDT", "type": kind, "ts": 1672304484978, "cts": 1672304484961,
+                       "data": {"s": "BTCUSDT", "b": bids, "a": asks, "u": u, "seq": 7961638724}})
+
+
+def test_bybit_trades_books_and_klines_as_the_docs_write_them() -> None:
+    p = BybitParser()
+    (t,) = p.parse(json.dumps(TRADE), 1)
+    assert isinstance(t, Trade) and (t.side, t.price, t.size, t.ts_event, t.px_dp) == (
+        BUY, 16578.5, 0.001, 1_672_304_486_865_000_000, 1)
+    assert t.trade_id == "20f43950-d8dd-5b31-9112-a178eb6023af"
+    (s,) = p.parse(_book("snapshot", 18521288, [["16493.50", "0.006"]], [["16611.00", "0.029"]]), 2)
+    (d,) = p.parse(_book("delta", 18521289, [["16493.50", "0"]], []), 3)
+    assert s.snapshot and not d.snapshot and d.bids == [(16493.5, 0.0)] and s.ts_event == 1_672_304_484_961_000_000
+    p.parse(_book("delta", 18521295, [], [["16611.00", "0.03"]]), 4)  # five updates were lost
+    assert p.stats.gaps == 1 and "BTCUSDT@orderbook.50" in p.stats.gap_samples[0]
+    p.parse(_book("snapshot", 1, [["16000", "1"]], [["16001", "1"]]), 5)  # Bybit restarted: u starts over
+    p.parse(_book("delta", 2, [], []), 6)
+    assert p.stats.gaps == 1
+    kline = lambda confirm, close: json.dumps({"topic": "kline.5.BTCUSDT", "type": "snapshot", "ts": 1672324988882,  # noqa: E731
+                                               "data": [{"start": 1672324800000, "end": 1672325099999, "interval": "5",
+                                                         "open": "16649.5", "close": close, "high": "16677",
+                                                         "low": "16608", "volume": "2.081", "turnover": "34666.4005",
+                                                         "confirm": confirm, "timestamp": 1672324988882}]})
+    assert p.parse(kline(False, "16670"), 7) == []
+    (bar,) = p.parse(kline(True, "16677"), 8)
+    assert isinstance(bar, Bar) and (bar.close, bar.ts_open, bar.interval_ns, bar.trades) == (
+        16677.0, 1_672_324_800_000_000_000, 300 * 10**9, -1)
+    assert kline_ns("D") == 86400 * 10**9 and kline_ns("240") == 4 * 3600 * 10**9
+    (liq,) = p.parse('{"topic":"allLiquidation.ROSEUSDT","type":"snapshot","ts":1739502303204,"data":[{"T":1739502302929,'
+                     '"s":"ROSEUSDT","S":"Sell","v":"20000","p":"0.04499"}]}', 9)
+    assert isinstance(liq, Liquidation) and liq.side == BUY  # a short was liquidated: closed by a buy
+    for control in ('{"success":true,"ret_msg":"","conn_id":"c","req_id":"","op":"subscribe"}',
+                    '{"success":true,"ret_msg":"pong","conn_id":"c","req_id":"","op":"ping"}',
+                    '{"req_id":"","op":"pong","args":["1672916271846"],"conn_id":"c"}'):
+        assert p.parse(control, 10) == []
+    assert p.stats.control == 3 and p.stats.errors == 0
+
+
+def test_bybit_ticker_deltas_carry_only_what_changed() -> None:
+    p = BybitParser()
+    snap = {"topic": "tickers.BTCUSDT", "type": "snapshot", "cs": 1, "ts": 1673272861686, "data": {
+        "symbol": "BTCUSDT", "tickDirection": "PlusTick", "lastPrice": "17216.00", "markPrice": "17217.33",
+        "indexPrice": "17227.36", "fundingRate": "-0.000212", "nextFundingTime": "1673280000000",
+        "bid1Price": "17215.50", "bid1Size": "84.489", "ask1Price": "17216.00", "ask1Size": "83.020"}}
+    q, m = p.parse(json.dumps(snap), 1)
+    assert isinstance(q, Quote) and (q.bid, q.bid_size, q.ask, q.ask_size) == (17215.5, 84.489, 17216.0, 83.02)
+    assert isinstance(m, Mark) and (m.mark, m.index, m.funding_rate, m.next_funding_ns) == (
+        17217.33, 17227.36, -0.000212, 1_673_280_000_000_000_000)
+    (q2,) = p.parse(json.dumps({**snap, "type": "delta", "data": {"symbol": "BTCUSDT", "bid1Size": "80.1"}}), 2)
+    assert (q2.bid, q2.bid_size, q2.ask) == (17215.5, 80.1, 17216.0)  # the rest kept from before
+    (m2,) = p.parse(json.dumps({**snap, "type": "delta", "data": {"symbol": "BTCUSDT", "markPrice": "17218.00"}}), 3)
+    assert isinstance(m2, Mark) and m2.mark == 17218.0 and m2.index == 17227.36
+    assert p.parse(json.dumps({**snap, "type": "delta", "data": {"symbol": "BTCUSDT", "volume24h": "1"}}), 4) == []
+    spot = {"topic": "tickers.ETHUSDT", "type": "snapshot", "ts": 1, "data": {"symbol": "ETHUSDT", "lastPrice": "1"}}
+    assert p.parse(json.dumps(spot), 5) == [] and p.stats.control == 2  # spot tickers: no bid/ask to quote
+    # Bad input: named, counted, the stream goes on.
+    assert p.parse(json.dumps({**snap, "data": {"symbol": "XRPUSDT"}, "type": "delta"}), 6) == []
+    assert p.parse('{"success":false,"ret_msg":"error:handler not found","conn_id":"c","op":"subscribe"}', 7) == []
+    assert p.parse(json.dumps({**TRADE, "data": [{**TRADE["data"][0], "S": "None"}]}), 8) == []
+    assert p.parse('{"topic":"kline.M.BTCUSDT","type":"snapshot","ts":1,"data":[{"interval":"M","confirm":true,'
+                   '"start":1,"open":"1","high":"1","low":"1","close":"1","volume":"1"}]}', 9) == []
+    assert p.stats.error_kinds == {"ValueError": 3, "VenueError": 1}
+    assert "before its snapshot" in p.stats.error_samples[0] and "handler not found" in p.stats.error_samples[1]
+    assert math.isnan(BybitParser().parse(json.dumps({**snap, "data": {**snap["data"], "indexPrice": ""}}), 1)[1].index)
+
+
+def test_a_bybit_capture_is_sniffed(tmp_path: Path) -> None:
+    path = tmp_path / "bybit_BTCUSDT.gz"
+    path.write_bytes(gzip.compress(b'5 {"success":true,"ret_msg":"","conn_id":"c","req_id":"","op":"subscribe"}\n'
+                                   b'6 ' + json.dumps(TRADE).encode() + b"\n"))
+    src = open_source(path)
+    assert src.venue == "bybit" and [type(e) for e in src] == [Trade] and src.stats.control == 1
+
+
+def test_the_bybit_adapter_subscribes_in_tens_and_pings() -> None:
+    symbols = [f"S{i}USDT" for i in range(6)]
+    seen: list[Any] = []
+
+    async def venue(ws: Any) -> None:
+        for _ in range(2):  # 12 topics: two requests
+            req = json.loads(await ws.recv())
+            seen.append(req)
+            await ws.send(json.dumps({"success": True, "ret_msg": "", "conn_id": "c", "op": "subscribe"}))
+        seen.append(json.loads(await ws.recv()))
+        await ws.send('{"success":true,"ret_msg":"pong","conn_id":"c","op":"ping"}')
+        await ws.send(json.dumps({**TRADE, "data": [{**TRADE["data"][0], "S": "Sell", "s": "S1USDT"}]}))
+        await ws.close()
+
+    async def run() -> list[Any]:
+        async with serve(venue, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            adapter = FeedAdapter("bybit", symbols, url=f"ws://127.0.0.1:{port}", ping_s=0.2, max_reconnects=0)
+            return [ev async for ev in adapter.events()]
+
+    events = asyncio.run(asyncio.wait_for(run(), 20))
+    assert [len(r["args"]) for r in seen[:2]] == [10, 2] and seen[:2] == subscribe_messages(symbols, ["publicTrade",
+                                                                                                      "orderbook.1"])
+    assert seen[2] == {"op": "ping"}
+    assert [(e.instrument, e.side) for e in events] == [("S1USDT", SELL)] and isinstance(events[0], Trade)
+    assert all(isinstance(e, Trade | BookDelta) for e in events)
