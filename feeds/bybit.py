@@ -26,7 +26,7 @@ from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
 from feeds.validate import check_bar, error_kind, nonnegative, positive
-from feeds.wire import Loads, ParseStats, SeqTracker, VenueError, fast_loads
+from feeds.wire import Loads, ParseStats, SeqTracker, UnsupportedFormat, VenueError, fast_loads
 
 VENUE = "bybit"
 URLS = {"spot": "wss://stream.bybit.com/v5/public/spot", "linear": "wss://stream.bybit.com/v5/public/linear",
@@ -38,6 +38,10 @@ MIN_NS = 60 * 10**9
 NAN = math.nan
 _SIDES = {"Buy": BUY, "Sell": SELL}
 _KLINE_NS = {"D": 1440 * MIN_NS, "W": 7 * 1440 * MIN_NS}
+# Bybit's APIs before v5 (2019-2023: realtime_public, topics trade.X, orderBookL2_25.X, klineV2.1.X).
+OLD_TOPICS = frozenset({"trade", "klineV2", "candle", "instrument_info", "liquidation_v2", "insurance"})
+OLD_REFUSAL = ("this looks like Bybit's API before v5 (topics trade.X, orderBookL2_25.X, klineV2.I.X); this parser "
+               "reads v5 (publicTrade.X, orderbook.N.X, kline.I.X: wss://stream.bybit.com/v5/public/...)")
 
 
 def kline_ns(interval: str) -> int:
@@ -72,9 +76,10 @@ class BybitParser:
 
     def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
         if "topic" not in msg:
-            if "op" in msg:
+            if "op" in msg or "request" in msg:  # a reply to our op (before v5: the op under "request")
                 if msg.get("success") is False:
-                    raise VenueError(f"bybit {msg['op']} failed: {msg.get('ret_msg', '')}")
+                    op = msg.get("op") or msg["request"].get("op")
+                    raise VenueError(f"bybit {op} failed: {msg.get('ret_msg', '')}")
                 self.stats.control += 1
                 return []
             raise ValueError(f"a bybit message has a topic or an op, got keys {sorted(msg)[:6]}")
@@ -93,6 +98,8 @@ class BybitParser:
         if name in ("allLiquidation", "liquidation"):
             rows = data if isinstance(data, list) else [data]
             return [self._liquidation(r, ts_recv) for r in rows]
+        if name in OLD_TOPICS or name.startswith("orderBookL2"):
+            raise UnsupportedFormat(OLD_REFUSAL)
         raise ValueError(f"unknown bybit topic {msg['topic']!r}")
 
     def _trade(self, t: dict[str, Any], ts_recv: int) -> Trade:

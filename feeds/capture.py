@@ -97,8 +97,13 @@ def sniff_venue(raw: bytes) -> str:
         return "coinbase"
     if "channel" in msg or "method" in msg:
         return "kraken"
-    if "topic" in msg or ("op" in msg and "conn_id" in msg):
-        return "bybit"  # {"topic": "publicTrade.BTCUSDT", "type", "ts", "data"}; replies to ops carry conn_id
+    if "topic" in msg or "conn_id" in msg:  # {"topic": "publicTrade.BTCUSDT", "type", "ts", "data"}; op replies
+        from feeds.bybit import OLD_REFUSAL, OLD_TOPICS
+
+        name = str(msg.get("topic", "")).partition(".")[0]
+        if "request" in msg or name in OLD_TOPICS or name.startswith("orderBookL2"):
+            raise UnsupportedFormat(OLD_REFUSAL)
+        return "bybit"
     if "arg" in msg or ("event" in msg and ("code" in msg or "connId" in msg)):
         return "okx"  # {"arg": {"channel", "instId"}, "data"}; its events carry arg, code or connId
     if "event" in msg:

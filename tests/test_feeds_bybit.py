@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 from websockets.asyncio.server import serve
 
 from feeds.adapters import FeedAdapter
@@ -84,7 +85,10 @@ def test_bybit_ticker_deltas_carry_only_what_changed() -> None:
     assert p.parse(json.dumps({**TRADE, "data": [{**TRADE["data"][0], "S": "None"}]}), 8) == []
     assert p.parse('{"topic":"kline.M.BTCUSDT","type":"snapshot","ts":1,"data":[{"interval":"M","confirm":true,'
                    '"start":1,"open":"1","high":"1","low":"1","close":"1","volume":"1"}]}', 9) == []
-    assert p.stats.error_kinds == {"ValueError": 3, "VenueError": 1}
+    old = ('{"topic":"trade.XTZUSDT","data":[{"symbol":"XTZUSDT","tick_direction":"MinusTick","price":"7.207",'
+           '"size":0.9,"timestamp":"2021-04-17T16:43:04.000Z","trade_time_ms":"1618677784983","side":"Sell"}]}')
+    assert p.parse(old, 10) == [] and "Bybit's API before v5" in p.stats.error_samples[-1]
+    assert p.stats.error_kinds == {"ValueError": 3, "VenueError": 1, "unsupported_format": 1}
     assert "before its snapshot" in p.stats.error_samples[0] and "handler not found" in p.stats.error_samples[1]
     assert math.isnan(BybitParser().parse(json.dumps({**snap, "data": {**snap["data"], "indexPrice": ""}}), 1)[1].index)
 
@@ -95,6 +99,11 @@ def test_a_bybit_capture_is_sniffed(tmp_path: Path) -> None:
                                    b'6 ' + json.dumps(TRADE).encode() + b"\n"))
     src = open_source(path)
     assert src.venue == "bybit" and [type(e) for e in src] == [Trade] and src.stats.control == 1
+    old = tmp_path / "bybit_2021.gz"  # the realtime_public API of 2021, as cryptofeed recorded it
+    old.write_bytes(gzip.compress(b'1 {"success":true,"ret_msg":"","conn_id":"38cf0ac3","request":{"op":"subscribe",'
+                                  b'"args":["trade.BCHUSDT"]}}\n'))
+    with pytest.raises(ValueError, match="bybit_2021.gz: this looks like Bybit's API before v5"):
+        open_source(old)
 
 
 def test_the_bybit_adapter_subscribes_in_tens_and_pings() -> None:
