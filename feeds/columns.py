@@ -16,7 +16,8 @@ import struct
 import polars as pl
 
 FIELDS = {"ts_event", "ts_recv", "instrument", "price", "size", "side", "maker", "bid", "ask", "bid_size",
-          "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap"}
+          "ask_size", "open", "high", "low", "close", "volume", "trades", "buy_volume", "sell_volume", "vwap",
+          "venue", "snapshot"}
 UNITS = {"s": 1_000_000_000, "ms": 1_000_000, "us": 1_000, "ns": 1}
 _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]|$)")
 _YEAR_FIRST = re.compile(r"^\s*\d{4}[./]\d{2}[./]\d{2}")  # 2024.01.02 (MetaTrader), 2024/01/02: unambiguous

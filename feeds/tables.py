@@ -42,6 +42,7 @@ from typing import Any
 
 import polars as pl
 
+from feeds.book_table import book_deltas
 from feeds.columns import TableFormatError, infer_dp, ts_ns
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, from_table
 from feeds.layouts import (
@@ -71,12 +72,17 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "buy_volume": ("buy_volume", "taker_buy_volume", "taker_buy_base_asset_volume", "taker_buy_base_volume"),
     "side": ("side", "aggressor", "aggressor_side", "taker_side"),
     "maker": ("is_buyer_maker", "isBuyerMaker", "buyer_maker", "is_buyer_market_maker"),
-    "bid": ("bid", "bid_price", "bp", "bid_px_00"),
-    "ask": ("ask", "ask_price", "ap", "ask_px_00"),
-    "bid_size": ("bid_size", "bid_qty", "bs", "bid_sz_00"),
-    "ask_size": ("ask_size", "ask_qty", "as", "ask_sz_00"),
+    # bid_amount, bids[0].price: Tardis.dev's quotes and book_snapshot_N files (their top level is the quote).
+    "bid": ("bid", "bid_price", "bp", "bid_px_00", "bids[0].price"),
+    "ask": ("ask", "ask_price", "ap", "ask_px_00", "asks[0].price"),
+    "bid_size": ("bid_size", "bid_qty", "bs", "bid_sz_00", "bid_amount", "bids[0].amount"),
+    "ask_size": ("ask_size", "ask_qty", "as", "ask_sz_00", "ask_amount", "asks[0].amount"),
     "instrument": ("instrument", "symbol", "ticker", "instrument_name", "instrument_id"),
+    "ts_recv": ("ts_recv", "local_timestamp", "receive_time", "recv_time"),  # local_timestamp: Tardis.dev
+    "venue": ("venue", "exchange"),
+    "snapshot": ("is_snapshot", "snapshot"),
 }
+BOOK_COLUMNS = {"is_snapshot", "side", "price", "amount"}  # a book table: one changed level a row (Tardis.dev)
 # A first column with one of these names is a dataframe's index written out (pandas' to_csv writes
 # it with an empty header): when no time alias matches, it is the time column.
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
@@ -89,7 +95,9 @@ def guess_kind(columns: list[str]) -> str:
     names = {column_key(c) for c in columns}
     if {"open", "high", "low", "close"} <= names:
         return "bar"
-    if names & {"bid", "bid_price", "bp", "bid_px_00"}:
+    if names >= BOOK_COLUMNS:
+        return "book"
+    if names & {"bid", "bid_price", "bp", "bid_px_00", "bids[0].price"}:
         return "quote"
     return "trade"
 
@@ -196,8 +204,6 @@ class TableSource:
                 return from_table(df.to_arrow(), kind)  # our own schema
             except (ValueError, TypeError, KeyError) as exc:
                 raise TableFormatError(f"{self.path}: looks like our own {self.kind} schema but: {exc}") from exc
-        if self.kind == "book":
-            raise TableFormatError(f"{self.path}: book deltas load only from our own Parquet schema")
         where = str(self.path)
         t = self._date_and_time(df)
         t = self._col(df, "ts_event") if t is None else t
@@ -207,6 +213,9 @@ class TableSource:
         recv = ts if recv_col is None else ts_ns(recv_col, where, self.ts_unit, self.time_format, self.tz)
         inst_col = self._col(df, "instrument", required=False)
         insts = inst_col.cast(pl.Utf8).to_list() if inst_col is not None else [self.instrument] * len(ts)
+        venue_col = self._col(df, "venue", required=False)
+        if venue_col is not None and self.venue == "file" and venue_col.n_unique() == 1 and venue_col[0]:
+            self.venue = str(venue_col[0])  # Tardis.dev's exchange column: binance-futures, deribit, ...
         self.stats.messages = len(ts)
         rows = getattr(self, "_" + self.kind)(df, ts, recv, insts, recv_col is not None)
         self.stats.events = len(rows)
@@ -297,20 +306,31 @@ class TableSource:
         (b, f1), (a, f2) = self._num(df, "bid"), self._num(df, "ask")
         (bs, f3), (as_, _) = self._num(df, "bid_size", False), self._num(df, "ask_size", False)
         assert b is not None and a is not None
-        n = len(ts)
-        bs, as_ = bs or [0.0] * n, as_ or [0.0] * n
-        pdp, sdp = self.precision or (max(infer_dp(b, f1), infer_dp(a, f2)), max(infer_dp(bs, f3), infer_dp(as_, f3)))
+        n, sized = len(ts), bs is not None and as_ is not None
+        if not sized:  # a table of prices only: sizes unknown (NaN), not zero; the lines leave them out
+            bs, as_ = [math.nan] * n, [math.nan] * n
+        assert bs is not None and as_ is not None
+        pdp = self.precision[0] if self.precision else max(infer_dp(b, f1), infer_dp(a, f2))
+        sdp = self.precision[1] if self.precision else (max(infer_dp(bs, f3), infer_dp(as_, f3)) if sized else 0)
+        size = nonnegative if sized else (lambda _field, x: x)
         out = []
         for i in range(n):
             if self._missing(i, {"ts_event": ts[i], "bid": b[i], "ask": a[i], "bid_size": bs[i], "ask_size": as_[i]}):
                 continue
             try:
                 out.append(Quote(self.venue, insts[i], ts[i], recv[i], price("bid", b[i], self.signed_prices),
-                                 nonnegative("bid_size", bs[i]), price("ask", a[i], self.signed_prices),
-                                 nonnegative("ask_size", as_[i]), pdp, sdp))
+                                 size("bid_size", bs[i]), price("ask", a[i], self.signed_prices),
+                                 size("ask_size", as_[i]), pdp, sdp))
             except BadValue as exc:
                 self._bad(i, exc)
         return out
+
+    def _book(self, df, ts, recv, insts, _has_recv) -> list[BookDelta]:
+        (px, _), (sz, _) = self._num(df, "price"), self._num(df, "size")
+        side = self._col(df, "side")
+        snap = self._col(df, "snapshot")
+        assert px is not None and sz is not None and side is not None and snap is not None
+        return book_deltas(self.venue, ts, recv, insts, side.to_list(), px, sz, snap.to_list(), self._bad)
 
     def _bar(self, df, ts, recv, insts, has_recv) -> list[Bar]:
         cols = {k: self._num(df, k) for k in ("open", "high", "low", "close")} | {"volume": self._volume(df)}
