@@ -212,3 +212,73 @@ def test_sessions_on_one_venue_share_one_connection_from_their_config(monkeypatc
     monkeypatch.setenv("APCA_API_KEY_ID", "k")
     monkeypatch.setenv("APCA_API_SECRET_KEY", "s")
     assert venue_credentials("alpaca") == {"key": "k", "secret": "s"} and venue_credentials("okx") == {}
+
+
+def test_serve_answers_a_session_fed_live_by_okx(tmp_path: Path) -> None:
+    """The whole path a user takes: feed = "okx" in a config, `streamllm serve`, an ask."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from streamllm.service.client import AsyncClient
+
+    subscribed: list[Any] = []
+    ready = threading.Event()
+    port: list[int] = []
+    stop = threading.Event()
+
+    async def venue(ws: Any) -> None:
+        subscribed.append(json.loads(await ws.recv()))
+        for i in range(100):  # a trade every 0.1 s, stamped now as a venue does: bars of 1 s close on time
+            px = f"{30000 + (i % 7) * 1.5:.1f}"
+            await ws.send(json.dumps({"arg": {"channel": "trades", "instId": "BTC-USDT"}, "data": [
+                {"instId": "BTC-USDT", "tradeId": str(i), "px": px, "sz": "0.1", "side": "buy" if i % 3 else "sell",
+                 "ts": str(time.time_ns() // 1_000_000)}]}))
+            await asyncio.sleep(0.1)
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+
+    def run_venue() -> None:
+        async def main() -> None:
+            async with serve(venue, "127.0.0.1", 0) as server:
+                port.append(server.sockets[0].getsockname()[1])
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.1)
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run_venue, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    config = tmp_path / "okx.toml"
+    config.write_text(f'[[sessions]]\nname = "btc"\ninstrument = "BTC-USDT"\nfeed = "okx:ws://127.0.0.1:{port[0]}"\n'
+                      '[sessions.render]\nbar_seconds = 1\n'
+                      '[[sessions.questions]]\nid = "trend"\ntext = "Up or down?"\nchoices = ["up", "down"]\n')
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "streamllm.cli", "serve", "--config", str(config), "--model",
+                             "tiny", "--port", "0", "--log-level", "WARNING"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "STREAMLLM_TOKENS": ""})
+    try:
+        assert proc.stdout is not None
+        head = proc.stdout.readline()
+        assert head.startswith("streamllm serving tiny"), head + (proc.stderr.read() if proc.stderr else "")
+        url = head.rsplit(" at ", 1)[1].strip()
+
+        async def ask() -> tuple[dict, dict]:
+            async with await AsyncClient.connect(url) as c:
+                while (await c.stats())["sessions"][0]["data_version"] < 5:  # bars built from OKX's trades
+                    await asyncio.sleep(0.1)
+                return await c.ask("btc", "trend"), await c.stats()
+
+        answer, stats = asyncio.run(asyncio.wait_for(ask(), 90))
+        assert answer["session"] == "btc" and answer["text"] in ("up", "down")
+        assert stats["sessions"][0]["data_version"] >= 5
+        assert subscribed == [{"op": "subscribe", "args": [{"channel": c, "instId": "BTC-USDT"}
+                                                           for c in ("trades", "tickers")]}]
+    finally:
+        proc.kill()
+        proc.wait()
+        stop.set()
