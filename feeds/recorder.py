@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import gzip
+import os
 import sys
 import time
 from collections import defaultdict
@@ -142,8 +143,10 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("--duration", type=float, help="stop after this many seconds")
     ap.add_argument("--rotate-s", type=float, default=300.0, help="Parquet rotation (receive time)")
     ap.add_argument("--once", action="store_true", help="stop when the server closes the connection")
-    ap.add_argument("--key", help="API key (Alpaca)")
-    ap.add_argument("--secret", help="API secret (Alpaca)")
+    ap.add_argument("--key", default=os.environ.get("APCA_API_KEY_ID"), help="API key (Alpaca; default "
+                    "$APCA_API_KEY_ID, as its SDKs read it)")
+    ap.add_argument("--secret", default=os.environ.get("APCA_API_SECRET_KEY"), help="API secret (Alpaca; default "
+                    "$APCA_API_SECRET_KEY)")
     ap.add_argument("--jwt", help="JWT (Coinbase authenticated channels)")
     ap.add_argument("--market", default="spot", choices=("spot", "usdm", "coinm"),
                     help="binance: spot, USD-M or COIN-M futures (URL, channels and depth gap rule)")
