@@ -83,11 +83,15 @@ INTERVALS = (f"In brackets: the middle {LEVEL:.0%} of {REPS} block-bootstrap res
              "A set of one short window, such as a capture, has few blocks: its figures are rough.")
 
 
+def _num(x: float | None) -> str:
+    return "-" if x is None else format(x, ".2f")
+
+
 def card_markdown(card: dict[str, Any]) -> str:
     judged = [j for q in card["questions"].values() for j in q["judged"].values()]
     lines = _intro(card) + ([INTERVALS, ""] if any("accuracy_interval" in j for j in judged) else []) + [
-             "| question | set | n | accuracy | base rate | balanced acc | base model acc | coverage @thr | "
-             "precision @thr | coverage at target (own) | ECE |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| question | set | n | accuracy | base rate | balanced acc | ranks | base model acc | coverage @thr | "
+             "precision @thr | coverage at target (own) | ECE |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for qid, q in card["questions"].items():
         for s, j in q["judged"].items():
             if not j.get("samples"):
@@ -95,7 +99,8 @@ def card_markdown(card: dict[str, Any]) -> str:
             base = q["base_model"][s]
             balanced = "-" if j.get("balanced_accuracy") is None else format(j["balanced_accuracy"], ".2f")
             lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
-                         f"({j['majority']}) | {balanced} | {base['accuracy']:.2f} | {j['coverage']:.2f} | "
+                         f"({j['majority']}) | {balanced} | {_num(j.get('ranks'))} | {base['accuracy']:.2f} | "
+                         f"{j['coverage']:.2f} | "
                          f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | "
                          f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()

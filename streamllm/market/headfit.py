@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamllm.engine.gate import balanced_accuracy, risk_coverage, threshold_for_precision
+from streamllm.engine.gate import (
+    balanced_accuracy,
+    margin_ranking,
+    risk_coverage,
+    threshold_for_precision,
+)
 from streamllm.market.intervals import judged_intervals
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
@@ -109,9 +114,19 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
         "coverage_at_target": round(oracle.coverage, 4) if oracle else 0.0,  # this set's own best threshold
         "answer_share": round(Counter(pred.tolist()).most_common(1)[0][1] / n, 4),
         "balanced_accuracy": round(balanced_accuracy(pred.tolist(), y.tolist()), 4),
+        "ranks": _ranks(pred, gap, y, choices),
         **probability_quality(logits, y),
         **({} if blocks is None else judged_intervals(correct.numpy(), gap.numpy(), blocks, target)),
     }
+
+
+def _ranks(pred: torch.Tensor, gap: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...]) -> float | None:
+    """How well the margin ranks the truths (engine/gate.margin_ranking, as calibrate reports it):
+    near 0.5 the head cannot tell them apart; high with a low balanced accuracy, only its decision
+    point is off."""
+    rank = margin_ranking([choices[i] for i in pred.tolist()], gap.tolist(), [choices[i] for i in y.tolist()],
+                          choices[0])
+    return None if rank is None else round(rank, 4)
 
 
 def probability_quality(logits: torch.Tensor, y: torch.Tensor, bins: int = 10) -> dict[str, float]:
