@@ -251,7 +251,9 @@ def test_fit_recovers_a_linear_rule_and_calibrates_its_threshold():
     result = judge(xt @ fit.weight.T + fit.bias, yt, ("a", "b"), threshold, 0.99)
     assert result["accuracy"] > 0.95 and result["base_rate"] < 0.7
     assert result["precision"] >= 0.97 and 0.5 < result["coverage"] < 1.0
+    assert result["ranks"] > 0.98  # the margin orders the truths, as calibrate's ranks column says
     noise = torch.randint(0, 2, (500,), generator=g)
+    assert 0.4 < judge(torch.randn(500, 2, generator=g), noise, ("a", "b"), threshold, 0.99)["ranks"] < 0.6
     assert calibrate_threshold(torch.randn(500, 2, generator=g), noise, 0.99) == math.inf  # no signal: closed
 
 
@@ -541,7 +543,16 @@ def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
          sum(b.volume for b in run)))
     assert d.ts_open == daily[0].ts_open + 2 * 86_400 * 10**9 and d.interval_ns == 86_400 * 10**9
     assert all("T" in line.split()[0] for line in render_lines(daily))  # each line a new day: dated
-    for bad in ("price=0", "cost=1", "bars=0", "price=abc", "price=1,bars=2.5"):
+    # Another size unit: every volume label is a ratio of volumes, so it stays; the lines show other units.
+    thousandth = Variant.parse("volume=0.001")
+    small = thousandth.apply(bars_)
+    assert str(thousandth) == "x1-vol0.001" and small[7].volume == pytest.approx(bars_[7].volume * 0.001)
+    assert small[7].buy_volume == pytest.approx(bars_[7].buy_volume * 0.001, nan_ok=True)
+    spike = parse_label("volume_spike(k=3, n=20)")
+    assert [spike.evaluate(small[:i]) for i in range(1, 121)] == [spike.evaluate(bars_[:i]) for i in range(1, 121)]
+    assert [line.split(" v")[1] for line in render_lines(small[:3])] != [
+        line.split(" v")[1] for line in render_lines(bars_[:3])]
+    for bad in ("price=0", "cost=1", "bars=0", "price=abc", "price=1,bars=2.5", "volume=0", "volume=inf"):
         with pytest.raises(TuneError, match="--mix-as"):
             Variant.parse(bad)
 

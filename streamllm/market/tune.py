@@ -98,8 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                         "transfer better; never judged on")
     p.add_argument("--mix-as", nargs="+", type=_variant, default=[], metavar="SPEC",
                    help="train also on --data's training range as another market shows it: price=X (X times the "
-                        "price, 6 significant digits), bars=N (N bars merged: larger moves), every=S (stamped S "
-                        "seconds apart); e.g. price=0.00003 price=0.003,bars=30,every=86400; --mix-windows each")
+                        "price, 6 significant digits), volume=V (V times the volume: another size unit), bars=N (N "
+                        "bars merged: larger moves), every=S (stamped S seconds apart); e.g. price=0.00003 price=0.003,bars=30,every=86400; --mix-windows each")
     p.add_argument("--mix-windows", type=int, default=4,
                    help="training windows from each --mix source (each instrument of a synthetic market)")
     p.add_argument("--mix-dev-windows", type=int, default=0, metavar="N",

@@ -193,6 +193,7 @@ class Variant:
     of prices or volumes within the window, and labels are computed from the variant's own bars."""
 
     price: float = 1.0  # times the price, quoted to 6 significant digits (another price level)
+    volume: float = 1.0  # times the volume (another market's size unit: contracts, shares, ticks)
     bars: int = 1  # consecutive bars merged into one (another interval: larger moves per bar)
     every: int = 0  # seconds between the bars' stamps (86400: one line per day, each dated); 0: as merged
 
@@ -202,19 +203,20 @@ class Variant:
         for part in text.split(","):
             key, sep, value = part.partition("=")
             try:
-                if not sep or key.strip() not in ("price", "bars", "every"):
+                if not sep or key.strip() not in ("price", "volume", "bars", "every"):
                     raise ValueError
-                kw[key.strip()] = float(value) if key.strip() == "price" else int(value)
+                kw[key.strip()] = float(value) if key.strip() in ("price", "volume") else int(value)
             except ValueError:
-                raise TuneError(f"--mix-as {text!r}: write price=X[,bars=N][,every=SECONDS], "
+                raise TuneError(f"--mix-as {text!r}: write price=X[,volume=V][,bars=N][,every=SECONDS], "
                                 "e.g. price=0.003,bars=30,every=86400") from None
         v = cls(**kw)
-        if not (v.price > 0 and math.isfinite(v.price)) or v.bars < 1 or v.every < 0:
-            raise TuneError(f"--mix-as {text!r}: need price > 0, bars >= 1 and every >= 0")
+        if not all(x > 0 and math.isfinite(x) for x in (v.price, v.volume)) or v.bars < 1 or v.every < 0:
+            raise TuneError(f"--mix-as {text!r}: need price > 0, volume > 0, bars >= 1 and every >= 0")
         return v
 
     def __str__(self) -> str:
-        return f"x{self.price:g}" + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else "")
+        return (f"x{self.price:g}" + (f"-vol{self.volume:g}" if self.volume != 1 else "")
+                + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else ""))
 
     def apply(self, bars: list[Any]) -> list[Any]:
         from feeds.bars import merge_bars
@@ -225,9 +227,10 @@ class Variant:
             return []
         level = sorted(b.close for b in merged)[len(merged) // 2] * self.price
         dp = max(0, 6 - (math.floor(math.log10(level)) + 1))
-        p, t0, step = self.price, merged[0].ts_open, self.every * 1_000_000_000
+        p, v, t0, step = self.price, self.volume, merged[0].ts_open, self.every * 1_000_000_000
         return [dataclasses.replace(b, open=b.open * p, high=b.high * p, low=b.low * p, close=b.close * p,
-                                    vwap=b.vwap * p, px_dp=dp, **({} if not step else {
+                                    vwap=b.vwap * p, px_dp=dp, volume=b.volume * v, buy_volume=b.buy_volume * v,
+                                    sell_volume=b.sell_volume * v, **({} if not step else {
                                         "ts_open": t0 + i * step, "interval_ns": step, "ts_event": t0 + (i + 1) * step,
                                         "ts_recv": t0 + (i + 1) * step}))
                 for i, b in enumerate(merged)]
