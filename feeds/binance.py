@@ -32,8 +32,8 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
-from feeds.validate import BadValue, check_bar, error_kind, flag, nonnegative, positive
-from feeds.wire import Loads, ParseStats, SeqTracker, VenueError, fast_loads
+from feeds.validate import BadValue, check_bar, flag, nonnegative, positive
+from feeds.wire import CountingParser, Loads, SeqTracker, VenueError, fast_loads
 
 VENUE = "binance"
 MARKETS = ("spot", "usdm", "coinm")
@@ -56,10 +56,10 @@ def _levels(rows: list[list[str]], side: str) -> list[tuple[float, float]]:
     return out
 
 
-class BinanceParser:
+class BinanceParser(CountingParser):
     """Binance messages of one market -> events; depth and trade ids are checked per symbol."""
 
-    venue = VENUE
+    venue = label = VENUE
 
     def __init__(
         self, loads: Loads = fast_loads, symbol_hint: str = "", closed_klines_only: bool = True,
@@ -67,27 +67,18 @@ class BinanceParser:
     ) -> None:
         if market not in MARKETS:
             raise ValueError(f"binance market {market!r}: one of {', '.join(MARKETS)}")
-        self.loads = loads
+        super().__init__(loads)
         self.market = market
         self.futures = market != "spot"
-        self.stats = ParseStats()
         self.seq = SeqTracker(self.stats)
         self.closed_klines_only = closed_klines_only
         self._last_symbol = symbol_hint.upper()
         self._depth_u: dict[str, int] = {}  # futures: last `u` per symbol
         self._snap: dict[str, int] = {}  # futures: lastUpdateId of a snapshot not yet bridged
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            msg = self.loads(raw)
-            data = msg.get("data", msg) if "stream" in msg else msg
-            out = self._dispatch(data, ts_recv)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"binance {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        msg = self.loads(raw)
+        return self._dispatch(msg.get("data", msg) if "stream" in msg else msg, ts_recv)
 
     def _futures_only(self, what: str) -> None:
         if not self.futures:

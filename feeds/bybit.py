@@ -25,8 +25,15 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
-from feeds.validate import check_bar, error_kind, nonnegative, positive
-from feeds.wire import Loads, ParseStats, SeqTracker, UnsupportedFormat, VenueError, fast_loads
+from feeds.validate import check_bar, nonnegative, positive
+from feeds.wire import (
+    CountingParser,
+    Loads,
+    SeqTracker,
+    UnsupportedFormat,
+    VenueError,
+    fast_loads,
+)
 
 VENUE = "bybit"
 URLS = {"spot": "wss://stream.bybit.com/v5/public/spot", "linear": "wss://stream.bybit.com/v5/public/linear",
@@ -52,29 +59,16 @@ def kline_ns(interval: str) -> int:
     raise ValueError(f"kline interval {interval!r}: read are minutes, D and W (months vary in length)")
 
 
-class BybitParser:
-    venue = VENUE
+class BybitParser(CountingParser):
+    venue = label = VENUE
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self.seq = SeqTracker(self.stats)
         self._tickers: dict[str, dict[str, Any]] = {}  # symbol -> the last value of every ticker field
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            msg = self.loads(raw)
-            if not isinstance(msg, dict):
-                raise ValueError(f"bybit messages are JSON objects, got {type(msg).__name__}")
-            out = self._dispatch(msg, ts_recv)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"bybit {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
-
-    def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        msg = self._object(raw)
         if "topic" not in msg:
             if "op" in msg or "request" in msg:  # a reply to our op (before v5: the op under "request")
                 if msg.get("success") is False:

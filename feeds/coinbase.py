@@ -25,11 +25,11 @@ from typing import Any
 
 from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, decimals
-from feeds.validate import check_bar, error_kind, nonnegative, positive
+from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
     AuthError,
+    CountingParser,
     Loads,
-    ParseStats,
     SeqTracker,
     UnsupportedFormat,
     VenueError,
@@ -48,40 +48,28 @@ EXCHANGE_REFUSAL = ("this looks like Coinbase Exchange (ws-feed: messages keyed 
                     "venue is sniffed: feeds/coinbase_exchange.py)")
 
 
-class CoinbaseParser:
-    venue = VENUE
+class CoinbaseParser(CountingParser):
+    venue = label = VENUE
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self.seq = SeqTracker(self.stats)
         self._open_candles: dict[str, dict[str, Any]] = {}
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            msg = self.loads(raw)
-            if not isinstance(msg, dict):
-                raise ValueError(f"coinbase messages are JSON objects, got {type(msg).__name__}")
-            if msg.get("type") == "error":
-                text = str(msg.get("message", ""))
-                if "auth" in text.lower():
-                    raise AuthError(f"coinbase refused authentication: {text}")
-                raise VenueError(f"coinbase error: {text}")
-            if "sequence_num" in msg:
-                # Coinbase numbers messages per connection from 0: a reconnect restarts it.
-                seq = msg["sequence_num"]
-                if seq == 0:
-                    self.seq.reset()
-                self.seq.check("connection", seq)
-            out = self._dispatch(msg, ts_recv)
-        except AuthError:
-            raise
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"coinbase {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        msg = self._object(raw)
+        if msg.get("type") == "error":
+            text = str(msg.get("message", ""))
+            if "auth" in text.lower():
+                raise AuthError(f"coinbase refused authentication: {text}")
+            raise VenueError(f"coinbase error: {text}")
+        if "sequence_num" in msg:
+            # Coinbase numbers messages per connection from 0: a reconnect restarts it.
+            seq = msg["sequence_num"]
+            if seq == 0:
+                self.seq.reset()
+            self.seq.check("connection", seq)
+        return self._dispatch(msg, ts_recv)
 
     def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
         if "channel" not in msg and msg.get("type") in EXCHANGE_TYPES:

@@ -29,8 +29,16 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, BookDelta, Quote, Trade, decimals
-from feeds.validate import error_kind, nonnegative, positive
-from feeds.wire import AuthError, Loads, ParseStats, SeqTracker, VenueError, fast_loads, rfc3339_ns
+from feeds.validate import nonnegative, positive
+from feeds.wire import (
+    AuthError,
+    CountingParser,
+    Loads,
+    SeqTracker,
+    VenueError,
+    fast_loads,
+    rfc3339_ns,
+)
 
 VENUE = "coinbase"
 NAN = math.nan
@@ -44,30 +52,16 @@ TYPES = frozenset({"match", "last_match", "ticker", "l2update", "snapshot", "hea
                    "status"}) | ORDER_EVENTS
 
 
-class CoinbaseExchangeParser:
+class CoinbaseExchangeParser(CountingParser):
     venue = VENUE
+    label = "coinbase-exchange"
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self.seq = SeqTracker(self.stats)
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            msg = self.loads(raw)
-            if not isinstance(msg, dict):
-                raise ValueError(f"coinbase ws-feed messages are JSON objects, got {type(msg).__name__}")
-            out = self._dispatch(msg, ts_recv)
-        except AuthError:
-            raise
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"coinbase-exchange {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
-
-    def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        msg = self._object(raw)
         kind = msg["type"]
         if kind in ("match", "last_match"):
             return self._match(msg, ts_recv)

@@ -20,10 +20,10 @@ from __future__ import annotations
 from typing import Any
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade, float_decimals
-from feeds.validate import check_bar, error_kind, nonnegative, positive
+from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
+    CountingParser,
     Loads,
-    ParseStats,
     SeqTracker,
     UnsupportedFormat,
     VenueError,
@@ -39,25 +39,16 @@ V1_REFUSAL = ("this looks like Kraken websocket v1 (ws.kraken.com: array message
               "reads v2. Read v1 captures as venue 'kraken-v1' (a capture's venue is sniffed: feeds/kraken_v1.py)")
 
 
-class KrakenParser:
-    venue = VENUE
+class KrakenParser(CountingParser):
+    venue = label = VENUE
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self.seq = SeqTracker(self.stats)
         self._open_bars: dict[tuple[str, int], dict[str, Any]] = {}
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            msg = self.loads(raw)
-            out = self._dispatch(msg, ts_recv)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"kraken {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        return self._dispatch(self.loads(raw), ts_recv)
 
     def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
         if isinstance(msg, list) or "event" in msg:

@@ -23,8 +23,8 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade, decimals
-from feeds.validate import check_bar, error_kind, nonnegative, positive
-from feeds.wire import Loads, ParseStats, VenueError, epoch_ns, fast_loads
+from feeds.validate import check_bar, nonnegative, positive
+from feeds.wire import CountingParser, Loads, VenueError, epoch_ns, fast_loads
 
 VENUE = "kraken"
 MIN_NS = 60 * 1_000_000_000
@@ -32,25 +32,16 @@ NAN = math.nan
 _SIDES = {"b": BUY, "s": SELL}
 
 
-class KrakenV1Parser:
+class KrakenV1Parser(CountingParser):
     venue = VENUE
+    label = "kraken-v1"
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self._open_bars: dict[tuple[str, int], list[Any]] = {}
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        try:
-            out = self._dispatch(self.loads(raw), ts_recv)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"kraken-v1 {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
-
-    def _dispatch(self, msg: Any, ts_recv: int) -> list[Any]:
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        msg = self.loads(raw)
         if isinstance(msg, dict):
             event = msg["event"]
             if event == "error" or msg.get("status") == "error":

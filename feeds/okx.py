@@ -27,8 +27,8 @@ import math
 from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Mark, Quote, Trade, decimals
-from feeds.validate import check_bar, error_kind, nonnegative, positive
-from feeds.wire import Loads, ParseStats, VenueError, fast_loads
+from feeds.validate import check_bar, nonnegative, positive
+from feeds.wire import CountingParser, Loads, VenueError, fast_loads
 
 VENUE = "okx"
 DEFAULT_URL = "wss://ws.okx.com:8443/ws/v5/public"
@@ -50,32 +50,19 @@ def candle_ns(channel: str) -> int:
     return int(count) * _UNIT_NS[unit]
 
 
-class OkxParser:
-    venue = VENUE
+class OkxParser(CountingParser):
+    venue = label = VENUE
 
     def __init__(self, loads: Loads = fast_loads) -> None:
-        self.loads = loads
-        self.stats = ParseStats()
+        super().__init__(loads)
         self._seq: dict[str, int] = {}  # instId@channel -> last seqId
         self._open_bars: dict[tuple[str, str], list[str]] = {}
 
-    def parse(self, raw: str | bytes, ts_recv: int) -> list[Any]:
-        self.stats.messages += 1
-        if raw in ("pong", b"pong"):
+    def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
+        if raw in ("pong", b"pong"):  # the answer to our ping, in text
             self.stats.control += 1
             return []
-        try:
-            msg = self.loads(raw)
-            if not isinstance(msg, dict):
-                raise ValueError(f"okx messages are JSON objects, got {type(msg).__name__}")
-            out = self._dispatch(msg, ts_recv)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, VenueError) as exc:
-            self.stats.error(f"okx {type(exc).__name__} {exc}", raw, error_kind(exc))
-            return []
-        self.stats.events += len(out)
-        return out
-
-    def _dispatch(self, msg: dict[str, Any], ts_recv: int) -> list[Any]:
+        msg = self._object(raw)
         if "event" in msg:
             if msg["event"] == "error":
                 raise VenueError(f"okx error {msg.get('code', '')}: {msg.get('msg', '')}")

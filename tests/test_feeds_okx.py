@@ -167,7 +167,7 @@ def test_the_okx_adapter_subscribes_pings_and_streams() -> None:
 def test_an_okx_error_event_is_named_by_its_code() -> None:
     p = OkxParser()
     with pytest.raises(VenueError, match="60018"):
-        p._dispatch({"event": "error", "code": "60018", "msg": "doesn't exist"}, 0)
+        p._read(json.dumps({"event": "error", "code": "60018", "msg": "doesn't exist"}), 0)
 
 
 def test_sessions_on_one_venue_share_one_connection_from_their_config(monkeypatch: pytest.MonkeyPatch) -> None:
