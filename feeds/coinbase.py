@@ -30,6 +30,7 @@ from feeds.wire import (
     AuthError,
     CountingParser,
     Loads,
+    OpenCandles,
     SeqTracker,
     UnsupportedFormat,
     VenueError,
@@ -54,7 +55,7 @@ class CoinbaseParser(CountingParser):
     def __init__(self, loads: Loads = fast_loads) -> None:
         super().__init__(loads)
         self.seq = SeqTracker(self.stats)
-        self._open_candles: dict[str, dict[str, Any]] = {}
+        self._candles = OpenCandles()
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         msg = self._object(raw)
@@ -122,15 +123,8 @@ class CoinbaseParser(CountingParser):
         return out
 
     def _candle(self, c: dict[str, Any], ts_recv: int) -> list[Bar]:
-        product = c["product_id"]
-        start = int(c["start"])
-        pending = self._open_candles.get(product)
-        if pending is not None and start < int(pending["start"]):
-            return []  # a late resend of a candle we already closed
-        self._open_candles[product] = c
-        if pending is None or start == int(pending["start"]):
-            return []
-        return [self._bar(pending, ts_recv)]
+        done = self._candles.closed(c["product_id"], int(c["start"]), c)
+        return [] if done is None else [self._bar(done, ts_recv)]
 
     def _bar(self, c: dict[str, Any], ts_recv: int) -> Bar:
         o, h, lo, cl, v = c["open"], c["high"], c["low"], c["close"], c["volume"]

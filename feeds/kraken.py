@@ -24,6 +24,7 @@ from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
     CountingParser,
     Loads,
+    OpenCandles,
     SeqTracker,
     UnsupportedFormat,
     VenueError,
@@ -45,7 +46,7 @@ class KrakenParser(CountingParser):
     def __init__(self, loads: Loads = fast_loads) -> None:
         super().__init__(loads)
         self.seq = SeqTracker(self.stats)
-        self._open_bars: dict[tuple[str, int], dict[str, Any]] = {}
+        self._candles = OpenCandles()
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         return self._dispatch(self.loads(raw), ts_recv)
@@ -91,15 +92,8 @@ class KrakenParser(CountingParser):
 
     def _candle(self, c: dict[str, Any], ts_recv: int) -> list[Bar]:
         # Kraken resends the open candle as it fills: emit one once a later candle begins.
-        key = (c["symbol"], int(c["interval"]))
-        begin = c["interval_begin"]
-        pending = self._open_bars.get(key)
-        if pending is not None and begin < pending["interval_begin"]:
-            return []
-        self._open_bars[key] = c
-        if pending is None or begin == pending["interval_begin"]:
-            return []
-        return [self._bar(pending, ts_recv)]
+        done = self._candles.closed((c["symbol"], int(c["interval"])), c["interval_begin"], c)
+        return [] if done is None else [self._bar(done, ts_recv)]
 
     def _bar(self, c: dict[str, Any], ts_recv: int) -> Bar:
         interval = int(c["interval"]) * MIN_NS

@@ -24,7 +24,7 @@ from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
-from feeds.wire import CountingParser, Loads, VenueError, epoch_ns, fast_loads
+from feeds.wire import CountingParser, Loads, OpenCandles, VenueError, epoch_ns, fast_loads
 
 VENUE = "kraken"
 MIN_NS = 60 * 1_000_000_000
@@ -38,7 +38,7 @@ class KrakenV1Parser(CountingParser):
 
     def __init__(self, loads: Loads = fast_loads) -> None:
         super().__init__(loads)
-        self._open_bars: dict[tuple[str, int], list[Any]] = {}
+        self._candles = OpenCandles()
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         msg = self.loads(raw)
@@ -100,15 +100,8 @@ class KrakenV1Parser(CountingParser):
         return BookDelta(VENUE, pair, latest or ts_recv, ts_recv, bids, asks, 0, 0, snapshot)
 
     def _candle(self, pair: str, minutes: int, c: list[Any], ts_recv: int) -> list[Bar]:
-        key = (pair, minutes)
-        end = epoch_ns(c[1])
-        pending = self._open_bars.get(key)
-        if pending is not None and end < epoch_ns(pending[1]):
-            return []  # a late resend of a candle already closed
-        self._open_bars[key] = c
-        if pending is None or end == epoch_ns(pending[1]):
-            return []
-        return [self._bar(pair, minutes, pending, ts_recv)]
+        done = self._candles.closed((pair, minutes), epoch_ns(c[1]), c)  # keyed by its end: etime
+        return [] if done is None else [self._bar(pair, minutes, done, ts_recv)]
 
     def _bar(self, pair: str, minutes: int, c: list[Any], ts_recv: int) -> Bar:
         _, end, o, h, lo, cl, vwap, v, count = c[:9]

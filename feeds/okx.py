@@ -28,7 +28,7 @@ from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Mark, Quote, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
-from feeds.wire import CountingParser, Loads, VenueError, fast_loads
+from feeds.wire import CountingParser, Loads, OpenCandles, VenueError, fast_loads
 
 VENUE = "okx"
 DEFAULT_URL = "wss://ws.okx.com:8443/ws/v5/public"
@@ -56,7 +56,7 @@ class OkxParser(CountingParser):
     def __init__(self, loads: Loads = fast_loads) -> None:
         super().__init__(loads)
         self._seq: dict[str, int] = {}  # instId@channel -> last seqId
-        self._open_bars: dict[tuple[str, str], list[str]] = {}
+        self._candles = OpenCandles()  # captures from before `confirm`
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         if raw in ("pong", b"pong"):  # the answer to our ping, in text
@@ -126,14 +126,8 @@ class OkxParser(CountingParser):
     def _candle(self, inst: str, channel: str, interval: int, c: list[str], ts_recv: int) -> list[Bar]:
         if len(c) >= 9:  # confirm: "1" once the candle is closed
             return [self._bar(inst, interval, c, ts_recv)] if c[8] == "1" else []
-        key = (inst, channel)  # older captures: a candle is closed once the next one starts
-        pending = self._open_bars.get(key)
-        if pending is not None and int(c[0]) < int(pending[0]):
-            return []
-        self._open_bars[key] = c
-        if pending is None or c[0] == pending[0]:
-            return []
-        return [self._bar(inst, interval, pending, ts_recv)]
+        done = self._candles.closed((inst, channel), int(c[0]), c)  # older captures: closed once the next starts
+        return [] if done is None else [self._bar(inst, interval, done, ts_recv)]
 
     def _bar(self, inst: str, interval: int, c: list[str], ts_recv: int) -> Bar:
         ts, o, h, lo, cl, v = c[:6]

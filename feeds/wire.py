@@ -118,6 +118,26 @@ class CountingParser:
         return msg
 
 
+class OpenCandles:
+    """Candles a venue resends as they fill (Coinbase candles, Kraken ohlc, OKX's before `confirm`):
+    one is closed once a later one of the same key begins; a late resend of one closed is dropped."""
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: dict[Any, tuple[Any, Any]] = {}  # key -> (start, the candle as last sent)
+
+    def closed(self, key: Any, start: Any, candle: Any) -> Any:
+        """The candle that this one, starting at `start`, closes (None if none); this one is then the open one."""
+        pending = self._open.get(key)
+        if pending is not None and start < pending[0]:
+            return None
+        self._open[key] = (start, candle)
+        if pending is None or start == pending[0]:
+            return None
+        return pending[1]
+
+
 class WireParser(Protocol):
     venue: str
     stats: ParseStats
