@@ -51,6 +51,12 @@ OLD_REFUSAL = ("this looks like Bybit's API before v5 (topics trade.X, orderBook
                "reads v5 (publicTrade.X, orderbook.N.X, kline.I.X: wss://stream.bybit.com/v5/public/...)")
 
 
+def before_v5(topic: str) -> bool:
+    """Whether a topic is one of Bybit's pre-v5 API (the capture sniffer asks too)."""
+    name = topic.partition(".")[0]
+    return name in OLD_TOPICS or name.startswith("orderBookL2")
+
+
 def kline_ns(interval: str) -> int:
     if interval.isdigit():
         return int(interval) * MIN_NS
@@ -87,12 +93,12 @@ class BybitParser(CountingParser):
         if name == "tickers":
             return self._ticker(msg["type"], data, int(msg["ts"]) * MS, ts_recv)
         if name == "kline":
-            interval, _, symbol = symbol.partition(".")
+            symbol = symbol.partition(".")[2]  # kline.<interval>.<symbol>: each kline says its interval
             return [self._bar(symbol, k, ts_recv) for k in data if k["confirm"] is True]
         if name in ("allLiquidation", "liquidation"):
             rows = data if isinstance(data, list) else [data]
             return [self._liquidation(r, ts_recv) for r in rows]
-        if name in OLD_TOPICS or name.startswith("orderBookL2"):
+        if before_v5(msg["topic"]):
             raise UnsupportedFormat(OLD_REFUSAL)
         raise ValueError(f"unknown bybit topic {msg['topic']!r}")
 

@@ -98,10 +98,9 @@ def sniff_venue(raw: bytes) -> str:
     if "channel" in msg or "method" in msg:
         return "kraken"
     if "topic" in msg or "conn_id" in msg:  # {"topic": "publicTrade.BTCUSDT", "type", "ts", "data"}; op replies
-        from feeds.bybit import OLD_REFUSAL, OLD_TOPICS
+        from feeds.bybit import OLD_REFUSAL, before_v5
 
-        name = str(msg.get("topic", "")).partition(".")[0]
-        if "request" in msg or name in OLD_TOPICS or name.startswith("orderBookL2"):
+        if "request" in msg or before_v5(str(msg.get("topic", ""))):
             raise UnsupportedFormat(OLD_REFUSAL)
         return "bybit"
     if "arg" in msg or ("event" in msg and ("code" in msg or "connId" in msg)):

@@ -13,6 +13,7 @@ as asked at all (unknown format, ambiguous dates) raises ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,40 +28,24 @@ __all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open
            "read_capture"]
 
 
+# Each wire format's parser, imported when first asked for (a replay of one venue loads only its own).
+PARSERS = {
+    "binance": ("feeds.binance", "BinanceParser"),
+    "bybit": ("feeds.bybit", "BybitParser"),
+    "coinbase": ("feeds.coinbase", "CoinbaseParser"),
+    "coinbase-exchange": ("feeds.coinbase_exchange", "CoinbaseExchangeParser"),
+    "kraken": ("feeds.kraken", "KrakenParser"),
+    "kraken-v1": ("feeds.kraken_v1", "KrakenV1Parser"),
+    "okx": ("feeds.okx", "OkxParser"),
+    "alpaca": ("feeds.alpaca", "AlpacaParser"),
+}
+
+
 def parser_for(venue: str, **kw: Any) -> WireParser:
-    if venue == "binance":
-        from feeds.binance import BinanceParser
-
-        return BinanceParser(**kw)
-    if venue == "coinbase":
-        from feeds.coinbase import CoinbaseParser
-
-        return CoinbaseParser(**kw)
-    if venue == "kraken":
-        from feeds.kraken import KrakenParser
-
-        return KrakenParser(**kw)
-    if venue == "alpaca":
-        from feeds.alpaca import AlpacaParser
-
-        return AlpacaParser(**kw)
-    if venue == "bybit":
-        from feeds.bybit import BybitParser
-
-        return BybitParser(**kw)
-    if venue == "okx":
-        from feeds.okx import OkxParser
-
-        return OkxParser(**kw)
-    if venue == "coinbase-exchange":
-        from feeds.coinbase_exchange import CoinbaseExchangeParser
-
-        return CoinbaseExchangeParser(**kw)
-    if venue == "kraken-v1":
-        from feeds.kraken_v1 import KrakenV1Parser
-
-        return KrakenV1Parser(**kw)
-    raise ValueError(f"unknown venue {venue!r} (binance, bybit, coinbase, coinbase-exchange, kraken, kraken-v1, okx, alpaca)")
+    if venue not in PARSERS:
+        raise ValueError(f"unknown venue {venue!r} ({', '.join(PARSERS)})")
+    module, name = PARSERS[venue]
+    return getattr(importlib.import_module(module), name)(**kw)
 
 
 @dataclass
