@@ -37,6 +37,8 @@ from streamllm.config.specs import (
     QuestionSpec,
     RenderSpec,
     SessionSpec,
+    is_websocket_url,
+    venue_symbol,
 )
 from streamllm.market.labels import LabelError, LabelSpec, parse_label
 
@@ -212,12 +214,10 @@ class _Reader:
             raise self.fail(_join(path, "symbols"), f"only for live venues and 'cryptofeed', not {kind!r}")
         if kind in LIVE_VENUES:
             url = location.strip()
-            if url and not re.fullmatch(r"wss?://\S+", url):
+            if url and not is_websocket_url(url):
                 raise self.fail(key, f"after {kind!r}: a websocket endpoint (ws://... or wss://...), got {url!r}")
-            if kind == "binance":  # stream names: lower case, no separators
-                default = [re.sub(r"[^a-z0-9]", "", instrument.lower())]
-                return FeedSpec(kind, None, tuple(s.lower() for s in self.symbols(table, path, default)), url=url)
-            return FeedSpec(kind, None, self.symbols(table, path, [instrument]), url=url)  # as the venue spells it
+            symbols = self.symbols(table, path, [venue_symbol(kind, instrument)])
+            return FeedSpec(kind, None, tuple(s.lower() for s in symbols) if kind == "binance" else symbols, url=url)
         if location and kind not in FEEDS_WITH_PATH:
             raise self.fail(key, f"{kind!r} takes no path (got {location!r})")
         if kind in FEEDS_WITH_PATH:

@@ -6,6 +6,7 @@ TOML and is the only place that validates. The defaults and allowed values live 
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,18 @@ DEFAULT_SYSTEM_PROMPT = (
 LIVE_VENUES = ("binance", "bybit", "coinbase", "kraken", "okx", "alpaca")  # native adapters: feeds/adapters.py
 FEED_KINDS = ("synthetic", *LIVE_VENUES, "replay", "csv", "cryptofeed")
 FEEDS_WITH_PATH = ("replay", "csv")
+_WEBSOCKET_URL = re.compile(r"wss?://\S+")
+
+
+def is_websocket_url(text: str) -> bool:
+    """An endpoint a live venue feed may name after its kind ("okx:wss://...")."""
+    return _WEBSOCKET_URL.fullmatch(text) is not None
+
+
+def venue_symbol(venue: str, instrument: str) -> str:
+    """What a live venue subscribes for a session that names no symbols: Binance's stream names are
+    lower case without separators (btcusdt); other venues take the instrument as they spell it."""
+    return re.sub(r"[^a-z0-9]", "", instrument.lower()) if venue == "binance" else instrument
 RENDER_MODES = ("bars", "events")
 CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (market/render.py)
 MAX_CHOICES = 16

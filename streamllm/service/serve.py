@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -30,7 +29,9 @@ from streamllm.config import (
     FeedSpec,
     QueryConfig,
     SessionSpec,
+    is_websocket_url,
     load_config,
+    venue_symbol,
 )
 from streamllm.service.bars import TapSink
 from streamllm.service.feeds import FeedRunner
@@ -53,7 +54,7 @@ def parse_feed_override(text: str) -> FeedSpec:
     kind, _, rest = text.partition(":")
     if kind == "synthetic" and not rest:
         return FeedSpec("synthetic")
-    if kind in LIVE_VENUES and (not rest or re.fullmatch(r"wss?://\S+", rest.strip())):
+    if kind in LIVE_VENUES and (not rest or is_websocket_url(rest.strip())):
         return FeedSpec(kind, url=rest.strip())
     if kind in ("replay", "csv") and rest.strip():
         return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
@@ -97,8 +98,7 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         symbols: list[str] = []
         for spec in group.sessions:
             own = spec.feed.symbols if spec.feed.kind == feed.kind else ()
-            default = re.sub(r"[^a-z0-9]", "", spec.instrument.lower()) if feed.kind == "binance" else spec.instrument
-            symbols += [s for s in (own or (default,)) if s not in symbols]
+            symbols += [s for s in (own or (venue_symbol(feed.kind, spec.instrument),)) if s not in symbols]
         return FeedAdapter(feed.kind, symbols, url=feed.url or None, credentials=venue_credentials(feed.kind)).events()
     if feed.kind == "cryptofeed":
         from feeds.cryptofeed_adapter import CryptofeedAdapter
