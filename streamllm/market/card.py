@@ -97,11 +97,9 @@ def card_markdown(card: dict[str, Any]) -> str:
             if not j.get("samples"):
                 continue
             base = q["base_model"][s]
-            balanced = "-" if j.get("balanced_accuracy") is None else format(j["balanced_accuracy"], ".2f")
             lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
-                         f"({j['majority']}) | {balanced} | {_num(j.get('ranks'))} | {base['accuracy']:.2f} | "
-                         f"{j['coverage']:.2f} | "
-                         f"{'-' if j['precision'] is None else format(j['precision'], '.2f')} | "
+                         f"({j['majority']}) | {_num(j.get('balanced_accuracy'))} | {_num(j.get('ranks'))} | "
+                         f"{base['accuracy']:.2f} | {j['coverage']:.2f} | {_num(j['precision'])} | "
                          f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]
@@ -112,7 +110,7 @@ def card_markdown(card: dict[str, Any]) -> str:
                   "| question | set | n | accuracy | base rate | coverage @thr | precision @thr | ECE |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} ({j['majority']}) | "
-                  f"{j['coverage']:.2f} | {'-' if j['precision'] is None else format(j['precision'], '.2f')} | {_ece(j)} |"
+                  f"{j['coverage']:.2f} | {_num(j['precision'])} | {_ece(j)} |"
                   for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):
