@@ -72,6 +72,14 @@ def _send_text(msg: dict[str, Any]) -> str:
     return orjson.dumps(msg).decode()
 
 
+# Venues that want an application ping every `ping_s`: what to send, given a request number.
+PINGS: dict[str, Callable[[int], str]] = {
+    "kraken": lambda req_id: _send_text(kraken.ping_message(req_id)),
+    "okx": lambda _: okx.PING,
+    "bybit": lambda _: _send_text(bybit.ping_message()),
+}
+
+
 class FeedAdapter:
     def __init__(
         self,
@@ -192,7 +200,7 @@ class FeedAdapter:
         pending, self._pending = self._pending, []
         for ev in pending:
             yield ev
-        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue in ("kraken", "okx", "bybit") else None
+        pinger = asyncio.create_task(self._ping_loop(ws)) if self.venue in PINGS else None
         try:
             while True:
                 try:
@@ -207,17 +215,10 @@ class FeedAdapter:
             if pinger is not None:
                 pinger.cancel()
 
-    def _ping(self, req_id: int) -> str:
-        if self.venue == "okx":
-            return okx.PING
-        if self.venue == "bybit":
-            return _send_text(bybit.ping_message())
-        return _send_text(kraken.ping_message(req_id))
-
     async def _ping_loop(self, ws: ClientConnection) -> None:
         req_id = 0
         with contextlib.suppress(ConnectionClosed, asyncio.CancelledError):
             while True:
                 await asyncio.sleep(self.ping_s)
                 req_id += 1
-                await ws.send(self._ping(req_id))
+                await ws.send(PINGS[self.venue](req_id))
