@@ -25,7 +25,6 @@ do not know (new ones are added); they are counted as control.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from feeds.events import BUY, SELL, BookDelta, Quote, Trade, decimals
@@ -37,11 +36,11 @@ from feeds.wire import (
     SeqTracker,
     VenueError,
     fast_loads,
+    optional_sizes,
     rfc3339_ns,
 )
 
 VENUE = "coinbase"
-NAN = math.nan
 # The maker's side -> the aggressor's: a resting sell was hit by a buyer.
 _AGGRESSOR = {"sell": BUY, "buy": SELL}
 _BOOK_SIDES = ("buy", "sell")
@@ -69,11 +68,9 @@ class CoinbaseExchangeParser(CountingParser):
             b, a = msg["best_bid"], msg["best_ask"]
             bq, aq = msg.get("best_bid_size"), msg.get("best_ask_size")
             ts = rfc3339_ns(msg["time"]) if msg.get("time") else ts_recv
-            sizes = (nonnegative("bid_size", float(bq)), nonnegative("ask_size", float(aq))) \
-                if bq is not None and aq is not None else (NAN, NAN)
-            sz_dp = max(decimals(bq), decimals(aq)) if bq is not None and aq is not None else 4
-            return [Quote(VENUE, msg["product_id"], ts, ts_recv, positive("bid", float(b)), sizes[0],
-                          positive("ask", float(a)), sizes[1], max(decimals(b), decimals(a)), sz_dp)]
+            bid_size, ask_size, sz_dp = optional_sizes(bq, aq)
+            return [Quote(VENUE, msg["product_id"], ts, ts_recv, positive("bid", float(b)), bid_size,
+                          positive("ask", float(a)), ask_size, max(decimals(b), decimals(a)), sz_dp)]
         if kind == "snapshot":
             ts = rfc3339_ns(msg["time"]) if msg.get("time") else ts_recv
             return [BookDelta(VENUE, msg["product_id"], ts, ts_recv, _levels(msg["bids"], "bid"),

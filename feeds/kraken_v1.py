@@ -24,7 +24,15 @@ from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
-from feeds.wire import CountingParser, Loads, OpenCandles, VenueError, epoch_ns, fast_loads
+from feeds.wire import (
+    CountingParser,
+    Loads,
+    OpenCandles,
+    VenueError,
+    epoch_ns,
+    fast_loads,
+    optional_sizes,
+)
 
 VENUE = "kraken"
 MIN_NS = 60 * 1_000_000_000
@@ -59,11 +67,9 @@ class KrakenV1Parser(CountingParser):
             s = payloads[0]
             b, a = s[0], s[1]
             bq, aq = (s[3], s[4]) if len(s) >= 5 else (None, None)
-            sizes = (nonnegative("bid_size", float(bq)), nonnegative("ask_size", float(aq))) \
-                if bq is not None else (NAN, NAN)
-            return [Quote(VENUE, pair, epoch_ns(s[2]), ts_recv, positive("bid", float(b)), sizes[0],
-                          positive("ask", float(a)), sizes[1], max(decimals(b), decimals(a)),
-                          max(decimals(bq), decimals(aq)) if bq is not None else 4)]
+            bid_size, ask_size, sz_dp = optional_sizes(bq, aq)
+            return [Quote(VENUE, pair, epoch_ns(s[2]), ts_recv, positive("bid", float(b)), bid_size,
+                          positive("ask", float(a)), ask_size, max(decimals(b), decimals(a)), sz_dp)]
         if channel == "ticker":
             t = payloads[0]
             (b, _, bq), (a, _, aq) = t["b"][:3], t["a"][:3]

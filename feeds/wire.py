@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import calendar
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 
-from feeds.validate import error_kind
+from feeds.events import decimals
+from feeds.validate import error_kind, nonnegative
 
 # orjson parses exchange messages ~2-3x faster than the stdlib (bench feeds measures it).
 Loads = Callable[[str | bytes], Any]
@@ -168,6 +170,15 @@ class SeqTracker:
 
     def reset(self) -> None:
         self.last.clear()
+
+
+def optional_sizes(bid_size: str | None, ask_size: str | None) -> tuple[float, float, int]:
+    """A quote's sizes where a venue may leave them out (Coinbase tickers before 2022, Kraken v1
+    spreads before 2020): (bid size, ask size, their decimals); NaN, NaN, 4 when it sent none."""
+    if bid_size is None or ask_size is None:
+        return math.nan, math.nan, 4
+    return (nonnegative("bid_size", float(bid_size)), nonnegative("ask_size", float(ask_size)),
+            max(decimals(bid_size), decimals(ask_size)))
 
 
 _SECONDS_CACHE: dict[str, int] = {}
