@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
+from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
     CountingParser,
@@ -33,6 +33,7 @@ from feeds.wire import (
     UnsupportedFormat,
     VenueError,
     fast_loads,
+    text_quote,
 )
 
 VENUE = "bybit"
@@ -136,9 +137,7 @@ class BybitParser(CountingParser):
             top = ("bid1Price", "bid1Size", "ask1Price", "ask1Size")
             if any(last.get(k) != before.get(k) for k in top):
                 b, bq, a, aq = (str(last.get(k, "0")) for k in top)
-                out.append(Quote(VENUE, sym, ts, ts_recv, positive("bid", float(b)), nonnegative("bid_size", float(bq)),
-                                 positive("ask", float(a)), nonnegative("ask_size", float(aq)),
-                                 max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq))))
+                out.append(text_quote(VENUE, sym, ts, ts_recv, b, bq, a, aq))
         if "markPrice" in last and any(last.get(k) != before.get(k) for k in ("markPrice", "indexPrice", "fundingRate")):
             m = str(last["markPrice"])
             index, rate = last.get("indexPrice"), last.get("fundingRate")

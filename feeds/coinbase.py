@@ -24,8 +24,8 @@ import math
 from typing import Any
 
 from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
-from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Quote, Trade, decimals
-from feeds.validate import check_bar, nonnegative, positive
+from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, BookDelta, Trade, decimals
+from feeds.validate import check_bar, positive
 from feeds.wire import (
     AuthError,
     CountingParser,
@@ -36,6 +36,7 @@ from feeds.wire import (
     VenueError,
     fast_loads,
     rfc3339_ns,
+    text_quote,
 )
 
 VENUE = "coinbase"
@@ -92,11 +93,7 @@ class CoinbaseParser(CountingParser):
                 for t in ev["tickers"]:
                     b, a = t["best_bid"], t["best_ask"]
                     bq, aq = t.get("best_bid_quantity", "0"), t.get("best_ask_quantity", "0")
-                    out.append(
-                        Quote(VENUE, t["product_id"], ts_msg, ts_recv, positive("bid", float(b)),
-                              nonnegative("bid_size", float(bq)), positive("ask", float(a)),
-                              nonnegative("ask_size", float(aq)), max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))
-                    )
+                    out.append(text_quote(VENUE, t["product_id"], ts_msg, ts_recv, b, bq, a, aq))
         elif channel == "l2_data":
             for ev in msg["events"]:
                 bids: list[tuple[float, float]] = []

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from feeds.events import BUY, SELL, BookDelta, Quote, Trade, decimals
+from feeds.events import BUY, SELL, BookDelta, Trade, decimals
 from feeds.validate import nonnegative, positive
 from feeds.wire import (
     AuthError,
@@ -36,8 +36,8 @@ from feeds.wire import (
     SeqTracker,
     VenueError,
     fast_loads,
-    optional_sizes,
     rfc3339_ns,
+    text_quote,
 )
 
 VENUE = "coinbase"
@@ -68,9 +68,7 @@ class CoinbaseExchangeParser(CountingParser):
             b, a = msg["best_bid"], msg["best_ask"]
             bq, aq = msg.get("best_bid_size"), msg.get("best_ask_size")
             ts = rfc3339_ns(msg["time"]) if msg.get("time") else ts_recv
-            bid_size, ask_size, sz_dp = optional_sizes(bq, aq)
-            return [Quote(VENUE, msg["product_id"], ts, ts_recv, positive("bid", float(b)), bid_size,
-                          positive("ask", float(a)), ask_size, max(decimals(b), decimals(a)), sz_dp)]
+            return [text_quote(VENUE, msg["product_id"], ts, ts_recv, b, bq, a, aq)]
         if kind == "snapshot":
             ts = rfc3339_ns(msg["time"]) if msg.get("time") else ts_recv
             return [BookDelta(VENUE, msg["product_id"], ts, ts_recv, _levels(msg["bids"], "bid"),

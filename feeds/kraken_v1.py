@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade, decimals
+from feeds.events import BUY, SELL, Bar, BookDelta, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
     CountingParser,
@@ -31,7 +31,7 @@ from feeds.wire import (
     VenueError,
     epoch_ns,
     fast_loads,
-    optional_sizes,
+    text_quote,
 )
 
 VENUE = "kraken"
@@ -67,15 +67,11 @@ class KrakenV1Parser(CountingParser):
             s = payloads[0]
             b, a = s[0], s[1]
             bq, aq = (s[3], s[4]) if len(s) >= 5 else (None, None)
-            bid_size, ask_size, sz_dp = optional_sizes(bq, aq)
-            return [Quote(VENUE, pair, epoch_ns(s[2]), ts_recv, positive("bid", float(b)), bid_size,
-                          positive("ask", float(a)), ask_size, max(decimals(b), decimals(a)), sz_dp)]
+            return [text_quote(VENUE, pair, epoch_ns(s[2]), ts_recv, b, bq, a, aq)]
         if channel == "ticker":
             t = payloads[0]
             (b, _, bq), (a, _, aq) = t["b"][:3], t["a"][:3]
-            return [Quote(VENUE, pair, ts_recv, ts_recv, positive("bid", float(b)), nonnegative("bid_size", float(bq)),
-                          positive("ask", float(a)), nonnegative("ask_size", float(aq)),
-                          max(decimals(b), decimals(a)), max(decimals(bq), decimals(aq)))]
+            return [text_quote(VENUE, pair, ts_recv, ts_recv, b, bq, a, aq)]
         if channel.startswith("ohlc-"):
             return self._candle(pair, int(channel[5:]), payloads[0], ts_recv)
         if channel.startswith("book-"):

@@ -28,7 +28,7 @@ from typing import Any
 
 from feeds.events import BUY, SELL, Bar, BookDelta, Mark, Quote, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
-from feeds.wire import CountingParser, Loads, OpenCandles, VenueError, fast_loads
+from feeds.wire import CountingParser, Loads, OpenCandles, VenueError, fast_loads, text_quote
 
 VENUE = "okx"
 DEFAULT_URL = "wss://ws.okx.com:8443/ws/v5/public"
@@ -107,9 +107,7 @@ class OkxParser(CountingParser):
         return out
 
     def _quote(self, inst: str, b: str, bq: str, a: str, aq: str, ts: str, ts_recv: int) -> Quote:
-        return Quote(VENUE, inst, int(ts) * MS, ts_recv, positive("bid", float(b)), nonnegative("bid_size", float(bq)),
-                     positive("ask", float(a)), nonnegative("ask_size", float(aq)), max(decimals(b), decimals(a)),
-                     max(decimals(bq), decimals(aq)))
+        return text_quote(VENUE, inst, int(ts) * MS, ts_recv, b, bq, a, aq)
 
     def _book(self, inst: str, channel: str, d: dict[str, Any], snapshot: bool, ts_recv: int) -> BookDelta:
         seq, prev = d.get("seqId"), d.get("prevSeqId")

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from feeds.events import decimals
-from feeds.validate import error_kind, nonnegative
+from feeds.events import Quote, decimals
+from feeds.validate import error_kind, nonnegative, positive
 
 # orjson parses exchange messages ~2-3x faster than the stdlib (bench feeds measures it).
 Loads = Callable[[str | bytes], Any]
@@ -172,13 +172,18 @@ class SeqTracker:
         self.last.clear()
 
 
-def optional_sizes(bid_size: str | None, ask_size: str | None) -> tuple[float, float, int]:
-    """A quote's sizes where a venue may leave them out (Coinbase tickers before 2022, Kraken v1
-    spreads before 2020): (bid size, ask size, their decimals); NaN, NaN, 4 when it sent none."""
+def text_quote(venue: str, instrument: str, ts_event: int, ts_recv: int, bid: str, bid_size: str | None,
+               ask: str, ask_size: str | None) -> Quote:
+    """A Quote from the decimal strings venues send, checked (prices > 0, sizes >= 0) and at the decimals
+    shown. Sizes may be left out (None: Coinbase tickers before 2022, Kraken v1 spreads before 2020):
+    then both are unknown, NaN."""
     if bid_size is None or ask_size is None:
-        return math.nan, math.nan, 4
-    return (nonnegative("bid_size", float(bid_size)), nonnegative("ask_size", float(ask_size)),
-            max(decimals(bid_size), decimals(ask_size)))
+        bq, aq, sz_dp = math.nan, math.nan, 4
+    else:
+        bq, aq = nonnegative("bid_size", float(bid_size)), nonnegative("ask_size", float(ask_size))
+        sz_dp = max(decimals(bid_size), decimals(ask_size))
+    return Quote(venue, instrument, ts_event, ts_recv, positive("bid", float(bid)), bq, positive("ask", float(ask)),
+                 aq, max(decimals(bid), decimals(ask)), sz_dp)
 
 
 _SECONDS_CACHE: dict[str, int] = {}
