@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
+from feeds.bars import bars
 from feeds.events import BUY, SELL, Quote, Trade
 from feeds.synthetic import synthetic_events
 from streamllm.market.attach import Attachment, AttachSpec, attach
@@ -151,3 +153,26 @@ def test_a_bp_session_is_rendered_alike_when_served_and_when_tuned(tmp_path) -> 
     served = sink.lines["btc"][: len(tuned)]  # (the tick may close one more, empty, interval)
     assert len(tuned) >= 20 and served == tuned
     assert served != render_window(list(bars(trades, 5)))  # not the price-unit lines
+
+
+def _recv_shifted(evs: list, shift_ns: int) -> list:
+    return [dataclasses.replace(e, ts_recv=e.ts_recv + shift_ns) for e in evs]
+
+
+def test_bars_close_on_the_venue_clock_when_the_receive_clock_is_far_off() -> None:
+    # A capture replayed through a local server (`binance:ws://127.0.0.1:...`) arrives stamped with
+    # today's receive times and its own venue times; so does a feed on a host whose clock is off.
+    evs = synthetic_events(seed=3, duration_s=600)
+    runs = {}
+    for name, shift in {"recorded": 0, "replayed two years on": 2 * 365 * 86400 * S,
+                        "host clock 90 s slow": -90 * S}.items():
+        sink = Sink()
+        a = Attachment(sink, AttachSpec("btc", bar_s=60, instruments=frozenset({"BTCUSDT"})))
+        asyncio.run(attach(_recv_shifted(evs, shift), [a], flush_every=16))
+        assert a.stats.late == 0 and a.accounted() == a.stats.events_in, name
+        runs[name] = sink.lines["btc"]
+    assert len(runs["recorded"]) >= 9
+    assert runs["replayed two years on"] == runs["recorded"] == runs["host clock 90 s slow"]
+    # Bars are closed between trades, not only by the next bar's first trade: a quiet feed still ticks.
+    trades = [e for e in evs if type(e) is Trade and e.instrument == "BTCUSDT"]
+    assert len(runs["recorded"]) == len(list(bars(trades, 60))) - 1  # all but the open one

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from feeds.bars import BarAggregator, merge_bars
+from feeds.clock import VenueClock
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
 from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
@@ -308,18 +309,24 @@ async def attach(
     flush_s: float = 0.05,
 ) -> None:
     """Drive attachments from a feed until it ends; flushes every `flush_every` events or
-    `flush_s` seconds of wall time, and closes bars on the feed's clock."""
+    `flush_s` seconds of wall time, and closes bars on the venue's clock as the trades' times
+    and receive times estimate it (feeds/clock.py: a replayed capture or a host clock that is
+    off would otherwise close bars before their trades arrive)."""
     loop = asyncio.get_running_loop()
     last_flush, n = loop.time(), 0
+    clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
 
     def step(ev: Any) -> None:
         nonlocal last_flush, n
         n += 1
+        if type(ev) is Trade:
+            clock.observe(ev.ts_event, ev.ts_recv)
         for a in attachments:
             a.offer(ev)
         if n % flush_every == 0 or loop.time() - last_flush >= flush_s:
+            now = clock.settled(ev.ts_recv)
             for a in attachments:
-                a.tick(ev.ts_recv)
+                a.tick(now)
                 a.flush()
             last_flush = loop.time()
 
