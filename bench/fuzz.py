@@ -84,6 +84,20 @@ SAMPLES: dict[str, list[bytes]] = {
         b'{"event":"error","code":"60012","msg":"Invalid request"}',
         b'pong',
     ],
+    "kraken-futures": [
+        b'{"feed":"trade","product_id":"PI_XBTUSD","uid":"b5a1c239","side":"sell","type":"fill","seq":85423,'
+        b'"time":1565342712903,"qty":1135.0,"price":11735.0}',
+        b'{"feed":"trade_snapshot","product_id":"PI_XBTUSD","trades":[{"feed":"trade","product_id":"PI_XBTUSD",'
+        b'"uid":"u","side":"buy","type":"fill","seq":85424,"time":1565342712903,"qty":1.0,"price":11735.5}]}',
+        b'{"feed":"book_snapshot","product_id":"PI_XBTUSD","timestamp":1565342712774,"seq":30007298,'
+        b'"bids":[{"price":11735.0,"qty":50000.0}],"asks":[{"price":11739.0,"qty":47410.0}],"tickSize":null}',
+        b'{"feed":"book","product_id":"PI_XBTUSD","side":"sell","seq":30007299,"price":11741.5,"qty":0.0,'
+        b'"timestamp":1565342713929}',
+        b'{"feed":"ticker","product_id":"PI_XBTUSD","time":1565342713929,"bid":11735.0,"ask":11739.0,'
+        b'"bid_size":50000.0,"ask_size":47410.0,"markPrice":11737.2,"index":11736.4,"funding_rate":1.2e-9,'
+        b'"next_funding_rate_time":1565344800000}',
+        b'{"event":"alert","message":"Bad request"}',
+    ],
     "alpaca": [
         b'[{"T":"success","msg":"connected"}]',
         b'[{"T":"t","i":96921,"S":"AAPL","x":"D","p":126.55,"s":1,"t":"2021-02-22T15:51:44.208Z","c":["@"],"z":"C"}]',

@@ -8,6 +8,7 @@ Per venue (see each venue module's docstring for the documented rules):
   binance   subscribe by message; the server pings every 20 s and `websockets` pongs.
   coinbase  one subscribe per channel within 5 s, plus `heartbeats` to keep quiet channels open.
   kraken    subscribe per channel; application ping every `ping_s` (the server heartbeats too).
+  kraken-futures  subscribe per feed, and to its heartbeat feed; `websockets`' own pings keep it open.
   bybit     subscribe topics ten a request; {"op": "ping"} every `ping_s` (Bybit asks for 20 s;
             the product line is in the url: /v5/public/spot, linear, inverse).
   okx       one subscribe for all channel/instrument pairs; a "ping" text every `ping_s` (OKX
@@ -35,7 +36,7 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
-from feeds import alpaca, binance, bybit, coinbase, kraken, okx
+from feeds import alpaca, binance, bybit, coinbase, kraken, kraken_futures, okx
 from feeds.sources import parser_for
 from feeds.wire import AuthError, Loads, fast_loads
 
@@ -45,6 +46,7 @@ DEFAULT_URLS = {
     "binance": binance.DEFAULT_URL,
     "coinbase": coinbase.DEFAULT_URL,
     "kraken": kraken.DEFAULT_URL,
+    "kraken-futures": kraken_futures.DEFAULT_URL,
     "okx": okx.DEFAULT_URL,
     "bybit": bybit.DEFAULT_URL,
     "alpaca": alpaca.DEFAULT_URL,
@@ -53,6 +55,7 @@ DEFAULT_CHANNELS = {
     "binance": binance.DEFAULT_CHANNELS,
     "coinbase": coinbase.DEFAULT_CHANNELS,
     "kraken": kraken.DEFAULT_CHANNELS,
+    "kraken-futures": kraken_futures.DEFAULT_CHANNELS,
     "okx": okx.DEFAULT_CHANNELS,
     "bybit": bybit.DEFAULT_CHANNELS,
     "alpaca": alpaca.DEFAULT_CHANNELS,
@@ -179,6 +182,9 @@ class FeedAdapter:
                 await ws.send(_send_text(msg))
         elif v == "kraken":
             for msg in kraken.subscribe_messages(syms, chans):
+                await ws.send(_send_text(msg))
+        elif v == "kraken-futures":
+            for msg in kraken_futures.subscribe_messages(syms, chans):
                 await ws.send(_send_text(msg))
         elif v == "okx":
             await ws.send(_send_text(okx.subscribe_message(syms, chans)))

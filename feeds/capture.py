@@ -105,12 +105,14 @@ def sniff_venue(raw: bytes) -> str:
         return "bybit"
     if "arg" in msg or ("event" in msg and ("code" in msg or "connId" in msg)):
         return "okx"  # {"arg": {"channel", "instId"}, "data"}; its events carry arg, code or connId
+    if "feed" in msg or msg.get("event") in ("info", "subscribed", "unsubscribed", "alert"):
+        return "kraken-futures"  # {"feed": "trade", "product_id": ...}; it greets with {"event": "info"}
     if "event" in msg:
         return "kraken-v1"
     if msg.get("type") in EXCHANGE_TYPES:
         return "coinbase-exchange"
     raise UnsupportedFormat("not a capture of a supported venue (binance spot/usdm/coinm, coinbase advanced "
-                            f"trade or exchange ws-feed, kraken v2 or v1, okx v5, bybit v5, alpaca): first message keys {sorted(msg)[:8]}")
+                            f"trade or exchange ws-feed, kraken v2 or v1, kraken futures, okx v5, bybit v5, alpaca): first message keys {sorted(msg)[:8]}")
 
 
 def detect_venue(path: str | Path, probe: int = 20) -> str:

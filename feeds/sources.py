@@ -36,6 +36,7 @@ PARSERS = {
     "coinbase-exchange": ("feeds.coinbase_exchange", "CoinbaseExchangeParser"),
     "kraken": ("feeds.kraken", "KrakenParser"),
     "kraken-v1": ("feeds.kraken_v1", "KrakenV1Parser"),
+    "kraken-futures": ("feeds.kraken_futures", "KrakenFuturesParser"),
     "okx": ("feeds.okx", "OkxParser"),
     "alpaca": ("feeds.alpaca", "AlpacaParser"),
 }

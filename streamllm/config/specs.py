@@ -25,7 +25,7 @@ DEFAULT_SYSTEM_PROMPT = (
     "You watch live market data for {instrument}. Each line is one bar, oldest first. "
     "Answer each question briefly."
 )
-LIVE_VENUES = ("binance", "bybit", "coinbase", "kraken", "okx", "alpaca")  # native adapters: feeds/adapters.py
+LIVE_VENUES = ("binance", "bybit", "coinbase", "kraken", "kraken-futures", "okx", "alpaca")  # native adapters: feeds/adapters.py
 FEED_KINDS = ("synthetic", *LIVE_VENUES, "replay", "csv", "cryptofeed")
 FEEDS_WITH_PATH = ("replay", "csv")
 _WEBSOCKET_URL = re.compile(r"wss?://\S+")

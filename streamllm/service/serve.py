@@ -297,7 +297,7 @@ def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, confi
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="streamllm serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="queries/*.toml: sessions, feeds and standing questions")
-    parser.add_argument("--feed", help="override every session's feed: synthetic | binance | bybit | coinbase | kraken | okx | "
+    parser.add_argument("--feed", help="override every session's feed: synthetic | binance | bybit | coinbase | kraken | kraken-futures | okx | "
                         "alpaca (VENUE:wss://... another endpoint) | replay:FILE[,FILE] | csv:FILE | cryptofeed:EXCHANGE")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
