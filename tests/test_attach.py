@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
+import pytest
+
 from feeds.bars import bars
 from feeds.events import BUY, SELL, Quote, Trade
 from feeds.synthetic import synthetic_events
@@ -176,3 +178,27 @@ def test_bars_close_on_the_venue_clock_when_the_receive_clock_is_far_off() -> No
     # Bars are closed between trades, not only by the next bar's first trade: a quiet feed still ticks.
     trades = [e for e in evs if type(e) is Trade and e.instrument == "BTCUSDT"]
     assert len(runs["recorded"]) == len(list(bars(trades, 60))) - 1  # all but the open one
+
+
+@pytest.mark.parametrize("wall_clock", [True, False])
+def test_a_silent_live_feed_still_closes_its_bars(wall_clock: bool) -> None:
+    """A live feed's receive times are this machine's clock: while it is silent, its bars close on
+    time anyway. A recorded feed's only move with its own events."""
+    import time
+
+    sink = Sink()
+    seen_during_silence: list[int] = []
+
+    async def live_feed():
+        now = time.time_ns()
+        for i in range(3):
+            yield Trade("t", "BTCUSDT", now - 1_000_000 + i, now + i, 100.0 + i, 1.0, BUY, str(i), 2, 3)
+        await asyncio.sleep(1.6)  # past the end of the bar those trades are in (and maybe of an empty one)
+        seen_during_silence.extend(sink.lines.get("btc", []))
+        now = time.time_ns()
+        yield Trade("t", "BTCUSDT", now - 1_000_000, now, 104.0, 1.0, BUY, "4", 2, 3)
+
+    a = Attachment(sink, AttachSpec("btc", bar_s=1))
+    asyncio.run(attach(live_feed(), [a], wall_clock=wall_clock))
+    assert (" v3 n3 " in seen_during_silence[0]) if wall_clock else seen_during_silence == []
+    assert a.stats.late == 0 and a.accounted() == a.stats.events_in == 4

@@ -32,6 +32,7 @@ replayed. Keys assume one instrument per attachment in bars mode (what `serve` b
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ from feeds.clock import VenueClock
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
 from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
+
+QUIET_TICK_S = 0.25  # how often a silent live feed's bars are checked for having ended
 
 
 class Sink(Protocol):
@@ -307,36 +310,56 @@ async def attach(
     attachments: list[Attachment],
     flush_every: int = 64,
     flush_s: float = 0.05,
+    wall_clock: bool = False,
 ) -> None:
     """Drive attachments from a feed until it ends; flushes every `flush_every` events or
     `flush_s` seconds of wall time, and closes bars on the venue's clock as the trades' times
     and receive times estimate it (feeds/clock.py: a replayed capture or a host clock that is
-    off would otherwise close bars before their trades arrive)."""
+    off would otherwise close bars before their trades arrive).
+
+    `wall_clock`: the feed is live, its receive times this machine's clock (time.time_ns()).
+    Then bars also close while it is silent, every `quiet_s`: a quiet market's last bar would
+    otherwise wait for its next message, minutes on an illiquid contract. A recorded feed's
+    receive times are the recording's, so only its own events can move its clock."""
     loop = asyncio.get_running_loop()
     last_flush, n = loop.time(), 0
     clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
 
+    def tick(now: int) -> None:
+        nonlocal last_flush
+        for a in attachments:
+            a.tick(now)
+            a.flush()
+        last_flush = loop.time()
+
     def step(ev: Any) -> None:
-        nonlocal last_flush, n
+        nonlocal n
         n += 1
         if type(ev) is Trade:
             clock.observe(ev.ts_event, ev.ts_recv)
         for a in attachments:
             a.offer(ev)
         if n % flush_every == 0 or loop.time() - last_flush >= flush_s:
-            now = clock.settled(ev.ts_recv)
-            for a in attachments:
-                a.tick(now)
-                a.flush()
-            last_flush = loop.time()
+            tick(clock.settled(ev.ts_recv))
 
-    if isinstance(feed, AsyncIterable):
-        async for ev in feed:
-            step(ev)
-    else:
-        for ev in feed:
-            step(ev)
-            if n % flush_every == 0:
-                await asyncio.sleep(0)
+    async def quiet_ticks() -> None:  # same loop as step(): never between an offer and its tick
+        while True:
+            await asyncio.sleep(QUIET_TICK_S)
+            if loop.time() - last_flush >= QUIET_TICK_S:
+                tick(clock.settled(time.time_ns()))
+
+    quiet = asyncio.create_task(quiet_ticks()) if wall_clock else None
+    try:
+        if isinstance(feed, AsyncIterable):
+            async for ev in feed:
+                step(ev)
+        else:
+            for ev in feed:
+                step(ev)
+                if n % flush_every == 0:
+                    await asyncio.sleep(0)
+    finally:
+        if quiet is not None:
+            quiet.cancel()
     for a in attachments:
         a.flush()

@@ -46,11 +46,12 @@ class FeedRunner:
 
     def __init__(self, name: str, sessions: list[str], events: Callable[[int], AsyncIterator[Any]],
                  attachments: list[Any], *, backoff_s: float = BACKOFF_START_S, backoff_max_s: float = BACKOFF_MAX_S,
-                 restart: bool = True) -> None:
+                 restart: bool = True, live: bool = False) -> None:
         self.events = events  # events(attempt) -> a fresh async iterator of feed events
         self.attachments = attachments
         self.status = FeedStatus(name, sessions)
         self.backoff_s, self.backoff_max_s, self.restart = backoff_s, backoff_max_s, restart
+        self.live = live  # receive times are this machine's clock: bars close while the feed is silent
         self._stop = threading.Event()
         self._thread_loop: asyncio.AbstractEventLoop | None = None
         self._thread_task: asyncio.Task | None = None
@@ -125,7 +126,7 @@ class FeedRunner:
         self._thread_task = asyncio.current_task()
         if self._stop.is_set():
             return
-        await attach(self._counted(self.events(attempt)), self.attachments)
+        await attach(self._counted(self.events(attempt)), self.attachments, wall_clock=self.live)
 
     async def _counted(self, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         status = self.status
