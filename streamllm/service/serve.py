@@ -149,8 +149,10 @@ def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: fl
     attachments = build_attachments(TapSink(server.engine, server.bars), owner, group)
     name = group.feed.kind if group.feed.kind in ("synthetic", "binance") else str(group.feed)
     sessions = [owner.engine_name(spec.name) for spec in group.sessions]
+    live = group.feed.kind in (*LIVE_VENUES, "cryptofeed")
+    # A live feed that fails is restarted with backoff (a recorded one that failed would replay from its start).
     return FeedRunner(name, sessions, lambda attempt: feed_events(group, speed, seed + attempt), attachments,
-                      restart=group.feed.kind in ("synthetic", "binance"))
+                      restart=live or group.feed.kind == "synthetic", live=live)
 
 
 def open_sessions(engine: Any, owner: Tenant, config: QueryConfig) -> int:
