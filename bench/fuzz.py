@@ -71,6 +71,12 @@ SAMPLES: dict[str, list[bytes]] = {
         b'"interval":"5","open":"16649.5","close":"16677","high":"16677","low":"16608","volume":"2.081",'
         b'"confirm":true}]}',
         b'{"success":false,"ret_msg":"error:handler not found","conn_id":"c","op":"subscribe"}',
+        b'{"topic":"trade.BTCUSD","data":[{"trade_time_ms":1618677786614,"timestamp":"2021-04-17T16:43:06.000Z",'
+        b'"symbol":"BTCUSD","side":"Sell","size":4,"price":60621.5,"tick_direction":"PlusTick","trade_id":"5ffb8b77",'
+        b'"cross_seq":5938955347}]}',
+        b'{"topic":"orderBookL2_25.BCHUSDT","type":"delta","data":{"delete":[{"price":"1054.30","symbol":"BCHUSDT",'
+        b'"id":"10543000","side":"Buy"}],"update":[],"insert":[{"price":"1053.90","symbol":"BCHUSDT",'
+        b'"id":"10539000","side":"Sell","size":2.5}]},"cross_seq":"864131773","timestamp_e6":"1618677786389362"}',
     ],
     "okx": [
         b'{"arg":{"channel":"trades","instId":"BTC-USDT"},"data":[{"instId":"BTC-USDT","tradeId":"130639474",'

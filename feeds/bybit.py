@@ -16,7 +16,8 @@ Data messages are {"topic": "<name>.<symbol>", "type": "snapshot"|"delta", "ts":
   allLiquidation.S   data[]: T, s, S (the liquidated position's side: Buy = a long, closed by
                      a sell order), v, p: a Liquidation.
 Replies to our ops ({"op": "subscribe"|"ping"|"pong", "success": ...}) are control; a failed
-subscribe ends the session. Clients ping with {"op": "ping"} every 20 s.
+subscribe ends the session. Clients ping with {"op": "ping"} every 20 s. Captures of the API
+before v5 (trade.S, orderBookL2_25.S) are read by feeds/bybit_before_v5.py.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from feeds.bybit_before_v5 import BeforeV5
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Trade, decimals
 from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import (
     CountingParser,
     Loads,
     SeqTracker,
-    UnsupportedFormat,
     VenueError,
     fast_loads,
     text_quote,
@@ -46,14 +47,13 @@ MIN_NS = 60 * 10**9
 NAN = math.nan
 _SIDES = {"Buy": BUY, "Sell": SELL}
 _KLINE_NS = {"D": 1440 * MIN_NS, "W": 7 * 1440 * MIN_NS}
-# Bybit's APIs before v5 (2019-2023: realtime_public, topics trade.X, orderBookL2_25.X, klineV2.1.X).
+# Bybit's APIs before v5 (2019-2023: realtime, realtime_public; topics trade.X, orderBookL2_25.X, klineV2.1.X):
+# feeds/bybit_before_v5.py reads their trades and books.
 OLD_TOPICS = frozenset({"trade", "klineV2", "candle", "instrument_info", "liquidation_v2", "insurance"})
-OLD_REFUSAL = ("this looks like Bybit's API before v5 (topics trade.X, orderBookL2_25.X, klineV2.I.X); this parser "
-               "reads v5 (publicTrade.X, orderbook.N.X, kline.I.X: wss://stream.bybit.com/v5/public/...)")
 
 
 def before_v5(topic: str) -> bool:
-    """Whether a topic is one of Bybit's pre-v5 API (the capture sniffer asks too)."""
+    """Whether a topic is one of Bybit's API before v5 (read by feeds/bybit_before_v5.py)."""
     name = topic.partition(".")[0]
     return name in OLD_TOPICS or name.startswith("orderBookL2")
 
@@ -73,6 +73,7 @@ class BybitParser(CountingParser):
         super().__init__(loads)
         self.seq = SeqTracker(self.stats)
         self._tickers: dict[str, dict[str, Any]] = {}  # symbol -> the last value of every ticker field
+        self._old = BeforeV5(VENUE)  # recorded data of the API before v5
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         msg = self._object(raw)
@@ -100,7 +101,7 @@ class BybitParser(CountingParser):
             rows = data if isinstance(data, list) else [data]
             return [self._liquidation(r, ts_recv) for r in rows]
         if before_v5(msg["topic"]):
-            raise UnsupportedFormat(OLD_REFUSAL)
+            return self._old.read(name, symbol, msg, ts_recv)
         raise ValueError(f"unknown bybit topic {msg['topic']!r}")
 
     def _trade(self, t: dict[str, Any], ts_recv: int) -> Trade:

@@ -98,11 +98,7 @@ def sniff_venue(raw: bytes) -> str:
     if "channel" in msg or "method" in msg:
         return "kraken"
     if "topic" in msg or "conn_id" in msg:  # {"topic": "publicTrade.BTCUSDT", "type", "ts", "data"}; op replies
-        from feeds.bybit import OLD_REFUSAL, before_v5
-
-        if "request" in msg or before_v5(str(msg.get("topic", ""))):
-            raise UnsupportedFormat(OLD_REFUSAL)
-        return "bybit"
+        return "bybit"  # v5, or the API before it (feeds/bybit_before_v5.py)
     if "arg" in msg or ("event" in msg and ("code" in msg or "connId" in msg)):
         return "okx"  # {"arg": {"channel", "instId"}, "data"}; its events carry arg, code or connId
     if "feed" in msg or msg.get("event") in ("info", "subscribed", "unsubscribed", "alert"):
