@@ -202,3 +202,22 @@ def test_a_silent_live_feed_still_closes_its_bars(wall_clock: bool) -> None:
     asyncio.run(attach(live_feed(), [a], wall_clock=wall_clock))
     assert (" v3 n3 " in seen_during_silence[0]) if wall_clock else seen_during_silence == []
     assert a.stats.late == 0 and a.accounted() == a.stats.events_in == 4
+
+
+def test_a_push_failing_while_a_live_feed_is_silent_fails_the_feed() -> None:
+    import time
+
+    class Refusing(Sink):
+        def push(self, session: str, lines: list[str]) -> PushAck:
+            raise RuntimeError("session closed")
+
+    async def live_feed():
+        now = time.time_ns()
+        yield Trade("t", "BTCUSDT", now - 1_000_000, now, 100.0, 1.0, BUY, "1", 2, 3)
+        await asyncio.sleep(30)  # silent: only the quiet ticks can close the bar
+
+    a = Attachment(Refusing(), AttachSpec("btc", bar_s=1))
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="session closed"):
+        asyncio.run(attach(live_feed(), [a], wall_clock=True))
+    assert time.perf_counter() - started < 5 and a.pending_events == 1  # kept for the next try

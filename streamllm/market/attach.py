@@ -318,9 +318,10 @@ async def attach(
     off would otherwise close bars before their trades arrive).
 
     `wall_clock`: the feed is live, its receive times this machine's clock (time.time_ns()).
-    Then bars also close while it is silent, every `quiet_s`: a quiet market's last bar would
-    otherwise wait for its next message, minutes on an illiquid contract. A recorded feed's
-    receive times are the recording's, so only its own events can move its clock."""
+    Then bars also close while it is silent (checked every QUIET_TICK_S): a quiet market's last
+    bar would otherwise wait for its next message, minutes on an illiquid contract. A push that
+    fails there fails the feed, as it would on an event. A recorded feed's receive times are the
+    recording's, so only its own events can move its clock."""
     loop = asyncio.get_running_loop()
     last_flush, n = loop.time(), 0
     clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
@@ -342,11 +343,20 @@ async def attach(
         if n % flush_every == 0 or loop.time() - last_flush >= flush_s:
             tick(clock.settled(ev.ts_recv))
 
+    failed: list[BaseException] = []
+    main = asyncio.current_task()
+
     async def quiet_ticks() -> None:  # same loop as step(): never between an offer and its tick
         while True:
             await asyncio.sleep(QUIET_TICK_S)
             if loop.time() - last_flush >= QUIET_TICK_S:
-                tick(clock.settled(time.time_ns()))
+                try:
+                    tick(clock.settled(time.time_ns()))
+                except Exception as exc:  # the feed fails with it, as on an event's flush
+                    failed.append(exc)
+                    if main is not None:
+                        main.cancel()
+                    return
 
     quiet = asyncio.create_task(quiet_ticks()) if wall_clock else None
     try:
@@ -358,6 +368,10 @@ async def attach(
                 step(ev)
                 if n % flush_every == 0:
                     await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        if failed:
+            raise failed[0] from None
+        raise
     finally:
         if quiet is not None:
             quiet.cancel()
