@@ -151,3 +151,23 @@ def test_a_config_session_on_kraken_futures_subscribes_its_product() -> None:
         ("kraken-futures", ("PF_ETHUSD",), "wss://demo-futures.kraken.com/ws/v1")]
     assert len(group_feeds(config, None)) == 2  # two endpoints: two connections
     assert parse_feed_override("kraken-futures").kind == "kraken-futures"
+
+
+def test_the_capture_replayed_through_the_adapter_is_read_alike() -> None:
+    """The real capture served on loopback (feeds/server.py, sent after the client's first message) and read
+    by the live adapter gives the events reading the file gives, but for their receive times."""
+    import dataclasses
+
+    from feeds.server import ReplayServer
+
+    def key(ev: Any) -> Any:  # receive times (and ticker_lite's times, which are receive times) differ
+        return dataclasses.replace(ev, ts_recv=0, ts_event=0 if type(ev) is Quote else ev.ts_event)
+
+    expected = [key(ev) for ev in CaptureSource(CAPTURE, venue="auto")]
+
+    async def run() -> list[Any]:
+        async with ReplayServer([CAPTURE], venue="kraken-futures") as server:
+            adapter = FeedAdapter("kraken-futures", ["PI_XBTUSD"], url=server.url, max_reconnects=0)
+            return [key(ev) async for ev in adapter.events()]
+
+    assert asyncio.run(asyncio.wait_for(run(), 30)) == expected
