@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from streamllm.config import QuestionSpec, normalize_question
 from streamllm.market.card import card_markdown
@@ -115,7 +116,10 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
         if len(sources) > 1:
             at = sets.index(pooled) + 1
             sets[at:at] = [f"{pooled}/{src}" for src in sources]
-    for head_id, q, members in groups(tasks):
+    # A series fit is minutes a question (candidates x orders x AdamW steps): say which one is running.
+    bar = tqdm(groups(tasks), desc="fit", unit="question", disable=getattr(args, "no_progress", False))
+    for head_id, q, members in bar:
+        bar.set_postfix(question=head_id)
         if args.method == "series":
             head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
         else:
