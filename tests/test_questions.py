@@ -166,7 +166,7 @@ BAD_CONFIGS = [
      "wss://...), got 'btc'"),
     ("sessions.0.feed", "synthetic:7", "sessions[0].feed", "'synthetic' takes no path"),
     ("sessions.0.feed", "bitmex", "sessions[0].feed", "unknown feed 'bitmex'; use 'synthetic', a venue (binance, "
-     "bybit, coinbase, kraken, okx, alpaca"),
+     "bybit, coinbase, kraken, kraken-futures, okx, alpaca"),
     ("sessions.1.symbols", ["ethusdt"], "sessions[1].symbols", "only for live venues and 'cryptofeed'"),
     ("sessions.0.symbols", [], "sessions[0].symbols", "expected non-empty strings"),
     ("sessions.0.render", "bars", "sessions[0].render", "expected a table, got a string"),
