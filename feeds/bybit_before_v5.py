@@ -18,17 +18,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from feeds.events import BUY, SELL, BookDelta, Trade, decimals, float_decimals
+from feeds.events import BUY, SELL, BookDelta, Trade, number_decimals
 from feeds.validate import nonnegative, positive
 from feeds.wire import UnsupportedFormat
 
 MS = 1_000_000
 _SIDES = {"Buy": BUY, "Sell": SELL}
 READ = ("trade", "orderBookL2_25", "orderBookL2_200")
-
-
-def _dp(x: Any) -> int:
-    return decimals(x) if isinstance(x, str) else float_decimals(x)
 
 
 class BeforeV5:
@@ -51,7 +47,7 @@ class BeforeV5:
             raise ValueError(f"trade side {t['side']!r} (Buy or Sell)")
         p, q = t["price"], t["size"]
         return Trade(self.venue, t["symbol"], int(t["trade_time_ms"]) * MS, ts_recv, positive("price", float(p)),
-                     positive("size", float(q)), side, str(t.get("trade_id", "")), _dp(p), _dp(q))
+                     positive("size", float(q)), side, str(t.get("trade_id", "")), number_decimals(p), number_decimals(q))
 
     def _book(self, symbol: str, msg: dict[str, Any], ts_recv: int) -> BookDelta:
         data = msg["data"]

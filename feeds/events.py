@@ -222,6 +222,11 @@ def decimals(text: str) -> int:
     return len(text.rstrip("0")) - dot - 1
 
 
+def number_decimals(value: str | float) -> int:
+    """Significant decimals of a venue number, sent as a string ("61837.630") or a JSON number (61837.63)."""
+    return decimals(value) if isinstance(value, str) else float_decimals(value)
+
+
 def float_decimals(value: float) -> int:
     """Significant decimals of a JSON float (venues like Kraken send numbers, not strings)."""
     text = repr(value)

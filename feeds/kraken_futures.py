@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from feeds.events import BUY, SELL, BookDelta, Mark, Quote, Trade, float_decimals
+from feeds.events import BUY, SELL, BookDelta, Mark, Trade, float_decimals
 from feeds.validate import nonnegative, positive
-from feeds.wire import CountingParser, Loads, VenueError, fast_loads
+from feeds.wire import CountingParser, Loads, VenueError, fast_loads, text_quote
 
 VENUE = "kraken-futures"
 DEFAULT_URL = "wss://futures.kraken.com/ws/v1"
@@ -84,10 +84,11 @@ class KrakenFuturesParser(CountingParser):
         if feed == "book":
             return [self._book(inst, msg, ts_recv)]
         if feed == "ticker_lite":
-            return [self._quote(inst, msg, None, None, ts_recv, ts_recv)]
+            return [text_quote(VENUE, inst, ts_recv, ts_recv, msg["bid"], None, msg["ask"], None)]
         if feed == "ticker":
             ts = int(msg["time"]) * MS if msg.get("time") else ts_recv
-            out: list[Any] = [self._quote(inst, msg, msg.get("bid_size"), msg.get("ask_size"), ts, ts_recv)]
+            out: list[Any] = [text_quote(VENUE, inst, ts, ts_recv, msg["bid"], msg.get("bid_size"), msg["ask"],
+                                         msg.get("ask_size"))]
             if (mark := msg.get("markPrice")) is not None:
                 index, rate = msg.get("index"), msg.get("funding_rate")
                 out.append(Mark(VENUE, inst, ts, ts_recv, positive("mark", float(mark)),
@@ -128,16 +129,6 @@ class KrakenFuturesParser(CountingParser):
             raise ValueError(f"book side {side!r} (buy or sell)")
         bids, asks = (level, []) if side == "buy" else ([], level)
         return BookDelta(VENUE, inst, int(msg["timestamp"]) * MS, ts_recv, bids, asks, seq, seq)
-
-    def _quote(self, inst: str, msg: dict[str, Any], bq: Any, aq: Any, ts: int, ts_recv: int) -> Quote:
-        b, a = msg["bid"], msg["ask"]
-        if bq is None or aq is None:
-            bsz, asz, sz_dp = NAN, NAN, 4
-        else:
-            bsz, asz = nonnegative("bid_size", float(bq)), nonnegative("ask_size", float(aq))
-            sz_dp = max(float_decimals(bq), float_decimals(aq))
-        return Quote(VENUE, inst, ts, ts_recv, positive("bid", float(b)), bsz, positive("ask", float(a)), asz,
-                     max(float_decimals(b), float_decimals(a)), sz_dp)
 
 
 def _levels(levels: list[dict[str, Any]]) -> list[tuple[float, float]]:

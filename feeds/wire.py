@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from feeds.events import Quote, decimals
+from feeds.events import Quote, number_decimals
 from feeds.validate import error_kind, nonnegative, positive
 
 # orjson parses exchange messages ~2-3x faster than the stdlib (bench feeds measures it).
@@ -172,18 +172,19 @@ class SeqTracker:
         self.last.clear()
 
 
-def text_quote(venue: str, instrument: str, ts_event: int, ts_recv: int, bid: str, bid_size: str | None,
-               ask: str, ask_size: str | None) -> Quote:
-    """A Quote from the decimal strings venues send, checked (prices > 0, sizes >= 0) and at the decimals
-    shown. Sizes may be left out (None: Coinbase tickers before 2022, Kraken v1 spreads before 2020):
-    then both are unknown, NaN."""
+def text_quote(venue: str, instrument: str, ts_event: int, ts_recv: int, bid: str | float,
+               bid_size: str | float | None, ask: str | float, ask_size: str | float | None) -> Quote:
+    """A Quote from the numbers venues send (decimal strings, or JSON numbers as Kraken Futures sends
+    them), checked (prices > 0, sizes >= 0) and at the decimals shown. Sizes may be left out (None:
+    Coinbase tickers before 2022, Kraken v1 spreads before 2020, Kraken Futures' ticker_lite): then
+    both are unknown, NaN."""
     if bid_size is None or ask_size is None:
         bq, aq, sz_dp = math.nan, math.nan, 4
     else:
         bq, aq = nonnegative("bid_size", float(bid_size)), nonnegative("ask_size", float(ask_size))
-        sz_dp = max(decimals(bid_size), decimals(ask_size))
+        sz_dp = max(number_decimals(bid_size), number_decimals(ask_size))
     return Quote(venue, instrument, ts_event, ts_recv, positive("bid", float(bid)), bq, positive("ask", float(ask)),
-                 aq, max(decimals(bid), decimals(ask)), sz_dp)
+                 aq, max(number_decimals(bid), number_decimals(ask)), sz_dp)
 
 
 _SECONDS_CACHE: dict[str, int] = {}
