@@ -17,6 +17,7 @@ from feeds.adapters import FeedAdapter
 from feeds.bybit import BybitParser, kline_ns, subscribe_messages
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade
 from feeds.sources import open_source
+from tests.books import Book, apply
 
 TRADE = {"topic": "publicTrade.BTCUSDT", "type": "snapshot", "ts": 1672304486868, "data": [
     {"T": 1672304486865, "s": "BTCUSDT", "S": "Buy", "v": "0.001", "p": "16578.50", "L": "PlusTick",
@@ -113,16 +114,11 @@ def test_a_real_capture_before_v5_trades_on_the_side_of_the_book_it_says(name: s
     src = open_source(Path(__file__).parent / "data" / "cryptofeed" / name)
     events = sorted(src, key=lambda e: (e.ts_event, type(e) is Trade))
     assert src.venue == "bybit" and src.stats.errors == 0, src.stats.error_samples
-    books: dict[str, tuple[dict[float, float], dict[float, float]]] = {}
+    books: dict[str, Book] = {}
     agree = against = trades = 0
     for ev in events:
         if type(ev) is BookDelta:
-            bids, asks = books.setdefault(ev.instrument, ({}, {}))
-            if ev.snapshot:
-                bids.clear(), asks.clear()
-            for side, levels in ((bids, ev.bids), (asks, ev.asks)):
-                for price, size in levels:
-                    side.pop(price, None) if size == 0 else side.__setitem__(price, size)
+            bids, asks = apply(books, ev)
             assert not bids or not asks or max(bids) < min(asks), ev  # never a crossed book
         elif type(ev) is Trade:
             trades += 1

@@ -18,6 +18,7 @@ from feeds.capture import CaptureSource, detect_venue, sniff_venue
 from feeds.events import BUY, SELL, BookDelta, Mark, Quote, Trade
 from feeds.kraken_futures import KrakenFuturesParser
 from feeds.wire import VenueError
+from tests.books import Book, apply
 
 CAPTURE = Path(__file__).parent / "data" / "cryptofeed" / "KRAKEN_FUTURES.ws.1.0.gz"
 MS = 1_000_000
@@ -28,16 +29,11 @@ def test_a_real_capture_agrees_with_the_venues_own_ticker_and_book() -> None:
     trade's side is the side of the book it took: a buy prints at the best ask."""
     assert detect_venue(CAPTURE) == "kraken-futures"
     src = CaptureSource(CAPTURE, venue="auto")
-    books: dict[str, tuple[dict[float, float], dict[float, float]]] = {}
+    books: dict[str, Book] = {}
     quotes = trades = 0
     for ev in src:
         if type(ev) is BookDelta:
-            bids, asks = books.setdefault(ev.instrument, ({}, {}))
-            if ev.snapshot:
-                bids.clear(), asks.clear()
-            for side, levels in ((bids, ev.bids), (asks, ev.asks)):
-                for price, size in levels:
-                    side.pop(price, None) if size == 0 else side.__setitem__(price, size)
+            apply(books, ev)
         elif type(ev) is Quote:
             bids, asks = books[ev.instrument]
             assert (ev.bid, ev.ask) == (max(bids), min(asks)), ev

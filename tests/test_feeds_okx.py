@@ -21,6 +21,7 @@ from feeds.events import BUY, SELL, Bar, BookDelta, Mark, Quote, Trade
 from feeds.okx import OkxParser, candle_ns
 from feeds.sources import open_source
 from feeds.wire import VenueError
+from tests.books import Book, apply
 
 CAPTURE = Path(__file__).parent / "data" / "cryptofeed" / "OKX.ws.1.0.gz"
 
@@ -64,19 +65,11 @@ def test_a_real_okx_capture_rebuilds_to_every_book_checksum_okx_sent() -> None:
         assert (t.instrument, t.trade_id, t.price, t.size, t.ts_event) == (
             d["instId"], d["tradeId"], float(d["px"]), float(d["sz"]), int(d["ts"]) * 10**6)
         assert t.side == (BUY if d["side"] == "buy" else SELL)
-    books: dict[str, tuple[dict[float, float], dict[float, float]]] = {}
+    books: dict[str, Book] = {}
     sent = [d["checksum"] for m in raw if m["arg"]["channel"] == "books" for d in m["data"]]
     checked = 0
     for d, checksum in zip((e for e in events if isinstance(e, BookDelta)), sent, strict=True):
-        if d.snapshot:
-            books[d.instrument] = ({}, {})
-        for side, levels in zip(books[d.instrument], (d.bids, d.asks), strict=True):
-            for price, size in levels:
-                if size == 0:
-                    side.pop(price, None)
-                else:
-                    side[price] = size
-        assert _okx_checksum(*books[d.instrument]) == checksum, (checked, d.instrument)
+        assert _okx_checksum(*apply(books, d)) == checksum, (checked, d.instrument)
         checked += 1
     assert checked == per_channel["books"] >= 290
 

@@ -24,6 +24,7 @@ from feeds.events import BUY, SELL, Bar, BookDelta, Quote, Trade
 from feeds.kraken_v1 import KrakenV1Parser
 from feeds.sources import file_format, open_source
 from feeds.wire import AuthError, epoch_ns
+from tests.books import Book, apply
 
 CRYPTOFEED = Path(__file__).parent / "data" / "cryptofeed"
 
@@ -119,21 +120,15 @@ def test_a_kraken_v1_book_log_rebuilds_to_every_checksum_kraken_sent() -> None:
     raw = [m for m in _messages(path) if isinstance(m, list)]
     deltas = list(src)
     assert len(deltas) == len(raw) and src.stats.errors == 0
-    books: dict[str, tuple[dict[float, float], dict[float, float]]] = {}
+    books: dict[str, Book] = {}
     px_dp = {m[-1]: len(m[1]["as"][0][0].split(".")[1]) for m in raw if "as" in m[1]}
     checked = 0
     for d, m in zip(deltas, raw, strict=True):
         assert isinstance(d, BookDelta) and d.instrument == m[-1]
+        bids, asks = apply(books, d)
         if d.snapshot:
-            books[d.instrument] = (dict(d.bids), dict(d.asks))
             continue
-        bids, asks = books[d.instrument]
-        for side, levels in ((bids, d.bids), (asks, d.asks)):
-            for price, size in levels:
-                if size == 0:
-                    side.pop(price, None)
-                else:
-                    side[price] = size
+        for side in (bids, asks):
             for extra in sorted(side, reverse=side is asks)[:-1000] if len(side) > 1000 else []:
                 del side[extra]  # a depth-1000 book keeps its best 1000 levels
         sent = next((p["c"] for p in m[1:-2] if "c" in p), None)
