@@ -15,7 +15,7 @@ Control messages carry "event": info, subscribed, unsubscribed; "error" and "ale
 
 Trades of type fill and liquidation are the market's prints; block trades (negotiated off the
 book), assignments and terminations (a contract's settlement) are not, and are left out of
-the events (counted in `skipped`). Products are named as the venue writes them (PI_XBTUSD, a
+the events (counted in `stats.skipped`, which inspect shows). Products are named as the venue writes them (PI_XBTUSD, a
 perpetual; FI_XBTUSD_210924, a future expiring 2021-09-24; PF_ the multi-collateral ones).
 
 Both sequences are per product and step by one: a `book` whose seq is not the last one plus
@@ -50,7 +50,6 @@ class KrakenFuturesParser(CountingParser):
         super().__init__(loads)
         self._book_seq: dict[str, int] = {}
         self._trade_seq: dict[str, int] = {}
-        self.skipped = 0  # trades that are not market prints (block, assignment, termination)
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         msg = self._object(raw)
@@ -107,8 +106,8 @@ class KrakenFuturesParser(CountingParser):
                     continue
                 self.stats.gap(f"{inst}@trade", last + 1, seq)
             self._trade_seq[inst] = seq
-            if t["type"] not in PRINTS:
-                self.skipped += 1
+            if t["type"] not in PRINTS:  # block, assignment, termination: not market prints
+                self.stats.skip(f"{t['type']} trade")
                 continue
             side = _SIDES.get(t["side"])
             if side is None:

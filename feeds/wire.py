@@ -52,6 +52,12 @@ class ParseStats:
     gap_samples: list[str] = field(default_factory=list)
     error_kinds: dict[str, int] = field(default_factory=dict)  # bad_price, bad_bar, KeyError, ...
     gap_keys: dict[str, int] = field(default_factory=dict)  # "BTCUSDT@depth" -> gaps there
+    # Records read and kept out on purpose, by kind ("block trade": not a market print). Neither an
+    # error nor control: data this engine does not make events of, said so a user can count them.
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, kind: str) -> None:
+        self.skipped[kind] = self.skipped.get(kind, 0) + 1
 
     def error(self, reason: str, raw: str | bytes, kind: str = "") -> None:
         self.errors += 1
@@ -78,6 +84,7 @@ class ParseStats:
             "errors": self.errors,
             "gaps": self.gaps,
             "error_kinds": dict(self.error_kinds),
+            "skipped": dict(self.skipped),
             "error_samples": list(self.error_samples),
             "gap_samples": list(self.gap_samples),
         }

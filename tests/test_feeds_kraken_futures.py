@@ -61,7 +61,7 @@ def test_kraken_futures_messages_as_the_docs_write_them() -> None:
     assert read({"feed": "heartbeat", "time": 1626994887000}) == []
     t = read(_trade(10, "sell"))
     assert t == [Trade("kraken-futures", "PI_XBTUSD", 1626994887010 * MS, 7, 32172.5, 300.0, SELL, "u10", 1, 0)]
-    assert read(_trade(11, kind="block")) == [] and p.skipped == 1  # negotiated off the book: not a print
+    assert read(_trade(11, kind="block")) == [] and p.stats.skipped == {"block trade": 1}  # negotiated off the book: not a print
     assert read(_trade(12, kind="liquidation"))[0].trade_id == "u12"
     assert read(_trade(15)) and p.stats.gaps == 1 and p.stats.gap_samples == ["PI_XBTUSD@trade: expected 13, got 15"]
     q, m = read({"feed": "ticker", "product_id": "PI_XBTUSD", "time": 1626994887500, "bid": 32170.5, "ask": 32172.0,

@@ -61,3 +61,19 @@ def test_inspect_bar_table_reports_missing_intervals(tmp_path: Path) -> None:
     assert rep["gaps"] == stream["gaps"] == 1 and rep["tokens_per_line"] is None
     assert "to 2021-12-31T23:05:00.000+00:00" in stream["gap_samples"][0]
     assert rep["first_ts"] == 1640991720 * S and rep["last_ts"] == 1640991960 * S
+
+
+def test_inspect_counts_records_kept_out_on_purpose(tmp_path: Path, capsys) -> None:
+    """Kraken Futures block trades are not market prints: no event, no error, counted as skipped."""
+    def trade(seq: int, kind: str) -> str:
+        return json.dumps({"feed": "trade", "product_id": "PI_XBTUSD", "uid": f"u{seq}", "side": "buy", "type": kind,
+                           "seq": seq, "time": 1626994887000 + seq, "qty": 300.0, "price": 32172.5})
+
+    cap = tmp_path / "KRAKEN_FUTURES.ws.1.0.gz"
+    lines = [f"{1000 + i} {trade(10 + i, kind)}" for i, kind in enumerate(("fill", "block", "fill", "block"))]
+    cap.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    out = tmp_path / "r.json"
+    assert main(["inspect", str(cap), "--tokenizer", "none", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert (rep["events"], rep["errors"], rep["gaps"], rep["skipped"]) == (2, 0, 0, {"block trade": 2})
+    assert "skipped (not market events): block trade 2" in capsys.readouterr().out

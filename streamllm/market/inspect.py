@@ -90,6 +90,7 @@ def inspect_file(path: str | Path, opts: ReadOptions) -> dict[str, Any]:
     return {"file": str(path), "format": type(src).__name__, "venue": getattr(src, "venue", ""),
             "messages": stats.messages, "events": sum(r.events for r in streams.values()),
             "errors": stats.errors, "error_kinds": dict(stats.error_kinds), "error_samples": stats.error_samples[:5],
+            "skipped": dict(stats.skipped),
             "gaps": stats.gaps + max(0, time_gaps), "gap_samples": stats.gap_samples[:5], "notes": list(getattr(src, "notes", [])),
             "first_ts": min(firsts, default=None), "last_ts": max(lasts, default=None), "_streams": streams}
 
@@ -125,6 +126,8 @@ def print_report(rep: dict[str, Any]) -> None:
             print(f"    e.g. {s[:160]}")
     for s in rep["gap_samples"][:3]:
         print(f"  gap: {s}")
+    if rep.get("skipped"):
+        print("  skipped (not market events): " + ", ".join(f"{k} {n}" for k, n in sorted(rep["skipped"].items())))
     for name, s in rep["streams"].items():
         tpl = f", {s['tokens_per_line']:.1f} tokens/line" if s["tokens_per_line"] is not None else ""
         gaps = f", {s['gaps']} gaps" if s["gaps"] else ""
