@@ -24,6 +24,7 @@ from streamllm.engine.gate import (
     risk_coverage,
     threshold_for_precision,
 )
+from streamllm.market.card import fmt_number
 from streamllm.market.decision_bias import BiasedReplay, biased_replay
 from streamllm.market.intervals import (
     LEVEL,
@@ -286,10 +287,6 @@ def plot(reports: list[QuestionReport], target: float, path: Path, title: str) -
     plt.close(fig)
 
 
-def _fmt(x: float | None, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _span(x: tuple[float, float] | None) -> str:
     return "-" if x is None else f"{x[0]:.2f}-{x[1]:.2f}"
 
@@ -300,10 +297,10 @@ def table(reports: list[QuestionReport], target: float) -> str:
            f"{'precision':>9} {'acc@all':>7} {'(' + level + ')':>11} {'base rate':>14} {'balanced':>8} {'ranks':>5}"
     rows = [head, "-" * len(head)]
     for r in reports:
-        base = f"{_fmt(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
-        rows.append(f"{r.id:<16} {r.samples:>7} {_fmt(r.threshold):>9} {_fmt(r.coverage):>8} "
-                    f"{_span(r.coverage_interval):>11} {_fmt(r.precision):>9} {_fmt(r.accuracy):>7} "
-                    f"{_span(r.accuracy_interval):>11} {base:>14} {_fmt(r.balanced_accuracy):>8} {_fmt(r.ranking):>5}")
+        base = f"{fmt_number(r.base_rate)} ({r.majority})" if r.majority is not None else "-"
+        rows.append(f"{r.id:<16} {r.samples:>7} {fmt_number(r.threshold):>9} {fmt_number(r.coverage):>8} "
+                    f"{_span(r.coverage_interval):>11} {fmt_number(r.precision):>9} {fmt_number(r.accuracy):>7} "
+                    f"{_span(r.accuracy_interval):>11} {base:>14} {fmt_number(r.balanced_accuracy):>8} {fmt_number(r.ranking):>5}")
     rows.append(f"({level}: the middle {level} of {REPS} block-bootstrap resamples, blocks as long as each label's "
                 "history; neighbouring bars are not independent samples. ranks: how well the margin tells the "
                 "truths apart, 0.5 not at all, 1 perfectly)")
@@ -315,7 +312,7 @@ def table(reports: list[QuestionReport], target: float) -> str:
         if r.samples == 0:
             continue
         rows.append(f"  {r.id:<16} " + (f"never opened in {r.samples} samples" if live.first is None else
-                    f"fired on {live.coverage:.2f} ({live.fired}) at precision {_fmt(live.precision)}, "
+                    f"fired on {live.coverage:.2f} ({live.fired}) at precision {fmt_number(live.precision)}, "
                     f"first after {live.first} samples") + f" (auto_confidence {live.confidence:g})")
     if any(r.samples for r in reports):
         rows.append("the same live gate at each auto_confidence (coverage at precision; higher: fewer fast answers, "
@@ -326,21 +323,21 @@ def table(reports: list[QuestionReport], target: float) -> str:
             if r.samples:
                 enough = confidence_for_target(r, target)
                 rows.append(f"  {r.id:<16} " + " ".join(
-                    f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {_fmt(g.precision, '.3f')}".rjust(13)
+                    f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {fmt_number(g.precision, '.3f')}".rjust(13)
                     for g in r.live_by_confidence) + f"   {'none' if enough is None else f'{enough:g}'}")
     if any(r.biased and r.biased.accuracy is not None for r in reports):
         rows.append(f"with a live decision bias (not in the engine yet; market/decision_bias.py): each answer's margin "
                     f"moved by the bias that was right most often on the {WINDOW} answers before it:")
         for r in reports:
             if r.biased and r.biased.accuracy is not None:
-                rows.append(f"  {r.id:<16} accuracy {r.biased.accuracy:.2f} (argmax {_fmt(r.accuracy)}); "
+                rows.append(f"  {r.id:<16} accuracy {r.biased.accuracy:.2f} (argmax {fmt_number(r.accuracy)}); "
                             f"answered {r.biased.first!r} {r.biased.said_first} times, right {r.biased.right_first}")
     for r in reports:
         if r.samples == 0:
             rows.append(f"{r.id}: no samples (its label never had enough bars)")
         elif r.threshold is None:
             rows.append(f"{r.id}: the gate never reaches precision {target:g} (best "
-                        f"{_fmt(r.best_precision)}); keep threshold {_cfg(r)} or drop its fast path")
+                        f"{fmt_number(r.best_precision)}); keep threshold {_cfg(r)} or drop its fast path")
         elif r.fired < 10:
             rows.append(f"{r.id}: threshold {r.threshold:.2f} rests on {r.fired} fired samples; too few to trust")
         elif r.precision is not None and r.base_rate is not None and r.precision <= r.base_rate:

@@ -83,8 +83,9 @@ INTERVALS = (f"In brackets: the middle {LEVEL:.0%} of {REPS} block-bootstrap res
              "A set of one short window, such as a capture, has few blocks: its figures are rough.")
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else format(x, ".2f")
+def fmt_number(x: float | None, spec: str = ".2f") -> str:
+    """A figure for a table (the card's, calibrate's report): "-" where there is none."""
+    return "-" if x is None else format(x, spec)
 
 
 def card_markdown(card: dict[str, Any]) -> str:
@@ -98,8 +99,8 @@ def card_markdown(card: dict[str, Any]) -> str:
                 continue
             base = q["base_model"][s]
             lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
-                         f"({j['majority']}) | {_num(j.get('balanced_accuracy'))} | {_num(j.get('ranks'))} | "
-                         f"{base['accuracy']:.2f} | {j['coverage']:.2f} | {_num(j['precision'])} | "
+                         f"({j['majority']}) | {fmt_number(j.get('balanced_accuracy'))} | {fmt_number(j.get('ranks'))} | "
+                         f"{base['accuracy']:.2f} | {j['coverage']:.2f} | {fmt_number(j['precision'])} | "
                          f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]
@@ -110,7 +111,7 @@ def card_markdown(card: dict[str, Any]) -> str:
                   "| question | set | n | accuracy | base rate | coverage @thr | precision @thr | ECE |",
                   "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} ({j['majority']}) | "
-                  f"{j['coverage']:.2f} | {_num(j['precision'])} | {_ece(j)} |"
+                  f"{j['coverage']:.2f} | {fmt_number(j['precision'])} | {_ece(j)} |"
                   for qid, s, j in first]
     lines += ["", "Thresholds: " + ", ".join(f"{qid} {q['threshold']}" for qid, q in card["questions"].items()), ""]
     if any("features" in q for q in card["questions"].values()):
