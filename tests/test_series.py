@@ -496,3 +496,39 @@ def _fitted_logits(state, s):
     model.load_state_dict(state)
     with torch.no_grad():
         return model(s.lines, s.index, s.mask)
+
+
+def test_the_simplest_candidate_within_one_standard_error_is_served():
+    """choose="simplest" (the one-standard-error rule): a candidate reading fewer columns, then one with
+    more weight decay, wins whenever its mean development loss is within the best's standard error."""
+    from streamllm.market.seriesfit import choose_candidate
+
+    widths = {"all": 4, "words": 2}
+    spread = {("all", 1e-3): (0.300, 0.010), ("all", 1e-1): (0.305, 0.004),
+              ("words", 1e-3): (0.309, 0.002), ("words", 1e-1): (0.3095, 0.001), ("words", 1e-2): (0.32, 0.0)}
+    assert choose_candidate(spread, widths, "best") == ("all", 1e-3)
+    assert choose_candidate(spread, widths, "simplest") == ("words", 1e-1)  # within 0.300 + 0.010
+    spread[("all", 1e-3)] = (0.300, 0.005)  # the words alone now worse by more than the fits' spread
+    assert choose_candidate(spread, widths, "simplest") == ("all", 1e-1)
+    spread = {c: (m, 0.0) for c, (m, _) in spread.items()}  # one order: no spread, the best is served
+    assert choose_candidate(spread, widths, "simplest") == ("all", 1e-3)
+
+
+def test_fit_series_reports_every_candidate_and_serves_the_rules_choice():
+    g = torch.Generator().manual_seed(1)
+
+    def window(n):  # the label sums the word's first number; [mean, last] are noise
+        feats = torch.randn(n, 12, generator=g) * 3.0
+        sums = torch.stack([feats[max(0, i - 3): i + 1, 8].sum() for i in range(n)])
+        return feats, (sums <= 0).long()
+
+    train, dev = samples([window(40) for _ in range(6)], 6), samples([window(40) for _ in range(4)], 6)
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=100, sets=feature_sets(4, 1), orders=2, choose="simplest")
+    assert set(fit.candidates) == {f"{n}/{w:g}" for n in ("all", "words") for w in (1e-3, 1e-2, 1e-1)}
+    assert all(se >= 0 for _, se in fit.candidates.values())
+    from streamllm.market.seriesfit import choose_candidate
+
+    spread = {(k.split("/")[0], float(k.split("/")[1])): v for k, v in fit.candidates.items()}
+    assert (fit.features, fit.weight_decay) == choose_candidate(spread, {"all": 12, "words": 4}, "simplest")
+    with pytest.raises(ValueError, match="choose must be best or simplest"):
+        fit_series(train, dev, 2, k=6, rank=2, choose="lowest")

@@ -415,6 +415,46 @@ def test_mix_adds_training_windows_only(tiny_model, tmp_path, monkeypatch):
     assert not any("@" in w for s in ("dev", "later") for w in card["windows"][s])
 
 
+@pytest.mark.parametrize("method", ["head", "series"])
+def test_a_variant_for_one_question_trains_that_head_alone(tiny_model, tmp_path, monkeypatch, capsys, method):
+    """--mix-as ...,for=ID: the variant's windows train the named question's head; every other head is
+    the one trained without the variant, to the bit (same samples, same fit)."""
+    argv, _, _ = _mix_run(tiny_model, tmp_path, monkeypatch, other_bars=0)
+    argv[argv.index("head")] = method
+    argv += ["--mix-windows", "3"] + (["--fit-orders", "1", "--lines", "10", "--tap-layer", "1"] if method == "series" else [])
+
+    def heads():
+        card = json.loads((tmp_path / "out" / "card.json").read_text())
+        return card, {h.question_id: h for h in load_adapter(tmp_path / "out").heads}
+
+    assert cli_main(argv) == 0
+    alone, plain = heads()
+    assert cli_main([*argv, "--mix-as", "price=0.01,for=sma"]) == 0
+    card, only = heads()
+    assert card["mix"] == ["--data as x0.01 for sma"]
+    runs = [("alone", alone), ("only", card)]
+    if method == "head":  # the variant for every question (a series fit is slower: the head run checks it)
+        assert cli_main([*argv, "--mix-as", "price=0.01"]) == 0
+        runs.append(("taught", heads()[0]))
+    samples = {q: {c: x["questions"][q]["train_samples"] for c, x in runs} for q in ("trend", "sma")}
+    assert samples["sma"]["only"] > samples["sma"]["alone"]
+    assert samples["trend"]["only"] == samples["trend"]["alone"]
+    if method == "head":
+        assert samples["sma"]["only"] == samples["sma"]["taught"] and samples["trend"]["taught"] > samples["trend"]["only"]
+    for name in ("weight", "bias") if method == "head" else ("proj", "lags", "bias"):
+        assert torch.equal(getattr(only["trend"], name), getattr(plain["trend"], name))
+        assert not torch.equal(getattr(only["sma"], name), getattr(plain["sma"], name))
+    capsys.readouterr()
+    assert cli_main([*argv, "--mix-as", "price=0.01,for=sma+nope"]) == 2
+    assert "for=nope is not a labelled question of the config (labelled: sma, trend)" in capsys.readouterr().err
+    assert cli_main([*argv, "--mix-as", "price=0.01,for=sma", "price=0.01,for=trend"]) == 2
+    assert "2 variants show the same bars (x0.01); name every question in one for=ID+ID" in capsys.readouterr().err
+    for bad in ("price=0.01,for=", "price=0.01,for=sma+"):
+        with pytest.raises(SystemExit):
+            cli_main([*argv, "--mix-as", bad])
+    assert "--mix-as 'price=0.01,for=sma+': write price=X" in capsys.readouterr().err
+
+
 def test_mix_dev_windows_judge_the_mixed_market_apart_from_its_training_windows(tiny_model, tmp_path, monkeypatch,
                                                                                  capsys):
     """--mix-dev-windows: a --mix table gives dev windows too, none overlapping or touching one of its

@@ -11,8 +11,10 @@ _UNITS = {"price": "price units", "bp": "basis points of the previous close"}
 
 def _orders(series: dict[str, Any]) -> str:
     n = series.get("fit_orders", 1)
+    rule = (" (the fewest features, then the most weight decay, within one standard error of the lowest)"
+            if series.get("choose") == "simplest" else "")
     return (f"; each head the mean of {n} fits in their own minibatch orders, its features and weight decay "
-            f"chosen by their mean development loss" if n > 1 else "")
+            f"chosen by their mean development loss{rule}" if n > 1 else "")
 
 
 def _line_features(series: dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ candidate's fits), the best step by development loss (early stopping), the gate'
 threshold calibrated on the development range. With word features (engine/taps.py)
 the fit also tries the words alone (a head that needs only a bar's change reads only
 that, fewer weights to fit from a month of bars) and keeps whichever set the
-development loss prefers; the unread features get zero weights, so the engine's
+development loss prefers (or, with choose="simplest", the words unless all features are
+better by more than the fits' own spread); the unread features get zero weights, so the engine's
 features stay one layout.
 """
 
@@ -103,6 +104,8 @@ class SeriesFit:
     steps: int
     dev_loss: float
     features: str = "all"  # the feature set the head reads (feature_sets())
+    # every candidate's development loss over its fits: "features/weight decay" -> (mean, standard error)
+    candidates: dict[str, tuple[float, float]] | None = None
 
 
 def feature_sets(hidden: int, words: int) -> dict[str, torch.Tensor]:
@@ -142,10 +145,35 @@ def _stack(states: list[dict[str, torch.Tensor]], rank: int) -> dict[str, torch.
             "bias": torch.stack([s["bias"] for s in states]).mean(0)}
 
 
+def choose_candidate(spread: dict[tuple[str, float], tuple[float, float]], widths: dict[str, int],
+                     rule: str) -> tuple[str, float]:
+    """The (features, weight decay) served, from each candidate's (mean, standard error) development loss.
+    "best": the lowest mean. "simplest": of the candidates whose mean is within one standard error of the
+    lowest, the one reading the fewest columns (`widths`), then with the most weight decay."""
+    best = min(spread, key=lambda c: spread[c][0])
+    if rule == "best":
+        return best
+    near = [c for c in spread if spread[c][0] <= spread[best][0] + spread[best][1]]
+    return min(near, key=lambda c: (widths[c[0]], -c[1]))
+
+
+def _mean_se(losses: list[float]) -> tuple[float, float]:
+    mean = sum(losses) / len(losses)
+    if len(losses) < 2:
+        return mean, 0.0
+    return mean, float(np.std(losses, ddof=1) / np.sqrt(len(losses)))
+
+
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
-               sets: dict[str, torch.Tensor] | None = None, orders: int = 1) -> SeriesFit:
+               sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best") -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
+
+    choose: "best" serves the candidate of the lowest mean development loss; "simplest" the one with the
+    fewest features (then the largest weight decay) whose mean is within one standard error (over the
+    orders) of the best's: the one-standard-error rule. Where candidates differ by less than the orders'
+    own spread, "best" is a coin toss between them (the words alone or all features flipped between two
+    runs on the same windows, docs/tuning.md), and the simpler head is the one that transfers.
 
     orders: fits per candidate, each from its own initial weights and minibatch order. Which 600
     minibatches a fit draws moves its optimum about as much as a change of features does
@@ -156,6 +184,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
         raise ValueError("a series head needs training and development samples")
     if orders < 1:
         raise ValueError(f"orders must be >= 1, got {orders}")
+    if choose not in ("best", "simplest"):
+        raise ValueError(f"choose must be best or simplest, got {choose!r}")
     width = train.lines.shape[1]
     sets = sets or {"all": torch.ones(width, dtype=torch.bool)}
     mu = train.lines.mean(0)
@@ -188,13 +218,17 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
                             best = (dev_loss, {n: p.detach().clone() for n, p in model.state_dict().items()})
                 assert best is not None
                 fits.setdefault((name, wd), []).append(best)
-    (name, wd), chosen = min(fits.items(), key=lambda kv: sum(loss for loss, _ in kv[1]) / len(kv[1]))
+    spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
+    best = choose_candidate(spread, {n: int(cols.sum()) for n, cols in sets.items()}, choose)
+    name, wd = best
+    chosen = fits[best]
     state = _stack([s for _, s in chosen], rank)  # one fit: itself
     cols = sets[name]
     width_r = state["proj.weight"].shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
-    fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name)
+    fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name,
+                    {f"{n}/{w:g}": spread[n, w] for n, w in spread})
     served = _Model(width, classes, k, width_r)  # the served head's own development loss, on raw features
     served.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
     with torch.no_grad():

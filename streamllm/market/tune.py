@@ -99,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mix-as", nargs="+", type=_variant, default=[], metavar="SPEC",
                    help="train also on --data's training range as another market shows it: price=X (X times the "
                         "price, 6 significant digits), volume=V (V times the volume: another size unit), bars=N (N "
-                        "bars merged: larger moves), every=S (stamped S seconds apart); e.g. price=0.00003 price=0.003,bars=30,every=86400; --mix-windows each")
+                        "bars merged: larger moves), every=S (stamped S seconds apart), for=ID+ID (only these questions' heads "
+                        "train on it); e.g. price=0.00003 price=0.003,bars=30,every=86400 volume=1000,for=volume_spike; "
+                        "--mix-windows each")
     p.add_argument("--mix-windows", type=int, default=4,
                    help="training windows from each --mix source (each instrument of a synthetic market)")
     p.add_argument("--mix-dev-windows", type=int, default=0, metavar="N",
@@ -139,6 +141,10 @@ def _parser() -> argparse.ArgumentParser:
     series.add_argument("--fit-orders", type=int, default=3, metavar="N",
                         help="fits per candidate, each its own minibatch order: features and weight decay chosen by "
                              "the mean development loss, the head served the mean of the chosen fits (rank N x R)")
+    series.add_argument("--choose", choices=("best", "simplest"), default="best",
+                        help="best: the candidate of the lowest mean development loss; simplest: the fewest features "
+                             "(then the most weight decay) within one standard error of it over the --fit-orders "
+                             "(steadier where candidates differ by less than the orders' own spread)")
     series.add_argument("--words", type=_words, default=(2, "v"), metavar="I,J",
                         help="words whose last token each line's features add: an index, or a prefix for the "
                              "line's first word that starts with it (default 2,v: a bar line's change and volume, "
@@ -174,6 +180,19 @@ def _sessions(config: Any, names: list[str] | None) -> list[SessionSpec]:
     return specs
 
 
+def _check_variants(variants: list[Variant], specs: list[SessionSpec]) -> None:
+    """Each --mix-as variant is one source (its bars), and `for=` names labelled questions."""
+    labelled = sorted({q.id for spec in specs for q in spec.questions if q.label is not None and q.choices})
+    names = [str(v) for v in variants]
+    for v in variants:
+        if names.count(str(v)) > 1:
+            raise TuneError(f"--mix-as: {names.count(str(v))} variants show the same bars ({v}); "
+                            "name every question in one for=ID+ID")
+        if unknown := [q for q in v.only if q not in labelled]:
+            raise TuneError(f"--mix-as {v}: for={'+'.join(unknown)} is not a labelled question of the config "
+                            f"(labelled: {', '.join(labelled)})")
+
+
 def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Task:
     questions = [q for q in spec.questions if q.label is not None and q.choices]
     history = max(q.label.bars_needed for q in questions)
@@ -188,16 +207,18 @@ def _plan(args: argparse.Namespace, spec: SessionSpec, rng: random.Random) -> Ta
     # --mix: more markets for training (and with --mix-dev-windows for dev; never later: that is --data's).
     mixed = load_sources(args, spec, "--mix", args.mix, args.mix_windows)
     tables = {name for name in mixed if not name.startswith("synthetic-")}
+    teaches: dict[str, tuple[str, ...]] = {}
     for name, bars in list(sources.items()):  # --mix-as: --data's own training range as other markets show it
         for variant in args.mix_as:
             mixed[f"{name}@{variant}"] = variant.apply(bars[: int(SPLIT[0] * len(bars))])
+            teaches[f"{name}@{variant}"] = variant.only
     for name, bars in mixed.items():
         if name in sources:
             raise TuneError(f"--mix {name} is also in --data")
         # A table draws its windows from its own generator, so adding one moves no other window
         # (and no other window's extracted states).
         draw = random.Random(f"{args.seed}:{name}") if name in tables else rng
-        train = [dataclasses.replace(p, mixed=True) for p in
+        train = [dataclasses.replace(p, mixed=True, teaches=teaches.get(name, ())) for p in
                  plan_windows(name, len(bars), args.window, {"train": args.mix_windows}, draw, whole=True)]
         if not train:
             raise TuneError(f"--mix {name}: {len(bars)} bars hold no window of {args.window}")
@@ -264,6 +285,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
               "--mix-as variants train only)", file=sys.stderr)
     t0 = time.perf_counter()
     config = load_config(args.questions)
+    _check_variants(args.mix_as, _sessions(config, args.session))
     rng = random.Random(args.seed)
     tasks = [_plan(args, spec, rng) for spec in _sessions(config, args.session)]
     # The budget cuts training windows only. Every judged set runs first, so that the time left when

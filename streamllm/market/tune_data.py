@@ -35,6 +35,7 @@ class WindowPlan:
     start: int
     bars: int
     mixed: bool = False  # from a --mix source: trimmed to the session's context when its lines are longer
+    teaches: tuple[str, ...] = ()  # question ids whose heads train on it (--mix-as ...,for=ID); empty: every one
 
     @property
     def key(self) -> str:
@@ -196,25 +197,34 @@ class Variant:
     volume: float = 1.0  # times the volume (another market's size unit: contracts, shares, ticks)
     bars: int = 1  # consecutive bars merged into one (another interval: larger moves per bar)
     every: int = 0  # seconds between the bars' stamps (86400: one line per day, each dated); 0: as merged
+    # Question ids it teaches (for=ID+ID); empty: every labelled question. A variant can teach what one
+    # question lacks without moving the others: only the named questions' fits (their training samples,
+    # so their features and weight decay too) read its windows.
+    only: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> Variant:
         kw: dict[str, Any] = {}
         for part in text.split(","):
-            key, sep, value = part.partition("=")
+            key, sep, value = (x.strip() for x in part.partition("="))
             try:
-                if not sep or key.strip() not in ("price", "volume", "bars", "every"):
+                if not sep or key not in ("price", "volume", "bars", "every", "for"):
                     raise ValueError
-                kw[key.strip()] = float(value) if key.strip() in ("price", "volume") else int(value)
+                if key == "for":
+                    kw["only"] = tuple(value.split("+"))
+                    if not all(kw["only"]):
+                        raise ValueError
+                else:
+                    kw[key] = float(value) if key in ("price", "volume") else int(value)
             except ValueError:
-                raise TuneError(f"--mix-as {text!r}: write price=X[,volume=V][,bars=N][,every=SECONDS], "
-                                "e.g. price=0.003,bars=30,every=86400") from None
+                raise TuneError(f"--mix-as {text!r}: write price=X[,volume=V][,bars=N][,every=SECONDS][,for=ID+ID], "
+                                "e.g. price=0.003,bars=30,every=86400 or volume=1000,for=volume_spike") from None
         v = cls(**kw)
         if not all(x > 0 and math.isfinite(x) for x in (v.price, v.volume)) or v.bars < 1 or v.every < 0:
             raise TuneError(f"--mix-as {text!r}: need price > 0, volume > 0, bars >= 1 and every >= 0")
         return v
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # the source's name: the same bars keep their extracted states whatever `for=` says
         return (f"x{self.price:g}" + (f"-vol{self.volume:g}" if self.volume != 1 else "")
                 + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else ""))
 

@@ -39,9 +39,15 @@ def in_set(plan: WindowPlan, set_name: str) -> bool:
     return plan.set == set_name or f"{plan.set}/{plan.source}" == set_name
 
 
+def taught(plan: WindowPlan, session: str, members: list[tuple[str, str]]) -> list[str]:
+    """The question ids of a head's members that learn from (or are judged on) a window of `session`:
+    all of them, but a `--mix-as ...,for=ID` window only the questions it names."""
+    return [qid for name, qid in members if name == session and (not plan.teaches or qid in plan.teaches)]
+
+
 def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if in_set(p, set_name)
-             for name, qid in members if name == session]
+             for qid in taught(p, session, members)]
     if not parts:
         return torch.empty(0, hidden), torch.empty(0, dtype=torch.long)
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -81,11 +87,12 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
     def gather(set_name, least=1):
         return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
-                        for name, qid in members if name == session], args.lines, least)
+                        for qid in taught(p, session, members)], args.lines, least)
 
     train, dev = gather("train"), gather("dev")
     fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
-                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders)
+                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders,
+                     choose=args.choose)
     least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       math.inf, tuple(args.words), least if least < args.lines else 0)
@@ -99,7 +106,8 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
         return got_set.logits(head), got_set.labels, got_set.blocks(q.label.bars_needed)
 
     return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
-                  "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4)}, scores
+                  "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4),
+                  "candidates": {c: [round(m, 4), round(se, 4)] for c, (m, se) in fit.candidates.items()}}, scores
 
 
 def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
@@ -145,12 +153,14 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     card = {
         "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],
         "changes": tasks[0].spec.render.changes,
-        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix] + [f"--data as {v}" for v in args.mix_as],
+        "data": [str(d) for d in args.data], "mix": [str(d) for d in args.mix] + [f"--data as {v}" + (f" for {'+'.join(v.only)}" if v.only else "")
+                                             for v in args.mix_as],
         "judge": [str(d) for d in args.judge], "seed": args.seed,
         "window_bars": args.window, "stride": args.stride, "split": {"train": [0, SPLIT[0]], "dev": list(SPLIT),
                                                                      "later": [SPLIT[1], 1]},
         "windows": {s: sorted(f"{n}/{p.key}" for n, p in got if p.set == s) for s in ("train", *sets) if "/" not in s},
-        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if in_set(p, s) for y in st.labels.values())
+        "decision_points": {s: sum(len(y) for (_, p), st in got.items() if in_set(p, s)
+                                   for qid, y in st.labels.items() if not p.teaches or qid in p.teaches)
                             for s in ("train", *sets)},
         "target_precision": args.target_precision, "fit_steps": steps, "tokens_extracted": tokens,
         "tokens_all_windows": sum(st.tokens for st in got.values()),  # this run's and --resume'd checkpoints
@@ -161,7 +171,7 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     }
     if args.method == "series":
         card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
-                          "fit_orders": args.fit_orders, "words": list(args.words)}
+                          "fit_orders": args.fit_orders, "choose": args.choose, "words": list(args.words)}
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     (args.out / "card.md").write_text(card_markdown(card))
     return card

@@ -70,12 +70,15 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
     windows: dict[str, list[Packed]] = {}
 
     def prepare(task: Any, plan: Any) -> None:
-        path = states / f"lora-{plan.key}-{fingerprint}-{task.fingerprint}.pt"
+        only = "-for-" + "+".join(plan.teaches) if plan.teaches else ""  # --mix-as ...,for=ID: its questions only
+        path = states / f"lora-{plan.key}{only}-{fingerprint}-{task.fingerprint}.pt"
         if path.is_file():
             windows.setdefault(plan.set, []).append(_load_packed(path))
             return
         bars = task.sources[plan.source][plan.start: plan.start + plan.bars]
-        qs = questions[task.spec.name] + ([] if plan.set == "train" else adhoc)
+        qs = [q for q, own in zip(questions[task.spec.name], task.questions, strict=True)
+              if not plan.teaches or own.id in plan.teaches]
+        qs += [] if plan.set == "train" else adhoc
         packed = pack(layout, task.spec, bars, qs, args.stride)
         if packed.blocks:
             trainer.prepare(packed, scorer, random.Random(f"{args.seed}-{plan.key}"))
