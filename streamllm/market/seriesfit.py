@@ -172,8 +172,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     choose: "best" serves the candidate of the lowest mean development loss; "simplest" the one with the
     fewest features (then the largest weight decay) whose mean is within one standard error (over the
     orders) of the best's: the one-standard-error rule. Where candidates differ by less than the orders'
-    own spread, "best" is a coin toss between them (the words alone or all features flipped between two
-    runs on the same windows, docs/tuning.md), and the simpler head is the one that transfers.
+    own spread, "best" is a coin toss between them (a refit on the same states chose another weight
+    decay, docs/tuning.md); "simplest" settles such ties the same way every time, on the smaller head.
 
     orders: fits per candidate, each from its own initial weights and minibatch order. Which 600
     minibatches a fit draws moves its optimum about as much as a change of features does
