@@ -31,9 +31,9 @@ demo: model
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
 # queries/adapters/, so `make demo` needs no tuning. Minutes per config on a 2-core CPU.
-# A rerun is not the committed heads to the bit: the shipped bars heads were fitted on states
-# checkpointed by earlier runs, and the fit's near-tied choices move between runs (on today's
-# states above_sma reads all features and scores 0.84 on the captures, not 0.92; docs/tuning.md).
+# A rerun does not give the committed bars heads: they were fitted (before fits were deterministic)
+# on states checkpointed by earlier runs; on today's states above_sma reads all features and
+# scores 0.84 on the captures, not 0.92 (docs/tuning.md).
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
 BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv

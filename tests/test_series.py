@@ -532,3 +532,28 @@ def test_fit_series_reports_every_candidate_and_serves_the_rules_choice():
     assert (fit.features, fit.weight_decay) == choose_candidate(spread, {"all": 12, "words": 4}, "simplest")
     with pytest.raises(ValueError, match="choose must be best or simplest"):
         fit_series(train, dev, 2, k=6, rank=2, choose="lowest")
+
+
+def test_a_fit_is_the_same_in_every_process():
+    """Two processes fitting the same samples on two threads serve the same head to the bit. Without
+    deterministic kernels the gather's backward summed in thread order and every run differed."""
+    import subprocess
+    import sys
+
+    script = """
+import hashlib, torch
+torch.set_num_threads(2)
+from streamllm.market.seriesfit import fit_series, samples
+g = torch.Generator().manual_seed(0)
+def window(n):
+    feats = torch.randn(n, 64, generator=g)
+    sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() for i in range(n)])
+    return feats, (sums <= 0).long()
+train, dev = samples([window(250) for _ in range(40)], 24), samples([window(250) for _ in range(4)], 24)
+fit = fit_series(train, dev, 2, k=24, rank=8, steps=60, grid=(0.1,))
+print(hashlib.sha256(fit.proj.numpy().tobytes() + fit.lags.numpy().tobytes()).hexdigest())
+assert not torch.are_deterministic_algorithms_enabled()  # the process's own setting, restored
+"""
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+            for _ in range(3)]
+    assert runs[0] and runs.count(runs[0]) == 3

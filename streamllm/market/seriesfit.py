@@ -20,8 +20,9 @@ features stay one layout.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -157,6 +158,20 @@ def choose_candidate(spread: dict[tuple[str, float], tuple[float, float]], width
     return min(near, key=lambda c: (widths[c[0]], -c[1]))
 
 
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """The same fit from the same samples in every run. The backward of the lines' gather (`[index]`)
+    sums into shared rows; on several CPU threads in whatever order they finish, so two processes
+    fitting the same bars.toml states served different heads (another weight decay, projections
+    0.3 apart). The deterministic kernels cost no time measured here."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def _mean_se(losses: list[float]) -> tuple[float, float]:
     mean = sum(losses) / len(losses)
     if len(losses) < 2:
@@ -172,8 +187,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     choose: "best" serves the candidate of the lowest mean development loss; "simplest" the one with the
     fewest features (then the largest weight decay) whose mean is within one standard error (over the
     orders) of the best's: the one-standard-error rule. Where candidates differ by less than the orders'
-    own spread, "best" is a coin toss between them (a refit on the same states chose another weight
-    decay, docs/tuning.md); "simplest" settles such ties the same way every time, on the smaller head.
+    own spread, which is lowest depends on the minibatch draws more than on the data; "simplest"
+    settles such ties on the smaller head.
 
     orders: fits per candidate, each from its own initial weights and minibatch order. Which 600
     minibatches a fit draws moves its optimum about as much as a change of features does
@@ -195,7 +210,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     train_mask, dev_mask = train.mask, dev.mask
     fits: dict[tuple[str, float], list[tuple[float, dict]]] = {}
     total = 0
-    with torch.enable_grad():
+    with torch.enable_grad(), _deterministic():
         for (name, cols), wd in itertools.product(sets.items(), grid):
             lines, dev_lines = all_lines[:, cols], all_dev[:, cols]
             for order in range(orders):
