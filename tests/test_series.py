@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +309,15 @@ def test_line_numbers_survive_compaction(tiny_model, spec, bars, tmp_path):
         engine.shutdown()
 
 
+def rule_window(g: torch.Generator, n: int, width: int, column: int = 0,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """n lines of `width` random features; a line's label: is the sum of `column` over it and the 3
+    lines before it positive (choice 0) or not (choice 1)."""
+    feats = torch.randn(n, width, generator=g) * scale
+    sums = torch.stack([feats[max(0, i - 3): i + 1, column].sum() for i in range(n)])
+    return feats, (sums <= 0).long()
+
+
 def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained_one():
     g = torch.Generator().manual_seed(0)
 
@@ -337,13 +347,8 @@ def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
     """Lines [mean, last, word] 4 wide each; the label sums the word's first number: the fit picks the words
     alone (the development loss prefers fewer noisy weights) and the unread columns get zero weights."""
     g = torch.Generator().manual_seed(1)
-
-    def window(n):
-        feats = torch.randn(n, 12, generator=g) * 3.0
-        sums = torch.stack([feats[max(0, i - 3): i + 1, 8].sum() for i in range(n)])
-        return feats, (sums <= 0).long()
-
-    train, dev = samples([window(40) for _ in range(6)], 6), samples([window(40) for _ in range(4)], 6)
+    train = samples([rule_window(g, 40, 12, column=8, scale=3.0) for _ in range(6)], 6)
+    dev = samples([rule_window(g, 40, 12, column=8, scale=3.0) for _ in range(4)], 6)
     fit = fit_series(train, dev, 2, k=6, rank=2, steps=300, sets=feature_sets(4, 1))
     assert fit.features == "words" and fit.proj[:, :8].abs().max() == 0 and fit.proj[:, 8:].abs().max() > 0
     head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, (2,))
@@ -461,13 +466,8 @@ def test_fits_over_several_orders_serve_their_mean_in_the_heads_own_format():
     from streamllm.market.seriesfit import _stack
 
     g = torch.Generator().manual_seed(2)
-
-    def window(n):
-        feats = torch.randn(n, 10, generator=g)
-        sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() for i in range(n)])
-        return feats, (sums <= 0).long()
-
-    train, dev = samples([window(40) for _ in range(8)], 6), samples([window(40) for _ in range(4)], 6)
+    train = samples([rule_window(g, 40, 10) for _ in range(8)], 6)
+    dev = samples([rule_window(g, 40, 10) for _ in range(4)], 6)
     states = []
     for order in range(3):  # three fits of one candidate, as fit_series draws them
         torch.manual_seed(order)
@@ -515,21 +515,15 @@ def test_the_simplest_candidate_within_one_standard_error_is_served():
 
 
 def test_fit_series_reports_every_candidate_and_serves_the_rules_choice():
-    g = torch.Generator().manual_seed(1)
-
-    def window(n):  # the label sums the word's first number; [mean, last] are noise
-        feats = torch.randn(n, 12, generator=g) * 3.0
-        sums = torch.stack([feats[max(0, i - 3): i + 1, 8].sum() for i in range(n)])
-        return feats, (sums <= 0).long()
-
-    train, dev = samples([window(40) for _ in range(6)], 6), samples([window(40) for _ in range(4)], 6)
-    fit = fit_series(train, dev, 2, k=6, rank=2, steps=100, sets=feature_sets(4, 1), orders=2, choose="simplest")
-    assert set(fit.candidates) == {f"{n}/{w:g}" for n in ("all", "words") for w in (1e-3, 1e-2, 1e-1)}
-    assert all(se >= 0 for _, se in fit.candidates.values())
     from streamllm.market.seriesfit import choose_candidate
 
-    spread = {(k.split("/")[0], float(k.split("/")[1])): v for k, v in fit.candidates.items()}
-    assert (fit.features, fit.weight_decay) == choose_candidate(spread, {"all": 12, "words": 4}, "simplest")
+    g = torch.Generator().manual_seed(1)  # the label sums the word's first number; [mean, last] are noise
+    train = samples([rule_window(g, 40, 12, column=8, scale=3.0) for _ in range(6)], 6)
+    dev = samples([rule_window(g, 40, 12, column=8, scale=3.0) for _ in range(4)], 6)
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=100, sets=feature_sets(4, 1), orders=2, choose="simplest")
+    assert set(fit.candidates) == {(n, w) for n in ("all", "words") for w in (1e-3, 1e-2, 1e-1)}
+    assert all(se >= 0 for _, se in fit.candidates.values())
+    assert (fit.features, fit.weight_decay) == choose_candidate(fit.candidates, {"all": 12, "words": 4}, "simplest")
     with pytest.raises(ValueError, match="choose must be best or simplest"):
         fit_series(train, dev, 2, k=6, rank=2, choose="lowest")
 
@@ -544,16 +538,15 @@ def test_a_fit_is_the_same_in_every_process():
 import hashlib, torch
 torch.set_num_threads(2)
 from streamllm.market.seriesfit import fit_series, samples
+from tests.test_series import rule_window
 g = torch.Generator().manual_seed(0)
-def window(n):
-    feats = torch.randn(n, 64, generator=g)
-    sums = torch.stack([feats[max(0, i - 3): i + 1, 0].sum() for i in range(n)])
-    return feats, (sums <= 0).long()
-train, dev = samples([window(250) for _ in range(40)], 24), samples([window(250) for _ in range(4)], 24)
+train = samples([rule_window(g, 250, 64) for _ in range(40)], 24)
+dev = samples([rule_window(g, 250, 64) for _ in range(4)], 24)
 fit = fit_series(train, dev, 2, k=24, rank=8, steps=60, grid=(0.1,))
 print(hashlib.sha256(fit.proj.numpy().tobytes() + fit.lags.numpy().tobytes()).hexdigest())
 assert not torch.are_deterministic_algorithms_enabled()  # the process's own setting, restored
 """
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-            for _ in range(3)]
+    root = Path(__file__).resolve().parents[1]
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           cwd=root).stdout for _ in range(3)]
     assert runs[0] and runs.count(runs[0]) == 3

@@ -105,8 +105,8 @@ class SeriesFit:
     steps: int
     dev_loss: float
     features: str = "all"  # the feature set the head reads (feature_sets())
-    # every candidate's development loss over its fits: "features/weight decay" -> (mean, standard error)
-    candidates: dict[str, tuple[float, float]] | None = None
+    # every candidate's development loss over its fits: (features, weight decay) -> (mean, standard error)
+    candidates: dict[tuple[str, float], tuple[float, float]] | None = None
 
 
 def feature_sets(hidden: int, words: int) -> dict[str, torch.Tensor]:
@@ -242,8 +242,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     width_r = state["proj.weight"].shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
-    fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name,
-                    {f"{n}/{w:g}": spread[n, w] for n, w in spread})
+    fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name, spread)
     served = _Model(width, classes, k, width_r)  # the served head's own development loss, on raw features
     served.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
     with torch.no_grad():

@@ -107,7 +107,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
     return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
                   "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4),
-                  "candidates": {c: [round(m, 4), round(se, 4)] for c, (m, se) in fit.candidates.items()}}, scores
+                  "candidates": {f"{n}/{w:g}": [round(m, 4), round(se, 4)] for (n, w), (m, se) in fit.candidates.items()}}, scores
 
 
 def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
