@@ -30,10 +30,11 @@ demo: model
 	$(BIN)/streamllm demo
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
-# queries/adapters/, so `make demo` needs no tuning. Minutes per config on a 2-core CPU.
-# A rerun does not give the committed bars heads: they were fitted (before fits were deterministic)
-# on states checkpointed by earlier runs; on today's states above_sma reads all features and
-# scores 0.84 on the captures, not 0.92 (docs/tuning.md).
+# queries/adapters/, so `make demo` needs no tuning. About 95 min on a 2-core CPU, most of it
+# extracting the bars states (checkpointed under queries/adapters/*/states): an interrupted run
+# goes on with `make tune TUNE_ARGS=--resume`. The fits are deterministic: the same states give
+# the committed heads to the bit.
+TUNE_ARGS ?=
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
 BTC_BARS := $(SHARED)/bars/btc-perp-20211231-20220201_1m.csv
@@ -60,18 +61,18 @@ tune: model $(OTHER_BARS) $(INDEX_BARS)
 	    --judge $(CAPTURES) $(OTHER_BARS) --judge-bar-seconds 5 --judge-windows 8 --window 250 --stride 12 \
 	    --train-windows 24 --dev-windows 4 --later-windows 5 --mix synthetic:7 synthetic:8 \
 	    $(foreach f,$(INDEX_BARS),$(f)@..2004-08-01 $(f)@2013-04-01..) --time-format '%m/%d/%Y' \
-	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 --mix-windows 3 --mix-dev-windows 2 --synthetic-bars 150 \
-	    --judge-bars 150 --minutes 60
-	@# Not added: the volume variants (--mix-as price=0.00003,volume=0.001 volume=1000) taught volume_spike EURUSD's
-	@# volumes but moved above_sma and volatility to all features, -0.10 to -0.15 on the 5 s captures (docs/tuning.md).
+	    --mix-as price=0.00003 price=0.003 price=0.003,bars=30,every=86400 \
+	    price=0.00003,volume=0.001,for=volume_spike volume=1000,for=volume_spike \
+	    --mix-windows 3 --mix-dev-windows 2 --synthetic-bars 150 --judge-bars 150 --minutes 90 $(TUNE_ARGS)
+	@# The volume variants teach volume_spike alone (for=): EURUSD's and GOOG's volumes are other scales.
 	@# The demo's heads read word 2 only: with the volume word too (words 2,v) every question scored lower on
 	@# its card (later range: trend 0.93 -> 0.91, volatility 0.90 -> 0.80) and volume_spike still never said yes.
 	$(BIN)/streamllm tune --questions queries/demo.toml --data synthetic:100 --out queries/adapters/demo \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 120 --stride 4 --train-windows 16 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --words 2 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 120 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --words 2 --minutes 60 $(TUNE_ARGS)
 	$(BIN)/streamllm tune --questions queries/crypto.toml --data synthetic:200 --out queries/adapters/crypto \
 	    $(if $(CAPTURES),--judge $(CAPTURES)) --window 150 --stride 6 --train-windows 12 --dev-windows 3 \
-	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --minutes 30
+	    --later-windows 3 --synthetic-bars 0 --judge-bars 150 --mix $(BTC_BARS) --mix-windows 8 --mix-dev-windows 2 --minutes 60 $(TUNE_ARGS)
 
 # The LoRA for queries/bars.toml (`--method lora`, docs/tuning.md): about 45 min on a 2-core CPU.
 tune-lora: model $(RAY_STAMP)
