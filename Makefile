@@ -30,10 +30,11 @@ demo: model
 	$(BIN)/streamllm demo
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
-# queries/adapters/, so `make demo` needs no tuning. About 95 min on a 2-core CPU, most of it
-# extracting the bars states (checkpointed under queries/adapters/*/states): an interrupted run
-# goes on with `make tune TUNE_ARGS=--resume`. The fits are deterministic: the same states give
-# the committed heads to the bit.
+# queries/adapters/, so `make demo` needs no tuning. About 140 min on a 2-core CPU (bars ~80,
+# demo ~27, crypto ~35), most of it extracting states, checkpointed under queries/adapters/*/states:
+# an interrupted run goes on with `make tune TUNE_ARGS=--resume`. The fits are deterministic: the
+# same states give the committed heads to the bit (states extracted on another CPU differ by bf16
+# roundings, which can flip a near-tied choice; docs/tuning.md).
 TUNE_ARGS ?=
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
