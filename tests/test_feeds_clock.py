@@ -23,7 +23,7 @@ def test_the_slowest_recent_trade_sets_the_grace() -> None:
     for sec, lag_ms in [(0, 80), (1, 30), (2, 120), (3, 45)]:
         c.observe(T0 + sec * S - lag_ms * MS, T0 + sec * S)
     assert c.lag_ns == 120 * MS  # every trade of the window would have arrived
-    assert c.settled(T0 + 5 * S) == T0 + 5 * S - 120 * MS
+    assert c.settled(T0 + 3 * S) == T0 + 3 * S - 120 * MS
     c.observe(T0 + 13 * S - 60 * MS, T0 + 13 * S)  # 11 s after the 120 ms one: it left the window
     assert c.lag_ns == 60 * MS
     c.observe(T0 + 30 * S - 200 * MS, T0 + 30 * S)  # all older ones left: the newest alone
@@ -44,7 +44,7 @@ def test_a_receiver_clock_behind_the_venue() -> None:
     c = VenueClock()
     c.observe(T0 + 1270 * MS, T0)
     c.observe(T0 + S + 1230 * MS, T0 + S)
-    assert c.settled(T0 + 2 * S) == T0 + 2 * S + 1230 * MS
+    assert c.settled(T0 + S) == T0 + S + 1230 * MS
 
 
 @pytest.mark.parametrize("speed", [4.0, 0.25])
@@ -57,3 +57,57 @@ def test_a_replay_paced_faster_or_slower_never_runs_ahead_of_the_venue(speed: fl
         venue = T0 - 2 * 365 * 86400 * S + round(i * 10 * MS * speed)  # a capture two years old
         c.observe(venue, recv)
         assert venue - S <= c.settled(recv) <= venue
+
+
+@pytest.mark.parametrize("speed", [1.0, 4.0, 0.5, 0.25])
+def test_through_a_silence_the_venue_clock_runs_at_its_measured_rate(speed: float) -> None:
+    """Between trades (a live feed's quiet ticks) the settled time moves at the rate the venue's
+    has been moving, at most the wall rate: a bar of a replay paced slower than recorded does not
+    close before its trades arrive, and a live silent market's bars still close on time."""
+    c = VenueClock(window_s=2, max_grace_s=1)
+    old = T0 - 2 * 365 * 86400 * S
+
+    def venue(recv: int) -> int:
+        return old + round((recv - T0) * speed) - 30 * MS  # the replay's trades arrive 30 ms after their times
+
+    for i in range(1000):  # ten seconds of a trade every 10 ms
+        c.observe(venue(T0 + i * 10 * MS), T0 + i * 10 * MS)
+    assert c.rate == pytest.approx(min(speed, 1.0), abs=0.01)
+    last = T0 + 999 * 10 * MS
+    for quiet in range(1, 41):  # then four seconds of silence, ticked as attach() ticks a live feed
+        now = last + quiet * 100 * MS
+        assert c.settled(now) <= venue(now)
+        if speed <= 1:
+            assert c.settled(now) >= venue(now) - S - 100 * MS  # the cap, and a tick's length
+    assert c.settled(last + 40 * S) - c.settled(last) == pytest.approx(40 * S * min(speed, 1.0), rel=0.01)
+
+
+def test_a_trade_stamped_long_ago_does_not_bend_the_rate() -> None:
+    c = VenueClock()
+    for i in range(600):
+        c.observe(T0 + i * 10 * MS - 40 * MS, T0 + i * 10 * MS)
+    c.observe(T0 - 3600 * S, T0 + 6 * S)
+    c.observe(T0 + 6 * S, T0 + 6 * S + 40 * MS)
+    assert c.rate == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.5, 0.25, 0.1])
+def test_a_slowed_replay_keeps_its_recorded_spread_of_delays(speed: float) -> None:
+    """A recording's trades arrived 0-200 ms after their times, out of order; replayed at `speed`,
+    that spread takes 1/speed as long on the receive clock. Measured against the replay's own
+    rate, the grace still covers it: once the clock has seen a few seconds (the rate, and the
+    spread of delays), no trade comes after its bar could have closed."""
+    import random
+
+    rng = random.Random(7)
+    venue0, recv0 = T0 - 2 * 365 * 86400 * S, T0
+    recorded = sorted((e + rng.randrange(200 * MS), e) for e in range(venue0, venue0 + 30 * S, 10 * MS))
+    c, settled, late = VenueClock(), 0, 0
+    for rec, event in recorded:
+        recv = recv0 + round((rec - recorded[0][0]) / speed)
+        late += event < settled and recv - recv0 > 10 * S
+        if c.lag_ns is not None:
+            settled = max(settled, c.settled(recv - 5 * MS))  # a quiet tick just before it arrives
+        c.observe(event, recv)
+        settled = max(settled, c.settled(recv))
+    assert c.rate == pytest.approx(speed, abs=0.01) and late == 0
