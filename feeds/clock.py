@@ -25,6 +25,13 @@ quiet ticks ask, the settled time moves at that rate: a silent market's last bar
 time, while a slowed replay's does not close before its trades arrive. Measured against the
 wall rate instead, a slowed replay's lags would grow with every second, swamping the spread
 of delays the grace is there to cover.
+
+A trade stamped more than `max_ahead_s` past the settled time is `ahead`: one bad time would
+otherwise settle everything before it at once, closing the bars up to it and counting every
+trade after it late until the venue's clock got there (an hour of trades for a time an hour
+out). The caller holds such a trade back and lets the next one decide: ahead too, and the
+venue's clock stepped (a host clock corrected, a replay that skips a silence); back in line,
+and it was one bad time (`market/attach.py`).
 """
 
 from __future__ import annotations
@@ -34,12 +41,15 @@ from collections.abc import Iterable
 
 
 class VenueClock:
-    def __init__(self, window_s: float = 10.0, max_grace_s: float = 2.0, rate_window_s: float = 60.0) -> None:
-        if window_s <= 0 or max_grace_s < 0 or rate_window_s <= 0:
+    def __init__(
+        self, window_s: float = 10.0, max_grace_s: float = 2.0, rate_window_s: float = 60.0, max_ahead_s: float = 10.0
+    ) -> None:
+        if window_s <= 0 or max_grace_s < 0 or rate_window_s <= 0 or max_ahead_s <= max_grace_s:
             raise ValueError(
-                "venue clock: need window_s > 0, max_grace_s >= 0 and rate_window_s > 0,"
-                f" got {window_s}, {max_grace_s}, {rate_window_s}"
+                "venue clock: need window_s > 0, max_grace_s >= 0, rate_window_s > 0 and max_ahead_s > max_grace_s,"
+                f" got {window_s}, {max_grace_s}, {rate_window_s}, {max_ahead_s}"
             )
+        self.max_ahead_ns = round(max_ahead_s * 1_000_000_000)
         self.window_ns = round(window_s * 1_000_000_000)
         self.max_grace_ns = round(max_grace_s * 1_000_000_000)
         self.rate_window_ns = round(rate_window_s * 1_000_000_000)
@@ -83,6 +93,10 @@ class VenueClock:
         if self.lag_ns is None:
             return ts_recv
         return self._line(ts_recv) - self.lag_ns
+
+    def ahead(self, ts_event: int, ts_recv: int) -> bool:
+        """Is a trade stamped further past the settled time than the venue's clock can have run?"""
+        return self.lag_ns is not None and ts_event > 0 and ts_event - self.settled(ts_recv) > self.max_ahead_ns
 
     def _line(self, ts_recv: int) -> int:
         r0, e0 = self._origin

@@ -180,6 +180,38 @@ def test_bars_close_on_the_venue_clock_when_the_receive_clock_is_far_off() -> No
     assert len(runs["recorded"]) == len(list(bars(trades, 60))) - 1  # all but the open one
 
 
+def _recv_later(trades: list[Trade], lag_ms: int = 80) -> list[Trade]:
+    return [dataclasses.replace(t, ts_recv=t.ts_event + lag_ms * 1_000_000) for t in trades]
+
+
+def test_one_trade_stamped_an_hour_ahead_is_left_out() -> None:
+    """One bad time must not settle the hour before it: the bars up to it would close at once and
+    every trade after it would be late. The next trade is back in line, so it is left out."""
+    good = _recv_later([_trade(i * 0.5, 100 + i % 5, 1, BUY, inst="BTCUSDT" if i % 3 else "ETHUSDT") for i in range(400)])
+    bad = dataclasses.replace(good[200], ts_event=good[200].ts_event + 3600 * S, trade_id="bad")
+    runs = {}
+    for name, evs in {"clean": good, "one bad time": [*good[:200], bad, *good[200:]]}.items():
+        sink = Sink()
+        a = Attachment(sink, AttachSpec("btc", bar_s=10, instruments=frozenset({"BTCUSDT"})))
+        asyncio.run(attach(evs, [a], flush_every=8))
+        assert a.stats.late == 0 and a.accounted() == a.stats.events_in == len(evs), name
+        runs[name] = (sink.lines["btc"], a.stats.ahead)
+    assert runs["one bad time"] == (runs["clean"][0], 1) and runs["clean"][1] == 0
+
+
+def test_a_venue_clock_that_steps_ahead_is_followed() -> None:
+    """Every trade from some point on an hour later (a host clock corrected, a replay that skips
+    a silence): the second trade confirms the first, and nothing is left out or late."""
+    evs = _recv_later([_trade(i * 0.5, 100 + i % 5, 1, BUY) for i in range(200)])
+    evs = evs[:100] + [dataclasses.replace(t, ts_event=t.ts_event + 3600 * S) for t in evs[100:]]
+    sink = Sink()
+    a = Attachment(sink, AttachSpec("btc", bar_s=10))
+    asyncio.run(attach(evs, [a], flush_every=8))
+    assert a.stats.ahead == a.stats.late == 0 and a.accounted() == a.stats.events_in == 200
+    in_bars = sum(int(w[1:]) for line in sink.lines["btc"] for w in line.split() if w.startswith("n") and w[1:].isdigit())
+    assert in_bars == 200 - 20 and any("no trades" in line for line in sink.lines["btc"])  # the last bar is open
+
+
 @pytest.mark.parametrize("wall_clock", [True, False])
 def test_a_silent_live_feed_still_closes_its_bars(wall_clock: bool) -> None:
     """A live feed's receive times are this machine's clock: while it is silent, its bars close on

@@ -111,3 +111,13 @@ def test_a_slowed_replay_keeps_its_recorded_spread_of_delays(speed: float) -> No
         c.observe(event, recv)
         settled = max(settled, c.settled(recv))
     assert c.rate == pytest.approx(speed, abs=0.01) and late == 0
+
+
+def test_ahead_is_a_time_past_what_the_venue_clock_can_have_run_to() -> None:
+    c = VenueClock(max_ahead_s=10)
+    assert not c.ahead(T0 + 3600 * S, T0)  # nothing seen: no clock to be ahead of
+    c.observe(T0 - 40 * MS, T0)
+    assert not c.ahead(T0 + 9 * S, T0 + 10 * MS) and c.ahead(T0 + 11 * S, T0 + 10 * MS)
+    assert not c.ahead(T0 + 29 * S, T0 + 20 * S)  # the clock ran on meanwhile
+    with pytest.raises(ValueError, match="max_ahead_s > max_grace_s"):
+        VenueClock(max_grace_s=2, max_ahead_s=1)

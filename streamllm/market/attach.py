@@ -11,8 +11,8 @@ exceeds `max_pending`:
             v12.3 b55; 344 quotes last bid 61844.99 ask 61845; 90 book updates`
 
 Nothing is dropped silently: `stats` counts every event in, and
-`in == as_lines + in_summaries + held_in_open_bars + ignored + late + pending`, where pending
-events are still waiting to be pushed (see `Attachment.accounted`).
+`in == as_lines + in_summaries + held_in_open_bars + ignored + late + ahead + pending`, where
+pending events are still waiting to be pushed (see `Attachment.accounted`).
 
 The sink is the engine (`push(session, lines) -> PushAck`, `backlog(session) -> int`);
 anything with those two methods works.
@@ -32,6 +32,7 @@ replayed. Keys assume one instrument per attachment in bars mode (what `serve` b
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterable, Iterable
@@ -45,6 +46,8 @@ from streamllm.durability.ingest_log import DuplicateBatch
 from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
 
 QUIET_TICK_S = 0.25  # how often a silent live feed's bars are checked for having ended
+
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -92,6 +95,7 @@ class AttachStats:
     events_summarized: int = 0  # events represented by summary lines
     events_as_lines: int = 0  # events represented one line each (bars: trades inside pushed bars)
     late: int = 0  # trades for bar intervals already closed
+    ahead: int = 0  # trades stamped far past the venue's clock, the next trade back in line (feeds/clock.py)
     resumed_lines: int = 0  # lines delivered before a restart (key <= `resume_from`): dropped
     events_resumed: int = 0  # events those lines represent
     duplicates: int = 0  # batches the ingest log refused as already delivered
@@ -164,6 +168,16 @@ class Attachment:
             self._agg.late = 0
         else:
             self._bar_events[ev.instrument] = self._bar_events.get(ev.instrument, 0) + 1
+
+    def left_out(self, ev: Any) -> None:
+        """A trade attach() left out as stamped ahead of the venue's clock: counted, in no line."""
+        self._seen += 1
+        self.stats.events_in += 1
+        inst = self.spec.instruments
+        if inst is not None and ev.instrument not in inst:
+            self.stats.ignored += 1
+        else:
+            self.stats.ahead += 1
 
     def tick(self, now_ns: int) -> None:
         """Close bars whose interval ended (a quiet market still produces bar lines)."""
@@ -247,7 +261,7 @@ class Attachment:
         s = self.stats
         open_bars = sum(self._bar_events.values())
         pending = sum(i.events for i in self._pending if i.line is None)
-        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + pending + s.events_resumed
+        return s.events_as_lines + s.events_summarized + open_bars + s.ignored + s.late + s.ahead + pending + s.events_resumed
 
     def _coalesce(self) -> None:
         groups: dict[str, list[_Item]] = {}
@@ -321,10 +335,17 @@ async def attach(
     Then bars also close while it is silent (checked every QUIET_TICK_S): a quiet market's last
     bar would otherwise wait for its next message, minutes on an illiquid contract. A push that
     fails there fails the feed, as it would on an event. A recorded feed's receive times are the
-    recording's, so only its own events can move its clock."""
+    recording's, so only its own events can move its clock.
+
+    A trade stamped far past the venue's clock (`VenueClock.ahead`) waits for the next trade:
+    ahead too, and the venue's clock stepped, so both go in; back in line, and its time was
+    wrong: it is left out (`stats.ahead`, a warning), so that it neither closes the bars before
+    it at once nor makes every trade after it late."""
     loop = asyncio.get_running_loop()
     last_flush, n = loop.time(), 0
     clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
+    held: Trade | None = None  # a trade stamped ahead, until the next trade says what it was
+    left_out = 0
 
     def tick(now: int) -> None:
         nonlocal last_flush
@@ -334,6 +355,26 @@ async def attach(
         last_flush = loop.time()
 
     def step(ev: Any) -> None:
+        nonlocal held, left_out
+        if type(ev) is Trade:
+            if held is not None:
+                suspect, held = held, None
+                if clock.ahead(ev.ts_event, ev.ts_recv):  # ahead as well: the venue's clock stepped
+                    take(suspect)
+                else:
+                    left_out += 1
+                    if left_out <= 5 or left_out % 1000 == 0:
+                        log.warning("%s trade %s stamped %.1f s past the venue's clock, the next trade back in "
+                                    "line: left out (%d so far)", suspect.instrument, suspect.trade_id,
+                                    (suspect.ts_event - clock.settled(suspect.ts_recv)) / 1e9, left_out)
+                    for a in attachments:
+                        a.left_out(suspect)
+            if clock.ahead(ev.ts_event, ev.ts_recv):
+                held = ev
+                return
+        take(ev)
+
+    def take(ev: Any) -> None:
         nonlocal n
         n += 1
         if type(ev) is Trade:
@@ -375,5 +416,7 @@ async def attach(
     finally:
         if quiet is not None:
             quiet.cancel()
+    if held is not None:  # nothing after it to judge it by: kept
+        take(held)
     for a in attachments:
         a.flush()
