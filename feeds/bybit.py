@@ -17,7 +17,7 @@ Data messages are {"topic": "<name>.<symbol>", "type": "snapshot"|"delta", "ts":
                      a sell order), v, p: a Liquidation.
 Replies to our ops ({"op": "subscribe"|"ping"|"pong", "success": ...}) are control; a failed
 subscribe ends the session. Clients ping with {"op": "ping"} every 20 s. Captures of the API
-before v5 (trade.S, orderBookL2_25.S) are read by feeds/bybit_before_v5.py.
+before v5 (trade.S, orderBookL2_25.S, klineV2.I.S) are read by feeds/bybit_before_v5.py.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ NAN = math.nan
 _SIDES = {"Buy": BUY, "Sell": SELL}
 _KLINE_NS = {"D": 1440 * MIN_NS, "W": 7 * 1440 * MIN_NS}
 # Bybit's APIs before v5 (2019-2023: realtime, realtime_public; topics trade.X, orderBookL2_25.X, klineV2.1.X):
-# feeds/bybit_before_v5.py reads their trades and books.
+# feeds/bybit_before_v5.py reads their trades, books and klines.
 OLD_TOPICS = frozenset({"trade", "klineV2", "candle", "instrument_info", "liquidation_v2", "insurance"})
 
 

@@ -9,22 +9,28 @@ often as strings on the second:
                      {"delete": [...], "update": [...], "insert": [...]}, a deleted level's size 0
                      (its price from the delete, or from the id it was inserted under).
                      timestamp_e6: microseconds.
-Subscribe replies carry the op under "request". Klines (klineV2, candle), instrument_info,
-liquidation and insurance are not read: each such message is an `unsupported_format` error
-naming its topic, and the stream goes on.
+  klineV2.I.S        data[]: start, end (seconds), open, close, high, low, volume, turnover,
+  candle.I.S         confirm, cross_seq, timestamp (us); candle (realtime_public) adds period.
+                     A Bar once confirm is true, over [start, end): its length is the bar's.
+Subscribe replies carry the op under "request". instrument_info, liquidation and insurance are
+not read: each such message is an `unsupported_format` error naming its topic, and the stream
+goes on.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from feeds.events import BUY, SELL, BookDelta, Trade, number_decimals
-from feeds.validate import nonnegative, positive
+from feeds.events import BUY, SELL, Bar, BookDelta, Trade, number_decimals
+from feeds.validate import check_bar, nonnegative, positive
 from feeds.wire import UnsupportedFormat
 
 MS = 1_000_000
+S = 1_000_000_000
+NAN = math.nan
 _SIDES = {"Buy": BUY, "Sell": SELL}
-READ = ("trade", "orderBookL2_25", "orderBookL2_200")
+READ = ("trade", "orderBookL2_25", "orderBookL2_200", "klineV2", "candle")
 
 
 class BeforeV5:
@@ -39,6 +45,9 @@ class BeforeV5:
             return [self._trade(t, ts_recv) for t in msg["data"]]
         if name in ("orderBookL2_25", "orderBookL2_200"):
             return [self._book(symbol, msg, ts_recv)]
+        if name in ("klineV2", "candle"):
+            symbol = symbol.partition(".")[2]  # <name>.<interval>.<symbol>
+            return [self._bar(symbol, k, ts_recv) for k in msg["data"] if k["confirm"] is True]
         raise UnsupportedFormat(f"Bybit's pre-v5 topic {name}.{symbol} is not read (read are {', '.join(READ)})")
 
     def _trade(self, t: dict[str, Any], ts_recv: int) -> Trade:
@@ -48,6 +57,16 @@ class BeforeV5:
         p, q = t["price"], t["size"]
         return Trade(self.venue, t["symbol"], int(t["trade_time_ms"]) * MS, ts_recv, positive("price", float(p)),
                      positive("size", float(q)), side, str(t.get("trade_id", "")), number_decimals(p), number_decimals(q))
+
+    def _bar(self, symbol: str, k: dict[str, Any], ts_recv: int) -> Bar:
+        start, end = int(k["start"]), int(k["end"])
+        if not 0 < start < end:
+            raise ValueError(f"{symbol} kline start {start} and end {end} (seconds) make no interval")
+        o, h, lo, c, v = k["open"], k["high"], k["low"], k["close"], k["volume"]
+        check_bar(float(o), float(h), float(lo), float(c), float(v))
+        dp = max(number_decimals(x) for x in (o, h, lo, c))
+        return Bar(self.venue, symbol, end * S, ts_recv, start * S, (end - start) * S, float(o), float(h), float(lo),
+                   float(c), float(v), -1, NAN, NAN, NAN, dp, number_decimals(v))
 
     def _book(self, symbol: str, msg: dict[str, Any], ts_recv: int) -> BookDelta:
         data = msg["data"]

@@ -19,6 +19,7 @@ from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Tr
 from feeds.sources import open_source
 from tests.books import Book, apply
 
+S = 1_000_000_000
 TRADE = {"topic": "publicTrade.BTCUSDT", "type": "snapshot", "ts": 1672304486868, "data": [
     {"T": 1672304486865, "s": "BTCUSDT", "S": "Buy", "v": "0.001", "p": "16578.50", "L": "PlusTick",
      "i": "20f43950-d8dd-5b31-9112-a178eb6023af", "BT": False}]}
@@ -86,11 +87,37 @@ def test_bybit_ticker_deltas_carry_only_what_changed() -> None:
     assert p.parse(json.dumps({**TRADE, "data": [{**TRADE["data"][0], "S": "None"}]}), 8) == []
     assert p.parse('{"topic":"kline.M.BTCUSDT","type":"snapshot","ts":1,"data":[{"interval":"M","confirm":true,'
                    '"start":1,"open":"1","high":"1","low":"1","close":"1","volume":"1"}]}', 9) == []
-    old = '{"topic":"klineV2.1.BTCUSD","data":[{"start":1,"end":60,"open":1,"close":1,"high":1,"low":1}]}'
-    assert p.parse(old, 10) == [] and "pre-v5 topic klineV2.1.BTCUSD is not read" in p.stats.error_samples[-1]
+    old = '{"topic":"insurance.BTC","data":[{"currency":"BTC","timestamp":"2020-01-13T00:00:00Z","wallet_balance":1}]}'
+    assert p.parse(old, 10) == [] and "pre-v5 topic insurance.BTC is not read" in p.stats.error_samples[-1]
     assert p.stats.error_kinds == {"ValueError": 3, "VenueError": 1, "unsupported_format": 1}
     assert "before its snapshot" in p.stats.error_samples[0] and "handler not found" in p.stats.error_samples[1]
     assert math.isnan(BybitParser().parse(json.dumps({**snap, "data": {**snap["data"], "indexPrice": ""}}), 1)[1].index)
+
+
+def test_klines_before_v5_are_bars_once_confirmed() -> None:
+    """klineV2 (inverse contracts, `realtime`: numbers) and candle (USDT, `realtime_public`: volume
+    as a string), as Bybit's old docs and cryptofeed show them: start and end in seconds."""
+    p = BybitParser()
+    inverse = {"topic": "klineV2.1.BTCUSD", "data": [{"start": 1683309060, "end": 1683309120, "open": 29529,
+               "close": 29541, "high": 29541, "low": 29528.5, "volume": 184045, "turnover": 6.2314151,
+               "confirm": False, "cross_seq": 21539090874, "timestamp": 1683309102077887}],
+               "timestamp_e6": 1683309102077887}
+    assert p.parse(json.dumps(inverse), 1) == []  # the candle so far: not a bar yet
+    (bar,) = p.parse(json.dumps({**inverse, "data": [{**inverse["data"][0], "confirm": True}]}), 2)
+    assert (bar.instrument, bar.ts_open, bar.interval_ns, bar.ts_event) == (
+        "BTCUSD", 1683309060 * S, 60 * S, 1683309120 * S)
+    assert (bar.open, bar.high, bar.low, bar.close, bar.volume, bar.trades, bar.px_dp) == (
+        29529, 29541, 29528.5, 29541, 184045, -1, 1)
+    usdt = {"topic": "candle.5.BTCUSDT", "data": [{"start": 1667461800, "end": 1667462100, "period": "5",
+            "open": 20282, "close": 20280.5, "high": 20282.5, "low": 20280, "volume": "20.753",
+            "turnover": "420912.939", "confirm": True, "cross_seq": 19909786084, "timestamp": 1667461837466318}],
+            "timestamp_e6": 1667461837466318}
+    (bar,) = p.parse(json.dumps(usdt), 3)
+    assert (bar.instrument, bar.interval_ns, bar.volume, bar.sz_dp) == ("BTCUSDT", 300 * S, 20.753, 3)
+    # Bad input: named, counted, the stream goes on.
+    assert p.parse(json.dumps({**usdt, "data": [{**usdt["data"][0], "end": 1667461800}]}), 4) == []
+    assert p.parse(json.dumps({**usdt, "data": [{**usdt["data"][0], "low": 20290}]}), 5) == []
+    assert "make no interval" in p.stats.error_samples[0] and "bad_bar" in p.stats.error_samples[1]
 
 
 def test_a_bybit_capture_is_sniffed(tmp_path: Path) -> None:
