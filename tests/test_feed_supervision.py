@@ -66,6 +66,9 @@ def test_a_failing_feed_restarts_and_health_says_degraded(tiny_model):
         info = engine.session_info("local/btc")
         closes, seen = server.bars.bars("local/btc")
         assert info.lines_ingested == attachment.stats.lines_pushed == seen >= 30
+        # Each attempt replays its market from the same start: the bars of its first 40 s closed, its trades are late.
+        feed = server.health()["feeds"][0]
+        assert (feed["late_trades"], feed["ahead_trades"]) == (attachment.stats.late, 0) and feed["late_trades"] > 0
     finally:
         engine.shutdown()
 

@@ -151,6 +151,8 @@ class FeedRunner:
         behind = {k: v for k, v in backlog.items() if v > max_backlog}
         if behind:
             reasons.append(f"feed {s.name}: ingest is behind ({', '.join(f'{k} {v} lines' for k, v in behind.items())})")
-        pending = sum(getattr(a, "pending_events", 0) for a in self.attachments)
-        entry["pending_events"] = pending
+        entry["pending_events"] = sum(getattr(a, "pending_events", 0) for a in self.attachments)
+        # Trades in no bar: for an interval already closed, or stamped past the venue's clock (market/attach.py).
+        entry["late_trades"] = sum(a.stats.late for a in self.attachments)
+        entry["ahead_trades"] = sum(a.stats.ahead for a in self.attachments)
         return entry, reasons
