@@ -3,12 +3,7 @@
 Each attachment feeds one session with either raw events (one line each) or time bars of
 N seconds. Lines wait in a pending list until the session's ingest backlog is below
 `max_backlog`; while ingest lags, the pending list is coalesced into summary lines once it
-exceeds `max_pending`:
-
-    bars    consecutive bars of an instrument merge into one bar (OHLCV combined) with
-            `(N bars to HH:MM)`; a run of empty bars stays a `no trades` gap line
-    events  per instrument: `HH:MM:SS-HH:MM:SS summary 812 trades 61830.1-61850 last 61845
-            v12.3 b55; 344 quotes last bid 61844.99 ask 61845; 90 book updates`
+exceeds `max_pending`, one line per instrument (market/summaries.py).
 
 Nothing is dropped silently: `stats` counts every event in, and
 `in == as_lines + in_summaries + held_in_open_bars + ignored + late + ahead + pending`, where
@@ -39,11 +34,12 @@ from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from feeds.bars import BarAggregator, merge_bars
+from feeds.bars import BarAggregator
 from feeds.clock import VenueClock
-from feeds.events import BUY, Bar, BookDelta, Quote, Trade
+from feeds.events import Bar, Trade
 from streamllm.durability.ingest_log import DuplicateBatch
-from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
+from streamllm.market.render import Renderer
+from streamllm.market.summaries import bar_summary, event_summary
 
 QUIET_TICK_S = 0.25  # how often a silent live feed's bars are checked for having ended
 
@@ -273,50 +269,16 @@ class Attachment:
             src = item.bar if item.bar is not None else item.event
             groups.setdefault(src.instrument, []).append(item)
         for inst, items in groups.items():
-            line = self._bar_summary(items) if items[0].bar is not None else self._event_summary(inst, items)
+            assert self.renderer is not None
+            if items[0].bar is not None:
+                line = bar_summary(self.renderer, [i.bar for i in items if i.bar is not None])
+            else:
+                line = event_summary(self.renderer, inst, [i.event for i in items])
             n = sum(i.events for i in items)
             done.append(_Item(n, key=max(i.key for i in items), line=line))
             self.stats.summaries += 1
             self.stats.events_summarized += n
         self._pending = done
-
-    def _bar_summary(self, items: list[_Item]) -> str:
-        bs = [i.bar for i in items if i.bar is not None]
-        first, last = bs[0], bs[-1]
-        merged = merge_bars(bs)
-        assert self.renderer is not None
-        line = self.renderer.bar(merged)
-        minute = 60 * 1_000_000_000
-        clock = hhmm if last.ts_event % minute == 0 and first.interval_ns % minute == 0 else hhmmss
-        return line if merged.trades == 0 else f"{line} ({len(bs)} bars to {clock(last.ts_event)})"
-
-    def _event_summary(self, inst: str, items: list[_Item]) -> str:
-        evs = [i.event for i in items]
-        trades = [e for e in evs if type(e) is Trade]
-        quotes = [e for e in evs if type(e) is Quote]
-        books = sum(1 for e in evs if type(e) is BookDelta)
-        bars_ = [e for e in evs if type(e) is Bar]
-        assert self.renderer is not None
-        head = f"{hhmmss(evs[0].ts_event)}-{hhmmss(evs[-1].ts_event)}"
-        if self.renderer.with_symbol:
-            head += f" {inst}"
-        parts = []
-        if trades:
-            dp = max(t.px_dp for t in trades)
-            vol = sum(t.size for t in trades)
-            buy = sum(t.size for t in trades if t.side == BUY)
-            known = all(t.side != 0 for t in trades)  # else the buy share is unknown, not low
-            lo, hi = min(t.price for t in trades), max(t.price for t in trades)
-            parts.append(f"{len(trades)} trades {fixed(lo, dp)}-{fixed(hi, dp)} last {fixed(trades[-1].price, dp)}"
-                         f" v{quantity(vol)}" + (f" b{round(100 * buy / vol)}" if vol > 0 and known else ""))
-        if quotes:
-            q = quotes[-1]
-            parts.append(f"{len(quotes)} quotes last bid {fixed(q.bid, q.px_dp)} ask {fixed(q.ask, q.px_dp)}")
-        if books:
-            parts.append(f"{books} book updates")
-        if bars_:
-            parts.append(f"{len(bars_)} bars last close {fixed(bars_[-1].close, bars_[-1].px_dp)}")
-        return f"{head} summary " + "; ".join(parts)
 
 
 async def attach(
