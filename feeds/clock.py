@@ -26,12 +26,15 @@ time, while a slowed replay's does not close before its trades arrive. Measured 
 wall rate instead, a slowed replay's lags would grow with every second, swamping the spread
 of delays the grace is there to cover.
 
-A trade stamped more than `max_ahead_s` past the settled time is `ahead`: one bad time would
-otherwise settle everything before it at once, closing the bars up to it and counting every
-trade after it late until the venue's clock got there (an hour of trades for a time an hour
-out). The caller holds such a trade back and lets the next one decide: ahead too, and the
-venue's clock stepped (a host clock corrected, a replay that skips a silence); back in line,
-and it was one bad time (`market/attach.py`).
+A trade stamped more than `max_ahead_s` past both the settled time and its own receive time
+is `ahead`: one bad time would otherwise settle everything before it at once, closing the bars
+up to it and counting every trade after it late until the venue's clock got there (an hour of
+trades for a time an hour out). The caller holds such a trade back and lets the next one
+decide: ahead too, and the venue's clock stepped (a host clock corrected); back in line, and it
+was one bad time (`market/attach.py`). Past the receive time too, because a venue's trades
+come after they happen: the first live trade after a subscription's snapshot of old trades
+(Coinbase's `last_match`, a quiet market's minutes-old history) is far past a clock set by
+that history, but not past its receive time, and must not wait for the next trade.
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ class VenueClock:
         return self._line(ts_recv) - self.lag_ns
 
     def ahead(self, ts_event: int, ts_recv: int) -> bool:
-        """Is a trade stamped further past the settled time than the venue's clock can have run?"""
-        return self.lag_ns is not None and ts_event > 0 and ts_event - self.settled(ts_recv) > self.max_ahead_ns
+        """Is a trade stamped further past the settled time, and past its receive time, than either can be off?"""
+        if self.lag_ns is None or ts_event <= 0:
+            return False
+        return ts_event - max(self.settled(ts_recv), ts_recv) > self.max_ahead_ns
 
     def _line(self, ts_recv: int) -> int:
         r0, e0 = self._origin

@@ -119,5 +119,19 @@ def test_ahead_is_a_time_past_what_the_venue_clock_can_have_run_to() -> None:
     c.observe(T0 - 40 * MS, T0)
     assert not c.ahead(T0 + 9 * S, T0 + 10 * MS) and c.ahead(T0 + 11 * S, T0 + 10 * MS)
     assert not c.ahead(T0 + 29 * S, T0 + 20 * S)  # the clock ran on meanwhile
+
+
+def test_the_first_live_trade_after_a_snapshot_of_old_ones_is_not_ahead() -> None:
+    """A subscription's history (minutes old) sets the clock far behind; the first live trade is
+    far past it, but not past its own receive time: a venue's trade comes after it happens."""
+    c = VenueClock(max_ahead_s=10)
+    for i in range(50):
+        c.observe(T0 - 600 * S + i * 6 * S, T0 + i * MS)  # the last 50 trades of ten quiet minutes
+    live = T0 + 2 * S
+    assert live - 100 * MS - c.settled(live) > 200 * S and not c.ahead(live - 100 * MS, live)
+    replayed = T0 - 2 * 365 * 86400 * S  # a capture's dates through a replay server: never past its receive time
+    c2 = VenueClock(max_ahead_s=10)
+    c2.observe(replayed, T0)
+    assert not c2.ahead(replayed + 3600 * S, T0 + MS)
     with pytest.raises(ValueError, match="max_ahead_s > max_grace_s"):
         VenueClock(max_grace_s=2, max_ahead_s=1)

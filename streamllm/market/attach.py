@@ -299,10 +299,10 @@ async def attach(
     fails there fails the feed, as it would on an event. A recorded feed's receive times are the
     recording's, so only its own events can move its clock.
 
-    A trade stamped far past the venue's clock (`VenueClock.ahead`) waits for the next trade:
-    ahead too, and the venue's clock stepped, so both go in; back in line, and its time was
-    wrong: it is left out (`stats.ahead`, a warning), so that it neither closes the bars before
-    it at once nor makes every trade after it late."""
+    A trade stamped far past the venue's clock and its own receive time (`VenueClock.ahead`)
+    waits for the next trade: ahead too, and the venue's clock stepped, so both go in; back in
+    line, and its time was wrong: it is left out (`stats.ahead`, a warning), so that it neither
+    closes the bars before it at once nor makes every trade after it late."""
     loop = asyncio.get_running_loop()
     last_flush, n = loop.time(), 0
     clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
