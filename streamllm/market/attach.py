@@ -139,11 +139,7 @@ class Attachment:
     # --- in ---
     def offer(self, ev: Any) -> None:
         index = self._seen
-        self._seen += 1
-        self.stats.events_in += 1
-        inst = self.spec.instruments
-        if inst is not None and ev.instrument not in inst:
-            self.stats.ignored += 1
+        if not self._arrive(ev):
             return
         if self._agg is None:
             if type(ev) is Bar:  # a bar file replayed one line per bar
@@ -167,13 +163,18 @@ class Attachment:
 
     def left_out(self, ev: Any) -> None:
         """A trade attach() left out as stamped ahead of the venue's clock: counted, in no line."""
+        if self._arrive(ev):
+            self.stats.ahead += 1
+
+    def _arrive(self, ev: Any) -> bool:
+        """Count a feed event in; False (counted ignored) when it is another instrument's."""
         self._seen += 1
         self.stats.events_in += 1
         inst = self.spec.instruments
         if inst is not None and ev.instrument not in inst:
             self.stats.ignored += 1
-        else:
-            self.stats.ahead += 1
+            return False
+        return True
 
     def tick(self, now_ns: int) -> None:
         """Close bars whose interval ended (a quiet market still produces bar lines)."""
