@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from feeds.bybit_before_v5 import BeforeV5
+from feeds.bybit_before_v5 import BeforeV5, kline_bar
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Trade, decimals
-from feeds.validate import check_bar, nonnegative, positive
+from feeds.validate import nonnegative, positive
 from feeds.wire import (
     CountingParser,
     Loads,
@@ -151,13 +151,7 @@ class BybitParser(CountingParser):
         return out
 
     def _bar(self, symbol: str, k: dict[str, Any], ts_recv: int) -> Bar:
-        interval = kline_ns(str(k["interval"]))
-        o, h, lo, cl, v = k["open"], k["high"], k["low"], k["close"], k["volume"]
-        check_bar(float(o), float(h), float(lo), float(cl), float(v))
-        open_ns = int(k["start"]) * MS
-        dp = max(decimals(o), decimals(h), decimals(lo), decimals(cl))
-        return Bar(VENUE, symbol, open_ns + interval, ts_recv, open_ns, interval, float(o), float(h), float(lo),
-                   float(cl), float(v), -1, NAN, NAN, NAN, dp, decimals(v))
+        return kline_bar(VENUE, symbol, int(k["start"]) * MS, kline_ns(str(k["interval"])), k, ts_recv)
 
     def _liquidation(self, r: dict[str, Any], ts_recv: int) -> Liquidation:
         position = _SIDES.get(r["S"])

@@ -62,11 +62,7 @@ class BeforeV5:
         start, end = int(k["start"]), int(k["end"])
         if not 0 < start < end:
             raise ValueError(f"{symbol} kline start {start} and end {end} (seconds) make no interval")
-        o, h, lo, c, v = k["open"], k["high"], k["low"], k["close"], k["volume"]
-        check_bar(float(o), float(h), float(lo), float(c), float(v))
-        dp = max(number_decimals(x) for x in (o, h, lo, c))
-        return Bar(self.venue, symbol, end * S, ts_recv, start * S, (end - start) * S, float(o), float(h), float(lo),
-                   float(c), float(v), -1, NAN, NAN, NAN, dp, number_decimals(v))
+        return kline_bar(self.venue, symbol, start * S, (end - start) * S, k, ts_recv)
 
     def _book(self, symbol: str, msg: dict[str, Any], ts_recv: int) -> BookDelta:
         data = msg["data"]
@@ -96,3 +92,12 @@ class BeforeV5:
         seq = int(msg.get("cross_seq") or 0)
         ts = int(msg.get("timestamp_e6") or 0) * 1000 or ts_recv
         return BookDelta(self.venue, symbol, ts, ts_recv, bids, asks, seq, seq, snapshot)
+
+
+def kline_bar(venue: str, symbol: str, open_ns: int, interval_ns: int, k: dict[str, Any], ts_recv: int) -> Bar:
+    """A closed kline of either API (open, high, low, close, volume: strings or numbers) as a Bar."""
+    o, h, lo, c, v = k["open"], k["high"], k["low"], k["close"], k["volume"]
+    check_bar(float(o), float(h), float(lo), float(c), float(v))
+    dp = max(number_decimals(x) for x in (o, h, lo, c))
+    return Bar(venue, symbol, open_ns + interval_ns, ts_recv, open_ns, interval_ns, float(o), float(h), float(lo),
+               float(c), float(v), -1, NAN, NAN, NAN, dp, number_decimals(v))
