@@ -68,7 +68,7 @@ def cluster(tmp_path_factory, fed_config):
 
 @pytest.fixture(scope="module")
 def server(cluster, serve_in_thread):
-    with serve_in_thread(StreamServer(cluster, None, ServerConfig(port=0))) as srv:
+    with serve_in_thread(StreamServer(cluster, None, ServerConfig(port=0), replicas=cluster)) as srv:
         yield srv
 
 

@@ -15,7 +15,6 @@ sends a `Cancel`, and the core frees whatever the question held.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from streamllm.config import QuestionSpec
+from streamllm.engine.client import EngineClient, EngineHealth
 from streamllm.engine.commands import (
     Ask,
     Call,
@@ -70,7 +70,9 @@ LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
 
-class Engine(Intake, Residency, Subscribable):
+class Engine(Intake, Residency, Subscribable, EngineClient):
+    """One core thread serving every session on one model (`EngineClient`)."""
+
     def __init__(
         self,
         model: str | LoadedModel = "smollm2-135m",
@@ -101,7 +103,7 @@ class Engine(Intake, Residency, Subscribable):
         # (the same cuts on any machine), never earlier by the feed's measured pace.
         policy = CompactionPolicy(compact_at, retain, compact_early)
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
-        self.model_name = loaded.name
+        self._model_name = loaded.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
@@ -127,7 +129,7 @@ class Engine(Intake, Residency, Subscribable):
         self.default_max_context = max_context
         self.hub = SubscriptionHub()
         self.core = EngineCore(
-            model_name=self.model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
+            model_name=self._model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
             runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
             prepos=Prepositioner(store, self.layout.eos_ids, head_entries=head_entries), hub=self.hub, policy=policy,
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
@@ -153,6 +155,13 @@ class Engine(Intake, Residency, Subscribable):
         self.auto_evict = None
         self.last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
         self.core.start()
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def prefix_tokens(self, system: str = DEFAULT_SYSTEM) -> int:
+        return len(self.layout.prefix_ids(system))
 
     # -- views for tests and benches (read after wait_idle; mutate only through `call`) ------------
     @property
@@ -320,13 +329,6 @@ class Engine(Intake, Residency, Subscribable):
         future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future
 
-    def ask(self, name: str, question: str, *, timeout: float | None = None, **kw) -> Answer:
-        """Answer `question` on the session's newest ingested data (or min_version=, waiting for it)."""
-        return self.submit_ask(name, question, **kw).result(timeout)
-
-    async def ask_async(self, name: str, question: str, **kw) -> Answer:
-        return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
-
     # -- the core -----------------------------------------------------------
     def call(self, fn, timeout: float | None = None):
         """Run fn(core) on the core thread between steps and return its result (benches, tests, snapshots).
@@ -356,11 +358,9 @@ class Engine(Intake, Residency, Subscribable):
     def failure(self) -> BaseException | None:
         return self.core.failure
 
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
+    def health(self) -> EngineHealth:
+        failure = self.core.failure
+        return EngineHealth(not self.core.stopped, None if failure is None else repr(failure), self.core.failed_steps)
 
     def stats(self) -> dict:
         """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""

@@ -15,7 +15,6 @@ constructor recovers its sessions from its own ingest log; the pump then marks i
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import logging
@@ -24,15 +23,18 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamllm.engine.client import EngineClient, EngineHealth, ReplicaControl
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
-from streamllm.engine.subscriptions import Subscribable
+from streamllm.engine.subscriptions import Subscription
 from streamllm.scale.errors import ReplicaUnavailable
 from streamllm.scale.fanin import EventPump, FanInHub
+from streamllm.scale.handle import ReplicaHandle, ReplicaState
+from streamllm.scale.metrics import ReplicaCollector, cluster_stats, replica_health
+from streamllm.scale.move import move_session
 from streamllm.scale.placement import PlacementTable
 from streamllm.scale.replica import FeedPlan, Replica, ReplicaSpec
 
@@ -48,22 +50,9 @@ def import_ray() -> Any:
     return ray
 
 
-@dataclass(slots=True, eq=False)
-class ReplicaHandle:
-    index: int
-    actor: Any
-    state: str = "starting"  # starting | up | down
-    incarnation: str = ""
-    info: dict[str, Any] = field(default_factory=dict)  # ready(): pid, node, model, recovery summary
-    stats: dict[str, Any] = field(default_factory=dict)  # last stats() that answered
-    sessions: list[Any] = field(default_factory=list)  # last list_sessions() that answered
-    restarts: int = 0
-    down_since: float | None = None
-    last_down_reason: str = ""
-    last_recovery_s: float | None = None
+class ClusterEngine(EngineClient, ReplicaControl):
+    """Engine replicas as Ray actors behind one front door; a session lives on one replica."""
 
-
-class ClusterEngine(Subscribable):
     def __init__(self, model: str = "smollm2-135m", *, replicas: int = 2, log_dir: str | Path | None = None,
                  address: str | None = None, num_cpus: int | None = None, cpus_per_replica: float = 1.0,
                  engine: dict[str, Any] | None = None, adapter: str | None = None, log_flush: str = "batch",
@@ -107,7 +96,7 @@ class ClusterEngine(Subscribable):
         for h, info in zip(self.replicas, infos, strict=True):
             self.mark_up(h, info)
         first = infos[0]
-        self.model_name, self.device, self.dtype = first["model"], first["device"], first["dtype"]
+        self._model_name, self.device, self.dtype = first["model"], first["device"], first["dtype"]
         self.cpus_per_replica = cpus_per_replica
         changes, duplicates = self.placement.reconcile({h.index: h.info["sessions"] for h in self.replicas})
         for change in changes:
@@ -123,9 +112,9 @@ class ClusterEngine(Subscribable):
     # -- replica states ---------------------------------------------------
     def mark_down(self, h: ReplicaHandle, why: Any) -> None:
         with self._lock:
-            if h.state == "down" or self._closing:
+            if h.state == ReplicaState.DOWN or self._closing:
                 return
-            h.state, h.down_since, h.last_down_reason = "down", time.monotonic(), str(why)[:300]
+            h.state, h.down_since, h.last_down_reason = ReplicaState.DOWN, time.monotonic(), str(why)[:300]
             h.restarts += 1
         log.warning("replica %d is down (%s): its sessions answer `unavailable` until it has recovered", h.index,
                     str(why)[:200])
@@ -134,7 +123,7 @@ class ClusterEngine(Subscribable):
         with self._lock:
             if h.down_since is not None:
                 h.last_recovery_s = time.monotonic() - h.down_since
-            h.state, h.down_since, h.incarnation, h.info = "up", None, info["incarnation"], info
+            h.state, h.down_since, h.incarnation, h.info = ReplicaState.UP, None, info["incarnation"], info
         if h.last_recovery_s is not None:
             log.warning("replica %d is back after %.2f s: %s", h.index, h.last_recovery_s, info.get("recovery"))
 
@@ -147,7 +136,7 @@ class ClusterEngine(Subscribable):
             raise ReplicaUnavailable(f"session {name!r} is moving to another replica; try again in a moment",
                                      replica=index)
         h = self.replicas[index]
-        if h.state != "up":
+        if h.state != ReplicaState.UP:
             raise ReplicaUnavailable(f"session {name!r}: its replica ({index}) is restarting and recovering its "
                                      "sessions; try again in a moment (nothing acknowledged is lost)", replica=index)
         return h
@@ -205,7 +194,7 @@ class ClusterEngine(Subscribable):
         with self._place_lock:
             if self.placement.get(name) is not None:
                 raise SessionError(f"session {name!r} is already open")
-            up = [h for h in self.replicas if h.state == "up"]
+            up = [h for h in self.replicas if h.state == ReplicaState.UP]
             if not up:
                 raise ReplicaUnavailable("no replica is up; try again in a moment")
             counts = self.placement.counts()
@@ -230,9 +219,10 @@ class ClusterEngine(Subscribable):
             self.placement.remove(name)
             self.hub.drop_session(name)
 
-    def push(self, name: str, lines: list[str], truths: dict[str, str] | None = None) -> Any:
+    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
+             truths: dict[str, str] | None = None) -> Any:
         with self._writing(name):
-            return self._route(name, "push", lines, truths)
+            return self._route(name, "push", lines, source, truths)
 
     def register(self, name: str, spec: Any) -> None:
         with self._writing(name):
@@ -261,7 +251,7 @@ class ClusterEngine(Subscribable):
         """Live calibration of every replica's labelled questions (sessions are on one replica each)."""
         out: dict[str, dict[str, dict]] = {}
         for h in self.replicas:
-            if h.state == "up":
+            if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
                     out.update(self._call(h, "calibration", timeout=READ_TIMEOUT_S))
         return out
@@ -269,7 +259,7 @@ class ClusterEngine(Subscribable):
     def list_sessions(self) -> list[Any]:
         out = []
         for h in self.replicas:
-            if h.state == "up":
+            if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
                     h.sessions = self._call(h, "list_sessions", timeout=READ_TIMEOUT_S)
             out += h.sessions  # a replica that is down: its sessions as last seen
@@ -279,6 +269,26 @@ class ClusterEngine(Subscribable):
     def _known(self, name: str) -> None:
         if self.placement.get(name) is None:
             raise SessionError(f"no session named {name!r}; open it first")
+
+    def subscribe(self, name: str, callback) -> Subscription:
+        self._known(name)
+        return self.hub.add(name, "standing", callback)
+
+    def subscribe_data(self, name: str, callback) -> Subscription:
+        self._known(name)
+        return self.hub.add(name, "data", callback)
+
+    # -- identity -------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    def prefix_tokens(self, system: str = DEFAULT_SYSTEM) -> int:
+        for h in self.replicas:  # every replica runs the same model and tokenizer
+            if h.state == ReplicaState.UP:
+                with contextlib.suppress(ReplicaUnavailable):
+                    return int(self._call(h, "prefix_tokens", system, timeout=READ_TIMEOUT_S))
+        raise ReplicaUnavailable("no replica is up; try again in a moment")
 
     # -- questions ----------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
@@ -328,39 +338,28 @@ class ClusterEngine(Subscribable):
     def ask(self, name: str, question: str, *, timeout: float | None = None, **kw) -> Any:
         return self.submit_ask(name, question, **kw).result(timeout or self.call_timeout_s)
 
-    async def ask_async(self, name: str, question: str, **kw) -> Any:
-        return await asyncio.wrap_future(self.submit_ask(name, question, **kw))
-
     # -- moving a session -------------------------------------------------------
     def move_session(self, name: str, to: int) -> dict[str, Any]:
         """Snapshot `name` on its replica, restore it on replica `to`, update the placement, close the source copy."""
-        from streamllm.scale.move import move_session
-
         return move_session(self, name, to)
 
     # -- figures --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Totals over the replicas (one that is down counts with its last figures), plus replica counts."""
-        from streamllm.scale.metrics import cluster_stats
-
         return cluster_stats(self)
 
     def replica_health(self) -> list[dict[str, Any]]:
-        from streamllm.scale.metrics import replica_health
-
         return replica_health(self)
 
     def feed_health(self) -> list[dict[str, Any]]:
         out = []
         for h in self.replicas:
-            if h.state == "up":
+            if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
                     out += self._call(h, "feed_health", timeout=5.0)
         return out
 
     def metrics_collector(self) -> Any:
-        from streamllm.scale.metrics import ReplicaCollector
-
         return ReplicaCollector(self)
 
     def asks_executed(self) -> dict[int, dict[str, int]]:
@@ -368,6 +367,13 @@ class ClusterEngine(Subscribable):
 
     def start_feeds(self) -> list[str]:
         return [name for h in self.replicas for name in self._call(h, "start_feeds")]
+
+    def health(self) -> EngineHealth:
+        """Alive while every replica is up: one restarting still serves its peers' sessions, but not its own."""
+        down = [h for h in self.replicas if h.state != ReplicaState.UP]
+        why = "; ".join(f"replica {h.index} is {h.state}: {h.last_down_reason}" for h in down) or None
+        failed = sum(int(h.stats.get("failed_steps", 0)) for h in self.replicas)
+        return EngineHealth(not down, why, failed)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return all(self._call(h, "wait_idle", timeout, timeout=(timeout or 600) + 5) for h in self.replicas)

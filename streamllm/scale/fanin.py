@@ -21,9 +21,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from streamllm.engine.subscriptions import SubscriptionHub
+from streamllm.scale.handle import ReplicaState
 
 if TYPE_CHECKING:
-    from streamllm.scale.cluster import ClusterEngine, ReplicaHandle
+    from streamllm.scale.cluster import ClusterEngine
+    from streamllm.scale.handle import ReplicaHandle
 
 log = logging.getLogger("streamllm.scale.fanin")
 
@@ -57,7 +59,7 @@ class EventPump:
         after = 0
         while not self._stop.is_set():
             h = self.handle
-            if h.state != "up":
+            if h.state != ReplicaState.UP:
                 if not self._await_ready():
                     return
                 after = self._resync()

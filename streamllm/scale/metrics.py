@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from streamllm.scale.errors import ReplicaUnavailable
+from streamllm.scale.handle import ReplicaState
 
 
 def cluster_stats(cluster: Any) -> dict[str, Any]:
@@ -22,7 +23,7 @@ def cluster_stats(cluster: Any) -> dict[str, Any]:
                            "adapter": ""}
     totals: dict[str, float] = {}
     for h in cluster.replicas:
-        if h.state == "up":
+        if h.state == ReplicaState.UP:
             with contextlib.suppress(ReplicaUnavailable):
                 h.stats = cluster._call(h, "stats", timeout=5.0)
         for key, value in h.stats.items():
@@ -30,7 +31,7 @@ def cluster_stats(cluster: Any) -> dict[str, Any]:
                 totals[key] = totals.get(key, 0) + value
     out.update(totals)
     out["replicas"] = len(cluster.replicas)
-    out["replicas_up"] = sum(h.state == "up" for h in cluster.replicas)
+    out["replicas_up"] = sum(h.state == ReplicaState.UP for h in cluster.replicas)
     out["replica_restarts"] = sum(h.restarts for h in cluster.replicas)
     out["core_alive"] = int(out["replicas_up"] == len(cluster.replicas))
     return out
@@ -42,7 +43,7 @@ def replica_health(cluster: Any) -> list[dict[str, Any]]:
         entry = {"replica": h.index, "state": h.state, "sessions": len(cluster.placement.names(h.index)),
                  "restarts": h.restarts, "last_recovery_s": h.last_recovery_s, "node": h.info.get("node", ""),
                  "pid": h.info.get("pid"), "recovery": h.info.get("recovery", "")}
-        if h.state != "up":
+        if h.state != ReplicaState.UP:
             entry["reason"] = h.last_down_reason
         out.append(entry)
     return out
@@ -61,7 +62,7 @@ class ReplicaCollector(Collector):
         families: dict[str, GaugeMetricFamily] = {}
         for h in replicas:
             label = [str(h.index)]
-            up.add_metric(label, float(h.state == "up"))
+            up.add_metric(label, float(h.state == ReplicaState.UP))
             restarts.add_metric(label, float(h.restarts))
             if h.last_recovery_s is not None:
                 recovery.add_metric(label, h.last_recovery_s)

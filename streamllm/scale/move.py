@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from streamllm.scale.errors import ReplicaUnavailable
+from streamllm.scale.handle import ReplicaState
 
 if TYPE_CHECKING:
     from streamllm.scale.cluster import ClusterEngine
@@ -33,7 +34,7 @@ def move_session(cluster: ClusterEngine, name: str, to: int) -> dict[str, Any]:
         if src.index == to:
             raise ValueError(f"move {name!r}: it is already on replica {to}")
         dst = cluster.replicas[to]
-        if dst.state != "up":
+        if dst.state != ReplicaState.UP:
             raise ReplicaUnavailable(f"move {name!r}: replica {to} is not up", replica=to)
         cluster._moving.add(name)
         try:

@@ -113,6 +113,9 @@ class Replica:
         with self._asks_lock:
             return dict(self.asks_by_session)
 
+    def prefix_tokens(self, system: str) -> int:
+        return self.engine.prefix_tokens(system)
+
     def free_cells(self) -> int:
         return int(self.engine.stats()["cells_free"])
 
@@ -142,8 +145,9 @@ class Replica:
             sub.close()
         self.bars.forget(name)
 
-    def push(self, name: str, lines: list[str], truths: dict[str, str] | None = None) -> Any:
-        ack = self.engine.push(name, lines, truths=truths)
+    def push(self, name: str, lines: list[str], source: tuple[str, int] | None = None,
+             truths: dict[str, str] | None = None) -> Any:
+        ack = self.engine.push(name, lines, source=source, truths=truths)
         self.bars.record(name, lines)
         return ack
 
@@ -246,7 +250,7 @@ class Replica:
                 seed = plan.seed + 1000 * (self._feed_epoch - 1)  # a restarted synthetic feed moves on in time
                 runner = FeedRunner(name, [plan.owner.engine_name(s.name) for s in mine.sessions],
                                     lambda attempt, g=mine, s=seed: feed_events(g, plan.speed, s + attempt),
-                                    build_attachments(TapSink(self.engine, self.bars), plan.owner, mine),
+                                    build_attachments(TapSink(self.engine, self.bars), plan.owner, mine, self.ingest_log),
                                     restart=group.feed.kind in ("synthetic", "binance"))
                 thread = threading.Thread(target=_run_feed, args=(runner,), daemon=True,
                                           name=f"replica{self.spec.index}-feed-{name}")

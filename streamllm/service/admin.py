@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from streamllm.engine.client import ReplicaControl
 from streamllm.service import protocol as p
 from streamllm.service.httpauth import (
     ApiError,
@@ -31,11 +32,11 @@ if TYPE_CHECKING:
 
 
 def admin_routes(server: StreamServer) -> list[Route]:
-    def cluster():
-        if not hasattr(server.engine, "move_session"):
+    def cluster() -> ReplicaControl:
+        if server.replicas is None:
             raise ApiError(404, "this server runs one engine (no --ray): there are no replicas to list or move "
                                 "sessions between", code="not_found")
-        return server.engine
+        return server.replicas
 
     async def replicas(request: Request) -> Response:
         tenant_of(server, request)

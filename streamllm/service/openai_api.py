@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import time
 import uuid
@@ -34,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from streamllm.engine.prompt import DEFAULT_SYSTEM
 from streamllm.service import protocol as p
 from streamllm.service.connection import bridge, threadsafe
 from streamllm.service.httpauth import (
@@ -172,7 +172,7 @@ class OpenAIApi:
             kw: dict[str, Any] = {"stop": ask.stop, "min_version": ask.min_version}
             if ask.max_tokens is not None:
                 kw["max_tokens"] = ask.max_tokens
-            if queue is not None and server.ws.can_stream:
+            if queue is not None:
                 kw["on_text"] = threadsafe(asyncio.get_running_loop(), queue.put_nowait)
             await resident(self.engine, name)
             future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
@@ -211,15 +211,10 @@ class OpenAIApi:
     async def _open_temp(self, tenant: Tenant, ask: Ask) -> str:
         # '.' cannot start a client's session name: temporary sessions never collide with real ones.
         name = tenant.engine_name(f".stateless-{next(_temp_ids)}")
-        layout = getattr(self.engine, "layout", None)
-        kw: dict[str, Any] = {}
-        if ask.system is not None:
-            kw["system"] = ask.system
-        if layout is not None:  # reserve what the prompt needs, not a full session's budget
-            system = ask.system or inspect.signature(self.engine.open_session).parameters["system"].default
-            kw["max_context"] = len(layout.prefix_ids(system)) + 64
-        try:
-            await asyncio.to_thread(self.engine.open_session, name, **kw)
+        system = ask.system if ask.system is not None else DEFAULT_SYSTEM
+        try:  # reserve what the prompt needs, not a full session's budget
+            max_context = await asyncio.to_thread(self.engine.prefix_tokens, system) + 64
+            await asyncio.to_thread(self.engine.open_session, name, system, max_context=max_context)
         except Exception as exc:
             raise from_engine(exc, "completions") from None
         return name

@@ -58,7 +58,7 @@ def routes(server: StreamServer) -> list:
             raise ApiError(404, f"no session named {local!r}; open it first", code=p.UNKNOWN_SESSION,
                            param="name") from None
         # serve --ray: feeds push inside the replicas, so the replica holding the session keeps its bars
-        bar_closes = getattr(engine, "bar_closes", server.bars.bars)
+        bar_closes = server.replicas.bar_closes if server.replicas is not None else server.bars.bars
         closes, seen = bar_closes(name)
         return JsonResponse({"session": local, "data_version": info.data_version, "bars_seen": seen,
                              "t": [t for t, _ in closes], "close": [c for _, c in closes]})

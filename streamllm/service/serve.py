@@ -33,6 +33,8 @@ from streamllm.config import (
     load_config,
     venue_symbol,
 )
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.engine.client import EngineClient
 from streamllm.service.bars import TapSink
 from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
@@ -123,8 +125,9 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
     return apaced(merge(*sources), speed)
 
 
-def build_attachments(sink: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
-    """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it."""
+def build_attachments(sink: Any, owner: Tenant, group: FeedGroup, log: IngestLog | None = None) -> list[Any]:
+    """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it.
+    log: the engine's ingest log, where a recorded feed's batches carry their position (resume after it)."""
     from streamllm.market.attach import Attachment, AttachSpec
 
     out = []
@@ -136,17 +139,17 @@ def build_attachments(sink: Any, owner: Tenant, group: FeedGroup) -> list[Any]:
         name = owner.engine_name(spec.name)
         # Recorded feeds are replayable: batches carry their position, a restart resumes after the log's.
         feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
-        log = getattr(getattr(sink, "engine", sink), "ingest_log", None)
         logged = log.feed_position(name, feed_id) if feed_id and log is not None else None
         out.append(Attachment(sink, AttachSpec.of(spec, session=name, mode=mode), feed_id=feed_id,
                               resume_from=logged, questions=spec.questions))
     return out
 
 
-def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: float | None, seed: int) -> FeedRunner:
+def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: float | None, seed: int,
+                log: IngestLog | None = None) -> FeedRunner:
     """The group's feed, supervised: in its own thread, restarted with backoff, shown in /health.
     A restarted synthetic feed gets the next seed (a replay of the same prices would go back in time)."""
-    attachments = build_attachments(TapSink(server.engine, server.bars), owner, group)
+    attachments = build_attachments(TapSink(server.engine, server.bars), owner, group, log)
     name = group.feed.kind if group.feed.kind in ("synthetic", "binance") else str(group.feed)
     sessions = [owner.engine_name(spec.name) for spec in group.sessions]
     live = group.feed.kind in (*LIVE_VENUES, "cryptofeed")
@@ -155,30 +158,29 @@ def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: fl
                       restart=live or group.feed.kind == "synthetic", live=live)
 
 
-def open_sessions(engine: Any, owner: Tenant, config: QueryConfig) -> int:
+def open_sessions(engine: EngineClient, owner: Tenant, config: QueryConfig) -> int:
     registered = 0
+    recovered = {info.name for info in engine.list_sessions()}
     for spec in config.sessions:
         name = owner.engine_name(spec.name)
         have: set[str] = set()
-        if name in getattr(engine, "sessions", {}):  # recovered from the ingest log: keep it
+        if name in recovered:  # recovered from the ingest log: keep it and its questions
             have = {q.id for q in engine.standing_questions(name)}
         else:
             engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens)
-        if hasattr(engine, "register"):
-            for question in spec.questions:
-                if question.id not in have:
-                    engine.register(name, question)
-                registered += 1
+        for question in spec.questions:
+            if question.id not in have:
+                engine.register(name, question)
+            registered += 1
     return registered
 
 
 def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: QueryConfig | None,
             groups: list[FeedGroup], registered: int) -> str:
     http = server.url.replace("ws://", "http://", 1)
-    lines = [f"streamllm serving {server.engine.model_name} on {server.engine.device} at {server.url}"]
-    choice = getattr(getattr(server.engine, "model", None), "dtype_choice", None)
-    if choice is not None:
-        lines.append(f"  dtype: {choice.reason}")
+    stats = server.engine.stats()
+    lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
+             f"  dtype: {stats['dtype']}"]
     if tenants.auth:
         lines.append(f"  auth: {len(tenants.tokens)} tokens, tenants {', '.join(tenants.names)}; "
                      f"config sessions belong to {owner.name!r}")
@@ -189,10 +191,7 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
             for spec in group.sessions:
                 lines.append(f"  session {spec.name:<12} {spec.instrument:<10} feed {group.feed}  "
                              f"{len(spec.questions)} standing questions, max_context {spec.max_context_tokens}")
-        if not hasattr(server.engine, "register"):
-            lines.append("  note: this engine has no register(); standing questions are not served yet")
-        else:
-            lines.append(f"  {registered} standing questions registered")
+        lines.append(f"  {registered} standing questions registered")
     else:
         lines.append("  no --config: clients open their own sessions")
     lines.append(f"  page {http}/   health {http}/health   metrics {http}/metrics   OpenAI API {http}/v1")
@@ -217,7 +216,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     except AdapterError as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
         return 2
-    recovered = None
+    recovered = ingest_log = None
     if args.ray:  # N engine replicas as Ray actors; each recovers its own sessions from its own log
         engine = await asyncio.to_thread(build_cluster, args, loaded.name, adapter, config, groups, owner)
         del loaded
@@ -225,7 +224,6 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True,
                         adapter=adapter)
     if args.log_dir and not args.ray:  # rebuild sessions from the ingest log before anyone can connect
-        from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
 
         ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
@@ -238,7 +236,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         enable_auto_evict(engine, args.spill_dir)
     feed_tasks: list[asyncio.Task] = []
     server = StreamServer(engine, tenants, ServerConfig(
-        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue))
+        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue),
+        replicas=engine if args.ray else None)
     try:
         registered = await asyncio.to_thread(open_sessions, engine, owner, config) if config is not None else 0
         try:
@@ -249,7 +248,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         if args.ray and groups:  # feeds run inside the replicas, beside their sessions
             await asyncio.to_thread(engine.start_feeds)
         for group in groups if not args.ray else []:
-            runner = feed_runner(server, owner, group, args.speed, args.seed)
+            runner = feed_runner(server, owner, group, args.speed, args.seed, ingest_log)
             server.feeds.append(runner)
             feed_tasks.append(asyncio.create_task(runner.run()))
         print(summary(server, tenants, owner, config, groups, registered), flush=True)

@@ -1,4 +1,4 @@
-"""The service: one ASGI application on one port in front of one Engine (DESIGN §5).
+"""The service: one ASGI application on one port in front of one engine (any `EngineClient`).
 
     ws://host:port/                    the JSON websocket protocol (ws.py, docs/protocol.md)
     GET  /health, /metrics             JSON health, Prometheus text
@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-from streamllm.engine import Engine
+from streamllm.engine.client import EngineClient, ReplicaControl
 from streamllm.service import openai_api, page, sse
 from streamllm.service.admin import admin_routes
 from streamllm.service.bars import BarBook
@@ -77,18 +77,20 @@ class ServerConfig:
 class StreamServer:
     """Serve `engine`. `await start()`, then `port` / `url`; `await close()` to stop."""
 
-    def __init__(self, engine: Engine, tenants: Tenants | None = None, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: EngineClient, tenants: Tenants | None = None, config: ServerConfig | None = None,
+                 *, replicas: ReplicaControl | None = None) -> None:
+        """replicas: the front door's replicas (serve --ray), for /health, /metrics and /v1/replicas."""
         self.engine = engine
+        self.replicas = replicas
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
         self.quotas = QuotaBook(self.tenants.quotas, engine)  # per-tenant limits, checked by ws.py
-        calibration = getattr(engine, "calibration", None)
-        self.metrics = ServerMetrics(engine.stats, None if self.tenants.auth else calibration)
+        self.metrics = ServerMetrics(engine.stats, None if self.tenants.auth else engine.calibration)
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
-        if hasattr(engine, "metrics_collector"):  # serve --ray: per-replica series (streamllm.scale)
-            self.metrics.registry.register(engine.metrics_collector())
+        if replicas is not None:  # per-replica series
+            self.metrics.registry.register(replicas.metrics_collector())
         self.started_at = time.time()
         self.closing = asyncio.Event()  # set by close(): SSE streams end (binds to a loop on first use)
         self.ws = WebSocketApp(self)
@@ -193,11 +195,11 @@ class StreamServer:
         }
         reasons: list[str] = []
         feeds: list[tuple[dict[str, Any], list[str]]] = []  # (entry, reasons) of each feed
-        if hasattr(self.engine, "replica_health"):  # serve --ray: the replicas behind this front door
-            out["replicas"] = self.engine.replica_health()
+        if self.replicas is not None:  # serve --ray: the replicas behind this front door
+            out["replicas"] = self.replicas.replica_health()
             reasons += [f"replica {r['replica']} is {r['state']} (restarting; its sessions answer `unavailable`)"
                         for r in out["replicas"] if r["state"] != "up"]
-            feeds += [(entry, entry.pop("reasons", [])) for entry in self.engine.feed_health()]  # run in replicas
+            feeds += [(entry, entry.pop("reasons", [])) for entry in self.replicas.feed_health()]  # run in replicas
         feeds += [feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES) for feed in self.feeds]
         if feeds:
             for entry, why in feeds:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
-from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -24,13 +22,6 @@ async def resident(engine: Any, name: str) -> None:
     evicted = getattr(engine, "_evicted", None)
     if evicted and name in evicted:
         await asyncio.to_thread(engine._ensure_resident, name)
-
-
-def accepts(fn: Callable[..., Any], keyword: str) -> bool:
-    try:
-        return keyword in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def info_dict(info: Any, local: str) -> dict[str, Any]:

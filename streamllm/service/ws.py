@@ -28,7 +28,7 @@ from streamllm.service.connection import Conn, Subscription, bridge, close_handl
 from streamllm.service.errors import engine_error
 from streamllm.service.protocol import ProtocolError, Request
 from streamllm.service.quotas import QuotaExceeded
-from streamllm.service.shared import accepts, bearer, info_dict, resident, standing_dict
+from streamllm.service.shared import bearer, info_dict, resident, standing_dict
 from streamllm.service.tenants import LOCAL
 
 if TYPE_CHECKING:
@@ -52,8 +52,6 @@ class WebSocketApp:
             "register": self._register, "unregister": self._unregister, "ask": self._ask,
             "subscribe": self._subscribe, "unsubscribe": self._unsubscribe, "stats": self._stats,
         }
-        # An engine without the token hook still serves `stream: true`: one token event, then the answer.
-        self.can_stream = accepts(self.engine.submit_ask, "on_text")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         tenants = self.server.tenants
@@ -207,13 +205,13 @@ class WebSocketApp:
         quotas = self.server.quotas
         async with quotas.lock(conn.tenant.name):
             quotas.check_register(conn.tenant.name, _ename(conn, session), spec.id)
-            await asyncio.to_thread(self._require("register"), _ename(conn, session), spec)
+            await asyncio.to_thread(self.engine.register, _ename(conn, session), spec)
         return {"type": "ok", "session": session, "question_id": spec.id}
 
     async def _unregister(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         question_id = req.text("question_id", "a standing question id")
-        await asyncio.to_thread(self._require("unregister"), _ename(conn, session), question_id)
+        await asyncio.to_thread(self.engine.unregister, _ename(conn, session), question_id)
         return {"type": "ok", "session": session, "question_id": question_id}
 
     async def _ask(self, conn: Conn, req: Request) -> None:
@@ -233,7 +231,7 @@ class WebSocketApp:
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens
         streamed: list[int] = []
-        if stream and self.can_stream:
+        if stream:
             loop = asyncio.get_running_loop()
             kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
         await resident(self.engine, _ename(conn, session))
@@ -292,17 +290,17 @@ class WebSocketApp:
         if sub is None:
             sub = Subscription(session)
             loop = asyncio.get_running_loop()
-            on_standing = self._require("subscribe")
-            sub.handles.append(on_standing(name, threadsafe(loop, lambda a: self._on_standing(conn, sub, a))))
-            if want_data and hasattr(self.engine, "subscribe_data"):
-                sub.handles.append(self.engine.subscribe_data(  # type: ignore[attr-defined]
+            sub.handles.append(self.engine.subscribe(
+                name, threadsafe(loop, lambda a: self._on_standing(conn, sub, a))))
+            if want_data:
+                sub.handles.append(self.engine.subscribe_data(
                     name, threadsafe(loop, lambda _s, v: self._on_data(conn, sub, v))))
             conn.subs[session] = sub
             self.metrics.subscriptions.inc()
         # Subscribed before the snapshot is read: a change in between arrives after it as an event,
         # and `last` drops it when the snapshot already showed it.
         snapshot = []
-        for answer in self._require("standing")(name):
+        for answer in self.engine.standing(name):
             data = standing_dict(answer, session)
             sub.last[data["question_id"]] = data
             snapshot.append(data)
@@ -321,7 +319,7 @@ class WebSocketApp:
     async def _stats(self, conn: Conn, req: Request) -> dict:
         assert conn.tenant is not None
         mine = []
-        calibration = self.engine.calibration() if hasattr(self.engine, "calibration") else {}
+        calibration = self.engine.calibration()
         for info in self.engine.list_sessions():
             local = conn.tenant.local_name(info.name)
             if local is not None:
@@ -340,10 +338,9 @@ class WebSocketApp:
                 "server": {"connections": own, "outgoing_queued": conn.out.qsize()}}
 
     def _questions(self, name: str) -> list[Any]:
-        fn = getattr(self.engine, "standing_questions", None)
         try:
-            return list(fn(name)) if fn is not None else []
-        except Exception:  # closed since it was listed
+            return self.engine.standing_questions(name)
+        except KeyError:  # closed since it was listed
             return []
 
     # -- engine events (on the loop, scheduled from the engine thread) -----
@@ -362,11 +359,6 @@ class WebSocketApp:
             self.metrics.events.labels("data").inc()
             conn.send({"type": "data", "session": sub.session, "data_version": data_version})
 
-    def _require(self, method: str) -> Callable[..., Any]:
-        fn = getattr(self.engine, method, None)
-        if fn is None:
-            raise ProtocolError(p.INTERNAL, f"this engine build has no {method}(); standing questions are unavailable")
-        return fn
 
 
 async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -> None:
