@@ -1,7 +1,7 @@
 """Live calibration: each standing answer of a labelled question, scored as it is made.
 
 Whoever feeds a session knows the market it renders; the engine only knows lines. So
-the feeder (market/attach.py, or any client) sends with a batch the *truth* of each
+the feeder (a feed attachment, or any client) sends with a batch the *truth* of each
 labelled question on the data as of that batch (`push(..., truths={question_id: choice})`,
 the label computed on the bars the batch completes). When the question's entry for that
 data version is ready, its answer is scored against the truth there:
@@ -19,17 +19,14 @@ MIN_RUNS truth runs (engine/gate.py `risk_coverage`), or closed (inf) until then
 "Reach precision P" is judged on the window's point estimate (hits / fired) by default; with
 `auto_confidence = C` it is judged on a lower confidence bound of that precision instead (Wilson
 score interval, one-sided at C): the window's precision at the most-covering threshold is the best
-of many looks, so out of the window it tends to land a little under P (0.87-0.89 against 0.9 on a
-stock's daily bars, docs/tuning.md); a bound trades coverage for that margin. C = 0.5 is the point
-estimate itself.
+of many looks, so out of the window it tends to land a little under P; a bound trades coverage for
+that margin. C = 0.5 is the point estimate itself.
 
 Per answer, because evidence is per answer: a window of right "no"s says nothing about a
-"yes" (a pooled threshold opened on a rare-event question's "no"s and then fired its
-first "yes"s, wrong, in `bench replay`). Per truth run, because a slow label's samples
-are one observation repeated: a *run* is a stretch of consecutive scored versions with the
-same truth, and 30 right "down"s inside one downtrend only show the head can hold an
-answer, not that it lets go when the trend turns (the crypto replay opened "down" on one
-such run at a gap of 0.07, then fired 7 wrong "down"s of 9 after the turn). Runs are only
+"yes". Per truth run, because a slow label's samples are one observation repeated: a *run*
+is a stretch of consecutive scored versions with the same truth, and 30 right "down"s
+inside one downtrend only show the head can hold an answer, not that it lets go when the
+trend turns. Runs are only
 counted as distinct if a different truth came between them, so meeting MIN_RUNS means the
 window saw the label change MIN_RUNS - 1 times or more.
 

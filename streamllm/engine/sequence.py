@@ -1,6 +1,6 @@
 """Sequences: anything the model computes tokens for, owned by the core.
 
-One rule for all of them (STYLE 3): a sequence has token ids, counts how many are
+One rule for all of them: a sequence has token ids, counts how many are
 computed, holds a block table, and its next token sits at `next_pos`. Chunked
 prefill, resume and branches follow from `num_computed`; the scheduler plans any
 sequence the same way and never asks what it is.

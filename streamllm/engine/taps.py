@@ -5,13 +5,10 @@ point. For each data line it takes the residual stream at one layer (the runner'
 tap_layer) and keeps [mean over the line's tokens, the line's last token], then the
 last token of each chosen word (`words`: an index of a whitespace-separated word, or a
 prefix: the line's first word that starts with it, as `v` finds a bar's volume wherever
-the optional o/h/l fields put it). A
-word's last token is where a number written digit by digit is whole: the model's
-state there holds its value far better than a mean over the line does (a linear
-readout of a bar's change: R^2 0.96 at the change word's last token, 0.62 from
-[mean, last]). The session's own ingest computes those rows anyway, so a line's
-features cost a sum; the last `keep` lines are kept, numbered from the session's
-first line.
+the optional o/h/l fields put it). A word's last token is where a number written digit
+by digit is whole: the model's state there holds its value far better than a mean over
+the line does. The session's own ingest computes those rows anyway, so a line's features
+cost a sum; the last `keep` lines are kept, numbered from the session's first line.
 
     session  [prefix | line 0 | line 1 | ... | line k (computing)]
     line     23:02 46411 +34 h+5 ...        words 0, 1, 2, ...; a word starts at a token that
