@@ -149,8 +149,8 @@ class LiveCalibration:
         return self.thresholds.get(answer.casefold(), math.inf)
 
     def _could_open(self) -> bool:
-        """Whether the window holds enough samples over enough truth runs for any answer to open: a
-        closed gate refits on every sample only then (a refit of a full window costs ~0.2 ms)."""
+        """Whether the window holds enough samples over enough truth runs for any answer to open:
+        only then does a closed gate refit on every sample."""
         return len(self.samples) >= self.min_evidence and self.run - self.samples[0][4] + 1 >= self.min_runs
 
     def fit(self) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """What `streamllm calibrate` measured: per labelled question, the samples it recorded, the
 risk-coverage curve and the threshold that reaches the target precision (hindsight), and what
 the live auto gate did on the same samples; then the same as JSON (`question.metric` and the
-issue-13 summary keys), a table and a PNG plot. The samples as rows: market/calibrate_samples.py.
+summary keys: each question at the target precision, and the weakest question), a table and a
+PNG plot. The samples as rows: market/calibrate_samples.py.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def to_json(run: CalibrationRun, reports: list[QuestionReport], meta: dict[str, 
             out[f"{r.id}.{key}"] = _num(getattr(r, key))
         curves[r.id] = {name: [round(getattr(p, name), 6) for p in r.curve]
                         for name in ("threshold", "coverage", "precision")}
-    # The issue-13 summary keys: per question at the target precision, and the weakest question.
+    # The summary keys: per question at the target precision, and the weakest question.
     for r in reports:
         out[f"coverage_at_target.{r.id}"] = _num(r.coverage)
         out[f"precision_at_target.{r.id}"] = _num(r.precision)

@@ -1,7 +1,7 @@
 """`streamllm tune --method lora`: adapt the model itself to a config's labelled questions.
 
 peft's LoRA on every projection of the top `--lora-layers` layers; the rest is frozen.
-Made efficient before long (the issue's order):
+Three things make it affordable on a CPU:
 
 - many decision points per forward: a window's session is followed by one block per
   (question, bar), each masked to see the session up to its bar (market/packing.py);

@@ -161,9 +161,8 @@ def choose_candidate(spread: dict[tuple[str, float], tuple[float, float]], width
 @contextlib.contextmanager
 def _deterministic() -> Iterator[None]:
     """The same fit from the same samples in every run. The backward of the lines' gather (`[index]`)
-    sums into shared rows; on several CPU threads in whatever order they finish, so two processes
-    fitting the same bars.toml states served different heads (another weight decay, projections
-    0.3 apart). The deterministic kernels cost no time measured here."""
+    sums into shared rows, on several CPU threads in whatever order they finish; without
+    deterministic kernels two processes fitting the same states can serve different heads."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

@@ -289,7 +289,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tasks = [_plan(args, spec, rng) for spec in _sessions(config, args.session)]
     # The budget cuts training windows only. Every judged set runs first, so that the time left when
-    # training starts is what training gets: `--minutes 3` took 6.5 min when the synthetic judge came last.
+    # training starts is what training gets, and the run ends near its budget.
     order = {"dev": 0, "later": 1, "other": 2, "synthetic": 3, "train": 4}
     # Sessions interleaved within each set, so a spent budget leaves every session some training windows.
     work = sorted(((t, p) for t in tasks for p in t.plans),
