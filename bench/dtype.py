@@ -31,7 +31,7 @@ from streamllm.model.llama import LlamaForward
 QUERIES = Path(__file__).resolve().parents[1] / "queries"
 # A gate decision counts as flipped only if fp32's gap is this far from the threshold (or from
 # a tie between choices): bf16 moves a decision point's choice gap by up to ~0.3 logits on
-# SmolLM2-135M (docs/dtype.md), so closer calls may go either way in either dtype.
+# SmolLM2-135M (docs/engine.md), so closer calls may go either way in either dtype.
 CLEAR_MARGIN = 0.5
 
 

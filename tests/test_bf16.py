@@ -1,6 +1,6 @@
 """bf16 against the fp32 reference: logits within a documented tolerance, same top-1, same gate decisions.
 
-Tolerances (docs/dtype.md): max |logit difference| over the whole vocabulary, bf16 vs fp32,
+Tolerances (docs/engine.md): max |logit difference| over the whole vocabulary, bf16 vs fp32,
 measured 0.04-0.06 on the tiny model and 0.6-0.7 on SmolLM2-135M (logits up to ~40):
 bf16 keeps 8 bits of mantissa in the weights, the matmul inputs and outputs and the KV
 cells. Top-1 must agree wherever fp32's top-1 leads by more than twice the tolerance.
