@@ -126,7 +126,7 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
         # One big session, then three small ones: the most free cells wins, so the small ones all go to
         # the other replica (a round robin would put one of them beside the big one).
         for name, max_context in (("big", 8192), ("s1", 2048), ("s2", 2048), ("s3", 2048)):
-            free = {h.index: cluster._call(h, "free_cells") for h in cluster.replicas}
+            free = {h.index: cluster.call_replica(h, "free_cells") for h in cluster.replicas}
             await w.ok("open", session=name, max_context=max_context)
             best = max(free.values())
             assert free[replica_of(cluster, name)] == best, (name, free)
@@ -206,7 +206,7 @@ def test_subscriptions_fan_in_one_ordered_stream_per_session(cluster, server):
         assert got == sorted(set(got)) and got[-1] == start[name] + 5, (name, got)
         # Every data event the replica published after the subscription reached the client, in order.
         h = cluster.replicas[replica_of(cluster, name)]
-        published = [args[1] for kind, args in cluster._call(h, "journal_of", LOCAL.engine_name(name))
+        published = [args[1] for kind, args in cluster.call_replica(h, "journal_of", LOCAL.engine_name(name))
                      if kind == "data" and args[1] > start[name]]
         assert got == published
 
@@ -222,7 +222,7 @@ def test_move_session_keeps_its_logits(cluster, server):
     # The operator's command, against the running front door's admin route.
     assert sessions_cli.cli_main(["move", "s2", "--to", str(1 - src), "--url", server.url]) == 0
     assert cluster.placement.get(name) == 1 - src
-    assert name not in {i.name for i in cluster._call(cluster.replicas[src], "list_sessions")}
+    assert name not in {i.name for i in cluster.call_replica(cluster.replicas[src], "list_sessions")}
     cluster.wait_idle(30)
     after = cluster.ask(name, probe, max_tokens=1, return_logits=True)
     info_after = cluster.session_info(name)
@@ -326,7 +326,7 @@ def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(c
     assert other_errors == [] and other_acks
     got = [e["data_version"] for e in events if e["type"] == "data" and e["session"] == other_session]
     h = cluster.replicas[replica_of(cluster, other_session)]
-    published = [args[1] for kind, args in cluster._call(h, "journal_of", LOCAL.engine_name(other_session))
+    published = [args[1] for kind, args in cluster.call_replica(h, "journal_of", LOCAL.engine_name(other_session))
                  if kind == "data" and args[1] > start]
     assert got[-1] == other_acks[-1], (len(got), len(published), got[-5:], published[-5:])
     assert got == published

@@ -50,7 +50,7 @@ def test_more_sessions_than_the_replicas_hold_spill_per_replica_and_come_back_eq
         assert h.stats["auto_evictions"] >= 1
         assert list((Path(spill) / f"replica-{h.index}").glob("*.safetensors"))
         held = {n for n, i in placed.items() if i == h.index}
-        assert set(cluster._call(h, "ready")["sessions"]) == held  # a restarted front door keeps them placed
+        assert set(cluster.call_replica(h, "ready")["sessions"]) == held  # a restarted front door keeps them placed
     for k in range(6):  # each comes back where it was (evicting another), with the logits it had live
         got = cluster.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
         assert (got.logits - live[k].logits).abs().max().item() <= 1e-4 and got.data_version == 1

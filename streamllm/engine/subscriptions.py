@@ -25,7 +25,7 @@ class Subscription:
     closed: bool = False
 
     def close(self) -> None:
-        self.hub._remove(self)
+        self.hub.remove(self)
         self.closed = True
 
     def __enter__(self) -> Subscription:
@@ -47,7 +47,7 @@ class SubscriptionHub:
             self._subs.setdefault((session, kind), []).append(sub)
         return sub
 
-    def _remove(self, sub: Subscription) -> None:
+    def remove(self, sub: Subscription) -> None:
         with self._lock:
             subs = self._subs.get((sub.session, sub.kind), [])
             if sub in subs:

@@ -25,6 +25,7 @@ import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from streamllm.engine.client import EngineClient, EngineHealth, ReplicaControl
 from streamllm.engine.outputs import AdmissionError, SessionError
@@ -34,7 +35,6 @@ from streamllm.scale.errors import ReplicaUnavailable
 from streamllm.scale.fanin import EventPump, FanInHub
 from streamllm.scale.handle import ReplicaHandle, ReplicaState
 from streamllm.scale.metrics import ReplicaCollector, cluster_stats, replica_health
-from streamllm.scale.move import move_session
 from streamllm.scale.placement import PlacementTable
 from streamllm.scale.replica import FeedPlan, Replica, ReplicaSpec
 
@@ -104,7 +104,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
         for name, replica in duplicates:  # a move interrupted after the restore: the table's copy wins
             log.warning("placement: %s is on replicas %d and %d; closing the copy on %d", name,
                         self.placement.get(name), replica, replica)
-            self._call(self.replicas[replica], "close_session", name)
+            self.call_replica(self.replicas[replica], "close_session", name)
         self.pumps = [EventPump(self, h, poll_s) for h in self.replicas]
         for pump in self.pumps:
             pump.start()
@@ -141,7 +141,8 @@ class ClusterEngine(EngineClient, ReplicaControl):
                                      "sessions; try again in a moment (nothing acknowledged is lost)", replica=index)
         return h
 
-    def _call(self, h: ReplicaHandle, method: str, *args: Any, timeout: float | None = None) -> Any:
+    def call_replica(self, h: ReplicaHandle, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Run `method` on replica h's actor; `ReplicaUnavailable` when it is down or does not answer in time."""
         return self._get(h, getattr(h.actor, method).remote(*args), timeout or self.call_timeout_s)
 
     def _get(self, h: ReplicaHandle, ref: Any, timeout: float) -> Any:
@@ -161,13 +162,13 @@ class ClusterEngine(EngineClient, ReplicaControl):
 
     def _route(self, name: str, method: str, *args: Any) -> Any:
         h = self.replica_of(name)
-        return self._call(h, method, name, *args)
+        return self.call_replica(h, method, name, *args)
 
     def _read(self, name: str, method: str) -> Any:
         """A read the service may make on its event loop: a short timeout, so a replica that hangs
         without dying holds the loop for READ_TIMEOUT_S at most (then `unavailable`)."""
         h = self.replica_of(name)
-        return self._call(h, method, name, timeout=min(READ_TIMEOUT_S, self.call_timeout_s))
+        return self.call_replica(h, method, name, timeout=min(READ_TIMEOUT_S, self.call_timeout_s))
 
     @contextlib.contextmanager
     def _writing(self, name: str):
@@ -201,11 +202,11 @@ class ClusterEngine(EngineClient, ReplicaControl):
             free = {}
             for h in up:
                 with contextlib.suppress(ReplicaUnavailable):
-                    free[h.index] = self._call(h, "free_cells")
+                    free[h.index] = self.call_replica(h, "free_cells")
             refused = []
             for index in sorted(free, key=lambda i: (-free[i], counts[i], i)):
                 try:
-                    info = self._call(self.replicas[index], "open_session", name, system, max_context)
+                    info = self.call_replica(self.replicas[index], "open_session", name, system, max_context)
                 except AdmissionError as exc:  # the replica's own admission: try the next one
                     refused.append(f"replica {index}: {exc}")
                     continue
@@ -253,7 +254,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
         for h in self.replicas:
             if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
-                    out.update(self._call(h, "calibration", timeout=READ_TIMEOUT_S))
+                    out.update(self.call_replica(h, "calibration", timeout=READ_TIMEOUT_S))
         return out
 
     def list_sessions(self) -> list[Any]:
@@ -261,7 +262,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
         for h in self.replicas:
             if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
-                    h.sessions = self._call(h, "list_sessions", timeout=READ_TIMEOUT_S)
+                    h.sessions = self.call_replica(h, "list_sessions", timeout=READ_TIMEOUT_S)
             out += h.sessions  # a replica that is down: its sessions as last seen
         return out
 
@@ -287,7 +288,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
         for h in self.replicas:  # every replica runs the same model and tokenizer
             if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
-                    return int(self._call(h, "prefix_tokens", system, timeout=READ_TIMEOUT_S))
+                    return int(self.call_replica(h, "prefix_tokens", system, timeout=READ_TIMEOUT_S))
         raise ReplicaUnavailable("no replica is up; try again in a moment")
 
     # -- questions ----------------------------------------------------------
@@ -340,8 +341,46 @@ class ClusterEngine(EngineClient, ReplicaControl):
 
     # -- moving a session -------------------------------------------------------
     def move_session(self, name: str, to: int) -> dict[str, Any]:
-        """Snapshot `name` on its replica, restore it on replica `to`, update the placement, close the source copy."""
-        return move_session(self, name, to)
+        """Move a session to replica `to` (draining one), with no write lost:
+
+            refuse new writes for the session (`unavailable` meanwhile) and wait for those in flight
+            source: stop its feeds, let pending data in, snapshot       -> LOG_DIR/moves/<name>-<ns>.safetensors
+            target: restore (validated), logged in its own ingest log  -> its feeds restart with the session
+            placement.json updated                                     <- the move commits here
+            source: close its copy, restart its other feeds
+
+        A front door that dies between the restore and the close leaves the session on both replicas;
+        the next one keeps the copy placement.json names and closes the other (placement.reconcile).
+        """
+        if not isinstance(to, int) or not 0 <= to < len(self.replicas):
+            raise ValueError(f"move {name!r}: replica must be 0..{len(self.replicas) - 1}, got {to!r}")
+        t0 = time.perf_counter()
+        with self._place_lock:
+            src = self.replica_of(name)
+            if src.index == to:
+                raise ValueError(f"move {name!r}: it is already on replica {to}")
+            dst = self.replicas[to]
+            if dst.state != ReplicaState.UP:
+                raise ReplicaUnavailable(f"move {name!r}: replica {to} is not up", replica=to)
+            self._moving.add(name)
+            try:
+                with self._writes_cond:  # pushes already routed to the source land before the snapshot
+                    if not self._writes_cond.wait_for(lambda: not self._writes.get(name), self.call_timeout_s):
+                        raise ReplicaUnavailable(f"move {name!r}: writes in flight did not finish; nothing moved")
+                path = self.log_dir / "moves" / f"{quote(name, safe='')}-{time.time_ns()}.safetensors"
+                snap, positions = self.call_replica(src, "snapshot_for_move", name, str(path), timeout=300)
+                try:
+                    self.call_replica(dst, "restore_session", str(path), name, positions, timeout=300)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        self.call_replica(src, "start_feeds")
+                    raise
+                self.placement.place(name, to)  # the move commits here
+                self.call_replica(src, "finish_move_out", name, timeout=300)
+            finally:
+                self._moving.discard(name)
+        return {"session": name, "from": src.index, "to": to, "data_version": snap.data_version,
+                "snapshot": str(path), "seconds": round(time.perf_counter() - t0, 3)}
 
     # -- figures --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -356,17 +395,17 @@ class ClusterEngine(EngineClient, ReplicaControl):
         for h in self.replicas:
             if h.state == ReplicaState.UP:
                 with contextlib.suppress(ReplicaUnavailable):
-                    out += self._call(h, "feed_health", timeout=5.0)
+                    out += self.call_replica(h, "feed_health", timeout=5.0)
         return out
 
     def metrics_collector(self) -> Any:
         return ReplicaCollector(self)
 
     def asks_executed(self) -> dict[int, dict[str, int]]:
-        return {h.index: self._call(h, "asks_executed") for h in self.replicas}
+        return {h.index: self.call_replica(h, "asks_executed") for h in self.replicas}
 
     def start_feeds(self) -> list[str]:
-        return [name for h in self.replicas for name in self._call(h, "start_feeds")]
+        return [name for h in self.replicas for name in self.call_replica(h, "start_feeds")]
 
     def health(self) -> EngineHealth:
         """Alive while every replica is up: one restarting still serves its peers' sessions, but not its own."""
@@ -376,7 +415,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
         return EngineHealth(not down, why, failed)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        return all(self._call(h, "wait_idle", timeout, timeout=(timeout or 600) + 5) for h in self.replicas)
+        return all(self.call_replica(h, "wait_idle", timeout, timeout=(timeout or 600) + 5) for h in self.replicas)
 
     def shutdown(self) -> None:
         if self._closing:
@@ -387,7 +426,7 @@ class ClusterEngine(EngineClient, ReplicaControl):
             pump.stop()
         for h in self.replicas:
             with contextlib.suppress(Exception):
-                self._call(h, "shutdown", timeout=30)
+                self.call_replica(h, "shutdown", timeout=30)
             with contextlib.suppress(Exception):
                 ray.kill(h.actor, no_restart=True)
         for pump in self.pumps:

@@ -25,7 +25,7 @@ def cluster_stats(cluster: Any) -> dict[str, Any]:
     for h in cluster.replicas:
         if h.state == ReplicaState.UP:
             with contextlib.suppress(ReplicaUnavailable):
-                h.stats = cluster._call(h, "stats", timeout=5.0)
+                h.stats = cluster.call_replica(h, "stats", timeout=5.0)
         for key, value in h.stats.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 totals[key] = totals.get(key, 0) + value
