@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -60,6 +61,13 @@ def _normalize(text: str) -> str:
     return normalize_question(text)
 
 
+class HeadKind(StrEnum):
+    """What a head reads: the decision point's hidden state (ENTRY) or the session's last lines (SERIES)."""
+
+    ENTRY = "entry"
+    SERIES = "series"
+
+
 class _QuestionHead:
     """What every head kind shares: which registered question it answers."""
 
@@ -75,7 +83,7 @@ class _QuestionHead:
 class ChoiceHead(_QuestionHead):
     """An entry head: reads the decision point's final normed hidden state."""
 
-    kind: ClassVar[str] = "entry"
+    kind: ClassVar[HeadKind] = HeadKind.ENTRY
     question_id: str
     text: str
     choices: tuple[str, ...]
@@ -112,7 +120,7 @@ def series_logits(lines: torch.Tensor, proj: torch.Tensor, proj_bias: torch.Tens
 class SeriesHead(_QuestionHead):
     """A series head: reads the session's last K lines' features at layer `layer` (engine/taps.py)."""
 
-    kind: ClassVar[str] = "series"
+    kind: ClassVar[HeadKind] = HeadKind.SERIES
     question_id: str
     text: str
     choices: tuple[str, ...]
@@ -155,7 +163,7 @@ class Adapter:
     hidden_size: int
     heads: list[Head]
     lora: bool = False  # a lora/ to merge into the weights at load (model/lora.py)
-    changes: str = "price"  # the bar lines it was tuned on: [sessions.render] changes (market/render.py)
+    changes: str = "price"  # the bar lines it was tuned on: [sessions.render] changes (feeding/render.py)
 
     def head_for(self, text: str, choices: tuple[str, ...]) -> Head | None:
         return next((h for h in self.heads if h.matches(text, choices)), None)
@@ -163,19 +171,19 @@ class Adapter:
     @property
     def tap_layer(self) -> int | None:
         """The layer the series heads read (one per adapter), None without series heads."""
-        layers = {h.layer for h in self.heads if h.kind == "series"}
+        layers = {h.layer for h in self.heads if h.kind == HeadKind.SERIES}
         return layers.pop() if layers else None
 
     @property
     def tap_words(self) -> tuple[int | str, ...]:
         """The words whose last token the series heads' line features add (one set per adapter)."""
-        words = {h.words for h in self.heads if h.kind == "series"}
+        words = {h.words for h in self.heads if h.kind == HeadKind.SERIES}
         return words.pop() if words else ()
 
     @property
     def tap_lines(self) -> int:
         """Lines of features a session must keep for the longest series head (0: none)."""
-        return max((h.lines for h in self.heads if h.kind == "series"), default=0)
+        return max((h.lines for h in self.heads if h.kind == HeadKind.SERIES), default=0)
 
 
 def save_heads(directory: str | Path, heads: list[Head], *, model: str, changes: str = "price") -> Path:
@@ -187,17 +195,17 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str, changes:
         raise AdapterError("no heads to save")
     tensors: dict[str, torch.Tensor] = {}
     questions = []
-    if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
+    if len({(h.layer, h.words) for h in heads if h.kind == HeadKind.SERIES}) > 1:
         raise AdapterError("series heads of one adapter must read one layer and words (the engine taps one)")
     for h in heads:
-        if h.kind == "series":
+        if h.kind == HeadKind.SERIES:
             _checked_words(directory, h.question_id, list(h.words))
-        names = ("weight", "bias") if h.kind == "entry" else ("proj", "proj_bias", "lags", "bias")
+        names = ("weight", "bias") if h.kind == HeadKind.ENTRY else ("proj", "proj_bias", "lags", "bias")
         for name in names:
             tensors[f"{h.question_id}.{name}"] = getattr(h, name).detach().float().contiguous().cpu()
         q = {"id": h.question_id, "kind": h.kind, "text": h.text, "choices": list(h.choices),
              "threshold": h.threshold if math.isfinite(h.threshold) else None}
-        if h.kind == "series":
+        if h.kind == HeadKind.SERIES:
             q["layer"], q["words"] = h.layer, list(h.words)
             if h.min_lines:
                 q["min_lines"] = h.min_lines
@@ -222,7 +230,7 @@ def _checked_words(where: Path, question_id: str, words: Any) -> tuple[int | str
 
 
 def _hidden_of(head: Head) -> int:
-    return int(head.weight.shape[1]) if head.kind == "entry" else int(head.proj.shape[1]) // series_width(1, len(head.words))
+    return int(head.weight.shape[1]) if head.kind == HeadKind.ENTRY else int(head.proj.shape[1]) // series_width(1, len(head.words))
 
 
 def load_adapter(directory: str | Path) -> Adapter:
@@ -266,7 +274,7 @@ def _read_heads(path: Path) -> tuple[str, int, list[Head], str]:
     heads: list[Head] = []
     for q in meta["questions"]:
         heads.append(_read_head(path, q, tensors, hidden))
-    if len({(h.layer, h.words) for h in heads if h.kind == "series"}) > 1:
+    if len({(h.layer, h.words) for h in heads if h.kind == HeadKind.SERIES}) > 1:
         raise AdapterError(f"adapter {path}: its series heads read different layers or words")
     changes = meta.get("changes", "price")  # files from before the option: price units
     if changes not in ("price", "bp"):
@@ -275,7 +283,7 @@ def _read_heads(path: Path) -> tuple[str, int, list[Head], str]:
 
 
 def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], hidden: int) -> Head:
-    kind, c = q.get("kind", "entry"), len(q["choices"])
+    kind, c = q.get("kind", HeadKind.ENTRY), len(q["choices"])
     threshold = math.inf if q["threshold"] is None else float(q["threshold"])
     got = {name: tensors.get(f"{q['id']}.{name}") for name in ("weight", "bias", "proj", "proj_bias", "lags")}
 
@@ -283,17 +291,17 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
         t = got[name]
         return t is not None and t.dim() == len(dims) and all(d is None or d == n for d, n in zip(dims, t.shape, strict=True))
 
-    if kind == "entry" and shaped("weight", c, hidden) and shaped("bias", c):
+    if kind == HeadKind.ENTRY and shaped("weight", c, hidden) and shaped("bias", c):
         return ChoiceHead(q["id"], q["text"], tuple(q["choices"]), got["weight"], got["bias"], threshold)
     words = _checked_words(path, q["id"], q.get("words", []))
-    if kind == "series" and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
+    if kind == HeadKind.SERIES and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
         r = got["proj"].shape[0]
         least = q.get("min_lines", 0)
         if (shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int)
                 and isinstance(least, int) and 0 <= least <= got["lags"].shape[1]):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
                               got["lags"], got["bias"], threshold, words, least)
-    if kind not in ("entry", "series"):
+    if kind not in tuple(HeadKind):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
     raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")
 
