@@ -401,3 +401,21 @@ def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
         engine.call(lambda core: m.free(held))
         assert engine.wait_idle(timeout=30)  # the cells came back: every push applied
         assert StreamServer(engine).health()["sessions_stuck"] == 0
+
+
+def test_health_fails_with_503_once_the_engine_has_stopped(tiny_model):
+    engine = Engine(tiny_model, dtype="float32", max_cells=4096, block_size=8)
+    engine.open_session("s", max_context=512)
+    engine.shutdown()  # what a core killed by an internal error looks like from outside: not alive
+
+    async def scenario(server):
+        try:
+            await asyncio.to_thread(_get, server, "/health")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503
+            health = json.loads(exc.read())
+        else:
+            raise AssertionError("a stopped engine answered /health with 200")
+        assert health["status"] == "failing" and any("engine stopped" in r for r in health["reasons"])
+
+    run(scenario, engine)

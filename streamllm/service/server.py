@@ -174,7 +174,9 @@ class StreamServer:
 
     # -- /health and /metrics ---------------------------------------------
     async def _health(self, request: HttpRequest) -> Response:
-        return Response(orjson.dumps(self.health()), media_type="application/json")
+        health = self.health()  # a stopped engine is 503: load balancers and supervisors act on the code
+        return Response(orjson.dumps(health), status_code=503 if health["status"] == "failing" else 200,
+                        media_type="application/json")
 
     async def _metrics(self, request: HttpRequest) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -193,6 +195,13 @@ class StreamServer:
             "outgoing_queue_max": max((c.out.qsize() for c in self.conns), default=0),
         }
         reasons: list[str] = []
+        engine = self.engine.health()
+        if not engine.alive:  # nothing will be ingested or answered until a restart
+            out["status"] = "failing"
+            reasons.append(f"the engine stopped: {engine.failure or 'shut down'}")
+        elif engine.failed_steps:
+            reasons.append(f"{engine.failed_steps} engine step(s) failed (their questions got errors)")
+        out["failed_steps"] = engine.failed_steps
         feeds: list[tuple[dict[str, Any], list[str]]] = []  # (entry, reasons) of each feed
         if self.replicas is not None:  # serve --ray: the replicas behind this front door
             out["replicas"] = self.replicas.replica_health()
@@ -221,7 +230,7 @@ class StreamServer:
             reasons.append(f"{stuck} session(s) at their budget with no free cells for a compaction copy "
                            "(logged; their pushes apply once cells are freed)")
         if reasons:
-            out["status"] = "degraded"
+            out["status"] = "degraded" if out["status"] == "ok" else out["status"]
             out["reasons"] = reasons
         if not self.tenants.auth:  # with tenants, health is public: names stay private
             out["queue_depths"] = {name.partition("/")[2] or name: n for name, n in backlog.items()}
