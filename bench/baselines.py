@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.engine.gate import Gate, match_choice
+from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.runner import Work
+from streamllm.evaluation.scoring import match_choice
 
 
 @dataclass(slots=True)

@@ -84,7 +84,7 @@ def market_lines(seed: int = 7, bar_seconds: int = 5, instruments: tuple[str, ..
     """An endless stream of rendered synthetic bar lines (the embedded default feed)."""
     from feeds.bars import bars
     from feeds.synthetic import SyntheticFeed
-    from streamllm.market.render import Renderer
+    from streamllm.feeding.render import Renderer
 
     renderer = Renderer()
     feed = SyntheticFeed(seed=seed)

@@ -115,7 +115,7 @@ def feed_restart(loaded: Any, work: Path, crash_at: int = 230) -> dict[str, floa
     from streamllm.durability.log_reader import pushed_lines
     from streamllm.durability.recovery import recover
     from streamllm.engine import Engine
-    from streamllm.market.attach import Attachment, AttachSpec
+    from streamllm.feeding.attach import Attachment, AttachSpec
 
     feed = "replay:bench-trades"
     sec = 1_000_000_000

@@ -8,7 +8,7 @@ corpus of 300 damaged captures, DBN files and tables (must be 0).
 Parse throughput: every line of the shared Binance captures (held in memory, so gzip is
 not timed) through `BinanceParser`, with orjson and with the stdlib `json` in the same
 run, interleaved, median of `--reps` repetitions, one core. Tokens: lines rendered by
-`streamllm.market.render` counted with the default tokenizer (smollm2-135m): 1-minute bars of
+`streamllm.feeding.render` counted with the default tokenizer (smollm2-135m): 1-minute bars of
 the shared bars CSV (the 1-minute data set), 1-minute bars aggregated from the BTCUSDT
 capture, and trades of the captures.
 """
@@ -31,7 +31,7 @@ from feeds.binance import BinanceParser
 from feeds.events import Trade
 from feeds.sources import CaptureSource, TableSource, open_source
 from feeds.wire import fast_loads, stdlib_loads
-from streamllm.market.render import Renderer
+from streamllm.feeding.render import Renderer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -34,7 +34,7 @@ from bench.loadgen import AskEvent, poisson_schedule, run_schedule
 from streamllm.config import QueryConfig, QuestionSpec
 from streamllm.engine.gate import Gate
 from streamllm.engine.outputs import PushAck
-from streamllm.market.attach import Attachment, AttachSpec, attach
+from streamllm.feeding.attach import Attachment, AttachSpec, attach
 
 BETWEEN_ASKS = {
     "ours": "ingests every batch as it arrives and re-positions every standing question on it "

@@ -159,7 +159,7 @@ def ingest_capacity(loaded, config: QueryConfig, warm: list[Any], timed: list[An
 
 
 async def _attach(events: list[Any], atts) -> None:
-    from streamllm.market.attach import attach
+    from streamllm.feeding.attach import attach
 
     await attach(iter(events), atts)
 

@@ -31,7 +31,7 @@ is `ahead`: one bad time would otherwise settle everything before it at once, cl
 up to it and counting every trade after it late until the venue's clock got there (an hour of
 trades for a time an hour out). The caller holds such a trade back and lets the next one
 decide: ahead too, and the venue's clock stepped (a host clock corrected); back in line, and it
-was one bad time (`market/attach.py`). Past the receive time too, because a venue's trades
+was one bad time (`feeding/attach.py`). Past the receive time too, because a venue's trades
 come after they happen: the first live trade after a subscription's snapshot of old trades
 (Coinbase's `last_match`, a quiet market's minutes-old history) is far past a clock set by
 that history, but not past its receive time, and must not wait for the next trade.

@@ -24,8 +24,8 @@ from feeds.events import Bar
 from streamllm.config import QueryConfig, load_config
 from streamllm.engine import Engine
 from streamllm.engine.calibration import calibration_cells, percent
-from streamllm.market.attach import Attachment
-from streamllm.market.render import fixed
+from streamllm.feeding.attach import Attachment
+from streamllm.feeding.render import fixed
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "queries" / "demo.toml"
 ADHOC = "What was the highest close so far? Answer with the number only."
@@ -88,7 +88,7 @@ def names_number(text: str, truth: str) -> bool:
 
 async def _feed(attachments: list[Witness], speed: float, duration_s: float, seed: int) -> list[Witness]:
     from feeds.synthetic import SyntheticFeed
-    from streamllm.market.attach import attach
+    from streamllm.feeding.attach import attach
 
     feed = SyntheticFeed(seed=seed)
     await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
@@ -170,7 +170,7 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
         engine.subscribe(s.name, display.on_change)
     if display.live is not None:
         display.live.start()
-    from streamllm.market.attach import AttachSpec
+    from streamllm.feeding.attach import AttachSpec
 
     witnesses = {s.name: Witness(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions}
     asker = asyncio.create_task(_asker(engine, config, display, args.ask_every, witnesses))

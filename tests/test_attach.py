@@ -11,7 +11,7 @@ import pytest
 from feeds.bars import bars
 from feeds.events import BUY, SELL, Quote, Trade
 from feeds.synthetic import synthetic_events
-from streamllm.market.attach import Attachment, AttachSpec, attach
+from streamllm.feeding.attach import Attachment, AttachSpec, attach
 
 S = 1_000_000_000
 T0 = 1_723_161_600 * S
@@ -137,7 +137,7 @@ def test_a_bp_session_is_rendered_alike_when_served_and_when_tuned(tmp_path) -> 
     windows `tune` extracts: a head is trained on the lines it will read."""
     from feeds.bars import bars
     from streamllm.config import load_config
-    from streamllm.market.extract import render_window
+    from streamllm.tuning.extract import render_window
 
     config = tmp_path / "q.toml"
     config.write_text('[[sessions]]\nname = "btc"\ninstrument = "BTCUSDT"\n'

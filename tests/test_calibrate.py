@@ -11,8 +11,8 @@ import pytest
 
 from feeds.sources import TableSource
 from streamllm.config import load_config
-from streamllm.market.calibrate import _parser, calibrate, cli_main
-from streamllm.market.calibrate_report import (
+from streamllm.evaluation.calibrate import _parser, calibrate, cli_main
+from streamllm.evaluation.report import (
     CONFIDENCES,
     QuestionRecord,
     confidence_for_target,
@@ -366,7 +366,7 @@ def test_clear_errors(setup, capsys):
 
 
 def test_files_are_read_as_every_command_reads_them(setup, tiny_model, capsys):
-    """calibrate reads files as tune does (tune_data.load_bars): of a table with several instruments the
+    """calibrate reads files as tune does (tuning/data.load_bars): of a table with several instruments the
     session's bars, never the two interleaved; trades as bars of the session's interval; an instrument
     the file lacks is refused by name."""
     rows = setup["data"].read_text().splitlines()

@@ -1,4 +1,4 @@
-"""market/decision_bias.py: the bias that is right most often, and a replay that only fits on the past."""
+"""evaluation/decision_bias.py: the bias that is right most often, and a replay that only fits on the past."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from streamllm.market.decision_bias import biased_replay, fit_bias
+from streamllm.evaluation.decision_bias import biased_replay, fit_bias
 
 
 def _right(margins, positive, bias):

@@ -11,8 +11,8 @@ from feeds.synthetic import synthetic_events
 from streamllm.config import load_config
 from streamllm.demo import ADHOC, DEFAULT_CONFIG, Witness, cli_main, names_number
 from streamllm.engine import Engine
-from streamllm.market.attach import AttachSpec
-from streamllm.market.render import fixed
+from streamllm.feeding.attach import AttachSpec
+from streamllm.feeding.render import fixed
 
 
 def test_an_answer_is_right_only_when_it_names_the_true_number() -> None:

@@ -10,7 +10,7 @@ from streamllm.durability.ingest_log import DuplicateBatch, IngestLog
 from streamllm.durability.log_reader import pushed_lines
 from streamllm.durability.recovery import recover
 from streamllm.engine import Engine
-from streamllm.market.attach import Attachment, AttachSpec
+from streamllm.feeding.attach import Attachment, AttachSpec
 
 FEED = "replay:trades.csv"
 S = 1_000_000_000

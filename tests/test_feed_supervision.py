@@ -7,8 +7,8 @@ import asyncio
 from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
 from streamllm.engine import Engine
-from streamllm.market.attach import Attachment, AttachSpec
-from streamllm.market.render import Renderer
+from streamllm.feeding.attach import Attachment, AttachSpec
+from streamllm.feeding.render import Renderer
 from streamllm.service.bars import BarBook, TapSink
 from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import StreamServer

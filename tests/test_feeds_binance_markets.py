@@ -9,7 +9,7 @@ import pytest
 
 from feeds.binance import BinanceParser
 from feeds.events import SELL, Liquidation, Mark, Quote, Trade
-from streamllm.market.render import Renderer
+from streamllm.feeding.render import Renderer
 
 MS = 1_000_000
 SPOT_TICKER = {"u": 400900217, "s": "BNBUSDT", "b": "25.35190000", "B": "31.21000000", "a": "25.36520000",

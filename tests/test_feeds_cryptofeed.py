@@ -11,7 +11,7 @@ import pytest
 
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Liquidation, Mark, Quote, Trade
 from streamllm.config import parse_config
-from streamllm.market.render import Renderer
+from streamllm.feeding.render import Renderer
 
 S = 1_000_000_000
 

@@ -15,7 +15,7 @@ dbn = pytest.importorskip("databento_dbn", reason="databento-dbn not installed (
 from feeds.dbn import DbnSource, price_dp  # noqa: E402
 from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Quote, Trade  # noqa: E402
 from feeds.sources import open_source  # noqa: E402
-from streamllm.market.render import render_lines  # noqa: E402
+from streamllm.feeding.render import render_lines  # noqa: E402
 
 T = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
 PX = 1_000_000_000  # DBN fixed-point scale

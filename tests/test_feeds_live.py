@@ -187,7 +187,7 @@ def test_record_cli_from_replay_server(tmp_path: Path) -> None:
 def test_a_capture_replayed_through_the_venue_adapter_makes_the_recorded_bars() -> None:
     """Its trades carry the capture's dates and arrive stamped with today's clock: bars still close
     on the venue's time, so none of its trades is counted late (feeds/clock.py)."""
-    from streamllm.market.attach import Attachment, AttachSpec, attach
+    from streamllm.feeding.attach import Attachment, AttachSpec, attach
 
     class Lines:  # the engine's push/backlog contract, keeping what is pushed
         def __init__(self) -> None:

@@ -15,7 +15,7 @@ from feeds.columns import TableFormatError, infer_dp, parse_columns
 from feeds.events import BUY, SELL, UNKNOWN_SIDE
 from feeds.sources import CaptureSource, ReadOptions, open_recorded, open_source
 from feeds.tables import TableSource
-from streamllm.market.render import Renderer, render_lines
+from streamllm.feeding.render import Renderer, render_lines
 
 S = 1_000_000_000
 T0 = 1_573_464_600  # 2019-11-11 09:30:00 UTC

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from feeds.events import BUY, SELL, BookDelta, Quote, Trade
 from feeds.sources import open_source
-from streamllm.market.render import render_lines
+from streamllm.feeding.render import render_lines
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:

@@ -4,16 +4,12 @@ import pytest
 import torch
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.gate import (
-    Gate,
-    GateError,
+from streamllm.engine.gate import Gate, GateError, answer_variants, candidate_first_tokens, top_two
+from streamllm.evaluation.scoring import (
     RiskCoveragePoint,
-    answer_variants,
-    candidate_first_tokens,
     margin_ranking,
     risk_coverage,
     threshold_for_precision,
-    top_two,
 )
 
 VOCAB = 64
@@ -177,7 +173,7 @@ def test_shipped_queries_build_gates_on_the_default_tokenizer():
 
 
 def test_match_choice_finds_the_first_named_choice_as_a_word():
-    from streamllm.engine.gate import match_choice
+    from streamllm.evaluation.scoring import match_choice
 
     assert match_choice("The price is going up.", ("up", "down")) == "up"
     assert match_choice("Down, then up", ("up", "down")) == "down"

@@ -1,4 +1,4 @@
-"""Block-bootstrap intervals (market/intervals.py): the numpy gate curve against the engine's own, and
+"""Block-bootstrap intervals (evaluation/intervals.py): the numpy gate curve against the engine's own, and
 intervals that are honest about neighbouring samples."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from streamllm.engine.gate import risk_coverage, threshold_for_precision
-from streamllm.market.intervals import (
+from streamllm.evaluation.intervals import (
     block_ids,
     block_interval,
     coverage_at_precision,
     judged_intervals,
     resamples,
 )
+from streamllm.evaluation.scoring import risk_coverage, threshold_for_precision
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import polars as pl
 import pytest
 
-from streamllm.market.labels import LABELS, LabelError, parse_label, to_columns
+from streamllm.config.labels import LABELS, LabelError, parse_label, to_columns
 
 
 @dataclass(slots=True)

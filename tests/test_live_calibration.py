@@ -25,8 +25,9 @@ from streamllm.durability.recovery import recover
 from streamllm.durability.snapshot import question_dict
 from streamllm.engine import Engine
 from streamllm.engine.calibration import LiveCalibration, precision_floor
-from streamllm.engine.gate import Gate, risk_coverage, threshold_for_precision
-from streamllm.market.attach import Attachment, AttachSpec
+from streamllm.engine.gate import Gate
+from streamllm.evaluation.scoring import risk_coverage, threshold_for_precision
+from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.service.server import StreamServer
 
 QUESTION = {"id": "trend", "text": "Is the trend up or down?", "choices": ["up", "down"], "label": "trend_up(n=3)"}

@@ -10,7 +10,7 @@ import pytest
 from feeds.bars import bars
 from feeds.events import BUY, SELL, Bar, Quote, Trade
 from feeds.synthetic import synthetic_events
-from streamllm.market.render import Renderer, quantity, render_lines
+from streamllm.feeding.render import Renderer, quantity, render_lines
 
 S = 1_000_000_000
 T0 = 1_723_161_600 * S  # 2024-08-09 00:00 UTC

@@ -10,17 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamllm.config import labels as labels_module
 from streamllm.config import load_config, parse_config
 from streamllm.durability.snapshot import SnapshotError
 from streamllm.engine import Engine
-from streamllm.market import labels as labels_module
-from streamllm.market.calibrate import _parser as calibrate_parser
-from streamllm.market.calibrate import calibrate
-from streamllm.market.calibrate_report import to_json
-from streamllm.market.extract import StateExtractor, render_window
-from streamllm.market.headfit import calibrate_threshold, fit_head, judge
-from streamllm.market.tune import cli_main
-from streamllm.market.tune_data import plan_windows
+from streamllm.evaluation.calibrate import _parser as calibrate_parser
+from streamllm.evaluation.calibrate import calibrate
+from streamllm.evaluation.report import to_json
 from streamllm.model.adapter import (
     AdapterError,
     ChoiceHead,
@@ -29,6 +25,10 @@ from streamllm.model.adapter import (
     pick_adapter,
     save_heads,
 )
+from streamllm.tuning.data import plan_windows
+from streamllm.tuning.extract import StateExtractor, render_window
+from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
+from streamllm.tuning.tune import cli_main
 
 CONFIG = """
 [[sessions]]
@@ -260,7 +260,7 @@ def test_fit_recovers_a_linear_rule_and_calibrates_its_threshold():
 def test_probability_quality_tells_honest_probabilities_from_overconfident_ones():
     """ECE: the top choice's probability against how often it was right. Logits saying ~1.0 for
     answers right 75% of the time are off by ~0.25; the same answers at p = 0.75 are honest."""
-    from streamllm.market.headfit import probability_quality
+    from streamllm.tuning.headfit import probability_quality
 
     g = torch.Generator().manual_seed(0)
     n = 2000
@@ -483,7 +483,7 @@ def test_judged_sources_are_spread_over_and_reported_each(tiny_model, tmp_path, 
     """--judge-windows spreads windows over a long judged file; the card pools every other market under
     "other" and shows each on its own, so a pooled figure cannot hide one market."""
     import streamllm.model.loader as loader
-    from streamllm.market.tune_data import spread
+    from streamllm.tuning.data import spread
 
     assert spread(1000, 150, 4) == [0, 300, 450, 750] and spread(1000, 150, 1) == [0]
     assert spread(100, 150, 4) == [0] and spread(450, 150, 9) == [0, 150, 300]  # no more windows than fit
@@ -533,7 +533,7 @@ def test_mix_tables_cut_to_a_time_range_beside_iso_bars(tiny_model, tmp_path, mo
     one's); --time-format for month-first tables leaves ISO tables of the same flag as they read; a mix
     table draws its windows from its own seed, so adding one moves no other window (nor its states)."""
     import streamllm.model.loader as loader
-    from streamllm.market.tune_data import TuneError, time_range
+    from streamllm.tuning.data import TuneError, time_range
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: tiny_model)
     config = tmp_path / "q.toml"
@@ -564,9 +564,9 @@ def test_mix_as_shows_the_training_range_as_other_markets(tmp_path):
     """--mix-as variants: another price level leaves every label as it was (labels compare prices);
     merged bars are the OHLCV of their run; restamped bars are one dated line per day."""
     from feeds.sources import TableSource
-    from streamllm.market.labels import parse_label
-    from streamllm.market.render import render_lines
-    from streamllm.market.tune_data import TuneError, Variant
+    from streamllm.config.labels import parse_label
+    from streamllm.feeding.render import render_lines
+    from streamllm.tuning.data import TuneError, Variant
 
     bars_ = TableSource(write_bars(tmp_path / "b.csv", 120), "bar").events()
     level = Variant.parse("price=0.0003").apply(bars_)
@@ -603,8 +603,8 @@ def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_p
     import argparse
 
     from feeds.sources import TableSource
-    from streamllm.market.tune import _fitted
-    from streamllm.market.tune_data import Task, TuneError, WindowPlan
+    from streamllm.tuning.data import Task, TuneError, WindowPlan
+    from streamllm.tuning.tune import _fitted
 
     config = tmp_path / "q.toml"
     config.write_text(CONFIG)
@@ -678,8 +678,8 @@ def test_tune_refuses_sessions_that_write_different_lines(tiny_model, tmp_path, 
 def test_tune_takes_every_commands_read_flags():
     """tune reads files with the flags calibrate, serve, inspect and bench replay take (one parser):
     --columns comma-separated and repeatable, an unknown field refused by name, not read as nothing."""
-    from streamllm.market.tune import _parser
-    from streamllm.market.tune_data import TuneError, read_opts
+    from streamllm.tuning.data import TuneError, read_opts
+    from streamllm.tuning.tune import _parser
 
     base = ["--questions", "q.toml", "--data", "x.csv", "--out", "o"]
     args = _parser().parse_args([*base, "--columns", "ts_event=Date,close=Close", "--columns", "volume=Vol",
@@ -722,7 +722,7 @@ def test_tune_reads_dbn_bars_trade_tables_and_mapped_columns(tmp_path):
     trades table made into bars of the session's interval, a bar table whose columns --columns names;
     a file with nothing to make bars of is refused by name."""
     from feeds.sources import ReadOptions
-    from streamllm.market.tune_data import TuneError, load_bars
+    from streamllm.tuning.data import TuneError, load_bars
 
     got = load_bars([str(_dbn_ohlcv(tmp_path / "es.ohlcv-1m.dbn", 50))], opts=ReadOptions(instrument="ES"),
                     bar_seconds=60)
@@ -776,8 +776,8 @@ def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch, caps
 
 def test_tune_reads_a_market_below_zero_only_when_told(tmp_path):
     """--signed-prices reaches tune's table reader: WTI's April 2020 bars are training data then."""
-    from streamllm.market.tune import _parser
-    from streamllm.market.tune_data import load_bars, read_opts
+    from streamllm.tuning.data import load_bars, read_opts
+    from streamllm.tuning.tune import _parser
 
     csv = tmp_path / "cl.csv"
     csv.write_text("Date,Open,High,Low,Close,Volume\n2020-04-17,19.87,20.29,17.31,18.27,100\n"

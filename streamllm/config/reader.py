@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamllm.config.labels import LabelError, LabelSpec, parse_label
 from streamllm.config.specs import (
     CHANGE_UNITS,
     DEFAULT_AUTO_CONFIDENCE,
@@ -40,7 +41,6 @@ from streamllm.config.specs import (
     is_websocket_url,
     venue_symbol,
 )
-from streamllm.market.labels import LabelError, LabelSpec, parse_label
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 # Labels yield True -> choices[0]; these words in the wrong slot mean the pair is inverted.

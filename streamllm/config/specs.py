@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamllm.market.labels import LabelSpec
+from streamllm.config.labels import LabelSpec
 
 DEFAULT_THRESHOLD = 2.0  # logit gap; e^2 ~ 7x odds between the top two answers
 DEFAULT_AUTO_CONFIDENCE = 0.5  # an auto threshold judges its precision by the point estimate
@@ -41,7 +41,7 @@ def venue_symbol(venue: str, instrument: str) -> str:
     lower case without separators (btcusdt); other venues take the instrument as they spell it."""
     return re.sub(r"[^a-z0-9]", "", instrument.lower()) if venue == "binance" else instrument
 RENDER_MODES = ("bars", "events")
-CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (market/render.py)
+CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (feeding/render.py)
 MAX_CHOICES = 16
 
 

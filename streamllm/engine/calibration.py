@@ -14,7 +14,7 @@ fired on), coverage (fired / answered), accuracy (correct / answered) and the ba
 configured with `threshold = "auto:P"` has its thresholds set from the same window, one
 per answer (choice): for each, the most-covering threshold whose fired samples *giving
 that answer* reach precision P on at least MIN_EVIDENCE of them spread over at least
-MIN_RUNS truth runs (engine/gate.py `risk_coverage`), or closed (inf) until then.
+MIN_RUNS truth runs (evaluation/scoring.py `risk_coverage`), or closed (inf) until then.
 
 "Reach precision P" is judged on the window's point estimate (hits / fired) by default; with
 `auto_confidence = C` it is judged on a lower confidence bound of that precision instead (Wilson

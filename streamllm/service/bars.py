@@ -3,7 +3,7 @@
 The service sees every line pushed through it (websocket pushes and the feeds it runs)
 and keeps, per session, a bounded ring of (time, close) parsed from rendered bar lines
 (`HH:MM[:SS] CLOSE ...`, the first line of a day dated `YYYY-MM-DDTHH:MM`; see
-streamllm/market/render.py). Lines that are not bars (trades, quotes, summaries) are
+streamllm/feeding/render.py). Lines that are not bars (trades, quotes, summaries) are
 skipped. Feeds run in their own threads, so the book takes a lock.
 """
 

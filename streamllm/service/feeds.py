@@ -120,7 +120,7 @@ class FeedRunner:
             outer.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
 
     async def _attach(self, attempt: int) -> None:
-        from streamllm.market.attach import attach
+        from streamllm.feeding.attach import attach
 
         self._thread_loop = asyncio.get_running_loop()
         self._thread_task = asyncio.current_task()
@@ -152,7 +152,7 @@ class FeedRunner:
         if behind:
             reasons.append(f"feed {s.name}: ingest is behind ({', '.join(f'{k} {v} lines' for k, v in behind.items())})")
         entry["pending_events"] = sum(getattr(a, "pending_events", 0) for a in self.attachments)
-        # Trades in no bar: for an interval already closed, or stamped past the venue's clock (market/attach.py).
+        # Trades in no bar: for an interval already closed, or stamped past the venue's clock (feeding/attach.py).
         entry["late_trades"] = sum(a.stats.late for a in self.attachments)
         entry["ahead_trades"] = sum(a.stats.ahead for a in self.attachments)
         return entry, reasons

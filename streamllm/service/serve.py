@@ -128,7 +128,7 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
 def build_attachments(sink: Any, owner: Tenant, group: FeedGroup, log: IngestLog | None = None) -> list[Any]:
     """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it.
     log: the engine's ingest log, where a recorded feed's batches carry their position (resume after it)."""
-    from streamllm.market.attach import Attachment, AttachSpec
+    from streamllm.feeding.attach import Attachment, AttachSpec
 
     out = []
     for spec in group.sessions:

@@ -22,7 +22,7 @@ from typing import Any
 
 from feeds.events import EVENT_TYPES, Bar
 from feeds.sources import ReadOptions, add_read_args, open_source, read_options
-from streamllm.market.render import Renderer
+from streamllm.feeding.render import Renderer
 
 SAMPLE_LINES = 3
 TOKEN_LINES = 300  # lines per stream whose tokens are counted

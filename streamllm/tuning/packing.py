@@ -23,7 +23,7 @@ import torch
 
 from streamllm.config import QuestionSpec
 from streamllm.engine.prompt import PromptLayout
-from streamllm.market.extract import render_window, session_ids
+from streamllm.tuning.extract import render_window, session_ids
 
 
 @dataclass(slots=True)

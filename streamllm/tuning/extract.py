@@ -29,7 +29,7 @@ from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.runner import Runner, Work
 from streamllm.engine.taps import LineTaps, Word, word_tables
-from streamllm.market.render import Renderer
+from streamllm.feeding.render import Renderer
 from streamllm.model.llama import LlamaForward
 
 CHUNK_TOKENS = 512  # session prefill per forward

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from streamllm.config import QuestionSpec
-from streamllm.market.calibrate_report import CalibrationRun, QuestionRecord, QuestionReport
+from streamllm.evaluation.report import CalibrationRun, QuestionRecord, QuestionReport
 
 COLUMNS = ("question", "range", "bar", "gap", "answer", "truth")  # what a re-judgement reads
 MODEL = "(recorded samples)"

@@ -2,13 +2,13 @@
 
 `--method series` (the default, minutes on a CPU) learns one series head per labelled
 question: a readout over the session's last K lines, each line read as the residual
-stream at one layer over its tokens (engine/taps.py, market/seriesfit.py). The model
+stream at one layer over its tokens (engine/taps.py, tuning/seriesfit.py). The model
 reads the numbers; the head weighs them across lines, which a 135M model's single
 decision-point state does not do well. `--method head` learns a readout W h + b over
 the final normed hidden state h at the question's decision point (the LM head's rows
-for its choices re-trained; convex, market/headfit.py). `--method lora` adapts the
-model itself (market/tune_lora.py). States come from the engine's own prompt layout,
-model, runner and KV store (streamllm/market/extract.py).
+for its choices re-trained; convex, tuning/headfit.py). `--method lora` adapts the
+model itself (tuning/lora_run.py). States come from the engine's own prompt layout,
+model, runner and KV store (streamllm/tuning/extract.py).
 
 Time split, per data file (no window straddles a boundary):
 
@@ -26,9 +26,9 @@ Every extracted window is checkpointed under OUT/states; `--resume` reuses them.
 Writes OUT/head.safetensors (KBs), OUT/card.json and OUT/card.md.
 
     tune.py       the command: arguments, sessions, each session's windows, extraction
-    tune_data.py  what the windows are cut from: files, time ranges, synthetic markets, --mix-as
-    tune_fit.py   the heads fitted, judged and written with their card
-    tune_lora.py  --method lora
+    data.py       what the windows are cut from: files, time ranges, synthetic markets, --mix-as
+    fit.py        the heads fitted, judged and written with their card
+    lora_run.py   --method lora
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ import torch
 
 from feeds.sources import add_read_args
 from streamllm.config import ConfigError, SessionSpec, load_config
-from streamllm.market.card import card_markdown
-from streamllm.market.tune_data import (
+from streamllm.tuning.card import card_markdown
+from streamllm.tuning.data import (
     SPLIT,
     Task,
     TuneError,
@@ -62,7 +62,7 @@ from streamllm.market.tune_data import (
     spread,
     synthetic_bars,
 )
-from streamllm.market.tune_fit import fit_and_write
+from streamllm.tuning.fit import fit_and_write
 
 # -- the run ----------------------------------------------------------------------------
 
@@ -268,8 +268,8 @@ def _mix_dev(name: str, n_bars: int, train: list[WindowPlan], args: argparse.Nam
 def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from streamllm.market.extract import StateExtractor, WindowStates
     from streamllm.model.loader import load_model
+    from streamllm.tuning.extract import StateExtractor, WindowStates
 
     if not 0 < args.target_precision <= 1:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
@@ -353,7 +353,7 @@ def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPla
     """The plan if its window fits the session's context; a --mix window is trimmed to the bars that
     fit (another market's lines may be longer: the synthetic one writes trade counts and buy shares),
     or dropped when too few would; any other window over it is an error, before anything is extracted."""
-    from streamllm.market.extract import render_window
+    from streamllm.tuning.extract import render_window
 
     limit = task.extractor.max_window_tokens
     lines = render_window(task.sources[plan.source][plan.start: plan.start + plan.bars], task.spec.render.changes)
@@ -382,8 +382,8 @@ def states_fingerprint(args: argparse.Namespace, model_name: str, task: Task) ->
 
 
 def _lora(args: argparse.Namespace, loaded: Any, tasks: list[Task], t0: float) -> dict[str, Any]:
-    from streamllm.market.tune_lora import run_lora
     from streamllm.model.adapter import CARD_FILE
+    from streamllm.tuning.lora_run import run_lora
 
     # The lower layers' states depend on these; the adapter's training settings do not.
     fingerprint = f"L{args.lora_layers}"

@@ -3,7 +3,7 @@
 Each attachment feeds one session with either raw events (one line each) or time bars of
 N seconds. Lines wait in a pending list until the session's ingest backlog is below
 `max_backlog`; while ingest lags, the pending list is coalesced into summary lines once it
-exceeds `max_pending`, one line per instrument (market/summaries.py).
+exceeds `max_pending`, one line per instrument (feeding/summaries.py).
 
 Nothing is dropped silently: `stats` counts every event in, and
 `in == as_lines + in_summaries + held_in_open_bars + ignored + late + ahead + pending`, where
@@ -38,8 +38,8 @@ from feeds.bars import BarAggregator
 from feeds.clock import VenueClock
 from feeds.events import Bar, Trade
 from streamllm.durability.ingest_log import DuplicateBatch
-from streamllm.market.render import Renderer
-from streamllm.market.summaries import bar_summary, event_summary
+from streamllm.feeding.render import Renderer
+from streamllm.feeding.summaries import bar_summary, event_summary
 
 QUIET_TICK_S = 0.25  # how often a silent live feed's bars are checked for having ended
 

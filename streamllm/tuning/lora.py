@@ -4,7 +4,7 @@ peft's LoRA on every projection of the top `--lora-layers` layers; the rest is f
 Three things make it affordable on a CPU:
 
 - many decision points per forward: a window's session is followed by one block per
-  (question, bar), each masked to see the session up to its bar (market/packing.py);
+  (question, bar), each masked to see the session up to its bar (tuning/packing.py);
 - the frozen lower layers run once per window: the hidden states entering the first
   adapted layer are kept (bf16) and every step and epoch starts from them, as does
   every evaluation (they do not depend on the adapter);
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from streamllm.config import QuestionSpec
-from streamllm.market.labels import parse_label
-from streamllm.market.packing import Packed, pack_window
+from streamllm.config.labels import parse_label
+from streamllm.tuning.packing import Packed, pack_window
 
 # Ad-hoc questions: never trained on, their answers computed from the data; judged before/after.
 ADHOC = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from streamllm.market.intervals import LEVEL, REPS
+from streamllm.evaluation.intervals import LEVEL, REPS
 
 _UNITS = {"price": "price units", "bp": "basis points of the previous close"}
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamllm.market.intervals import block_ids
+from streamllm.evaluation.intervals import block_ids
 from streamllm.model.adapter import SeriesHead, series_width
 
 LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
@@ -58,7 +58,7 @@ class Samples:
         return Samples(self.lines, self.index[keep], self.labels[keep], self.reads[keep], self.window[keep])
 
     def blocks(self, length: int) -> np.ndarray:
-        """Each sample's block for a judged figure's interval (market/intervals.py): `length` consecutive
+        """Each sample's block for a judged figure's interval (evaluation/intervals.py): `length` consecutive
         bars of one window."""
         return block_ids(self.window.numpy(), self.index[:, -1].numpy(), length)
 

@@ -1,7 +1,7 @@
 """The `--method lora` run of `streamllm tune`: windows, budget, early stopping, card.
 
 Same time split, windows, judged sets and card format as `--method head` (tune.py);
-the trainer is market/lora.py. Order of work under `--minutes`:
+the trainer is tuning/lora.py. Order of work under `--minutes`:
 
     dev windows -> train windows (until 40% of the budget) -> steps (until the budget)
     -> later / other / synthetic windows, judged with the best dev-loss adapter (always run)
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from streamllm.market.lora import (
+from streamllm.tuning.lora import (
     ChoiceScorer,
     LoraSettings,
     LoraTrainer,
@@ -31,7 +31,7 @@ from streamllm.market.lora import (
     pack,
     window_labels,
 )
-from streamllm.market.packing import Block, Packed
+from streamllm.tuning.packing import Block, Packed
 
 PREPARE_SHARE = 0.4  # of the budget, at most, for preparing training windows
 JUDGED = ("later", "other", "synthetic")
@@ -51,8 +51,8 @@ def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: s
     from tqdm import tqdm
 
     from streamllm.engine.prompt import PromptLayout
-    from streamllm.market.headfit import calibrate_threshold, judge
     from streamllm.model.lora import LORA_DIR, save_lora
+    from streamllm.tuning.headfit import calibrate_threshold, judge
 
     settings = LoraSettings(layers=args.lora_layers, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             points=args.points, kl=args.kl, eval_every=args.eval_every)

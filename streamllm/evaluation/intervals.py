@@ -90,7 +90,7 @@ def rounded(span: tuple[float, float] | None) -> list[float] | None:
 def coverage_at_precision(gaps: np.ndarray, correct: np.ndarray, target: float) -> float:
     """The largest share of samples a gate can fire on (gap >= threshold, thresholds at the samples'
     gaps) with its fired answers at least `target` precise; 0.0 where none is. numpy's equal of
-    engine.gate.threshold_for_precision(risk_coverage(...)).coverage, for thousands of resamples."""
+    scoring.threshold_for_precision(risk_coverage(...)).coverage, for thousands of resamples."""
     gaps, correct = np.asarray(gaps, dtype=np.float64), np.asarray(correct, dtype=np.float64)
     if len(gaps) == 0:
         return 0.0

@@ -1,4 +1,4 @@
-"""Summary lines: what a lagging session gets for a run of pending lines (market/attach.py).
+"""Summary lines: what a lagging session gets for a run of pending lines (feeding/attach.py).
 
 While ingest lags, an attachment's pending lines are coalesced per instrument into one line:
     bars    the run's bars merged into one bar (OHLCV combined) with `(N bars to HH:MM)`;
@@ -13,7 +13,7 @@ from typing import Any
 
 from feeds.bars import merge_bars
 from feeds.events import BUY, Bar, BookDelta, Quote, Trade
-from streamllm.market.render import Renderer, fixed, hhmm, hhmmss, quantity
+from streamllm.feeding.render import Renderer, fixed, hhmm, hhmmss, quantity
 
 MINUTE_NS = 60 * 1_000_000_000
 

@@ -2,7 +2,7 @@
 risk-coverage curve and the threshold that reaches the target precision (hindsight), and what
 the live auto gate did on the same samples; then the same as JSON (`question.metric` and the
 summary keys: each question at the target precision, and the weakest question), a table and a
-PNG plot. The samples as rows: market/calibrate_samples.py.
+PNG plot. The samples as rows: evaluation/samples.py.
 """
 
 from __future__ import annotations
@@ -18,16 +18,8 @@ import numpy as np
 
 from streamllm.config import QuestionSpec
 from streamllm.engine.calibration import WINDOW, LiveCalibration
-from streamllm.engine.gate import (
-    RiskCoveragePoint,
-    balanced_accuracy,
-    margin_ranking,
-    risk_coverage,
-    threshold_for_precision,
-)
-from streamllm.market.card import fmt_number
-from streamllm.market.decision_bias import BiasedReplay, biased_replay
-from streamllm.market.intervals import (
+from streamllm.evaluation.decision_bias import BiasedReplay, biased_replay
+from streamllm.evaluation.intervals import (
     LEVEL,
     REPS,
     block_ids,
@@ -37,6 +29,14 @@ from streamllm.market.intervals import (
     rounded,
     shared_resamples,
 )
+from streamllm.evaluation.scoring import (
+    RiskCoveragePoint,
+    balanced_accuracy,
+    margin_ranking,
+    risk_coverage,
+    threshold_for_precision,
+)
+from streamllm.tuning.card import fmt_number
 
 
 @dataclass(slots=True)
@@ -79,16 +79,16 @@ class QuestionReport:
     live: LiveGate  # what threshold = "auto:<target>" would have done, live
     # The same live gate at each of CONFIDENCES: what auto_confidence would cost and buy here.
     live_by_confidence: tuple[LiveGate, ...]
-    # Mean of per-answer recall (engine/gate.py): honest where one answer dominates (volume_spike says
+    # Mean of per-answer recall (evaluation/scoring.py): honest where one answer dominates (volume_spike says
     # "no" on ~93% of bars, so accuracy - base rate cannot reach 0.15).
     balanced_accuracy: float | None = None
-    # Block-bootstrap intervals (market/intervals.py): blocks of the label's history in bars.
+    # Block-bootstrap intervals (evaluation/intervals.py): blocks of the label's history in bars.
     accuracy_interval: tuple[float, float] | None = None
     coverage_interval: tuple[float, float] | None = None
-    # engine/gate.py margin_ranking: whether the margin tells the truths apart at all (0.5: no). With a
+    # evaluation/scoring.py margin_ranking: whether the margin tells the truths apart at all (0.5: no). With a
     # low balanced accuracy it says which is off: the decision point (high), or the head (about 0.5).
     ranking: float | None = None
-    # market/decision_bias.py: the answers replayed with a live decision bias (None: not two choices).
+    # evaluation/decision_bias.py: the answers replayed with a live decision bias (None: not two choices).
     biased: BiasedReplay | None = None
 
 
@@ -327,7 +327,7 @@ def table(reports: list[QuestionReport], target: float) -> str:
                     f"{'closed':>13}" if g.first is None else f"{g.coverage:.2f} @ {fmt_number(g.precision, '.3f')}".rjust(13)
                     for g in r.live_by_confidence) + f"   {'none' if enough is None else f'{enough:g}'}")
     if any(r.biased and r.biased.accuracy is not None for r in reports):
-        rows.append(f"with a live decision bias (not in the engine yet; market/decision_bias.py): each answer's margin "
+        rows.append(f"with a live decision bias (not in the engine yet; evaluation/decision_bias.py): each answer's margin "
                     f"moved by the bias that was right most often on the {WINDOW} answers before it:")
         for r in reports:
             if r.biased and r.biased.accuracy is not None:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamllm.engine.gate import (
+from streamllm.evaluation.intervals import judged_intervals
+from streamllm.evaluation.scoring import (
     balanced_accuracy,
     margin_ranking,
     risk_coverage,
     threshold_for_precision,
 )
-from streamllm.market.intervals import judged_intervals
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 MIN_FIRED = 10  # a threshold resting on fewer fired dev samples is noise: the gate stays closed
@@ -93,7 +93,7 @@ def calibrate_threshold(logits: torch.Tensor, y: torch.Tensor, target: float) ->
 def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], threshold: float, target: float,
           blocks: np.ndarray | None = None) -> dict:
     """Accuracy, base rate, and the gate at `threshold` (calibrated elsewhere) and at this set's own best;
-    with each sample's block (market/intervals.py), intervals of the accuracy and that coverage too."""
+    with each sample's block (evaluation/intervals.py), intervals of the accuracy and that coverage too."""
     n = len(y)
     if n == 0:
         return {"samples": 0}
@@ -121,7 +121,7 @@ def judge(logits: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...], thres
 
 
 def _ranks(pred: torch.Tensor, gap: torch.Tensor, y: torch.Tensor, choices: tuple[str, ...]) -> float | None:
-    """How well the margin ranks the truths (engine/gate.margin_ranking, as calibrate reports it):
+    """How well the margin ranks the truths (evaluation/scoring.margin_ranking, as calibrate reports it):
     near 0.5 the head cannot tell them apart; high with a low balanced accuracy, only its decision
     point is off."""
     rank = margin_ranking([choices[i] for i in pred.tolist()], gap.tolist(), [choices[i] for i in y.tolist()],

@@ -9,7 +9,7 @@ target precision, or none: a small model may never get there, and then it says s
 
     warmup bars (one batch) | bar | bar | ...  each bar: push -> wait_idle -> read gates
 
-The measures, the JSON, the table and the plot: market/calibrate_report.py.
+The measures, the JSON, the table and the plot: evaluation/report.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from streamllm.config import ConfigError, QuestionSpec, SessionSpec, load_config
 from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.gate import GateError
-from streamllm.market.calibrate_report import (
+from streamllm.evaluation.report import (
     CalibrationRun,
     QuestionRecord,
     QuestionReport,
@@ -35,7 +35,7 @@ from streamllm.market.calibrate_report import (
     table,
     to_json,
 )
-from streamllm.market.calibrate_samples import SamplesError, read_samples, write_samples
+from streamllm.evaluation.samples import SamplesError, read_samples, write_samples
 
 DEFAULT_BARS = 200  # ~4,800 context tokens and a few minutes on 2 CPU cores with the 135M model
 ESTIMATE_AFTER = 5  # updates timed before the run-time estimate is printed
@@ -179,7 +179,7 @@ def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path
 
 def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
     """--data as given (PATH, or PATH@FROM..TO: the bars opening in that time range) and its file."""
-    from streamllm.market.tune_data import time_range
+    from streamllm.tuning.data import time_range
 
     if data is not None:
         try:
@@ -199,9 +199,9 @@ def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
     from feeds.sources import read_options
-    from streamllm.market.tune_data import describe, load_bars
     from streamllm.model.adapter import AdapterError, pick_adapter
     from streamllm.model.loader import load_model
+    from streamllm.tuning.data import describe, load_bars
 
     if not 0 < args.target_precision <= 1:
         raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")
@@ -301,7 +301,7 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
     the run and the adapter id the engine loaded."""
     from streamllm.engine import Engine
     from streamllm.engine.prompt import PromptLayout
-    from streamllm.market.render import Renderer
+    from streamllm.feeding.render import Renderer
     from streamllm.model.adapter import AdapterError
 
     questions = labelled_questions(spec)

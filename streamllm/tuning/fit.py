@@ -1,7 +1,7 @@
 """Fitting the heads on a tuning run's extracted states, judging them, and writing the adapter and its card.
 
 One head per labelled question (grouped across sessions by text, choices and label): an entry
-head (market/headfit.py) or a series head (market/seriesfit.py), its gate threshold calibrated
+head (tuning/headfit.py) or a series head (tuning/seriesfit.py), its gate threshold calibrated
 on the development range, then judged on every set through the served head itself.
 """
 
@@ -17,8 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from streamllm.config import QuestionSpec, normalize_question
-from streamllm.market.card import card_markdown
-from streamllm.market.tune_data import SPLIT, Task, WindowPlan
+from streamllm.tuning.card import card_markdown
+from streamllm.tuning.data import SPLIT, Task, WindowPlan
 
 
 def groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
@@ -55,15 +55,15 @@ def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: in
 
 def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tensor:
     """The base model's own choice scores at the same states (the gate's rule, on its LM head rows)."""
-    from streamllm.market.lora import ChoiceScorer
+    from streamllm.tuning.lora import ChoiceScorer
 
     return ChoiceScorer([q], extractor.layout.tokenizer)(q.id, x, extractor.model.lm_head)
 
 
 def _fit_entry(args, head_id, q, members, got, sets, hidden):
     """An entry head: logistic regression on the decision points' states."""
-    from streamllm.market.headfit import calibrate_threshold, fit_head
     from streamllm.model.adapter import ChoiceHead
+    from streamllm.tuning.headfit import calibrate_threshold, fit_head
 
     x, y = _gather(got, "train", members, hidden)
     xd, yd = _gather(got, "dev", members, hidden)
@@ -79,11 +79,11 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
 
 
 def _fit_series(args, head_id, q, members, got, sets, hidden):
-    """A series head: every bar of every window, read over its last --lines lines (market/seriesfit.py),
+    """A series head: every bar of every window, read over its last --lines lines (tuning/seriesfit.py),
     or over all of a window's first lines once its label is known (a session's start, as served)."""
-    from streamllm.market.headfit import calibrate_threshold
-    from streamllm.market.seriesfit import feature_sets, fit_series, samples
     from streamllm.model.adapter import SeriesHead
+    from streamllm.tuning.headfit import calibrate_threshold
+    from streamllm.tuning.seriesfit import feature_sets, fit_series, samples
 
     def gather(set_name, least=1):
         return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
@@ -111,8 +111,8 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
 
 def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
-    from streamllm.market.headfit import judge
     from streamllm.model.adapter import CARD_FILE, save_heads
+    from streamllm.tuning.headfit import judge
 
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0

@@ -1,0 +1,1 @@
+"""Offline: calibrate gate thresholds on recorded data, reports, intervals, inspection of recorded files."""

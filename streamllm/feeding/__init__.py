@@ -1,0 +1,1 @@
+"""Run time: market events -> lines -> the engine (render, attach, summaries, feed supervision and wiring)."""

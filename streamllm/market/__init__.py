@@ -1,1 +1,0 @@
-"""Markets meet the engine: rendering data as lines, attaching feeds, labels, calibration."""
