@@ -190,8 +190,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     settles such ties on the smaller head.
 
     orders: fits per candidate, each from its own initial weights and minibatch order. Which 600
-    minibatches a fit draws moves its optimum about as much as a change of features does
-    (docs/tuning.md), so a candidate (features, weight decay) is chosen by its mean development loss
+    minibatches a fit draws moves its optimum about as much as a change of features does, so a
+    candidate (features, weight decay) is chosen by its mean development loss
     over the orders, and the head served is the mean of that candidate's fits. Order o draws the same
     minibatches for every candidate: candidates are compared on the same draws."""
     if len(train) == 0 or len(dev) == 0:
