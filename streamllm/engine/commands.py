@@ -87,8 +87,40 @@ class Cancel(Command):
 
 
 @dataclass(slots=True, eq=False)
+class ExportSession(Command):
+    """Copy a session's cells and bookkeeping (`state.SessionState`); the session keeps running.
+    only_ready: resolve to None instead of failing when it is not open or its prefix is not computed."""
+
+    name: str
+    only_ready: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class EvictState(Command):
+    """Export an idle session and drop it (its cells are freed); `SessionError` while it has work in flight."""
+
+    name: str
+
+
+@dataclass(slots=True, eq=False)
+class ImportSession(Command):
+    """Open `name` from an exported state: reserve its budget, copy the cells back, register its questions."""
+
+    state: Any  # state.SessionState
+    name: str
+    gates: list[tuple[Any, Any, list[int]]]  # (QuestionSpec, Gate, prompt ids) per question, built by the caller
+
+
+@dataclass(slots=True, eq=False)
+class CanAdmit(Command):
+    """Whether a session reserving `cells` would be admitted now (the core's own admission rule)."""
+
+    cells: int
+
+
+@dataclass(slots=True, eq=False)
 class Call(Command):
-    """Run fn(core) on the core thread between steps (snapshots, restores, benches, tests)."""
+    """Run fn(core) on the core thread between steps: tests and benches only, never production code."""
 
     fn: Callable[[Any], Any]
 

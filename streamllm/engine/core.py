@@ -24,13 +24,18 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+from streamllm.engine import state as session_state
 from streamllm.engine.answers import Answering
 from streamllm.engine.commands import (
     Ask,
     Call,
+    CanAdmit,
     Cancel,
     CloseSession,
     Command,
+    EvictState,
+    ExportSession,
+    ImportSession,
     OpenSession,
     Push,
     Register,
@@ -199,6 +204,14 @@ class EngineCore(Answering, Compacting, Publishing):
                     result = self._unregister(cmd)
                 case Cancel():
                     result = self._cancel(cmd.ask_id)
+                case ExportSession():
+                    result = (session_state.export_ready if cmd.only_ready else session_state.export_session)(self, cmd.name)
+                case EvictState():
+                    result = session_state.evict_session(self, cmd.name)
+                case ImportSession():
+                    result = session_state.import_session(self, cmd.state, cmd.name, cmd.gates)
+                case CanAdmit():
+                    result = self.store.manager.can_reserve(cmd.cells, keep_free_tokens=self.admission_keep_free(cmd.cells))
                 case Call():
                     result = cmd.fn(self)
                 case _:

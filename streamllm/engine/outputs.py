@@ -48,6 +48,20 @@ class SessionInfo:
     compactions: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What a session's cells are valid for: a snapshot restores only into an engine with the same identity."""
+
+    model_name: str
+    config_hash: str  # model name, architecture and tokenizer vocabulary
+    kv_dtype: str  # the cells' dtype by name (float32, bfloat16)
+    adapter_id: str | None  # a `streamllm tune` adapter changes standing answers
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    line_feature_width: int  # series heads' per-line features, as this engine's taps keep them
+
+
 @dataclass(slots=True, eq=False)
 class Answer:
     session: str

@@ -1,6 +1,6 @@
 """A session's whole state as plain data, taken from and put back into the core.
 
-Both functions run on the core thread (through `Engine.call`): the core is the only
+These run on the core thread (the `ExportSession`, `EvictState`, `ImportSession` commands): the core is the only
 writer, so exporting copies cells while nothing can move the table, and importing
 allocates and fills cells between two steps. Files, hashing and fsync are the
 caller's business (`streamllm.durability.snapshot`), off the core thread.
@@ -64,6 +64,14 @@ def export_session(core: Any, name: str) -> SessionState:
         state.line_index = torch.tensor([i for i, _ in s.taps.lines], dtype=torch.int64)
         state.line_features = torch.stack([f for _, f in s.taps.lines]).to("cpu", torch.float32)
     return state
+
+
+def export_ready(core: Any, name: str) -> SessionState | None:
+    """`export_session`, or None when the session is not open or its prefix is not computed yet (checkpoints)."""
+    s = core.sessions.get(name)
+    if s is None or not s.ready:
+        return None
+    return export_session(core, name)
 
 
 def evict_session(core: Any, name: str) -> SessionState:
