@@ -197,18 +197,21 @@ class ResidentEngine(EngineClient):
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None,
                    stop: list[str] | None = None, min_version: int | None = None,
                    return_logits: bool = False, on_text: Callable[[str], None] | None = None) -> Future:
-        """A resident session is asked at once; an evicted one (or one being evicted or restored right
-        now) returns its future at once and is restored and asked in a worker thread."""
+        """A resident session is asked at once (no lock: the engine refuses an ask once an eviction has
+        started, and that refusal sends it the slow way); a session on disk returns its future at once
+        and is restored and asked in a worker thread."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version,
                               "return_logits": return_logits, "on_text": on_text}
-        self._last_asked[name] = time.monotonic()
-        lock = self._session(name)
-        if lock.acquire(blocking=False):
+        if self._evicted_entry(name) is None:
             try:
-                if self._evicted_entry(name) is None:
-                    return self.engine.submit_ask(name, question, **kw)
-            finally:
-                lock.release()
+                future = self.engine.submit_ask(name, question, **kw)
+            except SessionError:
+                if self._evicted_entry(name) is None:  # not open at all
+                    raise
+            else:
+                self._last_asked[name] = time.monotonic()
+                return future
+        lock = self._session(name)
         outer: Future = Future()
 
         def restore_and_ask() -> None:
@@ -218,6 +221,7 @@ class ResidentEngine(EngineClient):
                 with lock:
                     self._resident(name)
                     inner = self.engine.submit_ask(name, question, **kw)
+                self._last_asked[name] = time.monotonic()
             except BaseException as exc:
                 settle(outer, error=exc)
                 return
