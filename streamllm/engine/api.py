@@ -60,6 +60,7 @@ from streamllm.engine.outputs import (
     PushAck,
     SessionError,
     SessionInfo,
+    StalePolicy,
     StandingAnswer,
 )
 from streamllm.engine.prepos import Prepositioner
@@ -68,7 +69,7 @@ from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
-from streamllm.engine.taps import word_tables
+from streamllm.engine.taps import TapConfig
 from streamllm.model.adapter import series_width
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
@@ -136,20 +137,18 @@ class Engine(Intake, Subscribable, EngineClient):
         config = scheduler or SchedulerConfig(step_tokens=step_tokens, chunk_tokens=chunk_tokens)
         self.default_max_context = max_context
         self.hub = SubscriptionHub()
+        # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
+        # and ingest may have computed a few updates past it by the time the entry is ready.
+        lines = self.adapter.tap_lines if self.adapter is not None else 0
+        taps = TapConfig.for_heads(self.tokenizer, lines + LINE_SLACK if lines else 0,
+                                   self.adapter.tap_words if lines else ())
         self.core = EngineCore(
             model_name=self._model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
             runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
             prepos=Prepositioner(store, self.layout.eos_ids, head_entries=head_entries), hub=self.hub, policy=policy,
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
             branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
-            stale_policy=stale_policy, check_every_step=check_integrity_every_step)
-        # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
-        # and ingest may have computed a few updates past it by the time the entry is ready.
-        lines = self.adapter.tap_lines if self.adapter is not None else 0
-        self.core.line_taps = lines + LINE_SLACK if lines else 0
-        if lines and self.adapter.tap_words:
-            self.core.tap_words = self.adapter.tap_words
-            self.core.word_starts, self.core.word_texts = word_tables(self.tokenizer, self.adapter.tap_words)
+            stale_policy=StalePolicy(stale_policy), taps=taps, check_every_step=check_integrity_every_step)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self._ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state

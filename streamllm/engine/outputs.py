@@ -8,7 +8,29 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+
+class AnswerPath(StrEnum):
+    """How an answer was made (compares equal to, and serialises as, its string)."""
+
+    FAST = "fast"  # the gate fired: from the ready distribution, no model call
+    ENTRY = "entry"  # from the pre-paid entry, gate closed
+    COLD = "cold"  # prefilled on top of the session, then decoded
+    GATE = "gate"  # a standing answer that is only the gate's view (its first token; nobody is pushed it)
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end of turn, a stop string, or a named choice
+    LENGTH = "length"  # max_tokens reached
+
+
+class StalePolicy(StrEnum):
+    """What a standing question asked while its entry lags the session's data gets."""
+
+    WAIT = "wait"  # wait for the entry at the current data version
+    STALE = "stale"  # answer from the newest entry at once, marked stale
 
 
 class SessionError(KeyError):
@@ -71,10 +93,10 @@ class Answer:
     data_version: int
     tokens_computed: int
     latency_ms: float
-    path: str = "cold"  # "fast" (gate fired) | "entry" (from the pre-paid entry) | "cold"
+    path: AnswerPath = AnswerPath.COLD
     confidence: float | None = None  # the gate's gap at the decision point
     stale: bool = False
-    finish_reason: str = "length"  # "stop" (eos, stop string or a named choice) | "length"
+    finish_reason: FinishReason = FinishReason.LENGTH
     logits: object = None  # the distribution at the decision point, when asked for (torch.Tensor)
     choices: dict[str, float] | None = None  # each choice's probability (softmax over the choices)
 
@@ -87,7 +109,7 @@ class StandingAnswer:
     session: str
     question_id: str
     text: str
-    path: str  # "fast" (gate fired) | "entry" (from the entry, gate closed)
+    path: AnswerPath  # FAST, ENTRY, or GATE (the gate's view only)
     confidence: float  # the gate's gap
     data_version: int
     updated_at: float = field(default_factory=time.time)
