@@ -9,7 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from streamllm.config import QuestionSpec
 
 
 class AnswerPath(StrEnum):
@@ -97,7 +102,7 @@ class Answer:
     confidence: float | None = None  # the gate's gap at the decision point
     stale: bool = False
     finish_reason: FinishReason = FinishReason.LENGTH
-    logits: object = None  # the distribution at the decision point, when asked for (torch.Tensor)
+    logits: torch.Tensor | None = None  # the distribution at the decision point, when asked for
     choices: dict[str, float] | None = None  # each choice's probability (softmax over the choices)
 
     def to_dict(self) -> dict:
@@ -138,7 +143,7 @@ class ReadyRecord:
     token_id: int
     confidence: float
     choices: dict[str, float] | None
-    logits: Any  # torch.Tensor [vocab], never mutated after publication
+    logits: torch.Tensor | None  # [vocab], never mutated after publication
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,4 +152,4 @@ class SessionRecord:
 
     info: SessionInfo
     standing: tuple[StandingAnswer, ...] = ()
-    questions: tuple[Any, ...] = ()  # QuestionSpec of each standing question
+    questions: tuple[QuestionSpec, ...] = ()  # each standing question's spec

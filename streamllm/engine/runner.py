@@ -22,7 +22,7 @@ class Work:
     token_ids: list[int]  # tokens computed in this step
     start_pos: int  # position of token_ids[0]; table holds slots up to start_pos + len
     want_logits: Logits = Logits.LAST
-    want_hidden: bool = False  # with "last": also the final-normed hidden state of that row (choice heads)
+    want_hidden: bool = False  # with LAST: also the final-normed hidden state of that row (choice heads)
     hidden: torch.Tensor | None = None  # [H], filled by execute when want_hidden
     want_tap: bool = False  # the residual of every row at the runner's tap_layer (series heads read lines)
     tap: torch.Tensor | None = None  # [n, H] fp32, filled by execute when want_tap
