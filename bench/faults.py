@@ -145,7 +145,6 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     from streamllm.config import parse_question
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.recovery import recover
-    from streamllm.durability.snapshot import restore_session, save_session
     from streamllm.engine import Engine
     from streamllm.model import load_model
 
@@ -163,7 +162,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
         pushed += len(batch)
     eng.wait_idle()
     tokens = eng.session_info("s").num_tokens
-    save_session(eng, "s", snap)
+    eng.snapshot_session("s", snap)
     eng.shutdown()
     eng.ingest_log.close()
 
@@ -173,7 +172,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     eng.shutdown()
     eng = Engine(loaded, **kw)
     t0 = time.perf_counter()
-    restore_session(eng, snap)
+    eng.restore_session(snap)
     restore_s = time.perf_counter() - t0
     eng.shutdown()
     return {"recovery_replay_s": replay_s, "snapshot_restore_s": restore_s, "restore_speedup": replay_s / restore_s,

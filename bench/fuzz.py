@@ -189,8 +189,7 @@ def mutate(rng: random.Random, raw: bytes) -> bytes:
 
 
 def fuzz(cases: int, seed: int = 0) -> dict[str, Any]:
-    from feeds.sources import parser_for
-    from feeds.wire import AuthError
+    from feeds.wire import AuthError, parser_for
     from streamllm.config import ConfigError, parse_config
     from streamllm.service import protocol as p
 

@@ -37,8 +37,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from feeds import alpaca, binance, bybit, coinbase, kraken, kraken_futures, okx
-from feeds.sources import parser_for
-from feeds.wire import AuthError, Loads, fast_loads
+from feeds.wire import AuthError, Loads, fast_loads, parser_for
 
 log = logging.getLogger("streamllm.feeds")
 

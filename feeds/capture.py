@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from feeds.wire import ParseStats, UnsupportedFormat, WireParser, epoch_ns, fast_loads
+from feeds.wire import ParseStats, UnsupportedFormat, WireParser, epoch_ns, fast_loads, parser_for
 
 OnError = Callable[[str, str, bytes], None]  # (kind, message, sample)
 
@@ -143,8 +143,6 @@ class CaptureSource:
     market: str = "spot"  # binance only: spot, usdm or coinm
 
     def __post_init__(self) -> None:
-        from feeds.sources import parser_for
-
         self.path = Path(self.path)
         if self.parser is None:
             if self.venue == "auto":

@@ -13,7 +13,6 @@ as asked at all (unknown format, ambiguous dates) raises ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,31 +21,8 @@ from typing import Any
 
 from feeds.capture import CaptureSource, read_capture
 from feeds.tables import TABLE_SUFFIXES, TableSource
-from feeds.wire import WireParser
 
-__all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open_source", "parser_for",
-           "read_capture"]
-
-
-# Each wire format's parser, imported when first asked for (a replay of one venue loads only its own).
-PARSERS = {
-    "binance": ("feeds.binance", "BinanceParser"),
-    "bybit": ("feeds.bybit", "BybitParser"),
-    "coinbase": ("feeds.coinbase", "CoinbaseParser"),
-    "coinbase-exchange": ("feeds.coinbase_exchange", "CoinbaseExchangeParser"),
-    "kraken": ("feeds.kraken", "KrakenParser"),
-    "kraken-v1": ("feeds.kraken_v1", "KrakenV1Parser"),
-    "kraken-futures": ("feeds.kraken_futures", "KrakenFuturesParser"),
-    "okx": ("feeds.okx", "OkxParser"),
-    "alpaca": ("feeds.alpaca", "AlpacaParser"),
-}
-
-
-def parser_for(venue: str, **kw: Any) -> WireParser:
-    if venue not in PARSERS:
-        raise ValueError(f"unknown venue {venue!r} ({', '.join(PARSERS)})")
-    module, name = PARSERS[venue]
-    return getattr(importlib.import_module(module), name)(**kw)
+__all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open_source", "read_capture"]
 
 
 @dataclass

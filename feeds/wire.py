@@ -8,6 +8,7 @@ counted in `stats` with a sample of what and why, so an adapter keeps running.
 from __future__ import annotations
 
 import calendar
+import importlib
 import json
 import math
 from collections.abc import Callable
@@ -237,3 +238,24 @@ def rfc3339_ns(text: str) -> int:
         hh, _, mm = rest[1:].partition(":")
         offset = sign * (int(hh) * 3600 + int(mm or 0) * 60)
     return (secs - offset) * 1_000_000_000 + frac_ns
+
+
+# Each wire format's parser, imported when first asked for (a replay of one venue loads only its own).
+PARSERS = {
+    "binance": ("feeds.binance", "BinanceParser"),
+    "bybit": ("feeds.bybit", "BybitParser"),
+    "coinbase": ("feeds.coinbase", "CoinbaseParser"),
+    "coinbase-exchange": ("feeds.coinbase_exchange", "CoinbaseExchangeParser"),
+    "kraken": ("feeds.kraken", "KrakenParser"),
+    "kraken-v1": ("feeds.kraken_v1", "KrakenV1Parser"),
+    "kraken-futures": ("feeds.kraken_futures", "KrakenFuturesParser"),
+    "okx": ("feeds.okx", "OkxParser"),
+    "alpaca": ("feeds.alpaca", "AlpacaParser"),
+}
+
+
+def parser_for(venue: str, **kw: Any) -> WireParser:
+    if venue not in PARSERS:
+        raise ValueError(f"unknown venue {venue!r} ({', '.join(PARSERS)})")
+    module, name = PARSERS[venue]
+    return getattr(importlib.import_module(module), name)(**kw)

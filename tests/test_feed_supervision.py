@@ -9,8 +9,8 @@ from feeds.synthetic import SyntheticFeed
 from streamllm.engine import Engine
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.feeding.render import Renderer
+from streamllm.feeding.supervise import FeedRunner
 from streamllm.service.bars import BarBook, TapSink
-from streamllm.service.feeds import FeedRunner
 from streamllm.service.server import StreamServer
 
 

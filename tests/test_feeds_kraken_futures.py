@@ -137,7 +137,7 @@ def test_the_kraken_futures_adapter_subscribes_and_streams() -> None:
 
 def test_a_config_session_on_kraken_futures_subscribes_its_product() -> None:
     from streamllm.config import parse_config
-    from streamllm.service.serve import group_feeds, parse_feed_override
+    from streamllm.feeding.wiring import group_feeds, parse_feed_override
 
     config = parse_config({"sessions": [{"name": "xbt", "instrument": "PI_XBTUSD", "feed": "kraken-futures"},
                                         {"name": "eth", "instrument": "PF_ETHUSD",

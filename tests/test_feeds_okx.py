@@ -165,7 +165,7 @@ def test_an_okx_error_event_is_named_by_its_code() -> None:
 
 def test_sessions_on_one_venue_share_one_connection_from_their_config(monkeypatch: pytest.MonkeyPatch) -> None:
     from streamllm.config import parse_config
-    from streamllm.service.serve import group_feeds, parse_feed_override, venue_credentials
+    from streamllm.feeding.wiring import group_feeds, parse_feed_override, venue_credentials
 
     subscribed: list[Any] = []
 
@@ -177,7 +177,7 @@ def test_sessions_on_one_venue_share_one_connection_from_their_config(monkeypatc
         await ws.close()
 
     async def run() -> list[Any]:
-        from streamllm.service.serve import feed_events
+        from streamllm.feeding.wiring import feed_events
 
         async with serve(venue, "127.0.0.1", 0) as server:
             url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"

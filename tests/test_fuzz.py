@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 from websockets.sync.client import connect
 
 from bench.fuzz import SAMPLES, mutate, mutated_config
-from feeds.sources import parser_for
-from feeds.wire import AuthError
+from feeds.wire import AuthError, parser_for
 from streamllm.config import ConfigError, parse_config
 from streamllm.engine import Engine
 from streamllm.service import protocol as p

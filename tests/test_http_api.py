@@ -16,7 +16,6 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from streamllm.config import parse_question
-from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
 from streamllm.service.client import AsyncClient, ServiceError
 from streamllm.service.server import ServerConfig, StreamServer
@@ -29,10 +28,8 @@ NEVER = {"id": "never", "text": "Higher or lower?", "choices": ["higher", "lower
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, serve_in_thread, tmp_path_factory):
-    # as `serve --spill-dir` builds it: idle sessions can go to disk
-    engine = ResidentEngine(Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64),
-                            tmp_path_factory.mktemp("spill"))
+def served(tiny_model, serve_in_thread):
+    engine = Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64)
     engine.open_session("alice/btc")
     engine.push("alice/btc", LINES[:6])
     for q in (SURE, NEVER):
@@ -45,7 +42,7 @@ def served(tiny_model, serve_in_thread, tmp_path_factory):
         engine.shutdown()
 
 
-def _wait_standing(engine: ResidentEngine, name: str, version: int) -> None:
+def _wait_standing(engine: Engine, name: str, version: int) -> None:
     assert engine.wait_idle(30)
     answers = {a.question_id: a for a in engine.standing(name)}
     assert {"sure", "never"} <= set(answers) and all(a.data_version == version for a in answers.values())
@@ -119,13 +116,13 @@ def test_streamed_chunks_add_up_to_the_whole_answer(served):
 
 def test_stateless_request_uses_a_temporary_session(served):
     c = client(served)
-    before = set(served.engine.engine.sessions)
+    before = set(served.engine.sessions)
     out = c.chat.completions.create(model="tiny", max_tokens=3, messages=[
         {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello?"}])
     assert out.model_extra["streamllm"]["path"] == "cold" and out.model_extra["streamllm"]["session"] is None
     streamed = list(c.completions.create(model="tiny", prompt="Hello?", max_tokens=3, stream=True))
     assert streamed[-1].model_extra["streamllm"]["data_version"] == 0
-    assert set(served.engine.engine.sessions) == before  # the temporary sessions are closed again
+    assert set(served.engine.sessions) == before  # the temporary sessions are closed again
 
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), [
@@ -275,27 +272,27 @@ def test_blocking_client_and_ask_cli_stream(served, capsys):
     assert out.out.strip() == messages[-1]["text"].strip() and "cold path" in out.err
 
 
-def test_an_evicted_session_is_restored_off_the_loop_on_ask(served):
+def test_an_evicted_session_is_restored_off_the_loop_on_ask(served, tmp_path):
     engine = served.engine
     engine.open_session("alice/idle")
     engine.push("alice/idle", LINES[:4])
     assert engine.wait_idle(30)
-    engine.evict_session("alice/idle")
-    assert "alice/idle" not in engine.engine.sessions
+    engine.evict_session("alice/idle", tmp_path)
+    assert "alice/idle" not in engine.sessions
     restored_on: list[str] = []
-    original = engine.engine.import_session
+    original = engine._ensure_resident
 
-    def spy(state, name: str):
+    def spy(name: str) -> None:
         restored_on.append(threading.current_thread().name)
-        return original(state, name)
+        original(name)
 
-    engine.engine.import_session = spy
+    engine._ensure_resident = spy
     try:
         answer = asyncio.run(asyncio.wait_for(_ws_ask_on(served, "idle", "Up?", max_tokens=2), 30))
     finally:
-        del engine.engine.import_session
-    assert answer["data_version"] == 1 and "alice/idle" in engine.engine.sessions
-    assert restored_on and "streamllm-restore" in restored_on[0]  # a worker thread, not the server's loop
+        del engine._ensure_resident
+    assert answer["data_version"] == 1 and "alice/idle" in engine.sessions
+    assert restored_on and "asyncio" in restored_on[0]  # a worker thread, not the server's loop thread
     engine.close_session("alice/idle")
 
 

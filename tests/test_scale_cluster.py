@@ -20,10 +20,11 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'stre
 from websockets.asyncio.client import connect  # noqa: E402
 
 from streamllm.config import load_config  # noqa: E402
+from streamllm.feeding.wiring import group_feeds  # noqa: E402
 from streamllm.scale import sessions_cli  # noqa: E402
 from streamllm.scale.cluster import ClusterEngine  # noqa: E402
 from streamllm.scale.replica import FeedPlan  # noqa: E402
-from streamllm.service.serve import group_feeds, open_sessions  # noqa: E402
+from streamllm.service.serve import open_sessions  # noqa: E402
 from streamllm.service.server import ServerConfig, StreamServer  # noqa: E402
 from streamllm.service.tenants import LOCAL  # noqa: E402
 

@@ -9,13 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from streamllm.config import QuestionSpec
-    from streamllm.engine.core import EngineCore
-    from streamllm.engine.gate import Gate
-    from streamllm.engine.state import SessionState
+from typing import Any
 
 
 def settle(future: Future | None, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -60,8 +54,8 @@ class Push(Command):
 @dataclass(slots=True, eq=False)
 class Register(Command):
     name: str
-    spec: QuestionSpec
-    gate: Gate  # built in the caller's thread (tokenizer work)
+    spec: Any  # QuestionSpec
+    gate: Any  # Gate, built in the caller's thread (tokenizer work)
     prompt_ids: list[int]
 
 
@@ -82,7 +76,7 @@ class Ask(Command):
     min_version: int
     keep_logits: bool
     standing_id: str | None  # a standing question's id: fast / entry path
-    choices: Gate | None = None  # the gate of a choice question asked cold
+    choices: Any = None  # Gate of a choice question asked cold
     on_text: Callable[[str], None] | None = None
     t_start: float = 0.0
 
@@ -93,42 +87,10 @@ class Cancel(Command):
 
 
 @dataclass(slots=True, eq=False)
-class ExportSession(Command):
-    """Copy a session's cells and bookkeeping (`state.SessionState`); the session keeps running.
-    only_ready: resolve to None instead of failing when it is not open or its prefix is not computed."""
-
-    name: str
-    only_ready: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class EvictState(Command):
-    """Export an idle session and drop it (its cells are freed); `SessionError` while it has work in flight."""
-
-    name: str
-
-
-@dataclass(slots=True, eq=False)
-class ImportSession(Command):
-    """Open `name` from an exported state: reserve its budget, copy the cells back, register its questions."""
-
-    state: SessionState
-    name: str
-    gates: list[tuple[QuestionSpec, Gate, list[int]]]  # (spec, gate, prompt ids) per question, built by the caller
-
-
-@dataclass(slots=True, eq=False)
-class CanAdmit(Command):
-    """Whether a session reserving `cells` would be admitted now (the core's own admission rule)."""
-
-    cells: int
-
-
-@dataclass(slots=True, eq=False)
 class Call(Command):
-    """Run fn(core) on the core thread between steps: tests and benches only, never production code."""
+    """Run fn(core) on the core thread between steps (snapshots, restores, benches, tests)."""
 
-    fn: Callable[[EngineCore], Any]
+    fn: Callable[[Any], Any]
 
 
 @dataclass(slots=True, eq=False)

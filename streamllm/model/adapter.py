@@ -45,19 +45,18 @@ from typing import Any, ClassVar
 
 import torch
 
+from streamllm.config import normalize_question
+from streamllm.model.errors import AdapterError
+from streamllm.model.lora import has_lora, lora_digest, lora_meta
+from streamllm.model.words import check_words
+
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
 FORMAT_VERSION = 5  # 2: series heads, 3: word features, 4: words by prefix, 5: min_lines; older files load
 
 
-class AdapterError(ValueError):
-    """An adapter directory that cannot be loaded (missing, corrupt, or for another model)."""
-
-
 def _normalize(text: str) -> str:
-    from streamllm.config import normalize_question
-
     return normalize_question(text)
 
 
@@ -218,9 +217,6 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str, changes:
 
 
 def _checked_words(where: Path, question_id: str, words: Any) -> tuple[int | str, ...]:
-    # Imported here, not at the top: the engine imports this module.
-    from streamllm.engine.taps import check_words
-
     try:
         if not isinstance(words, list):
             raise ValueError("not a list")
@@ -234,8 +230,6 @@ def _hidden_of(head: Head) -> int:
 
 
 def load_adapter(directory: str | Path) -> Adapter:
-    from streamllm.model.lora import has_lora, lora_digest, lora_meta
-
     directory = Path(directory)
     path = directory / HEAD_FILE
     lora = has_lora(directory)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from streamllm.model.adapter import AdapterError
+from streamllm.model.errors import AdapterError
 
 LORA_DIR = "lora"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

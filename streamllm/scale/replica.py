@@ -32,7 +32,7 @@ _DONE = object()
 
 @dataclass(slots=True)
 class FeedPlan:
-    """The config's feeds (`serve.FeedGroup`s, picklable): a replica runs the part of them its sessions need."""
+    """The config's feeds (`feeding.wiring.FeedGroup`s, picklable): a replica runs the part of them its sessions need."""
 
     groups: list[Any]
     owner: Any  # service.tenants.Tenant owning the config's sessions
@@ -52,14 +52,13 @@ class ReplicaSpec:
     checkpoint_s: float = 0.0
     feeds: FeedPlan | None = None
     torch_threads: int | None = None  # the CPUs Ray reserved for it (None: torch's default)
-    spill_dir: str | None = None  # evict idle sessions here when its cells run out (durability/resident.py)
+    spill_dir: str | None = None  # evict idle sessions here when its cells run out (durability/pressure.py)
 
 
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
-        from streamllm.durability.resident import ResidentEngine
         from streamllm.engine import Engine
         from streamllm.model.loader import load_model
         from streamllm.service.bars import BarBook
@@ -71,14 +70,12 @@ class Replica:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.journal = EventJournal()
-        # Snapshots for moves; with a spill folder, idle sessions to disk when its cells run out.
-        self.engine = ResidentEngine(Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine),
-                                     spec.spill_dir or None, auto_evict=bool(spec.spill_dir))
+        self.engine = Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine)
         self.ingest_log = IngestLog(spec.log_dir, flush=spec.log_flush, checkpoint_versions=spec.checkpoint_versions,
                                     checkpoint_s=spec.checkpoint_s)
         # Memory pressure from the start, as `serve` does for one engine: a replica restarted with
         # more sessions than its pool holds brings every one back, idle ones to disk.
-        self.recovery = recover(self.engine, self.ingest_log)
+        self.recovery = recover(self.engine, self.ingest_log, spill_dir=spec.spill_dir or None)
         self._subs: dict[str, list[Any]] = {}
         for info in self.engine.list_sessions():
             self._watch(info.name)
@@ -232,9 +229,9 @@ class Replica:
     # -- feeds beside their sessions -------------------------------------------
     def start_feeds(self) -> list[str]:
         """(Re)start one feed per config feed group, attached to the group's sessions held here."""
+        from streamllm.feeding.supervise import FeedRunner
+        from streamllm.feeding.wiring import FeedGroup, build_attachments, feed_events
         from streamllm.service.bars import TapSink
-        from streamllm.service.feeds import FeedRunner
-        from streamllm.service.serve import FeedGroup, build_attachments, feed_events
 
         plan = self.spec.feeds
         if plan is None:

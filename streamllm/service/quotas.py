@@ -68,9 +68,11 @@ def parse_quotas(table: Any, where: str, check_name: Callable[[Any, str], str]) 
     return out
 
 
-def _error(message: str) -> Exception:
-    from streamllm.service.tenants import TokenConfigError  # tenants imports this module
+class TokenConfigError(ValueError):
+    """A token file or STREAMLLM_TOKENS entry that cannot be used; the message says where."""
 
+
+def _error(message: str) -> Exception:
     return TokenConfigError(message)
 
 

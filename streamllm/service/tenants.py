@@ -26,14 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.service.protocol import SESSION_NAME
-from streamllm.service.quotas import DEFAULT, Quota, parse_quotas
+from streamllm.service.quotas import DEFAULT, Quota, TokenConfigError, parse_quotas
 
 ENV_VAR = "STREAMLLM_TOKENS"
 LOCAL_TENANT = "local"
-
-
-class TokenConfigError(ValueError):
-    """A token file or STREAMLLM_TOKENS entry that cannot be used; the message says where."""
 
 
 @dataclass(frozen=True, slots=True)

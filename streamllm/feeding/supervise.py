@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("streamllm.service.feeds")
+log = logging.getLogger("streamllm.feeding.supervise")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0

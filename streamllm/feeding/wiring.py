@@ -1,0 +1,130 @@
+"""How a config's feeds become events and attachments: shared by `serve` and each `serve --ray` replica.
+
+    config sessions --group_feeds--> FeedGroup (one source: a synthetic market, a venue connection,
+                                      recorded files) --feed_events--> paced events
+                                                     --build_attachments--> one Attachment per session
+
+A venue connection carries every symbol its sessions need; recorded feeds are replayable, so
+their batches carry their position and a restart resumes after the ingest log's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from feeds.adapters import FeedAdapter
+from feeds.cryptofeed_adapter import CryptofeedAdapter
+from feeds.replay import apaced, merge
+from feeds.sources import ReadOptions, open_recorded
+from feeds.synthetic import SyntheticFeed
+from streamllm.config import (
+    LIVE_VENUES,
+    FeedSpec,
+    QueryConfig,
+    SessionSpec,
+    is_websocket_url,
+    venue_symbol,
+)
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.feeding.attach import Attachment, AttachSpec
+
+log = logging.getLogger("streamllm.feeding.wiring")
+
+
+class Owner(Protocol):
+    """Who owns the config's sessions (service.tenants.Tenant): it names them in the engine."""
+
+    def engine_name(self, name: str) -> str: ...
+
+
+@dataclass(slots=True)
+class FeedGroup:
+    """Sessions fed from one source (one synthetic market, one venue connection, one replay)."""
+
+    feed: FeedSpec
+    sessions: list[SessionSpec] = field(default_factory=list)
+    read: Any = None  # feeds.sources.ReadOptions for recorded files (--columns, --tz, ...)
+
+
+def parse_feed_override(text: str) -> FeedSpec:
+    kind, _, rest = text.partition(":")
+    if kind == "synthetic" and not rest:
+        return FeedSpec("synthetic")
+    if kind in LIVE_VENUES and (not rest or is_websocket_url(rest.strip())):
+        return FeedSpec(kind, url=rest.strip())
+    if kind in ("replay", "csv") and rest.strip():
+        return FeedSpec(kind, Path(rest.strip()))  # comma-separated files allowed: split at open
+    if kind == "cryptofeed" and rest.strip():
+        return FeedSpec(kind, None, (), rest.strip().upper())
+    raise ValueError(f"--feed {text!r}: use synthetic, a venue ({', '.join(LIVE_VENUES)}; VENUE:wss://... for "
+                     "another endpoint), replay:FILE[,FILE...], csv:FILE or cryptofeed:EXCHANGE")
+
+
+def venue_credentials(venue: str) -> dict[str, str]:
+    """Alpaca's keys from the environment variables its own SDKs read; other venues' market data is public."""
+    if venue != "alpaca":
+        return {}
+    key, secret = os.environ.get("APCA_API_KEY_ID", ""), os.environ.get("APCA_API_SECRET_KEY", "")
+    if not key or not secret:
+        raise ValueError("feed 'alpaca' needs your Alpaca keys in APCA_API_KEY_ID and APCA_API_SECRET_KEY")
+    return {"key": key, "secret": secret}
+
+
+def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGroup]:
+    groups: dict[str, FeedGroup] = {}
+    for spec in config.sessions:
+        feed = override or spec.feed
+        key = str(feed)  # one source per feed: a venue connection carries all its sessions' symbols
+        groups.setdefault(key, FeedGroup(feed)).sessions.append(spec)
+    return list(groups.values())
+
+
+def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterator[Any]:
+    """The group's events as an async stream, in receive order and paced."""
+    feed = group.feed
+    if feed.kind == "synthetic":
+        return SyntheticFeed(seed=seed).aevents(speed=speed)
+    if feed.kind in LIVE_VENUES:
+        symbols: list[str] = []
+        for spec in group.sessions:
+            own = spec.feed.symbols if spec.feed.kind == feed.kind else ()
+            symbols += [s for s in (own or (venue_symbol(feed.kind, spec.instrument),)) if s not in symbols]
+        return FeedAdapter(feed.kind, symbols, url=feed.url or None, credentials=venue_credentials(feed.kind)).events()
+    if feed.kind == "cryptofeed":
+        symbols = []
+        for spec in group.sessions:
+            symbols += [s for s in (spec.feed.symbols or (spec.instrument,)) if s not in symbols]
+        return CryptofeedAdapter(feed.exchange, symbols).events()
+    assert feed.path is not None
+    opts = group.read or ReadOptions()
+    insts = {s.instrument for s in group.sessions}
+    if len(insts) == 1 and not opts.instrument:  # tables without a symbol column belong to the sessions' one
+        opts = replace(opts, instrument=insts.pop())
+    sources = open_recorded(str(feed.path).split(","), opts, what=f"feed {feed.kind}")
+    for src in sources:
+        for note in getattr(src, "notes", []):
+            log.warning("feed %s: %s", feed, note)
+    return apaced(merge(*sources), speed)
+
+
+def build_attachments(sink: Any, owner: Owner, group: FeedGroup, log: IngestLog | None = None) -> list[Any]:
+    """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it.
+    log: the engine's ingest log, where a recorded feed's batches carry their position (resume after it)."""
+    out = []
+    for spec in group.sessions:
+        # Files of ready-made bars are already bars: render them one line each.
+        is_bar_file = group.feed.kind in ("replay", "csv") and not str(group.feed.path).endswith(".gz") and \
+            not any(k in str(group.feed.path).lower() for k in ("trade", "quote"))
+        mode = "events" if is_bar_file else spec.render.mode
+        name = owner.engine_name(spec.name)
+        # Recorded feeds are replayable: batches carry their position, a restart resumes after the log's.
+        feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
+        logged = log.feed_position(name, feed_id) if feed_id and log is not None else None
+        out.append(Attachment(sink, AttachSpec.of(spec, session=name, mode=mode), feed_id=feed_id,
+                              resume_from=logged, questions=spec.questions))
+    return out
