@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("streamllm.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
@@ -52,6 +53,24 @@ def _dispatch(table: dict[str, tuple[str, str]], name: str, argv: list[str]) -> 
     return int(module.cli_main(argv) or 0)
 
 
+def _find_bench() -> str | None:
+    """Make the checkout's bench/ importable (it is not in the wheel); None when found, else why not."""
+    try:
+        importlib.import_module("bench")
+        return None
+    except ImportError:
+        pass
+    checkout = Path.cwd()
+    if (checkout / "bench" / "__init__.py").is_file():
+        sys.path.insert(0, str(checkout))
+        importlib.invalidate_caches()
+        importlib.import_module("bench")
+        return None
+    return ("streamllm bench: the benchmarks live in bench/ of a source checkout and are not installed with "
+            f"the package; none at {checkout}. Run it from the checkout's root (git clone, then `make install` "
+            "and `cd` into it), or put the checkout on PYTHONPATH.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -62,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0] in ("-h", "--help"):
             print(_usage())
             return 0 if rest else 2
+        if rest[0] in BENCHES and (why := _find_bench()) is not None:
+            print(why, file=sys.stderr)
+            return 2
         return _dispatch(BENCHES, rest[0], rest[1:])
     return _dispatch(COMMANDS, command, rest)
 
