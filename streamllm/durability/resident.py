@@ -1,0 +1,455 @@
+"""`ResidentEngine`: an `Engine` whose idle sessions can live on disk, restored on use.
+
+    evict_session(name)   the engine exports the idle session and frees its cells (EvictState);
+                          its snapshot is written to SPILL/<name>.safetensors; the name stays open
+    push / ask / register / unregister / export / snapshot on an evicted session
+                          restore it first (the snapshot read back, ImportSession), then run
+    open / restore refused for want of cells (AdmissionError), with auto_evict=True
+                          evict resident sessions, least recently asked first, skipping busy
+                          ones, until the request fits; then retry once
+
+Built only on the engine's public methods. Every call that touches one session runs under
+that session's lock, so an eviction never slips between the residency check and the call:
+a push or ask that races an eviction waits for it, then restores the session. An evicted
+session is listed and described (`session_info`, `standing`, `standing_questions`) as it
+was when evicted, without reading the disk; `close_session` deletes its snapshot. An ask on
+an evicted session returns its future at once and restores in a worker thread, so an event
+loop calling `submit_ask` never waits on the disk. Subscriptions are this object's own,
+relayed from the engine, so they stay attached across evictions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamllm.config import QuestionSpec
+from streamllm.durability.files import make_dirs
+from streamllm.durability.snapshot import (
+    SnapshotError,
+    SnapshotInfo,
+    load_snapshot,
+    restore_session,
+    save_session,
+    snapshot_path,
+    snapshot_state,
+    write_state,
+)
+from streamllm.engine.api import Engine
+from streamllm.engine.client import EngineClient, EngineHealth
+from streamllm.engine.commands import settle
+from streamllm.engine.outputs import (
+    AdmissionError,
+    EngineIdentity,
+    EngineStopped,
+    PushAck,
+    SessionError,
+    SessionInfo,
+    StandingAnswer,
+)
+from streamllm.engine.prompt import DEFAULT_SYSTEM
+from streamllm.engine.state import SessionState
+from streamllm.engine.subscriptions import Subscription, SubscriptionHub
+
+__all__ = ["ResidentEngine"]
+
+
+@dataclass(slots=True)
+class _Evicted:
+    """A session on disk: its snapshot and what it showed when it left the pool."""
+
+    path: Path
+    info: SessionInfo
+    standing: list[StandingAnswer] = field(default_factory=list)
+    questions: list[QuestionSpec] = field(default_factory=list)
+
+
+class ResidentEngine(EngineClient):
+    """`EngineClient` over one `Engine`, with idle sessions evicted to `spill_dir` and restored on use.
+
+    spill_dir: where evicted sessions' snapshots go (needed by `evict_session` and auto_evict).
+    auto_evict: when an open or a restore is refused for want of cells, evict idle sessions, least
+    recently asked first, and retry. settle_s: once every candidate was busy, how long to let the
+    engine settle before trying them again. Owns `engine`: `shutdown` stops it."""
+
+    def __init__(self, engine: Engine, spill_dir: str | Path | None = None, *, auto_evict: bool = False,
+                 settle_s: float = 2.0) -> None:
+        if auto_evict and spill_dir is None:
+            raise ValueError("auto_evict needs a spill_dir to evict sessions to")
+        self.engine = engine
+        self.spill_dir = make_dirs(spill_dir) if spill_dir is not None else None
+        self.auto_evict, self.settle_s = auto_evict, settle_s
+        self._lock = threading.Lock()  # the registry below; never held across an engine call that waits
+        self._evicted: dict[str, _Evicted] = {}
+        self._session_locks: dict[str, threading.RLock] = {}
+        self._last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
+        self._room = threading.Lock()  # one make_room at a time
+        self._hub = SubscriptionHub()
+        self._forwards: dict[str, list[Subscription]] = {}  # the engine's subscriptions relaying to _hub
+        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="streamllm-restore")
+        self._stopped = False
+        self.auto_evictions = self.auto_restores = self.auto_evict_refusals = 0
+
+    # -- identity -----------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def prefix_tokens(self, system: str = DEFAULT_SYSTEM) -> int:
+        return self.engine.prefix_tokens(system)
+
+    def identity(self) -> EngineIdentity:
+        return self.engine.identity()
+
+    @property
+    def ingest_log(self) -> Any:
+        return self.engine.ingest_log
+
+    def attach_log(self, ingest_log: Any) -> None:
+        self.engine.attach_log(ingest_log)
+
+    # -- sessions -----------------------------------------------------------------
+    def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *,
+                     max_context: int | None = None) -> SessionInfo:
+        with self._session(name):
+            if self._evicted_entry(name) is not None:
+                raise SessionError(f"session {name!r} is already open")
+            try:
+                info = self.engine.open_session(name, system, max_context=max_context)
+            except AdmissionError:
+                if not self._make_room(max_context or self.engine.default_max_context, {name}):
+                    raise
+                info = self.engine.open_session(name, system, max_context=max_context)
+            self._last_asked[name] = time.monotonic()
+            self._forward(name)
+            return info
+
+    def close_session(self, name: str) -> None:
+        with self._session(name):
+            gone = self._evicted_entry(name)
+            if gone is None:
+                self.engine.close_session(name)
+            else:
+                log = self.engine.ingest_log
+                with log.session_lock(name) if log is not None else contextlib.nullcontext():
+                    with self._lock:
+                        del self._evicted[name]
+                    gone.path.unlink(missing_ok=True)
+                    if log is not None:
+                        log.record_close(name)
+            for sub in self._forwards.pop(name, []):
+                sub.close()
+            self._hub.drop_session(name)
+            self._last_asked.pop(name, None)
+
+    def session_info(self, name: str) -> SessionInfo:
+        return self._peek(name, lambda ev: ev.info, self.engine.session_info)
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Every open session, resident or on disk (as it was when evicted)."""
+        with self._lock:  # an eviction registers before the engine drops it, a restore leaves after it is back
+            evicted = {name: ev.info for name, ev in self._evicted.items()}
+            resident = self.engine.list_sessions()
+        return [i for i in resident if i.name not in evicted] + list(evicted.values())
+
+    def backlog(self, name: str) -> int:
+        return self._peek(name, lambda ev: 0, self.engine.backlog)  # only idle sessions are evicted
+
+    # -- data ---------------------------------------------------------------------
+    def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
+             truths: dict[str, str] | None = None) -> PushAck:
+        with self._session(name):
+            self._resident(name)
+            return self.engine.push(name, lines, source=source, truths=truths)
+
+    # -- standing questions -------------------------------------------------------
+    def register(self, name: str, spec: QuestionSpec) -> None:
+        with self._session(name):
+            self._resident(name)
+            self.engine.register(name, spec)
+
+    def unregister(self, name: str, question_id: str) -> None:
+        with self._session(name):
+            self._resident(name)
+            self.engine.unregister(name, question_id)
+
+    def standing(self, name: str) -> list[StandingAnswer]:
+        return self._peek(name, lambda ev: list(ev.standing), self.engine.standing)
+
+    def standing_questions(self, name: str) -> list[QuestionSpec]:
+        return self._peek(name, lambda ev: list(ev.questions), self.engine.standing_questions)
+
+    def calibration(self) -> dict[str, dict[str, dict]]:
+        out = self.engine.calibration()
+        with self._lock:
+            evicted = {name: ev.standing for name, ev in self._evicted.items()}
+        for name, standing in evicted.items():
+            scored = {a.question_id: a.calibration for a in standing if a.calibration}
+            if scored:
+                out[name] = scored
+        return out
+
+    # -- asks ---------------------------------------------------------------------
+    def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None,
+                   stop: list[str] | None = None, min_version: int | None = None,
+                   return_logits: bool = False, on_text: Callable[[str], None] | None = None) -> Future:
+        """A resident session is asked at once (no lock: the engine refuses an ask once an eviction has
+        started, and that refusal sends it the slow way); a session on disk returns its future at once
+        and is restored and asked in a worker thread."""
+        kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version,
+                              "return_logits": return_logits, "on_text": on_text}
+        if self._evicted_entry(name) is None:
+            try:
+                future = self.engine.submit_ask(name, question, **kw)
+            except SessionError:
+                if self._evicted_entry(name) is None:  # not open at all
+                    raise
+            else:
+                self._last_asked[name] = time.monotonic()
+                return future
+        lock = self._session(name)
+        outer: Future = Future()
+
+        def restore_and_ask() -> None:
+            if outer.cancelled():
+                return
+            try:
+                if self._stopped:  # queued behind a shutdown: fail it as the engine fails its own
+                    raise EngineStopped("the engine is stopped (shut down)")
+                with lock:
+                    self._resident(name)
+                    inner = self.engine.submit_ask(name, question, **kw)
+                self._last_asked[name] = time.monotonic()
+            except BaseException as exc:
+                settle(outer, error=exc)
+                return
+            _chain(inner, outer)
+
+        self._workers.submit(restore_and_ask)
+        return outer
+
+    # -- events -------------------------------------------------------------------
+    def subscribe(self, name: str, callback: Callable[[StandingAnswer], None]) -> Subscription:
+        return self._subscribe(name, "standing", callback)
+
+    def subscribe_data(self, name: str, callback: Callable[[str, int], None]) -> Subscription:
+        return self._subscribe(name, "data", callback)
+
+    def _subscribe(self, name: str, kind: str, callback: Callable) -> Subscription:
+        self.session_info(name)  # SessionError for a session neither resident nor on disk
+        sub = self._hub.add(name, kind, callback)
+        self._forward(name)  # resident: relay now; on disk: its restore does
+        return sub
+
+    def _forward(self, name: str) -> None:
+        """Relay the engine's events of `name` to this object's subscribers (once; they survive evictions)."""
+        with self._lock:
+            if name in self._forwards:
+                return
+        try:
+            subs = [self.engine.subscribe(name, lambda answer: self._hub.publish(name, "standing", answer)),
+                    self.engine.subscribe_data(name, lambda *args: self._hub.publish(name, "data", *args))]
+        except SessionError:  # not resident right now: its restore relays it
+            return
+        with self._lock:
+            if name not in self._forwards:
+                self._forwards[name] = subs
+                return
+        for sub in subs:  # another thread relayed it first
+            sub.close()
+
+    # -- operations ---------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = self.engine.stats()
+        with self._lock:
+            out["sessions_evicted"] = len(self._evicted)
+        out.update({"auto_evictions": self.auto_evictions, "auto_restores": self.auto_restores,
+                    "auto_evict_refusals": self.auto_evict_refusals})
+        return out
+
+    def health(self) -> EngineHealth:
+        return self.engine.health()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        return self.engine.wait_idle(timeout)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self.engine.shutdown()
+        self._workers.shutdown(wait=True)  # queued restores fail their asks with EngineStopped
+
+    # -- snapshots and eviction ---------------------------------------------------
+    def evicted(self) -> dict[str, str]:
+        """Sessions on disk now: name -> snapshot path."""
+        with self._lock:
+            return {name: str(ev.path) for name, ev in self._evicted.items()}
+
+    def evict_session(self, name: str) -> str:
+        """Free an idle session's cells: snapshot it to the spill folder; its next use restores it.
+        `SnapshotError` while it has work in flight (pending ingest, questions, compaction, entries)."""
+        with self._session(name):
+            ev = self._evicted_entry(name)
+            return str(ev.path) if ev is not None else self._evict(name)
+
+    def snapshot_session(self, name: str, path: str | Path) -> SnapshotInfo:
+        """Save the session's cells and bookkeeping to `path` (atomic); it keeps running."""
+        with self._session(name):
+            self._resident(name)
+            return save_session(self.engine, name, path)
+
+    def restore_session(self, path: str | Path, name: str | None = None) -> SnapshotInfo:
+        """Open a session from a snapshot (validated first: model, checksum, counts, versions); logged
+        in the ingest log when there is one."""
+        return restore_session(self, path, name)
+
+    def export_session(self, name: str) -> SessionState:
+        with self._session(name):
+            self._resident(name)
+            return self.engine.export_session(name)
+
+    def submit_export(self, name: str, *, only_ready: bool = False) -> Future:
+        """As `Engine.submit_export`; a session on disk exports as None with only_ready (its snapshot and
+        its log already hold it). Takes no session lock: checkpoints call it under the log's lock."""
+        if only_ready and self._evicted_entry(name) is not None:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        if not only_ready and self._evicted_entry(name) is not None:
+            return self._workers.submit(self.export_session, name)
+        return self.engine.submit_export(name, only_ready=only_ready)
+
+    def import_session(self, state: SessionState, name: str) -> SessionInfo:
+        """Open `name` from an exported state; under pressure (auto_evict) idle sessions make room."""
+        with self._session(name):
+            if self._evicted_entry(name) is not None:
+                raise SessionError(f"session {name!r} is already open; close it or restore under another name")
+            info = self._import(state, name)
+            self._last_asked[name] = time.monotonic()
+            self._forward(name)
+            return info
+
+    def can_admit(self, cells: int) -> bool:
+        return self.engine.can_admit(cells)
+
+    # -- internals ------------------------------------------------------------------
+    def _session(self, name: str) -> threading.RLock:
+        with self._lock:
+            lock = self._session_locks.get(name)
+            if lock is None:
+                lock = self._session_locks[name] = threading.RLock()
+            return lock
+
+    def _evicted_entry(self, name: str) -> _Evicted | None:
+        with self._lock:
+            return self._evicted.get(name)
+
+    def _peek(self, name: str, evicted: Callable[[_Evicted], Any], resident: Callable[[str], Any]) -> Any:
+        """Read without restoring: from the registry when on disk, else from the engine."""
+        ev = self._evicted_entry(name)
+        if ev is not None:
+            return evicted(ev)
+        try:
+            return resident(name)
+        except SessionError:  # evicted between the two looks
+            ev = self._evicted_entry(name)
+            if ev is None:
+                raise
+            return evicted(ev)
+
+    def _resident(self, name: str) -> None:
+        """Under the session's lock: bring it back from disk if it is there."""
+        ev = self._evicted_entry(name)
+        if ev is None:
+            return
+        state = snapshot_state(load_snapshot(self.engine, ev.path))
+        self._import(state, name)
+        with self._lock:
+            del self._evicted[name]
+        ev.path.unlink(missing_ok=True)
+        self.auto_restores += 1
+        self._forward(name)
+
+    def _import(self, state: SessionState, name: str) -> SessionInfo:
+        try:
+            return self.engine.import_session(state, name)
+        except AdmissionError:  # memory pressure: idle sessions make room, then once more
+            if not self._make_room(int(state.meta["max_context"]), {name}):
+                raise
+            return self.engine.import_session(state, name)
+
+    def _evict(self, name: str) -> str:
+        """Under the session's lock: export and drop it, write its snapshot; SnapshotError when busy."""
+        if self.spill_dir is None:
+            raise ValueError("this ResidentEngine has no spill_dir to evict sessions to")
+        path = snapshot_path(self.spill_dir, name)
+        ev = _Evicted(path, self.engine.session_info(name), self.engine.standing(name),
+                      self.engine.standing_questions(name))
+        with self._lock:  # listed as on disk before the engine drops it: readers never miss it
+            self._evicted[name] = ev
+        try:
+            state = self.engine.evict_state(name)
+        except BaseException as exc:  # busy (or gone): it stays resident, as it was
+            with self._lock:
+                self._evicted.pop(name, None)
+            if isinstance(exc, SessionError):
+                raise SnapshotError(str(exc)) from None
+            raise
+        try:
+            write_state(self.engine, state, path)
+        except SnapshotError:  # could not write: put it back rather than lose it
+            self.engine.import_session(state, name)
+            with self._lock:
+                self._evicted.pop(name, None)
+            raise
+        return str(path)
+
+    def _make_room(self, cells: int, exclude: set[str]) -> bool:
+        """Evict idle sessions, least recently asked first, until `cells` can be reserved; False when it
+        cannot be done (or auto_evict is off)."""
+        if not self.auto_evict:
+            return False
+        with self._room:
+            for attempt in range(2):
+                if self.engine.can_admit(cells):
+                    return True
+                resident = [i.name for i in self.engine.list_sessions() if i.name not in exclude]
+                for name in sorted(resident, key=lambda n: self._last_asked.get(n, 0.0)):
+                    lock = self._session(name)
+                    if not lock.acquire(blocking=False):  # in use right now: not idle
+                        continue
+                    try:
+                        if self._evicted_entry(name) is not None:
+                            continue
+                        self._evict(name)
+                    except (SnapshotError, SessionError):  # busy (or could not write, or closed): the next one
+                        continue
+                    finally:
+                        lock.release()
+                    self.auto_evictions += 1
+                    if self.engine.can_admit(cells):
+                        return True
+                if attempt == 0:
+                    self.engine.wait_idle(timeout=self.settle_s)
+            self.auto_evict_refusals += 1
+            return self.engine.can_admit(cells)
+
+
+def _chain(inner: Future, outer: Future) -> None:
+    """outer follows inner; cancelling outer cancels inner (and so the question)."""
+    outer.add_done_callback(lambda f: inner.cancel() if f.cancelled() else None)
+
+    def done(f: Future) -> None:
+        if f.cancelled():
+            outer.cancel()
+        elif f.exception() is not None:
+            settle(outer, error=f.exception())
+        else:
+            settle(outer, result=f.result())
+
+    inner.add_done_callback(done)
