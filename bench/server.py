@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamllm.service.client import AsyncClient
+from streamllm.client.client import AsyncClient
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [f"12:{i // 60:02d}:{i % 60:02d} 640{i % 100:02d}.5 +1.5 v{i % 7}.2 n{i % 5 + 3}" for i in range(64)]

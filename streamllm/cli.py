@@ -18,8 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": ("streamllm.evaluation.calibrate", "replay data and calibrate gate thresholds"),
     "tune": ("streamllm.tuning.tune", "teach the model a config's labelled questions (choice heads) from recorded bars"),
     "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
-    "ask": ("streamllm.service.client", "ask a question on a running server's session"),
-    "watch": ("streamllm.service.watch", "live table of a session's standing answers on a running server"),
+    "ask": ("streamllm.client.client", "ask a question on a running server's session"),
+    "watch": ("streamllm.client.watch", "live table of a session's standing answers on a running server"),
     "sessions": ("streamllm.scale.sessions_cli", "operate a `serve --ray` front door: `sessions move NAME --to N`"),
 }
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from streamllm.client import client as client_cli
+from streamllm.client.client import AsyncClient, Client, ServiceError
+from streamllm.client.watch import WatchState
 from streamllm.engine import Engine
-from streamllm.service import client as client_cli
-from streamllm.service.client import AsyncClient, Client, ServiceError
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants
-from streamllm.service.watch import WatchState
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [f"12:00:{i:02d} 640{i:02d}.5 +1.5 v{i}.2" for i in range(20)]
@@ -167,7 +167,7 @@ def test_serve_refuses_public_host_without_tokens(capsys, monkeypatch):
 def test_watch_keeps_running_through_a_quiet_market(served):
     """`streamllm watch` once drew one table and gave up after 0.35 s of silence: it must keep
     watching (here for 1.5 s with no event at all) and end only when told."""
-    from streamllm.service.watch import watch
+    from streamllm.client.watch import watch
 
     Client(served.url, token="tok-a").open("quiet")
     t0 = time.monotonic()

@@ -215,7 +215,7 @@ def test_serve_answers_a_session_fed_live_by_okx(tmp_path: Path) -> None:
     import threading
     import time
 
-    from streamllm.service.client import AsyncClient
+    from streamllm.client.client import AsyncClient
 
     subscribed: list[Any] = []
     ready = threading.Event()

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from streamllm.client.client import AsyncClient
 from streamllm.durability.log_reader import read_session, session_folders
-from streamllm.service.client import AsyncClient
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = {"id": "trend", "text": "Up or down?", "choices": ["up", "down"]}

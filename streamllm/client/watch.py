@@ -16,8 +16,8 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
+from streamllm.client.client import AsyncClient, add_connection_args, run_command
 from streamllm.engine.calibration import calibration_cells
-from streamllm.service.client import AsyncClient, add_connection_args, run_command
 
 
 class WatchState:
