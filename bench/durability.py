@@ -149,11 +149,11 @@ def feed_restart(loaded: Any, work: Path, crash_at: int = 230) -> dict[str, floa
 
 
 def pressure(loaded: Any, work: Path, sessions: int = 6) -> dict[str, float]:
-    from streamllm.durability.pressure import enable_auto_evict
+    from streamllm.durability.resident import ResidentEngine
     from streamllm.engine import Engine
 
-    eng = Engine(loaded, max_cells=1536, block_size=16, max_context=512, branch_cells=256)  # two sessions fit
-    enable_auto_evict(eng, work / "spill")
+    eng = ResidentEngine(Engine(loaded, max_cells=1536, block_size=16, max_context=512, branch_cells=256),
+                         work / "spill", auto_evict=True)  # two sessions fit
     live = {}
     for k in range(sessions):
         eng.open_session(f"s{k}")

@@ -57,7 +57,7 @@ def start_server(model: str, log_dir: Path, extra: list[str] | None = None) -> t
 
 
 async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], kill_after: int) -> dict:
-    from streamllm.client.client import AsyncClient
+    from streamllm.service.client import AsyncClient
 
     acked: dict[str, dict[int, list[str]]] = {s: {} for s in sessions}
     async with await AsyncClient.connect(url) as c:
@@ -97,8 +97,8 @@ async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], 
 
 
 def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
-    from streamllm.client.client import AsyncClient
     from streamllm.durability.log_reader import read_session, session_folders
+    from streamllm.service.client import AsyncClient
 
     log_dir = work / "crash-log"
     sessions = ["btc", "eth", "sol"]
@@ -145,6 +145,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     from streamllm.config import parse_question
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.recovery import recover
+    from streamllm.durability.snapshot import restore_session, save_session
     from streamllm.engine import Engine
     from streamllm.model import load_model
 
@@ -162,7 +163,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
         pushed += len(batch)
     eng.wait_idle()
     tokens = eng.session_info("s").num_tokens
-    eng.snapshot_session("s", snap)
+    save_session(eng, "s", snap)
     eng.shutdown()
     eng.ingest_log.close()
 
@@ -172,7 +173,7 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     eng.shutdown()
     eng = Engine(loaded, **kw)
     t0 = time.perf_counter()
-    eng.restore_session(snap)
+    restore_session(eng, snap)
     restore_s = time.perf_counter() - t0
     eng.shutdown()
     return {"recovery_replay_s": replay_s, "snapshot_restore_s": restore_s, "restore_speedup": replay_s / restore_s,
@@ -191,7 +192,7 @@ def _rss_mb(pid: int) -> float:
 
 async def load_run(url: str, seconds: float, clients: int, pid: int | None = None) -> dict[str, Any]:
     """`clients` connections: each owns a session, pushes, asks and subscribes; a watcher reads all."""
-    from streamllm.client.client import AsyncClient
+    from streamllm.service.client import AsyncClient
 
     sent = {"push": 0, "ask": 0, "replies": 0, "errors": 0, "events": 0}
     acked: dict[str, int] = {}

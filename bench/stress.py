@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import random
 import re
 import tempfile
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 
 from bench.common import market_lines, print_table, write_json
 from streamllm.config import QuestionSpec
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
 
 # Failures a caller may legitimately see while others close, reopen and evict its session.
@@ -126,8 +126,8 @@ def expected(kind: str) -> bool:
 
 
 class Stress:
-    def __init__(self, engine: Engine, cfg: StressConfig, evict_dir: str) -> None:
-        self.engine, self.cfg, self.evict_dir = engine, cfg, evict_dir
+    def __init__(self, engine: ResidentEngine, cfg: StressConfig) -> None:
+        self.engine, self.cfg = engine, cfg
         self.tally = _Tally()
         self.stop = threading.Event()
         self.churn = [f"c{i}" for i in range(cfg.sessions)]
@@ -198,7 +198,7 @@ class Stress:
                 time.sleep(rng.random() * 0.05)
                 self._op("open", lambda: e.open_session(name, max_context=self.cfg.max_context))
         else:
-            self._op("evict", lambda: e.evict_session(name, self.evict_dir))
+            self._op("evict", lambda: e.evict_session(name))
 
     # -- the actors --------------------------------------------------------------------
     def worker(self, seed: int) -> None:
@@ -301,7 +301,7 @@ class Stress:
         if stats["core_alive"]:
             try:
                 e.wait_idle(timeout=self.cfg.call_timeout_s)
-                e.check_integrity()
+                e.engine.check_integrity()
             except Exception as exc:
                 integrity = 1
                 self.tally.error("check_integrity", exc)
@@ -358,11 +358,11 @@ def run_stress(cfg: StressConfig, model=None) -> tuple[dict[str, float], dict[st
     logger.addHandler(errors_logged)
     with tempfile.TemporaryDirectory(prefix="streamllm-stress-") as tmp:
         log = IngestLog(f"{tmp}/log") if cfg.ingest_log else None
-        engine = Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
-                        chunk_tokens=64, step_tokens=192, check_integrity_every_step=True, ingest_log=log)
+        engine = ResidentEngine(Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
+                                       chunk_tokens=64, step_tokens=192, check_integrity_every_step=True,
+                                       ingest_log=log), f"{tmp}/evicted")
         try:
-            os.makedirs(f"{tmp}/evicted")
-            stress = Stress(engine, cfg, f"{tmp}/evicted")
+            stress = Stress(engine, cfg)
             metrics = stress.run()
         finally:
             engine.shutdown()

@@ -15,7 +15,7 @@ import torch
 
 from bench import dtype as dt
 from streamllm.config import parse_question
-from streamllm.durability.snapshot import SnapshotError
+from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
 from streamllm.engine import Engine
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
@@ -140,15 +140,15 @@ def test_snapshots_record_their_dtype_and_refuse_another(tiny_model, tmp_path):
         engine.open_session("s", "You watch bars.")
         engine.push("s", LINES)
         engine.wait_idle()
-        engine.snapshot_session("s", path)
-        engine.restore_session(path, "twin")  # same dtype: restored
+        save_session(engine, "s", path)
+        restore_session(engine, path, "twin")  # same dtype: restored
         a, b = engine.sessions["s"], engine.sessions["twin"]
         slots_a = engine.store.manager.slots(a.table, 0, a.num_computed)
         slots_b = engine.store.manager.slots(b.table, 0, b.num_computed)
         assert torch.equal(engine.store.pool.k[:, :, slots_a], engine.store.pool.k[:, :, slots_b])
     with Engine(tiny_model, device=DEVICE, dtype="float32", max_cells=4096, block_size=8, max_context=1024) as engine:
         with pytest.raises(SnapshotError, match="cells are bfloat16, this engine runs float32"):
-            engine.restore_session(path)
+            restore_session(engine, path)
         assert not engine.sessions
 
 

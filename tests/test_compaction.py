@@ -82,13 +82,13 @@ def test_closing_a_session_mid_compaction_frees_everything(engine):
     for attempt in range(10):
         engine.open_session("s")
         i = 0
-        while engine.call(lambda core: not core.compactions) and i < 4000:  # until a copy is in flight
+        while engine.call(lambda core: not core.compactor.copies) and i < 4000:  # until a copy is in flight
             engine.push("s", LINES[i % 396 : i % 396 + 4])
             i += 4
             info = engine.session_info("s")  # ingested before the next push: the copy has data to copy
-            while info.data_version < info.pushed_version and engine.call(lambda core: not core.compactions):
+            while info.data_version < info.pushed_version and engine.call(lambda core: not core.compactor.copies):
                 info = engine.session_info("s")
-        in_flight = engine.core.submit(Call(lambda core: bool(core.compactions)))
+        in_flight = engine.core.submit(Call(lambda core: bool(core.compactor.copies)))
         engine.close_session("s")
         mid_copy += in_flight.result()
         engine.wait_idle()
@@ -150,9 +150,9 @@ def test_many_sessions_at_budget_in_a_tight_pool_all_get_through(tiny_model):
 def _dump(core) -> str:
     m = core.store.manager
     out = [f"free {m.num_free_blocks * m.block_size} reserved {m.num_reserved * m.block_size} "
-           f"running {len(core.running)} waiting {len(core.waiting)} {core.counters}"]
+           f"running {len(core.answerer.running)} waiting {len(core.answerer.waiting)} {core.counters}"]
     for s in core.sessions.values():
-        c = core.compactions.get(s.name)
+        c = core.compactor.copies.get(s.name)
         out.append(f"{s.name} tokens {s.num_tokens} computed {s.num_computed} at_budget {s.at_budget} "
                    f"blocks {len(s.table.blocks)} reserved {len(s.table.reserved)} pending {len(s.pending_ids)} "
                    f"copy {c and (c.num_computed, len(c.pending_ids), c.cells_to_go(), c.session_computed_mapped())}")

@@ -43,7 +43,7 @@ def dump(core) -> str:
     m = core.store.manager
     out = [f"free {m.num_free_blocks * m.block_size} reserved {m.num_reserved * m.block_size} {core.counters}"]
     for s in core.sessions.values():
-        c = core.compactions.get(s.name)
+        c = core.compactor.copies.get(s.name)
         out.append(f"{s.name} tokens {s.num_tokens} computed {s.num_computed} at_budget {s.at_budget} "
                    f"copy {c and (c.cut, c.num_computed, len(c.pending_ids), c.cells_to_go())}")
     return "\n".join(out)
@@ -167,7 +167,7 @@ def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holdin
         while eng.session_info("s").num_tokens < 600:  # below compact_at: no copy yet
             eng.push("s", list(itertools.islice(lines, 4)))
             assert eng.wait_idle(timeout=WAIT_S)
-        assert eng.call(lambda core: not core.compactions)
+        assert eng.call(lambda core: not core.compactor.copies)
         held = BlockTable()
         gate = threading.Event()
         eng.core.submit(Call(lambda core: gate.wait(10)))  # hold the core so the next two apply in one drain
@@ -179,7 +179,7 @@ def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holdin
         assert tokens < 1024
 
         def starve(core) -> bool:
-            started = "s" in core.compactions
+            started = "s" in core.compactor.copies
             core.store.manager.reserve(held, core.store.manager.num_free_blocks * core.store.manager.block_size)
             return started
 
@@ -191,7 +191,7 @@ def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holdin
         stats = eng.stats()
         info = eng.session_info("s")
         assert info.data_version == info.pushed_version and info.backlog_lines == 0
-        assert eng.call(lambda core: (not core.compactions, core.compactions_preempted)) == (True, 1)
+        assert eng.call(lambda core: (not core.compactor.copies, core.compactor.preempted)) == (True, 1)
         eng.call(lambda core: core.store.manager.free(held))
         for _ in range(60):  # the cells are back: compaction works as before
             eng.push("s", list(itertools.islice(lines, 4)))

@@ -13,38 +13,40 @@ import time
 
 import pytest
 
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
+from streamllm.engine.commands import Call
 
 LINES = [f"2024-01-01 00:00:0{i} 100.{i} +0.1 h+0.2 l-0.1 v1.0 n3 b50" for i in range(8)]
 
 
 @pytest.fixture()
-def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=4096, block_size=8, max_context=512)
+def engine(tiny_model, tmp_path):
+    eng = ResidentEngine(Engine(tiny_model, max_cells=4096, block_size=8, max_context=512), tmp_path / "spill")
     yield eng
     eng.shutdown()
 
 
-def _evict_behind_a_blocked_core(engine, tmp_path):
+def _evict_behind_a_blocked_core(engine):
     """Block the core, queue an eviction behind the block; returns (release, evicter thread)."""
     release, blocked = threading.Event(), threading.Event()
-    engine.core.submit(__import__("streamllm.engine.commands", fromlist=["Call"]).Call(
-        lambda core: (blocked.set(), release.wait(10))))
+    core = engine.engine.core
+    core.submit(Call(lambda core: (blocked.set(), release.wait(10))))
     assert blocked.wait(10)
-    evicter = threading.Thread(target=engine.evict_session, args=("s", tmp_path))
+    evicter = threading.Thread(target=engine.evict_session, args=("s",))
     evicter.start()
     deadline = time.monotonic() + 10
-    while engine.core._inbox.qsize() == 0:  # the eviction is queued in the core
+    while core._inbox.qsize() == 0:  # the eviction is queued in the core
         assert time.monotonic() < deadline
         time.sleep(0.001)
     return release, evicter
 
 
-def test_a_push_acked_during_an_eviction_is_ingested(engine, tmp_path, caplog):
+def test_a_push_acked_during_an_eviction_is_ingested(engine, caplog):
     engine.open_session("s")
     engine.push("s", LINES[:2])
     engine.wait_idle()
-    release, evicter = _evict_behind_a_blocked_core(engine, tmp_path)
+    release, evicter = _evict_behind_a_blocked_core(engine)
     acks = []
     pusher = threading.Thread(target=lambda: acks.append(engine.push("s", LINES[2:4])))
     pusher.start()
@@ -59,14 +61,14 @@ def test_a_push_acked_during_an_eviction_is_ingested(engine, tmp_path, caplog):
     assert not [r for r in caplog.records if "acked failed" in r.getMessage()]
     info = engine.session_info("s")
     assert info.data_version == 3 and info.lines_ingested == 5  # nothing acked was lost
-    engine.check_integrity()
+    engine.engine.check_integrity()
 
 
-def test_an_ask_during_an_eviction_restores_the_session(engine, tmp_path):
+def test_an_ask_during_an_eviction_restores_the_session(engine):
     engine.open_session("s")
     engine.push("s", LINES[:2])
     engine.wait_idle()
-    release, evicter = _evict_behind_a_blocked_core(engine, tmp_path)
+    release, evicter = _evict_behind_a_blocked_core(engine)
     answers, errors = [], []
 
     def ask():

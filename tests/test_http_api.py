@@ -15,9 +15,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from streamllm.client.client import AsyncClient, ServiceError
 from streamllm.config import parse_question
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
+from streamllm.service.client import AsyncClient, ServiceError
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants
 
@@ -28,8 +29,10 @@ NEVER = {"id": "never", "text": "Higher or lower?", "choices": ["higher", "lower
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model, serve_in_thread):
-    engine = Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64)
+def served(tiny_model, serve_in_thread, tmp_path_factory):
+    # as `serve --spill-dir` builds it: idle sessions can go to disk
+    engine = ResidentEngine(Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64),
+                            tmp_path_factory.mktemp("spill"))
     engine.open_session("alice/btc")
     engine.push("alice/btc", LINES[:6])
     for q in (SURE, NEVER):
@@ -42,7 +45,7 @@ def served(tiny_model, serve_in_thread):
         engine.shutdown()
 
 
-def _wait_standing(engine: Engine, name: str, version: int) -> None:
+def _wait_standing(engine: ResidentEngine, name: str, version: int) -> None:
     assert engine.wait_idle(30)
     answers = {a.question_id: a for a in engine.standing(name)}
     assert {"sure", "never"} <= set(answers) and all(a.data_version == version for a in answers.values())
@@ -116,13 +119,13 @@ def test_streamed_chunks_add_up_to_the_whole_answer(served):
 
 def test_stateless_request_uses_a_temporary_session(served):
     c = client(served)
-    before = set(served.engine.sessions)
+    before = set(served.engine.engine.sessions)
     out = c.chat.completions.create(model="tiny", max_tokens=3, messages=[
         {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello?"}])
     assert out.model_extra["streamllm"]["path"] == "cold" and out.model_extra["streamllm"]["session"] is None
     streamed = list(c.completions.create(model="tiny", prompt="Hello?", max_tokens=3, stream=True))
     assert streamed[-1].model_extra["streamllm"]["data_version"] == 0
-    assert set(served.engine.sessions) == before  # the temporary sessions are closed again
+    assert set(served.engine.engine.sessions) == before  # the temporary sessions are closed again
 
 
 @pytest.mark.parametrize(("body", "status", "param", "code"), [
@@ -259,8 +262,8 @@ def test_websocket_token_streaming_and_bearer_at_connect(served):
 
 
 def test_blocking_client_and_ask_cli_stream(served, capsys):
-    from streamllm.client import client as client_cli
-    from streamllm.client.client import Client
+    from streamllm.service import client as client_cli
+    from streamllm.service.client import Client
 
     with Client(served.url, token="tok-a") as c:
         messages = list(c.ask_stream("btc", "What now?", max_tokens=5))
@@ -272,27 +275,27 @@ def test_blocking_client_and_ask_cli_stream(served, capsys):
     assert out.out.strip() == messages[-1]["text"].strip() and "cold path" in out.err
 
 
-def test_an_evicted_session_is_restored_off_the_loop_on_ask(served, tmp_path):
+def test_an_evicted_session_is_restored_off_the_loop_on_ask(served):
     engine = served.engine
     engine.open_session("alice/idle")
     engine.push("alice/idle", LINES[:4])
     assert engine.wait_idle(30)
-    engine.evict_session("alice/idle", tmp_path)
-    assert "alice/idle" not in engine.sessions
+    engine.evict_session("alice/idle")
+    assert "alice/idle" not in engine.engine.sessions
     restored_on: list[str] = []
-    original = engine._ensure_resident
+    original = engine.engine.import_session
 
-    def spy(name: str) -> None:
+    def spy(state, name: str):
         restored_on.append(threading.current_thread().name)
-        original(name)
+        return original(state, name)
 
-    engine._ensure_resident = spy
+    engine.engine.import_session = spy
     try:
         answer = asyncio.run(asyncio.wait_for(_ws_ask_on(served, "idle", "Up?", max_tokens=2), 30))
     finally:
-        del engine._ensure_resident
-    assert answer["data_version"] == 1 and "alice/idle" in engine.sessions
-    assert restored_on and "asyncio" in restored_on[0]  # a worker thread, not the server's loop thread
+        del engine.engine.import_session
+    assert answer["data_version"] == 1 and "alice/idle" in engine.engine.sessions
+    assert restored_on and "streamllm-restore" in restored_on[0]  # a worker thread, not the server's loop
     engine.close_session("alice/idle")
 
 

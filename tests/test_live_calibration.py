@@ -22,7 +22,7 @@ from feeds.synthetic import synthetic_events
 from streamllm.config import ConfigError, parse_question
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
-from streamllm.durability.snapshot import question_dict
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
 from streamllm.engine.calibration import LiveCalibration, precision_floor
 from streamllm.engine.gate import Gate
@@ -71,8 +71,8 @@ def test_config_reads_auto_thresholds_and_needs_a_label() -> None:
 def test_config_reads_auto_confidence_only_beside_an_auto_threshold() -> None:
     spec = parse_question({**QUESTION, "threshold": "auto:0.9", "auto_confidence": 0.9})
     assert spec.auto_confidence == 0.9 and parse_question({**QUESTION, "threshold": "auto:0.9"}).auto_confidence == 0.5
-    assert parse_question(question_dict(spec)) == spec  # logs and snapshots keep it
-    assert "auto_confidence" not in question_dict(parse_question({**QUESTION, "threshold": "auto:0.9"}))
+    assert parse_question(spec.to_dict()) == spec  # logs and snapshots keep it
+    assert "auto_confidence" not in parse_question({**QUESTION, "threshold": "auto:0.9"}).to_dict()
     with pytest.raises(ConfigError, match=r"auto_confidence.*only with threshold"):
         parse_question({**QUESTION, "threshold": 2.0, "auto_confidence": 0.9})
     for bad in (1.0, 0.4, "high", True):
@@ -297,8 +297,9 @@ def test_an_auto_gate_stays_open_through_a_snapshot_and_an_eviction(tiny_model, 
     reference, engine = _run(tiny_model, lambda i: None, 2.0, _varied_lines, 60)
     engine.shutdown()
     answer_at = {v: text for v, text, *_ in reference}
-    _, engine = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9", _varied_lines, 60,
-                     max_cells=12288)
+    _, inner = _run(tiny_model, lambda i: {"trend": answer_at[i + 1]}, "auto:0.9", _varied_lines, 60,
+                    max_cells=12288)
+    engine = ResidentEngine(inner, tmp_path / "evicted")
     try:
         live = engine.calibration()["s"]["trend"]
         assert live["threshold"] is not None  # open
@@ -307,11 +308,11 @@ def test_an_auto_gate_stays_open_through_a_snapshot_and_an_eviction(tiny_model, 
         engine.restore_session(path, "copy")
         assert engine.wait_idle(timeout=60)  # its entries are computed again; their answers carry the figures
         assert engine.calibration()["copy"]["trend"] == live
-        gates = [engine.core.prepos.find(name, "trend").gate for name in ("s", "copy")]
+        gates = [inner.core.prepos.find(name, "trend").gate for name in ("s", "copy")]
         assert gates[1].choice_thresholds == gates[0].choice_thresholds and gates[1].threshold == gates[0].threshold
         asked = engine.ask("copy", "trend")
         assert asked.text == engine.ask("s", "trend").text and asked.path == engine.ask("s", "trend").path
-        engine.evict_session("copy", tmp_path / "evicted")
+        engine.evict_session("copy")
         engine.push("copy", _varied_lines(60))  # comes back on its next push, window and all
         assert engine.wait_idle(timeout=60)
         back = engine.calibration()["copy"]["trend"]

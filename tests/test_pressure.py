@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamllm.durability.pressure import enable_auto_evict
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
 from streamllm.engine.outputs import AdmissionError
 
@@ -15,51 +15,58 @@ def lines(k: int) -> list[str]:
     return [f"12:00:{i:02d} S{k} C 64{k}{i:02d}.5 V {i}" for i in range(6)]
 
 
-@pytest.fixture()
-def engine(tiny_model):
+def small_engine(tiny_model) -> Engine:
     # room for two sessions of 512 cells (plus the cells kept for questions), not three
-    eng = Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+    return Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+
+
+@pytest.fixture()
+def engine(tiny_model, tmp_path):
+    eng = ResidentEngine(small_engine(tiny_model), tmp_path / "spill", auto_evict=True)
     yield eng
     eng.shutdown()
 
 
-def test_without_auto_eviction_the_third_session_is_refused(engine):
-    engine.open_session("s0")
-    engine.open_session("s1")
-    with pytest.raises(AdmissionError):
-        engine.open_session("s2")
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_without_auto_eviction_the_third_session_is_refused(tiny_model, tmp_path, wrapped):
+    engine = small_engine(tiny_model)
+    if wrapped:  # eviction to disk, but not automatic
+        engine = ResidentEngine(engine, tmp_path / "spill")
+    with engine:
+        engine.open_session("s0")
+        engine.open_session("s1")
+        with pytest.raises(AdmissionError):
+            engine.open_session("s2")
 
 
-def test_more_sessions_than_the_pool_holds_evict_and_restore_equal(engine, tmp_path):
-    auto = enable_auto_evict(engine, tmp_path / "spill")
+def test_more_sessions_than_the_pool_holds_evict_and_restore_equal(engine):
     live = {}
     for k in range(5):
         engine.open_session(f"s{k}")
         engine.push(f"s{k}", lines(k))
         engine.wait_idle()
         live[k] = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
-    assert auto.evictions >= 3 and engine.stats()["auto_evictions"] == auto.evictions
-    assert len(engine.sessions) <= 2
+    assert engine.auto_evictions >= 3 and engine.stats()["auto_evictions"] == engine.auto_evictions
+    assert len(engine.engine.sessions) <= 2
     # evicted, still open: listed and described as they were, without being read back
     assert sorted(i.name for i in engine.list_sessions()) == [f"s{k}" for k in range(5)]
-    evicted = sorted(engine._evicted)
+    evicted = sorted(engine.evicted())
     assert len(evicted) >= 3 and all(engine.session_info(n).data_version == 1 for n in evicted)
-    assert sorted(engine._evicted) == evicted and auto.restores == 0
-    engine.check_integrity()
+    assert sorted(engine.evicted()) == evicted and engine.auto_restores == 0
+    engine.engine.check_integrity()
     for k in range(5):  # each one comes back (evicting another), with the logits it had live
         got = engine.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
         assert (got.logits - live[k].logits).abs().max().item() <= 1e-4 and got.data_version == 1
         engine.wait_idle()
-    assert auto.restores >= 5 and engine.stats()["auto_restores"] == auto.restores
+    assert engine.auto_restores >= 5 and engine.stats()["auto_restores"] == engine.auto_restores
     # a push to an evicted session restores it too and lands at the next version
-    evicted = next(iter(engine._evicted))
+    evicted = next(iter(engine.evicted()))
     assert engine.push(evicted, ["12:01:00 late C 1.0"]).data_version == 2
     engine.wait_idle()
-    engine.check_integrity()
+    engine.engine.check_integrity()
 
 
-def test_the_least_recently_asked_session_goes_first(engine, tmp_path):
-    enable_auto_evict(engine, tmp_path / "spill")
+def test_the_least_recently_asked_session_goes_first(engine):
     for k in range(2):
         engine.open_session(f"s{k}")
         engine.push(f"s{k}", lines(k))
@@ -68,7 +75,7 @@ def test_the_least_recently_asked_session_goes_first(engine, tmp_path):
     engine.ask("s0", QUESTION, max_tokens=1)  # s1 is now the least recently asked
     engine.wait_idle()
     engine.open_session("s2")
-    assert set(engine._evicted) == {"s1"}
+    assert set(engine.evicted()) == {"s1"}
 
 
 def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_path):
@@ -77,13 +84,12 @@ def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_pa
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.recovery import recover
 
-    def new_engine() -> Engine:
-        return Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+    def new_engine(**kw) -> ResidentEngine:  # as serve builds it with --spill-dir
+        return ResidentEngine(Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256,
+                                     **kw), tmp_path / "spill", auto_evict=True)
 
-    first = new_engine()
+    first = new_engine(ingest_log=IngestLog(tmp_path / "log"))
     try:
-        first.ingest_log = IngestLog(tmp_path / "log")
-        enable_auto_evict(first, tmp_path / "spill")
         live = {}
         for k in range(5):
             first.open_session(f"s{k}")
@@ -91,20 +97,20 @@ def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_pa
                 first.push(f"s{k}", batch)
             first.wait_idle()
             live[k] = first.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
-        assert first.auto_evict.evictions >= 3
+        assert first.auto_evictions >= 3
     finally:
         first.shutdown()
         first.ingest_log.close()
     again = new_engine()  # "restart": a new engine on the same log and spill folder
     try:
-        report = recover(again, IngestLog(tmp_path / "log"), spill_dir=tmp_path / "spill")  # as serve does
+        report = recover(again, IngestLog(tmp_path / "log"))  # as serve does
         assert report.sessions == 5 and not report.failed, report.summary()
         assert sorted(i.name for i in again.list_sessions()) == [f"s{k}" for k in range(5)]
-        assert len(again.sessions) <= 2 and again.auto_evict.evictions >= 3
+        assert len(again.engine.sessions) <= 2 and again.auto_evictions >= 3
         for k in range(5):  # each one answers as it did before the restart
             got = again.ask(f"s{k}", QUESTION, return_logits=True, max_tokens=1)
             assert got.data_version == 2 and (got.logits - live[k].logits).abs().max().item() <= 1e-4
-        again.check_integrity()
+        again.engine.check_integrity()
     finally:
         again.shutdown()
         again.ingest_log.close()

@@ -13,15 +13,16 @@ from streamllm.engine.compaction import CompactionCopy
 from streamllm.engine.kv import BlockManager, BlockTable
 from streamllm.engine.scheduler import Plan, Scheduler, SchedulerConfig, fair_order
 from streamllm.engine.sequence import (
-    ASK,
-    BACKGROUND,
-    DECODE,
-    ENTRY,
-    INGEST,
-    INTERACTIVE,
+    AskBranch,
     Branch,
+    DecodeBranch,
+    EntryBranch,
+    SchedClass,
     Session,
 )
+
+INTERACTIVE, INGEST, BACKGROUND = SchedClass.INTERACTIVE, SchedClass.INGEST, SchedClass.BACKGROUND
+ASK, ENTRY, DECODE = AskBranch, EntryBranch, DecodeBranch
 
 
 def session(m: BlockManager, name: str, pending: int, prefix: int = 4, max_context: int = 1 << 20) -> Session:
@@ -38,9 +39,9 @@ class FakeStanding:
         self.waiters = [object()] * waiters
 
 
-def branch(s: Session, n_prompt: int, kind: str = ASK, waiters: int = 0) -> Branch:
-    st = FakeStanding(waiters) if kind != ASK else None
-    br = Branch(kind, s, "q", list(range(n_prompt)), 4, standing=st)
+def branch(s: Session, n_prompt: int, kind: type[Branch] = ASK, waiters: int = 0) -> Branch:
+    st = FakeStanding(waiters) if kind is not ASK else None
+    br = kind(s, "q", list(range(n_prompt)), standing=st)
     br.table = BlockTable()
     return br
 

@@ -17,6 +17,7 @@ import torch
 
 from feeds.sources import TableSource
 from streamllm.config import load_config
+from streamllm.durability.snapshot import restore_session, save_session
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
 from streamllm.engine.taps import LineTaps
@@ -446,8 +447,8 @@ def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_
         engine.push("test", lines[:12])
         engine.wait_idle()
         before = engine.prepos.find("test", "trend").ready_hidden.clone()
-        engine.snapshot_session("test", tmp_path / "s.safetensors")
-        engine.restore_session(tmp_path / "s.safetensors", "copy")
+        save_session(engine, "test", tmp_path / "s.safetensors")
+        restore_session(engine, tmp_path / "s.safetensors", "copy")
         engine.wait_idle()
         restored = engine.prepos.find("copy", "trend")
         torch.testing.assert_close(restored.ready_hidden, before)

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from streamllm.config import parse_question
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
-from streamllm.durability.snapshot import SnapshotError
+from streamllm.durability.resident import ResidentEngine
+from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
 from streamllm.engine import Engine
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
@@ -21,13 +22,14 @@ LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 C 640{i:02d}.2 V {i}.5" for i in
 
 
 @pytest.fixture()
-def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=24)
+def engine(tiny_model, tmp_path):
+    eng = ResidentEngine(Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=24),
+                         tmp_path / "spill")
     yield eng
     eng.shutdown()
 
 
-def filled(eng: Engine, name: str = "live") -> Engine:
+def filled(eng, name: str = "live"):
     eng.open_session(name, "You watch bars.")
     eng.register(name, QUESTION)
     for i in range(0, len(LINES), 7):
@@ -50,7 +52,7 @@ def test_restore_gives_the_same_logits_as_the_live_session(engine, tmp_path):
     assert info.num_computed == info.num_tokens and info.data_version == 5
     restored = engine.restore_session(tmp_path / "live.safetensors", "copy")
     assert restored.data_version == 5
-    a, b = engine.sessions["live"], engine.sessions["copy"]
+    a, b = engine.engine.sessions["live"], engine.engine.sessions["copy"]
     assert a.token_ids == b.token_ids and a.version_ends == b.version_ends and a.line_ends == b.line_ends
     assert a.table.blocks != b.table.blocks  # its own cells, copied back
     for question in ("What is the last close?", "trend"):
@@ -63,7 +65,7 @@ def test_restore_gives_the_same_logits_as_the_live_session(engine, tmp_path):
     engine.push("copy", ["12:01:00 BTCUSDT C 64100.0"])
     engine.wait_idle()
     assert engine.session_info("copy").data_version == 6 and engine.session_info("live").data_version == 5
-    engine.check_integrity()
+    engine.engine.check_integrity()
 
 
 @pytest.mark.parametrize(("damage", "message"), [
@@ -94,18 +96,18 @@ def test_damaged_snapshots_are_refused_naming_the_problem(engine, tmp_path, dama
     elif damage == "tokens":
         rewrite(path, num_tokens=3)
     elif damage == "versions":
-        meta_ends = engine.sessions["live"].version_ends
+        meta_ends = engine.engine.sessions["live"].version_ends
         rewrite(path, version_ends=meta_ends[:-1])
     elif damage == "calibration":
         rewrite(path, calibration={"trend": {"samples": [[0.5, True, "no"]], "scored": 1, "run": 1}})
     elif damage == "data_version":
-        rewrite(path, data_version=len(engine.sessions["live"].version_ends) + 3)
-    free = engine.store.manager.num_free_blocks
+        rewrite(path, data_version=len(engine.engine.sessions["live"].version_ends) + 3)
+    free = engine.engine.store.manager.num_free_blocks
     with pytest.raises(SnapshotError, match=message) as err:
         engine.restore_session(path, "copy")
     assert str(path) in str(err.value) and "not restored" in str(err.value)
-    assert "copy" not in engine.sessions and engine.store.manager.num_free_blocks == free
-    engine.check_integrity()
+    assert "copy" not in engine.engine.sessions and engine.engine.store.manager.num_free_blocks == free
+    engine.engine.check_integrity()
 
 
 def test_a_snapshot_of_another_model_is_refused(engine, tiny_model, tmp_path):
@@ -115,7 +117,7 @@ def test_a_snapshot_of_another_model_is_refused(engine, tiny_model, tmp_path):
     other = Engine(dataclasses.replace(tiny_model, name="tiny-v2"), max_cells=4096)
     try:
         with pytest.raises(SnapshotError, match="written by model 'tiny' with another config"):
-            other.restore_session(path)
+            restore_session(other, path)
     finally:
         other.shutdown()
 
@@ -134,18 +136,18 @@ def test_evicted_session_comes_back_on_its_next_push_and_ask(engine, tmp_path):
     before = engine.ask("live", "What is the last close?", return_logits=True)
     seen = []
     engine.subscribe_data("live", lambda _s, v: seen.append(v))
-    free = engine.store.manager.num_free_blocks
-    path = engine.evict_session("live", tmp_path)
-    assert "live" not in engine.sessions and engine.store.manager.num_free_blocks > free
-    engine.check_integrity()
+    free = engine.engine.store.manager.num_free_blocks
+    path = engine.evict_session("live")
+    assert "live" not in engine.engine.sessions and engine.engine.store.manager.num_free_blocks > free
+    engine.engine.check_integrity()
     after = engine.ask("live", "What is the last close?", return_logits=True)  # restored transparently
     assert (after.logits - before.logits).abs().max().item() <= 1e-4
     engine.wait_idle()  # restored standing questions re-compute their entries first
-    engine.evict_session("live", tmp_path)
+    engine.evict_session("live")
     assert engine.push("live", ["12:02:00 BTCUSDT C 64200.0"]).data_version == 6
     engine.wait_idle()
     assert seen[-1] == 6  # the subscriber stayed attached across eviction
-    assert not engine._evicted and not (tmp_path / path).exists()  # the snapshot is dropped once restored
+    assert not engine.evicted() and not (tmp_path / path).exists()  # the snapshot is dropped once restored
 
 
 def test_eviction_refuses_a_busy_session(engine, tmp_path):
@@ -153,7 +155,7 @@ def test_eviction_refuses_a_busy_session(engine, tmp_path):
     engine.push("busy", LINES)
     with pytest.raises(SnapshotError, match="not idle"):
         while True:  # until the engine has ingested it all, eviction must refuse
-            engine.evict_session("busy", tmp_path)
+            engine.evict_session("busy")
     engine.wait_idle()
 
 
@@ -161,11 +163,11 @@ def test_recovery_restores_from_the_snapshot_then_replays_the_tail(tiny_model, t
     snap = tmp_path / "snap.safetensors"
     eng = Engine(tiny_model, max_cells=8192, max_context=1024)
     filled(eng, "src")
-    eng.snapshot_session("src", snap)
+    save_session(eng, "src", snap)
     eng.shutdown()
     log_dir = tmp_path / "log"
     eng = Engine(tiny_model, max_cells=8192, max_context=1024, ingest_log=IngestLog(log_dir))
-    eng.restore_session(snap, "s")
+    restore_session(eng, snap, "s")
     eng.push("s", ["tail line one", "tail line two"])
     eng.wait_idle()
     want = list(eng.sessions["s"].token_ids)

@@ -12,7 +12,7 @@ import torch
 
 from streamllm.config import labels as labels_module
 from streamllm.config import load_config, parse_config
-from streamllm.durability.snapshot import SnapshotError
+from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
 from streamllm.engine import Engine
 from streamllm.evaluation.calibrate import _parser as calibrate_parser
 from streamllm.evaluation.calibrate import calibrate
@@ -205,18 +205,18 @@ def test_snapshots_refuse_another_adapter(tiny_model, spec, bars, tmp_path):
         engine.open_session("test", system=spec.system_prompt)
         engine.push("test", render_window(bars[:5]))
         engine.wait_idle()
-        engine.snapshot_session("test", tmp_path / "s.safetensors")
+        save_session(engine, "test", tmp_path / "s.safetensors")
     finally:
         engine.shutdown()
     plain = engine_with(tiny_model)
     try:
         with pytest.raises(SnapshotError, match="adapter"):
-            plain.restore_session(tmp_path / "s.safetensors")
+            restore_session(plain, tmp_path / "s.safetensors")
     finally:
         plain.shutdown()
     again = engine_with(tiny_model, tmp_path / "ad")
     try:
-        assert again.restore_session(tmp_path / "s.safetensors").session == "test"
+        assert restore_session(again, tmp_path / "s.safetensors").session == "test"
     finally:
         again.shutdown()
 

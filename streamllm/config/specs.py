@@ -105,6 +105,18 @@ class QuestionSpec:
         """Ground truth from the label on `bars`; None without a label or with too few bars."""
         return None if self.label is None else self.label.answer(bars, self.choices)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The question in the form `parse_question` reads back (ingest logs, snapshots)."""
+        out: dict[str, Any] = {"id": self.id, "text": self.text, "threshold": self.threshold_text,
+                               "max_tokens": self.max_tokens, "push": self.push}
+        if self.choices:
+            out["choices"] = list(self.choices)
+        if self.label is not None:
+            out["label"] = self.label.text
+        if self.auto_confidence != DEFAULT_AUTO_CONFIDENCE:
+            out["auto_confidence"] = self.auto_confidence
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class SessionSpec:

@@ -27,10 +27,8 @@ from typing import Any
 
 from streamllm.durability.files import durable_rename, fsync_dir, make_dirs
 from streamllm.durability.ingest_log import SEGMENT_SUFFIX, IngestLog, session_dir_name
-from streamllm.durability.snapshot import SnapshotError, _write
-from streamllm.engine.commands import Call
+from streamllm.durability.snapshot import SnapshotError, write_state
 from streamllm.engine.outputs import SessionError
-from streamllm.engine.state import export_session
 
 log = logging.getLogger("streamllm.durability.checkpoint")
 KEEP = 2
@@ -53,15 +51,11 @@ def snapshot_files(folder: str | Path) -> list[SnapshotFile]:
     return sorted(out, key=lambda s: (s.version, s.log_segment), reverse=True)
 
 
-def _export_ready(core: Any, name: str):
-    s = core.sessions.get(name)
-    if s is None or not s.ready:  # closed, evicted, or its prefix not computed yet
-        return None
-    return export_session(core, name)
-
-
 class Checkpointer:
-    """The background thread that checkpoints sessions of `engine` logged in `ingest_log`."""
+    """The background thread that checkpoints sessions of `engine` logged in `ingest_log`.
+
+    `engine`: an `Engine` or a `ResidentEngine` (its sessions on disk are not checkpointed: their
+    snapshot and the log hold them); used through `list_sessions`, `submit_export` and `identity`."""
 
     def __init__(self, engine: Any, ingest_log: IngestLog, *, every_versions: int = 0, every_s: float = 0.0,
                  poll_s: float | None = None) -> None:
@@ -102,16 +96,17 @@ class Checkpointer:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
-            if self.engine.core.stopped:
+            if not self.engine.health().alive:
                 return
-            records = dict(self.engine.core.records)
-            for gone in set(self.last) - set(records) - set(getattr(self.engine, "_evicted", ())):
+            sessions = {info.name: info for info in self.engine.list_sessions()}
+            for gone in set(self.last) - set(sessions):
                 del self.last[gone]  # closed: nothing kept behind
-            for name, record in records.items():
-                if self._stop.is_set() or not self.due(name, record.info.pushed_version, record.info.backlog_lines):
+            for name, info in sessions.items():
+                if self._stop.is_set() or not self.due(name, info.pushed_version, info.backlog_lines):
                     continue
                 try:
-                    self.checkpoint(name)
+                    if self.checkpoint(name) is None:  # on disk or not ready: not again before new data
+                        self.last[name] = (info.pushed_version, time.monotonic())
                 except (SessionError, SnapshotError, OSError) as exc:
                     self.errors += 1
                     log.warning("checkpoint of session %r failed (the log still holds everything): %s", name, exc)
@@ -126,7 +121,7 @@ class Checkpointer:
             inode = folder.stat().st_ino
             segment = self.log.rotate(name)
             positions = dict(self.log.positions.get(name, {}))
-            future = self.engine.core.submit(Call(lambda core: _export_ready(core, name)))
+            future = self.engine.submit_export(name, only_ready=True)
         state = future.result(timeout=120)
         if state is None:
             return None
@@ -135,7 +130,7 @@ class Checkpointer:
         # Written outside the session folder, then moved in under the lock if the session is still there:
         # a session closed meanwhile never gets a snapshot that would bring it back at recovery.
         staging = make_dirs(self.log.root / "checkpoints-tmp") / f"{session_dir_name(name)}-{version}.safetensors"
-        _write(self.engine, state, staging, t0, {"log_segment": segment, "feed_positions": positions})
+        write_state(self.engine, state, staging, t0, {"log_segment": segment, "feed_positions": positions})
         with self.log.session_lock(name):
             if not folder.is_dir() or folder.stat().st_ino != inode:
                 staging.unlink(missing_ok=True)

@@ -6,8 +6,8 @@
         or, without checkpoints: open | restore(snapshot) -> register ... -> push v1, v2, ...
     then attach the log to the engine (new records go to fresh segments) and start its checkpoints
 
-Replay goes through the engine's public API with logging off (the records are already
-on disk), so a recovered session is built exactly like a live one: same tokens, same
+Replay goes through the engine's public API before the log is attached (the records are
+already on disk), so a recovered session is built exactly like a live one: same tokens, same
 versions, standing questions re-registered and pre-positioned again. Register and
 unregister replay idempotently (a checkpoint may already hold the question). A push that
 the session's budget cannot take yet (compaction catching up) waits for the engine and
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -31,7 +30,9 @@ from streamllm.config import parse_question
 from streamllm.durability.checkpoint import snapshot_files, start_checkpoints
 from streamllm.durability.ingest_log import IngestLog, Record
 from streamllm.durability.log_reader import SessionLog, read_session, session_folders
+from streamllm.durability.resident import ResidentEngine
 from streamllm.durability.snapshot import SnapshotError, load_snapshot, restore_loaded
+from streamllm.engine.api import Engine
 
 log = logging.getLogger("streamllm.durability.recovery")
 
@@ -69,20 +70,16 @@ class RecoveryReport:
         return text
 
 
-def recover(engine: Any, ingest_log: IngestLog, *, progress: bool = False, wait: bool = True,
-            repair: bool = False, spill_dir: str | Path | None = None) -> RecoveryReport:
+def recover(engine: Engine | ResidentEngine, ingest_log: IngestLog, *, progress: bool = False, wait: bool = True,
+            repair: bool = False) -> RecoveryReport:
     """Replay `ingest_log`'s folder into `engine` (which must not hold those sessions), then attach the log.
 
-    spill_dir: memory pressure's folder (durability/pressure.py), enabled *before* the replay: a server
-    that ran more sessions than its pool holds, idle ones on disk, recovers every one of them (evicting
-    as it goes), not only those that fit at once."""
-    if spill_dir is not None:
-        from streamllm.durability.pressure import enable_auto_evict
-
-        enable_auto_evict(engine, spill_dir)
+    engine: an `Engine`, or a `ResidentEngine` with auto_evict: a server that ran more sessions than
+    its pool holds, idle ones on disk, recovers every one of them (evicting as it goes), not only
+    those that fit at once. Any log the engine had is detached during the replay."""
     report = RecoveryReport()
     t0 = time.perf_counter()
-    engine.ingest_log = None  # replayed records are on disk already
+    engine.attach_log(None)  # replayed records are on disk already
     checkpointed: dict[str, int] = {}
     try:
         folders = session_folders(ingest_log.root)
@@ -93,7 +90,7 @@ def recover(engine: Any, ingest_log: IngestLog, *, progress: bool = False, wait:
                 if _recover_session(engine, ingest_log, folder, report, repair, checkpointed):
                     report.sessions += 1
     finally:
-        engine.ingest_log = ingest_log
+        engine.attach_log(ingest_log)
     report.replay_s = time.perf_counter() - t0
     if wait:
         t1 = time.perf_counter()
@@ -107,7 +104,7 @@ def recover(engine: Any, ingest_log: IngestLog, *, progress: bool = False, wait:
     return report
 
 
-def _recover_session(engine: Any, ingest_log: IngestLog, folder: Any, report: RecoveryReport, repair: bool,
+def _recover_session(engine: Engine | ResidentEngine, ingest_log: IngestLog, folder: Any, report: RecoveryReport, repair: bool,
                      checkpointed: dict[str, int]) -> bool:
     name, start, after, positions = unquote(folder.name), 0, None, {}
     for snap in snapshot_files(folder):
@@ -156,11 +153,11 @@ def _recover_session(engine: Any, ingest_log: IngestLog, folder: Any, report: Re
     return True
 
 
-def _apply(engine: Any, name: str, rec: Record, report: RecoveryReport) -> None:
+def _apply(engine: Engine | ResidentEngine, name: str, rec: Record, report: RecoveryReport) -> None:
     if rec.kind == "open":
         engine.open_session(name, rec.meta["system"], max_context=rec.meta["max_context"])
     elif rec.kind == "restore":
-        engine.restore_session(rec.meta["path"], name)
+        restore_loaded(engine, load_snapshot(engine, rec.meta["path"]), rec.meta["path"], name)
         report.questions += len(engine.standing_questions(name))
     elif rec.kind == "register":
         spec = parse_question(rec.meta, source=f"ingest log {name}")

@@ -27,26 +27,40 @@ import json
 import os
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from streamllm.config import DEFAULT_AUTO_CONFIDENCE, ConfigError, QuestionSpec, parse_question
+from streamllm.config import ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
+from streamllm.durability.ingest_log import session_dir_name
 from streamllm.engine.calibration import read_window
-from streamllm.engine.outputs import AdmissionError, SessionError
-from streamllm.engine.state import SessionState, export_session, import_session
-from streamllm.engine.state import evict_session as evict_state
-from streamllm.model.adapter import series_width
+from streamllm.engine.outputs import EngineIdentity, SessionError, SessionInfo
+from streamllm.engine.state import SessionState
 
 FORMAT = "streamllm-session-snapshot"
 FORMAT_VERSION = 1
-_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class StateEngine(Protocol):
+    """What snapshots need of an engine: its identity and a session's state out and in
+    (`Engine`, and `ResidentEngine` over one)."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def ingest_log(self) -> Any: ...
+
+    def identity(self) -> EngineIdentity: ...
+
+    def export_session(self, name: str) -> SessionState: ...
+
+    def import_session(self, state: SessionState, name: str) -> SessionInfo: ...
 
 
 class SnapshotError(ValueError):
@@ -64,37 +78,9 @@ class SnapshotInfo:
     seconds: float
 
 
-def question_dict(spec: QuestionSpec) -> dict[str, Any]:
-    """A standing question in the form `parse_question` reads back (logs, snapshots)."""
-    out: dict[str, Any] = {"id": spec.id, "text": spec.text, "threshold": spec.threshold_text,
-                           "max_tokens": spec.max_tokens, "push": spec.push}
-    if spec.choices:
-        out["choices"] = list(spec.choices)
-    if spec.label is not None:
-        out["label"] = spec.label.text
-    if spec.auto_confidence != DEFAULT_AUTO_CONFIDENCE:
-        out["auto_confidence"] = spec.auto_confidence
-    return out
-
-
-def config_hash(engine: Any) -> str:
-    """Model name, architecture and tokenizer vocabulary: cells are only valid for the same ones."""
-    cached = _HASHES.get(engine)
-    if cached is not None:
-        return cached
-    m = engine.model
-    arch = {"name": engine.model_name, "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
-            "head_dim": m.head_dim, "vocab": m.vocab_size, "dtype": str(m.dtype),
-            "config": m.config.to_dict() if hasattr(m.config, "to_dict") else str(m.config)}
-    h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
-    h.update(json.dumps(sorted(engine.tokenizer.get_vocab().items())).encode())
-    _HASHES[engine] = digest = h.hexdigest()
-    return digest
-
-
-def engine_dtype(engine: Any) -> str:
-    """The dtype of the engine's KV cells, by name (float32, bfloat16)."""
-    return str(engine.store.pool.k.dtype).removeprefix("torch.")
+def snapshot_path(directory: str | Path, name: str) -> Path:
+    """Where a session is written in a folder of snapshots (evictions, spills)."""
+    return Path(directory) / f"{session_dir_name(name)}.safetensors"
 
 
 def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -105,24 +91,25 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def save_session(engine: Any, name: str, path: str | Path) -> SnapshotInfo:
+def save_session(engine: StateEngine, name: str, path: str | Path) -> SnapshotInfo:
     """Write session `name` to `path` (atomically). The session keeps running.
 
     The core copies the cells (between two steps); hashing, writing and fsync happen here,
     in the caller's thread, never on the core or an event loop."""
     t0 = time.perf_counter()
-    state = engine.call(lambda core: export_session(core, name))
-    return _write(engine, state, Path(path), t0)
+    return write_state(engine, engine.export_session(name), Path(path), t0)
 
 
-def _write(engine: Any, state: SessionState, path: Path, t0: float,
-           extra: dict[str, Any] | None = None) -> SnapshotInfo:
+def write_state(engine: StateEngine, state: SessionState, path: Path, t0: float | None = None,
+                extra: dict[str, Any] | None = None) -> SnapshotInfo:
+    """Write an exported state to `path` (temp file, fsync, rename, fsync the folder)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    ident = engine.identity()
     meta = dict(state.meta)
     meta.update(extra or {})
-    meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": config_hash(engine),
-                 "model": engine.model_name, "dtype": engine_dtype(engine),
-                 "adapter": getattr(engine, "adapter_id", None),
-                 "questions": [question_dict(q) for q in state.questions]})
+    meta.update({"format": FORMAT, "format_version": FORMAT_VERSION, "config_hash": ident.config_hash,
+                 "model": ident.model_name, "dtype": ident.kv_dtype, "adapter": ident.adapter_id,
+                 "questions": [q.to_dict() for q in state.questions]})
     token_ids = torch.tensor(state.token_ids, dtype=torch.int64)
     tensors = {"k": state.k.contiguous(), "v": state.v.contiguous(), "token_ids": token_ids}
     if state.line_features is not None:  # series heads' line features (optional: older files have none)
@@ -154,7 +141,7 @@ class LoadedSnapshot:
     line_index: torch.Tensor | None = None
 
 
-def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
+def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
     """Read and validate a snapshot against `engine`; SnapshotError names what is wrong."""
     path = Path(path)
 
@@ -178,29 +165,29 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
     if meta.get("format_version") != FORMAT_VERSION:
         raise bad(f"format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}")
     # Snapshots written before dtypes were recorded hold fp32 cells.
-    written, running = meta.get("dtype", "float32"), engine_dtype(engine)
+    ident = engine.identity()
+    written, running = meta.get("dtype", "float32"), ident.kv_dtype
     if written != running:
         raise bad(f"cells are {written}, this engine runs {running}; restore it into an engine started with "
                   f"dtype={written!r}")
-    if meta.get("config_hash") != config_hash(engine):
+    if meta.get("config_hash") != ident.config_hash:
         raise bad(f"written by model {meta.get('model')!r} with another config or tokenizer; this engine runs "
-                  f"{engine.model_name!r}")
-    if meta.get("adapter") != getattr(engine, "adapter_id", None):
+                  f"{ident.model_name!r}")
+    if meta.get("adapter") != ident.adapter_id:
         raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
-                  f"{getattr(engine, 'adapter_id', None)!r} (its standing answers would not be the same)")
+                  f"{ident.adapter_id!r} (its standing answers would not be the same)")
     if set(tensors) not in ({"k", "v", "token_ids"}, {"k", "v", "token_ids", "line_features", "line_index"}):
         raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids (and line_features, line_index)")
     if _tensor_digest(tensors) != meta.get("sha256"):
         raise bad("checksum mismatch: the cells or token ids are corrupted")
     k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
-    m = engine.model
     try:
         n, num_tokens, prefix_len = int(meta["num_computed"]), int(meta["num_tokens"]), int(meta["prefix_len"])
         ends, lines, version = list(meta["version_ends"]), list(meta["version_lines"]), int(meta["data_version"])
         max_context, base = int(meta["max_context"]), int(meta.get("version_base", 0))
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"metadata field missing or mistyped ({exc})") from None
-    want = (m.num_layers, m.num_kv_heads, n, m.head_dim)
+    want = (ident.num_layers, ident.num_kv_heads, n, ident.head_dim)
     if k.dtype != v.dtype or str(k.dtype).removeprefix("torch.") != written:
         raise bad(f"cells stored as {k.dtype}/{v.dtype}, the metadata says {written}")
     if tuple(k.shape) != want or tuple(v.shape) != want:
@@ -229,98 +216,38 @@ def load_snapshot(engine: Any, path: str | Path) -> LoadedSnapshot:
         except ValueError as exc:
             raise bad(f"question {qid!r}: {exc}") from None
     features, index = tensors.get("line_features"), tensors.get("line_index")
-    width = series_width(engine.model.config.hidden_size, len(engine.core.tap_words))  # what this engine's taps keep
+    width = ident.line_feature_width  # what this engine's taps keep
     if features is not None and (features.ndim != 2 or features.shape[1] != width
                                  or index.shape != (features.shape[0],)):
         raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, {width}] / [n]")
     return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index)
 
 
-def restore_session(engine: Any, path: str | Path, name: str | None = None) -> SnapshotInfo:
-    """Validate the file here, then have the core allocate, copy the cells back and register questions."""
+def restore_session(engine: StateEngine, path: str | Path, name: str | None = None) -> SnapshotInfo:
+    """Validate the file here, then have the core allocate, copy the cells back and register questions.
+    With an ingest log, the restore is logged (recovery restores it from the same file)."""
     t0 = time.perf_counter()
-    return restore_loaded(engine, load_snapshot(engine, path), path, name, t0)
+    info = restore_loaded(engine, load_snapshot(engine, path), path, name, t0)
+    log = engine.ingest_log
+    if log is not None:
+        log.record_restore(info.session, path, info.data_version)
+    return info
 
 
-def restore_loaded(engine: Any, snap: LoadedSnapshot, path: str | Path, name: str | None = None,
+def restore_loaded(engine: StateEngine, snap: LoadedSnapshot, path: str | Path, name: str | None = None,
                    t0: float | None = None) -> SnapshotInfo:
-    """Restore an already validated snapshot (`load_snapshot`) as session `name`."""
+    """Restore an already validated snapshot (`load_snapshot`) as session `name` (not logged);
+    `AdmissionError` when its budget cannot be had."""
     t0 = time.perf_counter() if t0 is None else t0
     name = name or snap.meta["session"]
-    gates = [(spec, *engine._gate(spec)) for spec in snap.questions]
-    state = SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions, snap.line_features,
-                         snap.line_index)
     try:
-        info = engine.call(lambda core: import_session(core, state, name, gates))
+        info = engine.import_session(snapshot_state(snap), name)
     except SessionError as exc:
         raise SnapshotError(f"snapshot {path}: {exc}") from None
-    engine._adopt(name, info)
     return SnapshotInfo(str(path), name, len(snap.token_ids), info.num_computed, info.data_version,
                         Path(path).stat().st_size, time.perf_counter() - t0)
 
 
-def evict_session(engine: Any, name: str, directory: str | Path) -> str:
-    """Snapshot an idle session and free its cells; its next push or ask restores it.
-
-    Refused while the session has work in flight (pending ingest, questions, compaction):
-    eviction is for idle sessions. Subscribers stay attached and hear it again after restore.
-    The caller holds the session's log lock, then the engine's residency lock (close_session's
-    order), so nothing restores it meanwhile."""
-    from streamllm.durability.ingest_log import session_dir_name
-
-    path = Path(directory) / f"{session_dir_name(name)}.safetensors"
-    # Mark it evicted in the facade *before* the core drops it: a push or ask from now on
-    # waits for the residency lock and restores it, instead of reaching a core without it.
-    with engine._lock:  # the caller holds the session's log lock: no push is between its two blocks
-        if name in engine._evicted:
-            return engine._evicted[name]
-        engine._handle(name)  # SessionError when it is not open
-        handle = engine._handles.pop(name)
-        engine._evicted[name] = str(path)
-
-    def evict(core: Any) -> tuple[SessionState, Any]:
-        record = core.records.get(name)
-        return evict_state(core, name), record.info if record is not None else None
-
-    try:
-        state, info = engine.call(evict)
-    except BaseException as exc:  # busy (or gone): it stays resident, as it was
-        with engine._lock:
-            engine._evicted.pop(name, None)
-            engine._handles[name] = handle
-        if isinstance(exc, SessionError):
-            raise SnapshotError(str(exc)) from None
-        raise
-    with engine._lock:  # still open, on disk: session_info and list_sessions keep answering for it
-        engine._evicted_info[name] = info
-    try:
-        _write(engine, state, path, time.perf_counter())
-    except SnapshotError:  # could not write: put it back rather than lose it
-        gates = [(spec, *engine._gate(spec)) for spec in state.questions]
-        engine.call(lambda core: import_session(core, state, name, gates))
-        with engine._lock:
-            engine._evicted.pop(name, None)
-            engine._evicted_info.pop(name, None)
-            engine._handles[name] = handle
-        raise
-    return str(path)
-
-
-def restore_evicted(engine: Any, name: str) -> None:
-    """Bring an evicted session back (the caller holds the residency lock; a second caller finds it resident)."""
-    path = engine._evicted.get(name)
-    if path is None:
-        return
-    snap = load_snapshot(engine, path)
-    try:
-        restore_loaded(engine, snap, path, name)
-    except AdmissionError:  # memory pressure: another idle session makes room (durability.pressure)
-        pressure = getattr(engine, "auto_evict", None)
-        if pressure is None or not pressure.make_room(engine, int(snap.meta["max_context"]), {name}):
-            raise
-        restore_loaded(engine, snap, path, name)
-        pressure.restores += 1
-    else:
-        if getattr(engine, "auto_evict", None) is not None:
-            engine.auto_evict.restores += 1
-    Path(path).unlink(missing_ok=True)
+def snapshot_state(snap: LoadedSnapshot) -> SessionState:
+    return SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions, snap.line_features,
+                        snap.line_index)

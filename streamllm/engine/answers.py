@@ -1,4 +1,4 @@
-"""How the core turns questions and logits into answers (runs on the core thread only).
+"""The core's `Answerer`: turns questions and logits into answers (core thread only).
 
     ask ─┬─ standing, entry current ──▶ answer from the entry: gate fired → fast; a choice
          │                               question → its best choice; else decode from the entry
@@ -13,55 +13,132 @@ choice's spellings) names the choice on every path, and no free decode can wande
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from streamllm.engine.commands import Ask, settle
-from streamllm.engine.kv import KVCapacityError
-from streamllm.engine.outputs import Answer
-from streamllm.engine.prepos import Standing
-from streamllm.engine.sequence import ASK, DECODE, ENTRY, Branch
+from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
+from streamllm.engine.outputs import Answer, AnswerPath, FinishReason, StalePolicy
+from streamllm.engine.prepos import Prepositioner, Standing, is_final
+from streamllm.engine.publishing import Publisher
+from streamllm.engine.scheduler import SchedulerConfig
+from streamllm.engine.sequence import (
+    AskBranch,
+    Branch,
+    DecodeBranch,
+    DecodingBranch,
+    EntryBranch,
+    Session,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
-def is_final(rec, spec, max_tokens: int, eos_ids: set[int]) -> bool:
-    """Whether the ready record alone answers: a choice question, or a fired gate on an answer that
-    is one token long (max_tokens 1, or the top token ends the turn)."""
-    if max_tokens == spec.max_tokens:
-        return rec.final
-    return bool(spec.choices) or (rec.fired and (max_tokens == 1 or rec.token_id in eos_ids))
+def _path(fired: bool) -> AnswerPath:
+    return AnswerPath.FAST if fired else AnswerPath.ENTRY
 
 
-class Answering:
-    """The answering half of EngineCore (a base class: it shares the core's state)."""
+class Answerer:
+    """Asks waiting and running, entries landing, and the answers (and standing answers) they make."""
 
-    def _ask(self, cmd: Ask) -> None:
-        session = self.session(cmd.name)
-        st = self.prepos.by_session.get(cmd.name, {}).get(cmd.standing_id) if cmd.standing_id else None
+    def __init__(self, *, store: KVStore, prepos: Prepositioner, publisher: Publisher,
+                 tokenizer: PreTrainedTokenizerBase, eos_ids: set[int], scheduler_config: SchedulerConfig,
+                 stale_policy: StalePolicy) -> None:
+        self.store = store
+        self.prepos = prepos
+        self.publisher = publisher
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.scheduler_config = scheduler_config  # its chunk size: what a question's next step needs
+        self.stale_policy = stale_policy
+        self.running: list[AskBranch] = []  # asks being prefilled or decoded
+        self.waiting: list[AskBranch] = []  # asks waiting for their data version or for cells
+        self.questions_answered = self.fast_answers = self.entry_answers = 0
+
+    # -- asks in ------------------------------------------------------------------
+    def ask(self, cmd: Ask, session: Session) -> None:
+        st = self.prepos.by_session.get(session.name, {}).get(cmd.standing_id) if cmd.standing_id else None
         if cmd.standing_id and st is None:  # unregistered since the facade looked: ask it cold
             cmd.standing_id = None
         spec = st.spec if st is not None else None
-        br = Branch(ASK, session, cmd.question, st.prompt_ids if st else cmd.prompt_ids,
-                    cmd.max_tokens or (spec.max_tokens if spec else 16), list(cmd.stop), cmd.future,
-                    min_version=cmd.min_version, choices=(st.gate if st and spec.choices else cmd.choices),
-                    standing=st, on_text=cmd.on_text, t_start=cmd.t_start or time.perf_counter(),
-                    keep_logits=cmd.keep_logits, ask_id=cmd.ask_id)
+        br = AskBranch(session, cmd.question, st.prompt_ids if st else cmd.prompt_ids,
+                       max_tokens=cmd.max_tokens or (spec.max_tokens if spec else 16), stop=list(cmd.stop),
+                       future=cmd.future, min_version=cmd.min_version,
+                       choices=(st.gate if st and spec.choices else cmd.choices), standing=st, on_text=cmd.on_text,
+                       t_start=cmd.t_start or time.perf_counter(), keep_logits=cmd.keep_logits, ask_id=cmd.ask_id)
         if st is None:
             self.waiting.append(br)
             return
         br.min_version = max(br.min_version, session.data_version)
         if st.ready is not None and st.ready.data_version >= br.min_version:
             self._answer_from_entry(st, br)
-        elif st.ready is not None and self.stale_policy == "stale":
+        elif st.ready is not None and self.stale_policy == StalePolicy.STALE:
             br.stale = True
             self._answer_from_entry(st, br)
         else:
             st.waiters.append(br)
 
-    def _can_start(self, br: Branch) -> bool:
+    def unregistered(self, st: Standing) -> None:
+        """Asks that waited for an unregistered question's entry are answered the cold way."""
+        for br in st.waiters:
+            br.standing = None
+            self.waiting.append(br)
+        st.waiters.clear()
+
+    def cancel(self, ask_id: int) -> bool:
+        for br in self.waiting + self.running + [b for st in self.prepos.all() for b in st.waiters]:
+            if br.ask_id == ask_id:
+                self.drop(br, None)
+                return True
+        return False  # already answered: nothing to do
+
+    def drop(self, br: AskBranch, error: BaseException | None) -> None:
+        """Take an ask out of every queue and free its cells; fail its future with `error` (None: cancel it)."""
+        for where in (self.waiting, self.running):
+            if br in where:
+                where.remove(br)
+        if br.standing is not None and br in br.standing.waiters:
+            br.standing.waiters.remove(br)
+        self._free(br)
+        if error is not None:
+            settle(br.future, error=error)
+        elif br.future is not None:
+            br.future.cancel()
+
+    def drop_session(self, session: Session, error: BaseException) -> None:
+        for br in [b for b in self.waiting + self.running if b.session is session]:
+            self.drop(br, error)
+
+    def fail_all(self, exc: BaseException) -> None:
+        for st in self.prepos.all():
+            self.waiting.extend(st.waiters)
+            st.waiters.clear()
+        for br in self.waiting + self.running:
+            settle(br.future, error=exc)
+        self.waiting.clear()
+        self.running.clear()
+
+    # -- before a step ---------------------------------------------------------------
+    def can_start(self, br: AskBranch) -> bool:
         return br.session.ready and br.session.data_version >= br.min_version
 
-    def _start_waiting(self) -> None:
-        for br in [b for b in self.waiting if self._can_start(b)]:
+    def has_work(self) -> bool:
+        return bool(self.running) or any(self.can_start(b) for b in self.waiting)
+
+    def asks_on(self, session: Session) -> bool:
+        return any(b.session is session for b in self.running + self.waiting)
+
+    def will_free_cells(self) -> bool:
+        """Questions in flight, standing decodes, or entries someone waits for: they give cells back."""
+        return bool(self.running) or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all())
+
+    def tables(self) -> list[BlockTable]:
+        return [b.table for b in self.running + self.waiting if b.table is not None]
+
+    def start_waiting(self) -> None:
+        for br in [b for b in self.waiting if self.can_start(b)]:
             s = br.session
             try:
                 br.table = self._fork_evicting(s, s.version_length(s.data_version))
@@ -75,7 +152,7 @@ class Answering:
             self.waiting.remove(br)
             self.running.append(br)
 
-    def _fork_evicting(self, session, length: int):
+    def _fork_evicting(self, session: Session, length: int) -> BlockTable:
         """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
         try:
             return self.store.fork(session.table, length)
@@ -83,18 +160,13 @@ class Answering:
             busy = {b.session.name for b in self.running} | {session.name}
             if not self.prepos.evict_idle_entries(busy):
                 raise
-            self._drop_evicted_records()
+            self.publisher.drop_evicted()
             return self.store.fork(session.table, length)
 
-    def _drop_evicted_records(self) -> None:
-        for st in self.prepos.all():
-            if st.record is None:
-                self.ready_records.pop((st.session.name, st.spec.id), None)
-
-    def _make_room_for_questions(self) -> None:
+    def make_room(self) -> None:
         """A question whose next chunk does not fit evicts idle entries; if even that cannot make
         room, it fails with a clear error instead of waiting forever."""
-        manager, chunk = self.store.manager, self.scheduler.config.chunk_tokens
+        manager, chunk = self.store.manager, self.scheduler_config.chunk_tokens
         for br in list(self.running):
             need = min(len(br.pending_ids), chunk)
             if need == 0 or manager.can_append(br.table, need):
@@ -102,15 +174,15 @@ class Answering:
             self.prepos.evict_idle_entries({b.session.name for b in self.running})
             if not manager.can_append(br.table, need):
                 self.prepos.evict_idle_entries(set())
-            self._drop_evicted_records()
+            self.publisher.drop_evicted()
             if manager.can_append(br.table, need) or len(self.running) > 1:
                 continue  # room made, or another question will finish and free its cells
-            self._drop_ask(br, KVCapacityError(
+            self.drop(br, KVCapacityError(
                 f"question on {br.session.name!r} needs {need} more cells and the pool has "
                 f"{manager.num_free_blocks * manager.block_size} free after evicting idle entries; "
                 "raise max_cells or ask a shorter question"))
 
-    def _waiters_without_entries(self) -> None:
+    def reroute_orphaned_waiters(self) -> None:
         """Asks waiting on an entry that cannot be computed (no cells) go the cold way."""
         for st in self.prepos.all():
             if st.waiters and st.session.ready and st.computing is None and not st.fresh():
@@ -121,24 +193,37 @@ class Answering:
 
     # -- results of a step ------------------------------------------------------------
     def on_logits(self, br: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
-        if br.kind == ENTRY:
-            self._on_entry_ready(br, logits.clone(), hidden)
+        if isinstance(br, EntryBranch):
+            self.on_entry_ready(br, logits.clone(), hidden)
             return
-        if br.keep_logits and br.first_logits is None:
+        assert isinstance(br, DecodingBranch)
+        if isinstance(br, AskBranch) and br.keep_logits and br.first_logits is None:
             br.first_logits = logits.clone()
-        if br.choices is not None and not br.generated:  # the first token names the choice
+        if br.choices is not None and not br.generated and isinstance(br, AskBranch):  # the first token names the choice
             d = br.choices.decide(logits)
             br.confidence, br.choice_probs = d.gap, d.probs
-            br.text, br.finish_reason = d.answer, "stop"
+            br.text, br.finish_reason = d.answer, FinishReason.STOP
             self._finish(br)
             return
         self._on_token(br, int(torch.argmax(logits)))
 
-    def _on_entry_ready(self, entry: Branch, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> None:
+    def fail_branch(self, br: Branch, exc: Exception) -> None:
+        """A failed forward fails an ask; entries and decodes are recomputed on the next refresh."""
+        if isinstance(br, AskBranch):
+            self.drop(br, exc)
+            return
+        self.prepos.release(br)
+        st = br.standing
+        if st.computing is br:
+            st.computing = None
+        if st.decoding is br:
+            st.decoding = None
+
+    def on_entry_ready(self, entry: EntryBranch, logits: torch.Tensor | None, hidden: torch.Tensor | None = None) -> None:
         st = self.prepos.on_entry_ready(entry, logits, hidden)
         if st is None:
             return
-        self.ready_records[(st.session.name, st.spec.id)] = st.record
+        self.publisher.ready(st)
         waiters, st.waiters = st.waiters, []
         for br in waiters:
             if entry.data_version >= br.min_version:
@@ -147,12 +232,11 @@ class Answering:
                 st.waiters.append(br)
         rec = st.record
         if rec.final:
-            self._standing_changed(st, rec.text, "fast" if rec.fired else "entry", rec.confidence,
-                                   rec.data_version, rec.choices)
+            self._standing_changed(st, rec.text, _path(rec.fired), rec.confidence, rec.data_version, rec.choices)
         elif st.spec.push:
             self.prepos.release(st.decoding)  # an older decode is superseded by this fresher entry
-            dec = Branch(DECODE, st.session, st.spec.text, st.prompt_ids, st.spec.max_tokens,
-                         standing=st, confidence=rec.confidence, path="fast" if rec.fired else "entry")
+            dec = DecodeBranch(st.session, st.spec.text, st.prompt_ids, max_tokens=st.spec.max_tokens,
+                               standing=st, confidence=rec.confidence, path=_path(rec.fired))
             try:
                 self.prepos.fork_from_entry(st, dec)
             except KVCapacityError:
@@ -162,18 +246,18 @@ class Answering:
             st.decoding = dec
             self._on_token(dec, rec.token_id)
         else:  # nobody is pushed this answer: keep the gate's view (its first token, fired or not: the
-            # record is not final) for snapshots and `standing`, as path "gate", never a whole answer's path
-            self._standing_changed(st, rec.text, "gate", rec.confidence, rec.data_version)
+            # record is not final) for snapshots and `standing`, as path GATE, never a whole answer's path
+            self._standing_changed(st, rec.text, AnswerPath.GATE, rec.confidence, rec.data_version)
 
-    def _answer_from_entry(self, st: Standing, br: Branch) -> None:
+    def _answer_from_entry(self, st: Standing, br: AskBranch) -> None:
         """Final from the gate's view (fast, or a choice question's best choice); else decode from the entry."""
         rec = st.record
         br.confidence, br.choice_probs = rec.confidence, rec.choices
-        br.path = "fast" if rec.fired else "entry"
+        br.path = _path(rec.fired)
         br.data_version = rec.data_version
-        if is_final(rec, st.spec, br.max_tokens, self.layout.eos_ids):
+        if is_final(rec, st.spec, br.max_tokens, self.eos_ids):
             br.first_logits = rec.logits if br.keep_logits else None
-            br.finish_reason = "stop"
+            br.finish_reason = FinishReason.STOP
             self.fast_answers += rec.fired
             self.entry_answers += not rec.fired
             self.questions_answered += 1
@@ -190,16 +274,13 @@ class Answering:
         self.running.append(br)
         self._on_token(br, rec.token_id)
 
-    def _standing_changed(self, st: Standing, text: str, path: str, confidence: float, version: int,
+    def _standing_changed(self, st: Standing, text: str, path: AnswerPath, confidence: float, version: int,
                           choices: dict[str, float] | None = None) -> None:
-        changed = self.prepos.set_answer(st, text.strip(), path, confidence, version, choices)
-        self._dirty.add(st.session.name)
-        if changed is not None and st.spec.push:  # push = false: kept for `standing`, told to nobody
-            self.events.append((st.session.name, "standing", changed))
+        self.publisher.standing(st, self.prepos.set_answer(st, text.strip(), path, confidence, version, choices))
 
-    def _on_token(self, br: Branch, token: int) -> None:
-        if token in self.layout.eos_ids:
-            br.finish_reason = "stop"
+    def _on_token(self, br: DecodingBranch, token: int) -> None:
+        if token in self.eos_ids:
+            br.finish_reason = FinishReason.STOP
             return self._finish(br)
         br.generated.append(token)
         before = br.text
@@ -207,38 +288,46 @@ class Answering:
         for s in br.stop:
             cut = text.find(s)
             if cut >= 0:
-                br.finish_reason, br.text = "stop", text[:cut]
+                br.finish_reason, br.text = FinishReason.STOP, text[:cut]
                 self._emit(br, before)
                 return self._finish(br)
         br.text = text
         self._emit(br, before)
         if len(br.generated) >= br.max_tokens:
-            br.finish_reason = "length"
+            br.finish_reason = FinishReason.LENGTH
             self._finish(br)
 
-    def _emit(self, br: Branch, before: str) -> None:
-        if br.on_text is not None and br.text.startswith(before) and len(br.text) > len(before):
+    @staticmethod
+    def _emit(br: DecodingBranch, before: str) -> None:
+        if not isinstance(br, AskBranch) or br.on_text is None:
+            return
+        if br.text.startswith(before) and len(br.text) > len(before):
             try:
                 br.on_text(br.text[len(before):])
             except Exception:  # a broken stream consumer never stops the engine
                 br.on_text = None
 
-    def _finish(self, br: Branch) -> None:
+    def _free(self, br: Branch) -> None:
         if br.table is not None:
             self.store.manager.free(br.table)
             br.table = None
-        if br.kind == DECODE:
-            st: Standing = br.standing
+
+    def _finish(self, br: DecodingBranch) -> None:
+        self._free(br)
+        if isinstance(br, DecodeBranch):
+            st = br.standing
             if st.decoding is br:
                 st.decoding = None
                 self._standing_changed(st, br.text, br.path, br.confidence, br.data_version)
             return
+        assert isinstance(br, AskBranch)
         if br in self.running:
             self.running.remove(br)
         self.questions_answered += 1
         settle(br.future, result=self._answer(br, br.text.strip(), br.num_computed - br.prepaid))
 
-    def _answer(self, br: Branch, text: str, tokens_computed: int) -> Answer:
+    @staticmethod
+    def _answer(br: AskBranch, text: str, tokens_computed: int) -> Answer:
         latency = (time.perf_counter() - br.t_start) * 1000
         return Answer(br.session.name, br.question, text, list(br.generated), br.data_version, tokens_computed,
                       latency, path=br.path, confidence=br.confidence, stale=br.stale,

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
 import threading
 import time
@@ -32,8 +34,12 @@ from streamllm.engine.client import EngineClient, EngineHealth
 from streamllm.engine.commands import (
     Ask,
     Call,
+    CanAdmit,
     Cancel,
     CloseSession,
+    EvictState,
+    ExportSession,
+    ImportSession,
     OpenSession,
     Register,
     Stop,
@@ -49,19 +55,22 @@ from streamllm.engine.kv import BlockManager, KVPool, KVStore
 from streamllm.engine.outputs import (
     AdmissionError,
     Answer,
+    EngineIdentity,
     EngineStopped,
     PushAck,
     SessionError,
     SessionInfo,
+    StalePolicy,
     StandingAnswer,
 )
 from streamllm.engine.prepos import Prepositioner
 from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
-from streamllm.engine.residency import Residency
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler, SchedulerConfig
+from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
-from streamllm.engine.taps import word_tables
+from streamllm.engine.taps import TapConfig
+from streamllm.model.adapter import series_width
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 
@@ -70,7 +79,7 @@ LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
 
-class Engine(Intake, Residency, Subscribable, EngineClient):
+class Engine(Intake, Subscribable, EngineClient):
     """One core thread serving every session on one model (`EngineClient`)."""
 
     def __init__(
@@ -128,32 +137,25 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
         config = scheduler or SchedulerConfig(step_tokens=step_tokens, chunk_tokens=chunk_tokens)
         self.default_max_context = max_context
         self.hub = SubscriptionHub()
+        # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
+        # and ingest may have computed a few updates past it by the time the entry is ready.
+        lines = self.adapter.tap_lines if self.adapter is not None else 0
+        taps = TapConfig.for_heads(self.tokenizer, lines + LINE_SLACK if lines else 0,
+                                   self.adapter.tap_words if lines else ())
         self.core = EngineCore(
             model_name=self._model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
             runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
             prepos=Prepositioner(store, self.layout.eos_ids, head_entries=head_entries), hub=self.hub, policy=policy,
             # Cells kept free for branches (questions, entries); sessions cannot reserve them.
             branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
-            stale_policy=stale_policy, check_every_step=check_integrity_every_step)
-        # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
-        # and ingest may have computed a few updates past it by the time the entry is ready.
-        lines = self.adapter.tap_lines if self.adapter is not None else 0
-        self.core.line_taps = lines + LINE_SLACK if lines else 0
-        if lines and self.adapter.tap_words:
-            self.core.tap_words = self.adapter.tap_words
-            self.core.word_starts, self.core.word_texts = word_tables(self.tokenizer, self.adapter.tap_words)
+            stale_policy=StalePolicy(stale_policy), taps=taps, check_every_step=check_integrity_every_step)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
-        self.ingest_log = ingest_log
+        self._ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
         self._handles: dict[str, _Handle] = {}
-        self._evicted: dict[str, str] = {}  # session -> snapshot path, restored on its next use
-        self._evicted_info: dict[str, SessionInfo] = {}  # session -> its info when it was evicted
-        self._residency = threading.RLock()  # evict / restore-on-use, one at a time
         self._ask_ids = itertools.count(1)
         self._fast_answers = self._entry_answers = 0
-        # durability.pressure.AutoEvict: under memory pressure, evict the least-recently-asked idle session.
-        self.auto_evict = None
-        self.last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
+        self._identity: EngineIdentity | None = None
         self.core.start()
 
     @property
@@ -162,6 +164,30 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
 
     def prefix_tokens(self, system: str = DEFAULT_SYSTEM) -> int:
         return len(self.layout.prefix_ids(system))
+
+    def identity(self) -> EngineIdentity:
+        """What this engine's cells are valid for (snapshots are checked against it)."""
+        if self._identity is None:
+            m = self.model
+            arch = {"name": self.model_name, "layers": m.num_layers, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+                    "head_dim": m.head_dim, "vocab": m.vocab_size, "dtype": str(m.dtype),
+                    "config": m.config.to_dict() if hasattr(m.config, "to_dict") else str(m.config)}
+            h = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
+            with self.layout.lock:
+                h.update(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+            self._identity = EngineIdentity(
+                self.model_name, h.hexdigest(), str(self.store.pool.k.dtype).removeprefix("torch."), self.adapter_id,
+                m.num_layers, m.num_kv_heads, m.head_dim, series_width(m.config.hidden_size, len(self.core.tap_words)))
+        return self._identity
+
+    @property
+    def ingest_log(self):
+        """The ingest log accepted batches are written to before their ack, or None."""
+        return self._ingest_log
+
+    def attach_log(self, ingest_log) -> None:
+        """Write every accepted record to `ingest_log` from now on (recovery attaches it after replaying it)."""
+        self._ingest_log = ingest_log
 
     # -- views for tests and benches (read after wait_idle; mutate only through `call`) ------------
     @property
@@ -198,15 +224,9 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
             raise ValueError(f"system prompt is {len(prefix)} tokens, more than max_context {max_context}")
         with self._log_lock(name):
             with self._lock:
-                if name in self._handles or name in self._evicted:
+                if name in self._handles:
                     raise SessionError(f"session {name!r} is already open")
-            try:
-                info = self._wait(OpenSession(name, system, prefix, max_context))
-            except AdmissionError:  # durability: evict idle sessions to disk and try once more
-                if self.auto_evict is None or not self.auto_evict.make_room(self, max_context, {name}):
-                    raise
-                info = self._wait(OpenSession(name, system, prefix, max_context))
-            self.last_asked[name] = time.monotonic()
+            info = self._wait(OpenSession(name, system, prefix, max_context))
             with self._lock:
                 self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
             if self.ingest_log is not None:
@@ -215,50 +235,37 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
 
     def close_session(self, name: str) -> None:
         with self._log_lock(name):
-            with self._residency, self._lock:
-                self._evicted_info.pop(name, None)
-                if self._evicted.pop(name, None) is None:
-                    if self._handles.pop(name, None) is None:
-                        raise SessionError(f"no session named {name!r}; open it first")
-                    future = self.core.submit(CloseSession(name))
-                else:
-                    future = None
-                    self.hub.drop_session(name)
-            if future is not None:
-                future.result()
+            with self._lock:
+                if self._handles.pop(name, None) is None:
+                    raise SessionError(f"no session named {name!r}; open it first")
+                future = self.core.submit(CloseSession(name))
+            future.result()
             if self.ingest_log is not None:
                 self.ingest_log.record_close(name)
-            self.last_asked.pop(name, None)
 
     def session_info(self, name: str) -> SessionInfo:
         with self._lock:
-            if name in self._evicted_info:  # on disk until its next use: as it was when evicted
-                return self._evicted_info[name]
-            pushed = self._handle(name).pushed_version if name not in self._evicted else None
+            pushed = self._handle(name).pushed_version
         record = self.core.records.get(name)
         if record is None:
             raise SessionError(f"no session named {name!r}; open it first")
         # The facade acks pushes before the core applies them: its pushed_version is the truth.
-        return record.info if pushed is None else dataclasses.replace(record.info, pushed_version=pushed)
+        return dataclasses.replace(record.info, pushed_version=pushed)
 
     def list_sessions(self) -> list[SessionInfo]:
-        """Every open session, resident or evicted to disk (as it was when evicted)."""
-        with self._lock:
-            evicted = dict(self._evicted_info)
-        return [r.info for r in list(self.core.records.values()) if r.info.name not in evicted] + list(evicted.values())
+        """Every open session."""
+        return [r.info for r in list(self.core.records.values())]
 
     # -- standing questions -------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:
         """Make `spec` a standing question of the session: pre-positioned after every batch."""
         gate, prompt = self._gate(spec)
-        self._submit_resident(name, Register(name, spec, gate, prompt)).result()
+        self._submit(name, Register(name, spec, gate, prompt)).result()
         if self.ingest_log is not None:
-            from streamllm.durability.snapshot import question_dict
-
-            self.ingest_log.record_register(name, question_dict(spec))
+            self.ingest_log.record_register(name, spec.to_dict())
 
     def unregister(self, name: str, question_id: str) -> None:
-        self._submit_resident(name, Unregister(name, question_id)).result()
+        self._submit(name, Unregister(name, question_id)).result()
         if self.ingest_log is not None:
             self.ingest_log.record_unregister(name, question_id)
 
@@ -299,12 +306,8 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
             raise ValueError("question must be a non-empty string")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        pushed = None
-        while pushed is None:  # an eviction between the restore and the lock: restore again
-            self._ensure_resident(name)
-            with self._lock:
-                pushed = self._handle(name).pushed_version if name not in self._evicted else None
-        self.last_asked[name] = time.monotonic()
+        with self._lock:
+            pushed = self._handle(name).pushed_version
         if min_version is not None and min_version > pushed:
             raise ValueError(f"min_version {min_version} is ahead of session {name!r} ({pushed} pushed)")
         record = self.core.records.get(name)
@@ -325,13 +328,59 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
         prompt = [] if spec is not None else self.layout.question_ids(question)
         cmd = Ask(next(self._ask_ids), name, question, prompt, max_tokens, list(stop or []), min_version or 0,
                   return_logits, spec.id if spec is not None else None, on_text=on_text, t_start=t0)
-        future = self._submit_resident(name, cmd)
+        future = self._submit(name, cmd)
         future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future
 
+    # -- a session's whole state (snapshots, eviction, moves: streamllm.durability) -------------
+    def submit_export(self, name: str, *, only_ready: bool = False) -> Future:
+        """Have the core copy the session's cells and bookkeeping between two steps; the future resolves
+        to a `SessionState` (the session keeps running). only_ready: to None, not an error, when the
+        session is not open or its frozen prefix is not computed yet (checkpoints)."""
+        if not only_ready:
+            with self._lock:
+                self._handle(name)
+        return self.core.submit(ExportSession(name, only_ready))
+
+    def export_session(self, name: str) -> SessionState:
+        """The session's cells and bookkeeping as plain data (on the CPU); it keeps running."""
+        return self.submit_export(name).result()
+
+    def evict_state(self, name: str) -> SessionState:
+        """Export the session and drop it, freeing its cells; `SessionError` while it has work in flight
+        (pending ingest, questions, compaction, entries). Its subscriptions stay attached: they hear it
+        again once `import_session` brings it back under its name. Nothing is written to the ingest log."""
+        with self._log_lock(name):  # no push between its version and its enqueue
+            with self._lock:
+                handle = self._handle(name)
+                del self._handles[name]  # from now on the name is unknown here, as the core will have it
+            try:
+                return self._wait(EvictState(name))
+            except BaseException:
+                with self._lock:  # refused (busy): it stays, as it was
+                    self._handles[name] = handle
+                raise
+
+    def import_session(self, state: SessionState, name: str) -> SessionInfo:
+        """Open `name` from an exported state (its cells, versions and standing questions);
+        `AdmissionError` when its budget cannot be had, `SessionError` when the name is open."""
+        gates = [(spec, *self._gate(spec)) for spec in state.questions]
+        with self._lock:
+            if name in self._handles:
+                raise SessionError(f"session {name!r} is already open; close it or restore under another name")
+        info = self._wait(ImportSession(state, name, gates))
+        with self._lock:
+            self._handles[name] = _Handle(info.max_context, info.prefix_tokens, info.pushed_version,
+                                          info.lines_ingested + info.backlog_lines)
+        return info
+
+    def can_admit(self, cells: int) -> bool:
+        """Whether a session reserving `cells` would be admitted now (the core's own rule)."""
+        return bool(self._wait(CanAdmit(cells)))
+
     # -- the core -----------------------------------------------------------
     def call(self, fn, timeout: float | None = None):
-        """Run fn(core) on the core thread between steps and return its result (benches, tests, snapshots).
+        """Run fn(core) on the core thread between steps and return its result: tests and benches only.
 
         Called from the core thread itself (a subscriber or future callback), fn runs at once."""
         if threading.current_thread() is self.core._thread:
@@ -369,15 +418,18 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
         out.update(self.core.counters)
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
-        out["sessions_evicted"] = len(self._evicted)
-        if self.auto_evict is not None:
-            out.update(self.auto_evict.stats())
         out["core_alive"] = int(not self.core.stopped)
         return out
 
     # -- internals --------------------------------------------------------
     def _wait(self, cmd):
         return self.core.submit(cmd).result()
+
+    def _submit(self, name: str, cmd) -> Future:
+        """Submit a command on an open session (SessionError, raised here, for an unknown one)."""
+        with self._lock:
+            self._handle(name)
+            return self.core.submit(cmd)
 
     def _handle(self, name: str) -> _Handle:
         """Under self._lock."""
@@ -390,8 +442,7 @@ class Engine(Intake, Residency, Subscribable, EngineClient):
 
     def _known(self, name: str) -> None:
         with self._lock:
-            if name not in self._evicted:
-                self._handle(name)
+            self._handle(name)
 
     def _log_lock(self, name: str):
         return self.ingest_log.session_lock(name) if self.ingest_log is not None else contextlib.nullcontext()

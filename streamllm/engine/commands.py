@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamllm.config import QuestionSpec
+    from streamllm.engine.core import EngineCore
+    from streamllm.engine.gate import Gate
+    from streamllm.engine.state import SessionState
 
 
 def settle(future: Future | None, *, result: Any = None, error: BaseException | None = None) -> None:
@@ -54,8 +60,8 @@ class Push(Command):
 @dataclass(slots=True, eq=False)
 class Register(Command):
     name: str
-    spec: Any  # QuestionSpec
-    gate: Any  # Gate, built in the caller's thread (tokenizer work)
+    spec: QuestionSpec
+    gate: Gate  # built in the caller's thread (tokenizer work)
     prompt_ids: list[int]
 
 
@@ -76,7 +82,7 @@ class Ask(Command):
     min_version: int
     keep_logits: bool
     standing_id: str | None  # a standing question's id: fast / entry path
-    choices: Any = None  # Gate of a choice question asked cold
+    choices: Gate | None = None  # the gate of a choice question asked cold
     on_text: Callable[[str], None] | None = None
     t_start: float = 0.0
 
@@ -87,10 +93,42 @@ class Cancel(Command):
 
 
 @dataclass(slots=True, eq=False)
-class Call(Command):
-    """Run fn(core) on the core thread between steps (snapshots, restores, benches, tests)."""
+class ExportSession(Command):
+    """Copy a session's cells and bookkeeping (`state.SessionState`); the session keeps running.
+    only_ready: resolve to None instead of failing when it is not open or its prefix is not computed."""
 
-    fn: Callable[[Any], Any]
+    name: str
+    only_ready: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class EvictState(Command):
+    """Export an idle session and drop it (its cells are freed); `SessionError` while it has work in flight."""
+
+    name: str
+
+
+@dataclass(slots=True, eq=False)
+class ImportSession(Command):
+    """Open `name` from an exported state: reserve its budget, copy the cells back, register its questions."""
+
+    state: SessionState
+    name: str
+    gates: list[tuple[QuestionSpec, Gate, list[int]]]  # (spec, gate, prompt ids) per question, built by the caller
+
+
+@dataclass(slots=True, eq=False)
+class CanAdmit(Command):
+    """Whether a session reserving `cells` would be admitted now (the core's own admission rule)."""
+
+    cells: int
+
+
+@dataclass(slots=True, eq=False)
+class Call(Command):
+    """Run fn(core) on the core thread between steps: tests and benches only, never production code."""
+
+    fn: Callable[[EngineCore], Any]
 
 
 @dataclass(slots=True, eq=False)

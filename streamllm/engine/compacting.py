@@ -1,8 +1,8 @@
-"""How the core keeps sessions inside their budgets: starting, preempting and swapping compaction copies.
+"""The core's `Compactor`: keeps sessions inside their budgets by starting, preempting and swapping copies.
 
-    push / swap ──▶ _maybe_compact: policy says start, the pool holds it ──▶ compactions[name]
-    each turn ───▶ _keep_compactions_moving: a session at budget must move (preempt, recut, or log once)
-    each step ───▶ _swap_compactions: a copy caught up ──▶ becomes the session's table, old one freed
+    push / swap ──▶ maybe_start: policy says start, the pool holds it ──▶ copies[name]
+    each turn ───▶ keep_moving: a session at budget must move (preempt, recut, or log once)
+    each step ───▶ swap_caught_up: a copy caught up ──▶ becomes the session's table, old one freed
 
 The copy itself and the policy (when to start, what to keep) are `compaction.py`; this
 is the core-side half. It runs on the core thread only, between steps: it forks, frees
@@ -13,17 +13,37 @@ from __future__ import annotations
 
 import logging
 
-from streamllm.engine.compaction import CompactionCopy, copy_size
-from streamllm.engine.kv import KVCapacityError
+from streamllm.engine.answers import Answerer
+from streamllm.engine.compaction import CompactionCopy, CompactionPolicy, copy_size
+from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
+from streamllm.engine.prepos import Prepositioner
+from streamllm.engine.publishing import Publisher
+from streamllm.engine.scheduler import SchedulerConfig
 from streamllm.engine.sequence import Session
+from streamllm.engine.stats import StepTimes
 
 log = logging.getLogger("streamllm.engine")
 
 
-class Compacting:
-    """The compaction half of EngineCore (a base class: it shares the core's state)."""
+class Compactor:
+    def __init__(self, *, store: KVStore, policy: CompactionPolicy, branch_cells: int, sessions: dict[str, Session],
+                 prepos: Prepositioner, answerer: Answerer, publisher: Publisher,
+                 scheduler_config: SchedulerConfig, step_times: StepTimes) -> None:
+        self.store = store
+        self.policy = policy
+        self.branch_cells = branch_cells  # cells kept free for questions and entries
+        self.sessions = sessions  # the core's registry, read here
+        self.prepos = prepos
+        self.answerer = answerer
+        self.publisher = publisher
+        self.scheduler_config = scheduler_config  # its background floor sets a copy's pace, its chunk a copy's next step
+        self.step_times = step_times
+        self.copies: dict[str, CompactionCopy] = {}  # session -> its copy in flight
+        self.stuck: set[str] = set()  # sessions at their budget with no room for a copy (logged once)
+        self.deferred = 0  # copies not started for want of cells (retried each turn)
+        self.preempted = 0
 
-    def admission_keep_free(self, max_context: int) -> int:
+    def keep_free(self, max_context: int) -> int:
         """Cells an admission leaves free beside every session's reservation: the cells kept for
         questions, or a compaction copy of the largest session at its budget, whichever is more.
 
@@ -32,10 +52,18 @@ class Compacting:
         largest = max([max_context, *(s.max_context for s in self.sessions.values())])
         return self.policy.keep_free(self.branch_cells, largest)
 
-    def _maybe_compact(self, session: Session) -> None:
-        if session.name in self.compactions or not session.ready:
+    def blocks_to_go(self) -> int:
+        """Blocks the copies in flight still need (entries leave them free)."""
+        return self.store.manager.blocks_for(sum(c.cells_to_go() for c in self.copies.values()))
+
+    def tables(self) -> list[BlockTable]:
+        return [c.table for c in self.copies.values()]
+
+    def maybe_start(self, session: Session) -> None:
+        """Start a copy of `session` when the policy calls for one and the pool can hold it."""
+        if session.name in self.copies or not session.ready:
             return
-        copy_rate = self.scheduler.config.background_floor / max(self._step_s_ema, 1e-3)
+        copy_rate = self.scheduler_config.background_floor / max(self.step_times.s_ema, 1e-3)
         if not self.policy.should_start(session, copy_rate):
             return
         cut = session.compaction_cut(self.policy.keep_tokens(session))
@@ -46,17 +74,23 @@ class Compacting:
         # them all at once under pressure left every copy half built and every session stuck.
         manager = self.store.manager
         need = manager.blocks_for(copy_size(session, cut)) - session.prefix_len // manager.block_size
-        need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.compactions.values())
+        need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.copies.values())
         if manager.num_free_blocks < need:
-            self.compactions_deferred += 1
+            self.deferred += 1
             return
         # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
         table = self.store.fork(session.table, session.prefix_len)
-        self.compactions[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
+        self.copies[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
         self.stuck.discard(session.name)
 
+    def forget(self, name: str) -> None:
+        """A session closed: its copy (if any) goes, unpreempted."""
+        self.stuck.discard(name)
+        if name in self.copies:
+            self.drop(name, preempted=False)
+
     def _copy_blocked(self, copy: CompactionCopy) -> bool:
-        need = min(len(copy.pending_ids), self.scheduler.config.chunk_tokens)
+        need = min(len(copy.pending_ids), self.scheduler_config.chunk_tokens)
         return bool(need) and not self.store.manager.can_append(copy.table, need)
 
     def _stalled_at_budget(self) -> list[Session]:
@@ -66,14 +100,14 @@ class Compacting:
         for session in self.sessions.values():
             if not session.at_budget:
                 continue
-            if session.name not in self.compactions:
-                self._maybe_compact(session)
-            copy = self.compactions.get(session.name)
+            if session.name not in self.copies:
+                self.maybe_start(session)
+            copy = self.copies.get(session.name)
             if copy is None or self._copy_blocked(copy):
                 stalled.append(session)
         return stalled
 
-    def _keep_compactions_moving(self) -> None:
+    def keep_moving(self) -> None:
         """A session at its budget ingests nothing until its copy swaps in: make sure one can.
 
         Recomputable work gives way, cheapest first: idle entries, then (when no question in
@@ -88,21 +122,21 @@ class Compacting:
             self._preempt_blocked_early_copies()
             return
         if self.prepos.evict_idle_entries(set(), computing=True):
-            self._drop_evicted_records()
+            self.publisher.drop_evicted()
             stalled = self._stalled_at_budget()
-        if not stalled or self._questions_will_free_cells():
+        if not stalled or self.answerer.will_free_cells():
             return  # questions (and entries they wait for) give their cells back when they finish
-        at_budget = [c for c in self.compactions.values() if c.session.at_budget]
+        at_budget = [c for c in self.copies.values() if c.session.at_budget]
         if any(not self._copy_blocked(c) for c in at_budget):
             return  # one is moving: its swap gives cells back
         keep = at_budget[0] if at_budget else None
-        for name, copy in list(self.compactions.items()):
+        for name, copy in list(self.copies.items()):
             if copy is not keep:
-                self._drop_copy(name)
+                self.drop(name)
         if keep is not None and self._copy_blocked(keep):
             session = keep.session
             if session.compaction_cut(self.policy.keep_tokens(session)) != keep.cut:
-                self._drop_copy(session.name)
+                self.drop(session.name)
         manager = self.store.manager
         for session in self._stalled_at_budget():  # nothing left to give way: say so, once
             if session.name not in self.stuck:
@@ -117,39 +151,35 @@ class Compacting:
         runs dry meanwhile and the feed goes quiet, its session never reaches its budget (so the
         rescue above never runs) and the copy would wait for cells forever, the engine never idle.
         When nothing will give cells back (no question, no other copy moving), such copies are
-        preempted: cheap to redo, and `_maybe_compact` starts one afresh, with a fresh cut, once
+        preempted: cheap to redo, and `maybe_start` starts one afresh, with a fresh cut, once
         the pool holds it (or the session reaches its budget, where entries give way to it)."""
-        blocked = [c for c in self.compactions.values() if self._copy_blocked(c)]
-        if not blocked or len(blocked) < len(self.compactions) or self._questions_will_free_cells():
+        blocked = [c for c in self.copies.values() if self._copy_blocked(c)]
+        if not blocked or len(blocked) < len(self.copies) or self.answerer.will_free_cells():
             return  # a copy moving (its swap frees cells) or a question running will give cells back
         for copy in blocked:
-            self._drop_copy(copy.session.name)
+            self.drop(copy.session.name)
 
-    def _questions_will_free_cells(self) -> bool:
-        """Questions in flight, standing decodes, or entries someone waits for: they give cells back."""
-        return bool(self.running) or any(st.decoding or (st.computing and st.waiters) for st in self.prepos.all())
-
-    def _drop_copy(self, name: str, preempted: bool = True) -> None:
+    def drop(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
-        job = self.compactions.pop(name)
+        job = self.copies.pop(name)
         self.store.manager.free(job.table)
-        self.compactions_preempted += preempted
+        self.preempted += preempted
 
-    def _swap_compactions(self) -> None:
-        for name, job in list(self.compactions.items()):
+    def swap_caught_up(self) -> None:
+        for name, job in list(self.copies.items()):
             if not job.caught_up():
                 continue
             session = job.session
-            del self.compactions[name]
+            del self.copies[name]
             old, version = session.table, session.data_version
             session.apply_compaction(job.cut, job.table, job.num_computed)
             if session.data_version != version:
-                self.events.append((name, "data", name, session.data_version))
+                self.publisher.data(session)
             self.store.manager.free(old)  # asks forked from it hold their own references until they end
             self.prepos.rebase(name)
             try:
                 self.store.manager.reserve(session.table, session.max_context)
             except KVCapacityError:
                 log.warning("session %s: compacted, but could not re-reserve its full budget", name)
-            self._dirty.add(name)
-            self._maybe_compact(session)  # pushes that arrived meanwhile may call for the next one
+            self.publisher.mark(name)
+            self.maybe_start(session)  # pushes that arrived meanwhile may call for the next one

@@ -12,7 +12,7 @@ on its old blocks; branches already forked keep their own references.
 The copy starts on the session's own prefix blocks (shared, not recomputed) and copies
 only what the session has computed: started when the session is at its budget, it needs
 at most `retain` x max_context cells (`CompactionPolicy.copy_cells`), which admission
-keeps free beside every session's reservation (`Compacting.admission_keep_free`, compacting.py).
+keeps free beside every session's reservation (`Compactor.keep_free`, compacting.py).
 
 When to start: early enough, at the session's measured push rate, to finish before
 the session reaches max_context, but never so early that the copy frees too little for
@@ -20,7 +20,7 @@ what it recomputes (`CompactionPolicy.should_start`). A session that
 reaches its budget anyway keeps accepting pushes; its pending data waits (and its
 copy is promoted to the ingest class) until the swap makes room. If its copy finds no
 cells, copies are recomputable work: the core preempts them as vLLM preempts requests
-(`Compacting._keep_compactions_moving`, compacting.py).
+(`Compactor.keep_moving`, compacting.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamllm.engine.kv import BlockTable
-from streamllm.engine.sequence import BACKGROUND, INGEST, Sequence, Session
+from streamllm.engine.sequence import Logits, SchedClass, Sequence, Session
 
 
 @dataclass(slots=True, eq=False)
@@ -37,7 +37,7 @@ class CompactionCopy(Sequence):
     cut: int  # token index in the session (a line boundary) where retained data starts
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
-    want_logits = "none"  # type: ignore[misc]  # a copy of data: nothing to answer at its end
+    want_logits = Logits.NONE  # type: ignore[misc]  # a copy of data: nothing to answer at its end
 
     @property
     def target_ids(self) -> list[int]:
@@ -58,9 +58,9 @@ class CompactionCopy(Sequence):
         return self.session.name
 
     @property
-    def sched_class(self) -> str:  # type: ignore[override]
+    def sched_class(self) -> SchedClass:  # type: ignore[override]
         # A session stuck at its budget ingests nothing until the swap: the copy *is* its ingest.
-        return INGEST if self.session.at_budget else BACKGROUND
+        return SchedClass.INGEST if self.session.at_budget else SchedClass.BACKGROUND
 
     def session_computed_mapped(self) -> int:
         """How far the session has computed, in the copy's coordinates."""

@@ -9,10 +9,13 @@ attachments only submit commands and read what the core publishes. The core drai
 its inbox between steps (at most `max_commands_per_drain` at a time, so a storm of
 commands cannot starve the model), so a command never races a forward pass.
 
-This file is the thread, the commands and the step loop. The core's other roles are base
-classes sharing its state, on its thread: answering (entries, decoding, the gate) in
-`answers.Answering`, keeping sessions inside their budgets in `compacting.Compacting`, and
-what other threads read in `publishing.Publishing`.
+This file is the thread, the commands, the session registry and the step loop. The rest
+is done by components the core builds and owns, each told its dependencies, all on its
+thread (mini-sglang's scheduler and its managers are the model):
+
+    EngineCore ─┬─ Publisher   what other threads read: records, ready records, counters, events
+                ├─ Answerer    asks waiting and running, entries landing, answers and standing answers
+                └─ Compactor   compaction copies: start, keep moving, preempt, swap; the admission margin
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING
 
-from streamllm.engine.answers import Answering
+from streamllm.engine import state as session_state
+from streamllm.engine.answers import Answerer
 from streamllm.engine.commands import (
     Ask,
     Call,
+    CanAdmit,
     Cancel,
     CloseSession,
     Command,
+    EvictState,
+    ExportSession,
+    ImportSession,
     OpenSession,
     Push,
     Register,
@@ -39,65 +47,96 @@ from streamllm.engine.commands import (
     WaitIdle,
     settle,
 )
-from streamllm.engine.compacting import Compacting
+from streamllm.engine.compacting import Compactor
 from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
-from streamllm.engine.kv import BlockTable
+from streamllm.engine.kv import BlockTable, KVStore
 from streamllm.engine.outputs import (
     AdmissionError,
     EngineStopped,
+    ReadyRecord,
     SessionError,
     SessionInfo,
     SessionRecord,
+    StalePolicy,
 )
 from streamllm.engine.prefixes import SharedPrefixes
-from streamllm.engine.publishing import Publishing
-from streamllm.engine.runner import Work
-from streamllm.engine.scheduler import Plan
-from streamllm.engine.sequence import ASK, Branch, Session
-from streamllm.engine.taps import LineTaps
+from streamllm.engine.prepos import Prepositioner
+from streamllm.engine.prompt import PromptLayout
+from streamllm.engine.publishing import Publisher
+from streamllm.engine.runner import Runner, Work
+from streamllm.engine.scheduler import Plan, Scheduler
+from streamllm.engine.sequence import (
+    AskBranch,
+    Branch,
+    DecodeBranch,
+    EntryBranch,
+    Logits,
+    Sequence,
+    Session,
+)
+from streamllm.engine.stats import StepTimes, core_counters
+from streamllm.engine.subscriptions import SubscriptionHub
+from streamllm.engine.taps import TapConfig, Word
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("streamllm.engine")
 
 
-class EngineCore(Answering, Compacting, Publishing):
+class EngineCore:
     max_commands_per_drain = 256
 
-    def __init__(self, *, model_name: str, tokenizer: Any, layout: Any, store: Any, runner: Any, scheduler: Any,
-                 prepos: Any, hub: Any, policy: CompactionPolicy, branch_cells: int, stale_policy: str,
-                 check_every_step: bool = False) -> None:
+    def __init__(self, *, model_name: str, tokenizer: PreTrainedTokenizerBase, layout: PromptLayout,
+                 store: KVStore, runner: Runner, scheduler: Scheduler, prepos: Prepositioner, hub: SubscriptionHub,
+                 policy: CompactionPolicy, branch_cells: int, stale_policy: StalePolicy,
+                 taps: TapConfig | None = None, check_every_step: bool = False) -> None:
         self.model_name, self.tokenizer, self.layout = model_name, tokenizer, layout
         self.store, self.runner, self.scheduler, self.prepos, self.hub = store, runner, scheduler, prepos, hub
-        self.policy, self.branch_cells, self.stale_policy = policy, branch_cells, stale_policy
+        self.taps = taps or TapConfig()  # the line features every session keeps for series heads
         self.check_every_step = check_every_step
-        self.line_taps = 0  # lines of features each session keeps for series heads (0: none served)
-        self.tap_words: tuple[int | str, ...] = ()  # the words whose last token each line's features add
-        self.word_starts: frozenset[int] = frozenset()  # the tokenizer's word-start ids (with tap_words)
-        self.word_texts: tuple[str, ...] | None = None  # its token texts (with prefix words)
-        self.sessions: dict[str, Session] = {}
-        self.running: list[Branch] = []  # asks being prefilled or decoded
-        self.waiting: list[Branch] = []  # asks waiting for their data version or for cells
-        self.compactions: dict[str, CompactionCopy] = {}
+        self.sessions: dict[str, Session] = {}  # the one registry of open sessions; only the core writes it
         self.prefixes = SharedPrefixes(store)
-        self.events: list[tuple] = []  # (session, kind, *payload), published after each update
-        self._idle_waiters: list[Future] = []
+        self.step_times = StepTimes()
+        self.publisher = Publisher(sessions=self.sessions, prepos=prepos, hub=hub)
+        self.answerer = Answerer(store=store, prepos=prepos, publisher=self.publisher, tokenizer=tokenizer,
+                                 eos_ids=layout.eos_ids, scheduler_config=scheduler.config,
+                                 stale_policy=StalePolicy(stale_policy))
+        self.compactor = Compactor(store=store, policy=policy, branch_cells=branch_cells, sessions=self.sessions,
+                                   prepos=prepos, answerer=self.answerer, publisher=self.publisher,
+                                   scheduler_config=scheduler.config, step_times=self.step_times)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._held: Command | None = None  # taken from the inbox past a drain's limit; first in the next one
         self._stop = False
         self.stopped = False
         self.failure: BaseException | None = None
-        # Published for other threads (replaced, never mutated): read without a round trip.
-        self.records: dict[str, SessionRecord] = {}
-        self.ready_records: dict[tuple[str, str], Any] = {}
-        self.counters: dict[str, float] = {}
-        self._dirty: set[str] = set()
-        self.steps = self.questions_answered = self.fast_answers = self.entry_answers = 0
-        self.admissions_refused = self.commands = self.failed_steps = self.compactions_deferred = 0
-        self.compactions_preempted = 0
-        self.stuck: set[str] = set()  # sessions at their budget with no room for a copy (logged once)
-        self.step_ms_total = self.step_ms_last = 0.0
-        self.step_tokens_last = 0
-        self._step_s_ema = 0.05
+        self.commands = self.failed_steps = self.admissions_refused = 0
         self._thread = threading.Thread(target=self._main, name="streamllm-core", daemon=True)
+
+    # -- what other threads read (published, replaced, never mutated by readers) ----
+    @property
+    def records(self) -> dict[str, SessionRecord]:
+        return self.publisher.records
+
+    @property
+    def ready_records(self) -> dict[tuple[str, str], ReadyRecord]:
+        return self.publisher.ready_records
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.publisher.counters
+
+    @property
+    def fast_answers(self) -> int:
+        return self.answerer.fast_answers
+
+    @property
+    def entry_answers(self) -> int:
+        return self.answerer.entry_answers
+
+    @property
+    def tap_words(self) -> tuple[Word, ...]:
+        return self.taps.words
 
     # -- the thread ---------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +145,7 @@ class EngineCore(Answering, Compacting, Publishing):
 
     def submit(self, cmd: Command) -> Future:
         if self.stopped:
-            settle(cmd.future, error=self._stopped_error())
+            settle(cmd.future, error=self.stopped_error())
             return cmd.future
         self._inbox.put(cmd)
         if self.stopped:  # stopped between the check and the put: nobody else will drain it
@@ -116,9 +155,14 @@ class EngineCore(Answering, Compacting, Publishing):
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
-    def _stopped_error(self) -> EngineStopped:
+    def on_core_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stopped_error(self) -> EngineStopped:
         why = f"after an internal error: {self.failure!r}" if self.failure else "(shut down)"
         return EngineStopped(f"the engine is stopped {why}")
+
+    _stopped_error = stopped_error  # the facade's old name for it
 
     def _main(self) -> None:
         try:
@@ -128,7 +172,7 @@ class EngineCore(Answering, Compacting, Publishing):
             self.failure = exc
         finally:
             self.stopped = True
-            self._fail_everything(self._stopped_error())
+            self._fail_everything(self.stopped_error())
             self._fail_inbox()
             self._publish()
 
@@ -165,13 +209,13 @@ class EngineCore(Answering, Compacting, Publishing):
     def _fail_inbox(self) -> None:
         held, self._held = self._held, None
         if held is not None:
-            settle(held.future, error=self._stopped_error())
+            settle(held.future, error=self.stopped_error())
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            settle(cmd.future, error=self._stopped_error())
+            settle(cmd.future, error=self.stopped_error())
 
     # -- commands ---------------------------------------------------------------------
     def _apply(self, cmd: Command) -> None:
@@ -179,10 +223,10 @@ class EngineCore(Answering, Compacting, Publishing):
         try:
             match cmd:
                 case Ask():
-                    self._ask(cmd)
+                    self.answerer.ask(cmd, self.session(cmd.name))
                     return
                 case WaitIdle():
-                    self._idle_waiters.append(cmd.future)
+                    self.publisher.wait_idle(cmd.future)
                     return
                 case Stop():
                     self._stop = True
@@ -198,7 +242,15 @@ class EngineCore(Answering, Compacting, Publishing):
                 case Unregister():
                     result = self._unregister(cmd)
                 case Cancel():
-                    result = self._cancel(cmd.ask_id)
+                    result = self.answerer.cancel(cmd.ask_id)
+                case ExportSession():
+                    result = (session_state.export_ready if cmd.only_ready else session_state.export_session)(self, cmd.name)
+                case EvictState():
+                    result = session_state.evict_session(self, cmd.name)
+                case ImportSession():
+                    result = session_state.import_session(self, cmd.state, cmd.name, cmd.gates)
+                case CanAdmit():
+                    result = self.store.manager.can_reserve(cmd.cells, keep_free_tokens=self.admission_keep_free(cmd.cells))
                 case Call():
                     result = cmd.fn(self)
                 case _:
@@ -206,7 +258,7 @@ class EngineCore(Answering, Compacting, Publishing):
         except Exception as exc:  # a bad command fails its caller, never the core
             settle(cmd.future, error=exc)
             return
-        self._publish_records()  # what the caller reads next already reflects its command
+        self.publisher.publish_records()  # what the caller reads next already reflects its command
         settle(cmd.future, result=result)
 
     def session(self, name: str) -> Session:
@@ -218,42 +270,51 @@ class EngineCore(Answering, Compacting, Publishing):
     def open_session(self, name: str, system: str, prefix: list[int], max_context: int) -> SessionInfo:
         if name in self.sessions:
             raise SessionError(f"session {name!r} is already open")
+        self.admit(name, max_context)
+        table = BlockTable()
+        computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
+        self.store.manager.reserve(table, max_context)
+        session = Session(name, system, prefix, max_context, table)
+        session.taps = self.taps.new_taps()
+        session.num_computed = computed
+        return self.adopt(session)
+
+    def admission_keep_free(self, max_context: int) -> int:
+        """Cells kept free beside every session's reservation (for questions and compaction copies)."""
+        return self.compactor.keep_free(max_context)
+
+    def admit(self, name: str, max_context: int, action: str = "open") -> None:
+        """Refuse (AdmissionError) a session whose budget the pool cannot reserve beside the cells kept free."""
         manager = self.store.manager
         keep = self.admission_keep_free(max_context)
         if not manager.can_reserve(max_context, keep_free_tokens=keep):
             self.admissions_refused += 1
             raise AdmissionError(
-                f"cannot open session {name!r}: it reserves {max_context} cells, the pool has "
+                f"cannot {action} session {name!r}: it reserves {max_context} cells, the pool has "
                 f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for questions "
                 "and compaction copies; close a session, lower max_context or raise max_cells")
-        table = BlockTable()
-        computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
-        manager.reserve(table, max_context)
-        session = Session(name, system, prefix, max_context, table)
-        session.taps = self.new_taps()
-        session.num_computed = computed
-        self.sessions[name] = session
-        self._dirty.add(name)
-        return self.info(session)
+
+    def adopt(self, session: Session) -> SessionInfo:
+        """Register a session whose budget is reserved (opened, or restored: `state.import_session`)."""
+        self.sessions[session.name] = session
+        self.publisher.mark(session.name)
+        return session.info()
 
     def close_session(self, name: str, *, evicting: bool = False) -> None:
         session = self.session(name)
         del self.sessions[name]
-        self.stuck.discard(name)
         gone = SessionError(f"session {name!r} was closed")
         for st in self.prepos.drop_session(name):
             for br in st.waiters:
                 settle(br.future, error=gone)
-            self.ready_records.pop((name, st.spec.id), None)
-        for br in [b for b in self.waiting + self.running if b.session is session]:
-            self._drop_ask(br, gone)
+            self.publisher.drop_ready(name, st.spec.id)
+        self.answerer.drop_session(session, gone)
         if not evicting:
             self.hub.drop_session(name)
-        if name in self.compactions:
-            self._drop_copy(name, preempted=False)
+        self.compactor.forget(name)
         self.store.manager.free(session.table)  # safe: no step is in flight while commands apply
         self.prefixes.forget_unused()
-        self.records.pop(name, None)
+        self.publisher.forget(name)
 
     def _push(self, cmd: Push) -> int:
         session = self.session(cmd.name)
@@ -262,69 +323,43 @@ class EngineCore(Answering, Compacting, Publishing):
             raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
         if cmd.truths:
             self.prepos.expect(cmd.name, version, cmd.truths)
-        self._maybe_compact(session)
-        self._dirty.add(cmd.name)
+        self.compactor.maybe_start(session)
+        self.publisher.mark(cmd.name)
         return version
 
     def _register(self, cmd: Register) -> None:
         self.prepos.register(self.session(cmd.name), cmd.spec, cmd.gate, cmd.prompt_ids)
-        self._dirty.add(cmd.name)
+        self.publisher.mark(cmd.name)
 
     def _unregister(self, cmd: Unregister) -> None:
         self.session(cmd.name)
         st = self.prepos.unregister(cmd.name, cmd.question_id)
-        self.ready_records.pop((cmd.name, cmd.question_id), None)
-        for br in st.waiters:  # asks that waited for its entry are answered the cold way
-            br.standing = None
-            self.waiting.append(br)
-        st.waiters.clear()
-        self._dirty.add(cmd.name)
-
-    def _cancel(self, ask_id: int) -> bool:
-        for br in self.waiting + self.running + [b for st in self.prepos.all() for b in st.waiters]:
-            if br.ask_id == ask_id:
-                self._drop_ask(br, None)
-                return True
-        return False  # already answered: nothing to do
-
-    def _drop_ask(self, br: Branch, error: BaseException | None) -> None:
-        for where in (self.waiting, self.running):
-            if br in where:
-                where.remove(br)
-        if br.standing is not None and br in br.standing.waiters:
-            br.standing.waiters.remove(br)
-        if br.table is not None:
-            self.store.manager.free(br.table)
-            br.table = None
-        if error is not None:
-            settle(br.future, error=error)
-        elif br.future is not None:
-            br.future.cancel()
+        self.publisher.drop_ready(cmd.name, cmd.question_id)
+        self.answerer.unregistered(st)
+        self.publisher.mark(cmd.name)
 
     # -- planning -------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.running or self.compactions or any(self._can_start(b) for b in self.waiting)
+        return bool(self.answerer.has_work() or self.compactor.copies
                     or any(s.pending_tokens for s in self.sessions.values())  # at budget too: not idle
                     or any(st.session.ready and (not st.fresh() or st.computing or st.decoding)
                            for st in self.prepos.all()))
 
     def _prepare(self) -> None:
-        self._swap_compactions()  # a copy may have nothing to compute (its cut is past the session's data)
-        self._keep_compactions_moving()
-        self._start_waiting()
-        self._make_room_for_questions()
-        manager = self.store.manager
-        copies = manager.blocks_for(sum(c.cells_to_go() for c in self.compactions.values()))
-        for entry in self.prepos.refresh(keep_free_blocks=copies):  # head-only entries: no forward pass
-            self._on_entry_ready(entry, None)
-        self._waiters_without_entries()
+        self.compactor.swap_caught_up()  # a copy may have nothing to compute (its cut is past the session's data)
+        self.compactor.keep_moving()
+        self.answerer.start_waiting()
+        self.answerer.make_room()
+        for entry in self.prepos.refresh(keep_free_blocks=self.compactor.blocks_to_go()):
+            self.answerer.on_entry_ready(entry, None)  # head-only entries: no forward pass
+        self.answerer.reroute_orphaned_waiters()
 
-    def _sequences(self) -> list:
-        return [*self.running, *self.prepos.jobs(), *self.sessions.values(), *self.compactions.values()]
+    def _sequences(self) -> list[Sequence]:
+        return [*self.answerer.running, *self.prepos.jobs(), *self.sessions.values(), *self.compactor.copies.values()]
 
     def _step(self, plan: Plan) -> None:
         works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits,
-                      want_hidden=i.want_logits == "last" and self.prepos.wants_hidden(i.seq),
+                      want_hidden=i.want_logits == Logits.LAST and self.prepos.wants_hidden(i.seq),
                       want_tap=isinstance(i.seq, Session) and i.seq.taps is not None) for i in plan.items]
         t0 = time.perf_counter()
         try:
@@ -336,17 +371,10 @@ class EngineCore(Answering, Compacting, Publishing):
             return
         step_s = time.perf_counter() - t0
         self._update(plan, logits, works)
-        self._swap_compactions()
-        self.steps += 1
-        self.step_ms_total += step_s * 1000
-        self.step_ms_last, self.step_tokens_last = step_s * 1000, plan.num_tokens
-        self._step_s_ema += 0.1 * (step_s - self._step_s_ema)
+        self.compactor.swap_caught_up()
+        self.step_times.record(step_s, plan.num_tokens)
         if self.check_every_step:
             self.check_integrity()
-
-    def new_taps(self) -> LineTaps | None:
-        """A session's line features for the adapter's series heads (None when none are served)."""
-        return LineTaps(self.line_taps, self.tap_words, self.word_starts, self.word_texts) if self.line_taps else None
 
     def _update(self, plan: Plan, logits: list, works: list[Work]) -> None:
         for item, lg, work in zip(plan.items, logits, works, strict=True):
@@ -356,8 +384,7 @@ class EngineCore(Answering, Compacting, Publishing):
                     seq.tap(work.tap, item.start_pos, item.token_ids)
                 had_prefix = seq.ready
                 if seq.advance(n):
-                    self.events.append((seq.name, "data", seq.name, seq.data_version))
-                    self._dirty.add(seq.name)
+                    self.publisher.data(seq)
                 if seq.ready and not had_prefix:
                     self.prefixes.remember(seq.token_ids, seq.prefix_len, seq.table)
             elif isinstance(seq, CompactionCopy):
@@ -365,32 +392,33 @@ class EngineCore(Answering, Compacting, Publishing):
             else:
                 seq.num_computed += n
                 if lg is not None:
-                    self.on_logits(seq, lg, work.hidden)
+                    self.answerer.on_logits(seq, lg, work.hidden)
 
     def _fail_plan(self, plan: Plan, exc: Exception) -> None:
         for item in plan.items:
             seq = item.seq
-            if not isinstance(seq, Branch):  # give back the slots; the tokens stay pending and are retried
+            if isinstance(seq, Branch):
+                self.answerer.fail_branch(seq, exc)
+            else:  # give back the slots; the tokens stay pending and are retried
                 self.store.truncate(seq.table, seq.num_computed)
-                continue
-            if seq.kind == ASK:
-                self._drop_ask(seq, exc)
-                continue
-            self.prepos.release(seq)  # entries and decodes are recomputed on the next refresh
-            st = seq.standing
-            if st.computing is seq:
-                st.computing = None
-            if st.decoding is seq:
-                st.decoding = None
 
     def _fail_everything(self, exc: Exception) -> None:
+        self.answerer.fail_all(exc)
+        self.publisher.fail_idle_waiters(exc)
+
+    def _publish(self) -> None:
+        self.publisher.publish(core_counters(self), idle=lambda: not self.has_work())
+
+    def check_integrity(self) -> None:
+        """Refcounts equal the references held by every table the core owns, and every branch in
+        flight holds what its role needs (after every step with `check_every_step`)."""
+        tables = [s.table for s in self.sessions.values()]
+        tables += self.answerer.tables() + self.compactor.tables() + self.prefixes.tables()
         for st in self.prepos.all():
-            self.waiting.extend(st.waiters)
-            st.waiters.clear()
-        for br in self.waiting + self.running:
-            settle(br.future, error=exc)
-        self.waiting.clear()
-        self.running.clear()
-        for fut in self._idle_waiters:
-            settle(fut, error=exc)
-        self._idle_waiters.clear()
+            tables += [b.table for b in st.branches() if b.table is not None]
+        self.store.manager.check_integrity(tables)
+        for br in self.answerer.running:
+            assert isinstance(br, AskBranch) and br.table is not None, f"running branch without cells: {br.question!r}"
+        for st in self.prepos.all():
+            assert st.computing is None or isinstance(st.computing, EntryBranch)
+            assert st.decoding is None or isinstance(st.decoding, DecodeBranch)

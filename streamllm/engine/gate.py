@@ -26,9 +26,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from streamllm.model.adapter import Head
 
 
 class GateError(ValueError):
@@ -84,7 +87,7 @@ class Gate:
     candidate_owner: tuple[int, ...]  # choice index of each candidate, same order
     candidate_list: tuple[int, ...]  # candidate_ids as Python ints
     tokenizer: Any
-    head: Any = None  # streamllm.model.adapter.ChoiceHead, when an adapter trained one for this question
+    head: Head | None = None  # when an adapter trained one for this question
     auto: bool = False  # threshold = "auto:P": `threshold` is set live (engine/calibration.py), head or not
     # With auto: the live threshold of each answer (choice), absent = closed for it. Evidence is per answer.
     choice_thresholds: dict[str, float] | None = None

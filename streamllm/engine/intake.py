@@ -57,11 +57,15 @@ class Intake:
         truths = (self._check_truths(name, truths) or None) if truths else None
         ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
         batch = _Batch(lines, ids_per_line, sum(len(ids) for ids in ids_per_line), source, truths)
-        while True:  # an eviction that slips in between: restore the session and start again
-            self._ensure_resident(name)
-            ack = self._push_resident(name, batch)
-            if ack is not None:
-                return ack
+        with self._log_lock(name):  # with a log: version order == log order == inbox order
+            if self.ingest_log is None:  # one critical section: assign, enqueue, ack
+                with self._lock:
+                    return self._enqueue(name, batch)
+            with self._lock:  # (evict_state also takes the log lock: the session stays between the blocks)
+                version = self._next_version(name, batch.new_tokens)
+            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)  # on disk before the ack
+            with self._lock:
+                return self._enqueue(name, batch, version)
 
     def _check_truths(self, name: str, truths: dict[str, str]) -> dict[str, str]:
         """Truths for questions the session does not have (unregistered meanwhile) are dropped: a
@@ -78,20 +82,6 @@ class Intake:
             if spec is not None:
                 kept[question_id] = choice
         return kept
-
-    def _push_resident(self, name: str, batch: _Batch) -> PushAck | None:
-        """None: the session was evicted meanwhile (the caller restores it and tries again)."""
-        with self._log_lock(name):  # with a log: version order == log order == inbox order
-            if self.ingest_log is None:  # one critical section: assign, enqueue, ack
-                with self._lock:
-                    return None if name in self._evicted else self._enqueue(name, batch)
-            with self._lock:  # (evict_session also takes the log lock: no eviction between the blocks)
-                if name in self._evicted:
-                    return None
-                version = self._next_version(name, batch.new_tokens)
-            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)  # on disk before the ack
-            with self._lock:
-                return self._enqueue(name, batch, version)
 
     def _next_version(self, name: str, new_tokens: int) -> int:
         """Under self._lock: the version the batch will get, or a clear refusal."""

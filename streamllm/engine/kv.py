@@ -180,6 +180,25 @@ class BlockManager:
             copy = (table.blocks[full], dst, tail)
         return child, copy
 
+    def truncate(self, table: BlockTable, length: int) -> tuple[int, int, int] | None:
+        """Drop the tokens of `table` past `length`. A partial tail block that is shared moves to a
+        block of its own: the returned (src_block, dst_block, num_slots) tells the pool what to copy."""
+        if not 0 <= length <= table.num_tokens:
+            raise ValueError(f"truncate length {length} outside 0..{table.num_tokens}")
+        keep = self.blocks_for(length)
+        for b in table.blocks[keep:]:
+            self._release(b)
+        del table.blocks[keep:]
+        table.num_tokens = length
+        tail = length % self.block_size
+        if not tail or self.refcount[table.blocks[-1]] <= 1:
+            return None
+        src = table.blocks[-1]
+        (dst,) = self._take(1, contiguous=False)
+        self._release(src)  # still held by the tables that share it: its cells stay as they are
+        table.blocks[-1] = dst
+        return src, dst, tail
+
     def free(self, table: BlockTable) -> None:
         for b in table.blocks:
             self._release(b)
@@ -274,10 +293,7 @@ class KVStore:
 
     def fork(self, table: BlockTable, length: int | None = None) -> BlockTable:
         child, copy = self.manager.fork(table, length)
-        if copy is not None:
-            src, dst, n = copy
-            bs = self.manager.block_size
-            self.pool.copy_slots(src * bs, dst * bs, n)
+        self._copy_tail(copy)
         return child
 
     def truncate(self, table: BlockTable, length: int) -> None:
@@ -286,18 +302,11 @@ class KVStore:
         If the new tail block is partial and shared, it is copied first so that later
         appends never write into another table's cells.
         """
-        manager = self.manager
-        if not 0 <= length <= table.num_tokens:
-            raise ValueError(f"truncate length {length} outside 0..{table.num_tokens}")
-        keep = manager.blocks_for(length)
-        for b in table.blocks[keep:]:
-            manager._release(b)
-        del table.blocks[keep:]
-        table.num_tokens = length
-        tail = length % manager.block_size
-        if tail and manager.refcount[table.blocks[-1]] > 1:
-            src = table.blocks[-1]
-            (dst,) = manager._take(1, contiguous=False)
-            self.pool.copy_slots(src * manager.block_size, dst * manager.block_size, tail)
-            manager._release(src)
-            table.blocks[-1] = dst
+        self._copy_tail(self.manager.truncate(table, length))
+
+    def _copy_tail(self, copy: tuple[int, int, int] | None) -> None:
+        """Copy a partial tail block's slots the manager moved to a block of its own (src, dst, slots)."""
+        if copy is not None:
+            src, dst, n = copy
+            bs = self.manager.block_size
+            self.pool.copy_slots(src * bs, dst * bs, n)

@@ -8,7 +8,34 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from streamllm.config import QuestionSpec
+
+
+class AnswerPath(StrEnum):
+    """How an answer was made (compares equal to, and serialises as, its string)."""
+
+    FAST = "fast"  # the gate fired: from the ready distribution, no model call
+    ENTRY = "entry"  # from the pre-paid entry, gate closed
+    COLD = "cold"  # prefilled on top of the session, then decoded
+    GATE = "gate"  # a standing answer that is only the gate's view (its first token; nobody is pushed it)
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"  # end of turn, a stop string, or a named choice
+    LENGTH = "length"  # max_tokens reached
+
+
+class StalePolicy(StrEnum):
+    """What a standing question asked while its entry lags the session's data gets."""
+
+    WAIT = "wait"  # wait for the entry at the current data version
+    STALE = "stale"  # answer from the newest entry at once, marked stale
 
 
 class SessionError(KeyError):
@@ -48,6 +75,20 @@ class SessionInfo:
     compactions: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """What a session's cells are valid for: a snapshot restores only into an engine with the same identity."""
+
+    model_name: str
+    config_hash: str  # model name, architecture and tokenizer vocabulary
+    kv_dtype: str  # the cells' dtype by name (float32, bfloat16)
+    adapter_id: str | None  # a `streamllm tune` adapter changes standing answers
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    line_feature_width: int  # series heads' per-line features, as this engine's taps keep them
+
+
 @dataclass(slots=True, eq=False)
 class Answer:
     session: str
@@ -57,11 +98,11 @@ class Answer:
     data_version: int
     tokens_computed: int
     latency_ms: float
-    path: str = "cold"  # "fast" (gate fired) | "entry" (from the pre-paid entry) | "cold"
+    path: AnswerPath = AnswerPath.COLD
     confidence: float | None = None  # the gate's gap at the decision point
     stale: bool = False
-    finish_reason: str = "length"  # "stop" (eos, stop string or a named choice) | "length"
-    logits: object = None  # the distribution at the decision point, when asked for (torch.Tensor)
+    finish_reason: FinishReason = FinishReason.LENGTH
+    logits: torch.Tensor | None = None  # the distribution at the decision point, when asked for
     choices: dict[str, float] | None = None  # each choice's probability (softmax over the choices)
 
     def to_dict(self) -> dict:
@@ -73,7 +114,7 @@ class StandingAnswer:
     session: str
     question_id: str
     text: str
-    path: str  # "fast" (gate fired) | "entry" (from the entry, gate closed)
+    path: AnswerPath  # FAST, ENTRY, or GATE (the gate's view only)
     confidence: float  # the gate's gap
     data_version: int
     updated_at: float = field(default_factory=time.time)
@@ -102,7 +143,7 @@ class ReadyRecord:
     token_id: int
     confidence: float
     choices: dict[str, float] | None
-    logits: Any  # torch.Tensor [vocab], never mutated after publication
+    logits: torch.Tensor | None  # [vocab], never mutated after publication
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,4 +152,4 @@ class SessionRecord:
 
     info: SessionInfo
     standing: tuple[StandingAnswer, ...] = ()
-    questions: tuple[Any, ...] = ()  # QuestionSpec of each standing question
+    questions: tuple[QuestionSpec, ...] = ()  # each standing question's spec

@@ -16,6 +16,7 @@ time an entry completes, its `ReadyRecord` is published for callers to read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +25,40 @@ from streamllm.config import QuestionSpec, normalize_question
 from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.gate import Gate, GateDecision
 from streamllm.engine.kv import KVCapacityError, KVStore
-from streamllm.engine.outputs import ReadyRecord, StandingAnswer
-from streamllm.engine.sequence import ENTRY, Branch, Session
+from streamllm.engine.outputs import AnswerPath, ReadyRecord, StandingAnswer
+from streamllm.engine.sequence import (
+    AskBranch,
+    Branch,
+    DecodeBranch,
+    DecodingBranch,
+    EntryBranch,
+    Session,
+)
+from streamllm.model.adapter import HeadKind
+
+
+def find_standing(questions: Iterable[QuestionSpec], query: str) -> QuestionSpec | None:
+    """The standing question with this id, or with this text up to whitespace and case."""
+    questions = list(questions)
+    for spec in questions:
+        if spec.id == query:
+            return spec
+    normalized = normalize_question(query)
+    for spec in questions:
+        if spec.normalized_text == normalized:
+            return spec
+    return None
+
+
+def answers_alone(spec: QuestionSpec, fired: bool, token_id: int, max_tokens: int, eos_ids: set[int]) -> bool:
+    """Whether the gate's view alone is the whole answer: a choice question, or a fired gate on an
+    answer one token long (max_tokens 1, or the top token ends the turn)."""
+    return bool(spec.choices) or (fired and (max_tokens == 1 or token_id in eos_ids))
+
+
+def is_final(rec: ReadyRecord, spec: QuestionSpec, max_tokens: int, eos_ids: set[int]) -> bool:
+    """Whether the ready record alone answers an ask of `max_tokens` (`rec.final` is this at the spec's own)."""
+    return answers_alone(spec, rec.fired, rec.token_id, max_tokens, eos_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -36,15 +69,15 @@ class Standing:
     spec: QuestionSpec
     gate: Gate
     prompt_ids: list[int]
-    computing: Branch | None = None  # entry being prefilled
-    ready: Branch | None = None  # newest entry whose ready distribution is known
-    decoding: Branch | None = None  # standing-answer decode (free-text push questions)
+    computing: EntryBranch | None = None  # entry being prefilled
+    ready: EntryBranch | None = None  # newest entry whose ready distribution is known
+    decoding: DecodeBranch | None = None  # standing-answer decode (free-text push questions)
     answer: StandingAnswer | None = None
     record: ReadyRecord | None = None  # published view of `ready`
     # What `ready`'s head reads: the final normed hidden state at its decision point (entry head)
     # or the session's line features up to it (series head); None without a head.
     ready_hidden: torch.Tensor | None = None
-    waiters: list[Branch] = field(default_factory=list)  # asks waiting for a fresh entry
+    waiters: list[AskBranch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
     calibration: LiveCalibration = field(default_factory=LiveCalibration)  # answers scored against labels
 
@@ -110,13 +143,8 @@ class Prepositioner:
 
     def find(self, session: str, query: str) -> Standing | None:
         questions = self.by_session.get(session, {})
-        if query in questions:
-            return questions[query]
-        normalized = normalize_question(query)
-        for st in questions.values():
-            if st.spec.normalized_text == normalized:
-                return st
-        return None
+        spec = find_standing((st.spec for st in questions.values()), query)
+        return None if spec is None else questions[spec.id]
 
     def standing(self, session: str) -> list[Standing]:
         return list(self.by_session.get(session, {}).values())
@@ -125,7 +153,7 @@ class Prepositioner:
         return [st for qs in self.by_session.values() for st in qs.values()]
 
     # -- entries -------------------------------------------------------------
-    def refresh(self, keep_free_blocks: int = 0) -> list[Branch]:
+    def refresh(self, keep_free_blocks: int = 0) -> list[EntryBranch]:
         """Start an entry at the newest data version for every question that lacks one, leaving
         keep_free_blocks free (compaction copies in flight need them more than entries do).
         Returns the entries that need no forward pass (head-only: ready now, for the core to finish)."""
@@ -137,8 +165,8 @@ class Prepositioner:
                 continue
             if self._head_only(st):
                 self.release(st.computing)  # an older prefill in flight is not needed any more
-                st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, base_len=s.version_length(s.data_version),
-                                      data_version=s.data_version, standing=st, choices=st.gate)
+                st.computing = EntryBranch(s, st.spec.text, st.prompt_ids, base_len=s.version_length(s.data_version),
+                                           data_version=s.data_version, standing=st, choices=st.gate)
                 instant.append(st.computing)
                 continue
             if st.computing is not None:
@@ -152,16 +180,16 @@ class Prepositioner:
                 table = self.store.fork(s.table, s.version_length(s.data_version))
             except KVCapacityError:
                 continue
-            st.computing = Branch(ENTRY, s, st.spec.text, st.prompt_ids, 0, table=table,
-                                  base_len=s.version_length(s.data_version), data_version=s.data_version,
-                                  keep_logits=True, standing=st, choices=st.gate if st.spec.choices else None)
+            st.computing = EntryBranch(s, st.spec.text, st.prompt_ids, table=table,
+                                       base_len=s.version_length(s.data_version), data_version=s.data_version,
+                                       standing=st, choices=st.gate if st.spec.choices else None)
         return instant
 
     def _head_only(self, st: Standing) -> bool:
         """Whether the newest entry can come from the session's line features alone: a choice question
         (never decoded on) whose series head has all its lines at the newest data version."""
         head, s = st.gate.head, st.session
-        if not (self.head_entries and st.spec.choices and head is not None and head.kind == "series"
+        if not (self.head_entries and st.spec.choices and head is not None and head.kind == HeadKind.SERIES
                 and s.taps is not None):
             return False
         upto = s.lines_upto(s.version_length(s.data_version))
@@ -175,10 +203,10 @@ class Prepositioner:
 
     def wants_hidden(self, seq: object) -> bool:
         """An entry whose question has an entry head needs the hidden state of its last row."""
-        return (isinstance(seq, Branch) and seq.kind == ENTRY and seq.standing.gate.head is not None
-                and seq.standing.gate.head.kind == "entry")
+        return (isinstance(seq, EntryBranch) and seq.standing.gate.head is not None
+                and seq.standing.gate.head.kind == HeadKind.ENTRY)
 
-    def on_entry_ready(self, entry: Branch, logits: torch.Tensor,
+    def on_entry_ready(self, entry: EntryBranch, logits: torch.Tensor | None,
                        hidden: torch.Tensor | None = None) -> Standing | None:
         st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
@@ -191,7 +219,7 @@ class Prepositioner:
         st.ready, st.computing = entry, None
         st.ready_hidden = None if hidden is None else hidden.clone()
         head = st.gate.head
-        if head is not None and head.kind == "series" and st.session.taps is not None:
+        if head is not None and head.kind == HeadKind.SERIES and st.session.taps is not None:
             # The lines the entry saw: those ending at or before its fork point (None until enough are held).
             upto = st.session.lines_upto(entry.base_len)
             st.ready_hidden = st.session.taps.window(upto, head.reads(upto))
@@ -224,7 +252,7 @@ class Prepositioner:
 
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)
-        final = bool(st.spec.choices) or (d.fired and (st.spec.max_tokens == 1 or d.token_id in self.eos_ids))
+        final = answers_alone(st.spec, d.fired, d.token_id, st.spec.max_tokens, self.eos_ids)
         return ReadyRecord(st.session.name, st.spec.id, st.ready.data_version, d.fired, final,
                            d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits)
 
@@ -262,7 +290,7 @@ class Prepositioner:
     def decide(self, st: Standing) -> GateDecision:
         return st.gate.decide(st.ready_logits, st.ready_hidden)
 
-    def fork_from_entry(self, st: Standing, branch: Branch) -> None:
+    def fork_from_entry(self, st: Standing, branch: DecodingBranch) -> None:
         """Give `branch` (an ask or decode) the entry's KV; its next token comes from the ready logits."""
         entry = st.ready
         branch.table = self.store.fork(entry.table)
@@ -271,7 +299,7 @@ class Prepositioner:
         branch.num_computed = len(entry.prompt_ids)
         branch.first_logits = entry.first_logits
 
-    def set_answer(self, st: Standing, text: str, path: str, confidence: float, version: int,
+    def set_answer(self, st: Standing, text: str, path: AnswerPath, confidence: float, version: int,
                    choices: dict[str, float] | None = None) -> StandingAnswer | None:
         """Record the standing answer; returns it when it changed (what subscribers hear)."""
         previous = st.answer

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from streamllm.engine.kv import BlockTable, KVStore
+from streamllm.engine.sequence import Logits
 from streamllm.model.attention import SeqAttention, shared_prefix_groups
 from streamllm.model.llama import ForwardBatch, LlamaForward
 
@@ -20,8 +21,8 @@ class Work:
     table: BlockTable
     token_ids: list[int]  # tokens computed in this step
     start_pos: int  # position of token_ids[0]; table holds slots up to start_pos + len
-    want_logits: str = "last"  # "last" | "all" | "none"
-    want_hidden: bool = False  # with "last": also the final-normed hidden state of that row (choice heads)
+    want_logits: Logits = Logits.LAST
+    want_hidden: bool = False  # with LAST: also the final-normed hidden state of that row (choice heads)
     hidden: torch.Tensor | None = None  # [H], filled by execute when want_hidden
     want_tap: bool = False  # the residual of every row at the runner's tap_layer (series heads read lines)
     tap: torch.Tensor | None = None  # [n, H] fp32, filled by execute when want_tap
@@ -56,10 +57,10 @@ class Runner:
             positions.append(torch.arange(w.start_pos, end))
             slots.append(manager.slots(w.table, w.start_pos, end))
             seqs.append(SeqAttention(row0, n, w.start_pos, manager.runs(w.table, end)))
-            if w.want_logits == "last":
+            if w.want_logits == Logits.LAST:
                 logit_slices.append(slice(len(logit_rows), len(logit_rows) + 1))
                 logit_rows.append(row0 + n - 1)
-            elif w.want_logits == "all":
+            elif w.want_logits == Logits.ALL:
                 logit_slices.append(slice(len(logit_rows), len(logit_rows) + n))
                 logit_rows.extend(range(row0, row0 + n))
             else:
@@ -76,7 +77,7 @@ class Runner:
         return batch, logit_slices
 
     def execute(self, works: list[Work]) -> list[torch.Tensor | None]:
-        """Logits per work: [vocab] for "last", [n, vocab] for "all", None for "none"."""
+        """Logits per work: [vocab] for LAST, [n, vocab] for ALL, None for NONE."""
         if not works:
             return []
         want_tap = any(w.want_tap for w in works)
@@ -100,7 +101,7 @@ class Runner:
         for w, sl in zip(works, logit_slices, strict=True):
             if sl is None:
                 out.append(None)
-            elif w.want_logits == "last":
+            elif w.want_logits == Logits.LAST:
                 out.append(logits[sl.start])
             else:
                 out.append(logits[sl])

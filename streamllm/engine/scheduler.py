@@ -32,18 +32,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamllm.engine.kv import BlockManager
-from streamllm.engine.sequence import BACKGROUND, INGEST, INTERACTIVE, Sequence
+from streamllm.engine.sequence import Logits, SchedClass, Sequence
 
-CLASSES = (INTERACTIVE, INGEST, BACKGROUND)
+INTERACTIVE, INGEST, BACKGROUND = SchedClass.INTERACTIVE, SchedClass.INGEST, SchedClass.BACKGROUND
+CLASSES = tuple(SchedClass)
 
 
 @dataclass(slots=True, eq=False)
 class PlanItem:
     seq: Sequence
-    sched_class: str  # INTERACTIVE | INGEST | BACKGROUND
+    sched_class: SchedClass
     token_ids: list[int]
     start_pos: int
-    want_logits: str  # "last" when this chunk completes the sequence's pending tokens, else "none"
+    want_logits: Logits  # the sequence's own (LAST) when this chunk completes its pending tokens, else NONE
 
 
 @dataclass(slots=True)
@@ -54,7 +55,7 @@ class Plan:
     def num_tokens(self) -> int:
         return sum(len(i.token_ids) for i in self.items)
 
-    def tokens_of(self, sched_class: str) -> int:
+    def tokens_of(self, sched_class: SchedClass) -> int:
         return sum(len(i.token_ids) for i in self.items if i.sched_class == sched_class)
 
     def __bool__(self) -> bool:
@@ -77,8 +78,8 @@ class SchedulerConfig:
 @dataclass(slots=True)
 class SchedulerStats:
     steps: int = 0
-    tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
-    floor_steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # steps served at floor
+    tokens: dict[SchedClass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    floor_steps: dict[SchedClass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # steps served at floor
     blocked: int = 0  # sequences skipped for lack of cells
 
 
@@ -128,7 +129,7 @@ class Scheduler:
 
     def schedule(self, sequences: list[Sequence]) -> Plan:
         """Plan the next step over every sequence with pending tokens (any class)."""
-        by_class: dict[str, list[Sequence]] = {c: [] for c in CLASSES}
+        by_class: dict[SchedClass, list[Sequence]] = {c: [] for c in CLASSES}
         for seq in sequences:
             if seq.pending_ids:
                 by_class[seq.sched_class].append(seq)
@@ -164,7 +165,7 @@ class Scheduler:
                     self.stats.floor_steps[c] += 1
         return plan
 
-    def _fill(self, plan: Plan, sched_class: str, seqs: list[Sequence], budget: int, turn: int) -> int:
+    def _fill(self, plan: Plan, sched_class: SchedClass, seqs: list[Sequence], budget: int, turn: int) -> int:
         used = 0
         for seq in fair_order(seqs, lambda s: s.session_name, turn):
             if budget - used <= 0:
@@ -172,7 +173,7 @@ class Scheduler:
             used += self._take(plan, sched_class, seq, budget - used)
         return used
 
-    def _take(self, plan: Plan, sched_class: str, seq: Sequence, budget: int) -> int:
+    def _take(self, plan: Plan, sched_class: SchedClass, seq: Sequence, budget: int) -> int:
         """Plan up to one chunk of `seq`'s pending tokens; returns the tokens planned (0 if no room)."""
         ids, start = seq.pending_ids, seq.next_pos
         if seq.table.num_tokens != start:
@@ -184,6 +185,6 @@ class Scheduler:
             self.stats.blocked += 1
             return 0
         self.manager.append(seq.table, n)
-        want = seq.want_logits if n == len(ids) else "none"
+        want = seq.want_logits if n == len(ids) else Logits.NONE
         plan.items.append(PlanItem(seq, sched_class, ids[:n], start, want))
         return n

@@ -1,15 +1,15 @@
 """Sequences: anything the model computes tokens for, owned by the core.
 
-One rule for all of them: a sequence has token ids, counts how many are
-computed, holds a block table, and its next token sits at `next_pos`. Chunked
-prefill, resume and branches follow from `num_computed`; the scheduler plans any
-sequence the same way and never asks what it is.
+One rule for all of them: a sequence has token ids, counts how many are computed,
+holds a block table, and its next token sits at `next_pos`. Chunked prefill, resume
+and branches follow from `num_computed`; the scheduler plans any sequence the same
+way and never asks what it is.
 
-    Session         [prefix | batch 1 | batch 2 | batch 3 (pending)]  kind INGEST
-    Branch (ask)    session@v2 + [Question ... <assistant>] + generated    INTERACTIVE
-    Branch (entry)  session@v2 + [Question ... <assistant>] -> ready logits  BACKGROUND*
-    Branch (decode) entry + generated (a standing answer decoded off the critical path)
-    CompactionCopy  [prefix | recent lines ...] in fresh blocks          BACKGROUND
+    Session         [prefix | batch 1 | batch 2 | batch 3 (pending)]           INGEST
+    AskBranch       session@v2 + [Question ... <assistant>] + generated         INTERACTIVE
+    EntryBranch     session@v2 + [Question ... <assistant>] -> ready logits     BACKGROUND*
+    DecodeBranch    entry + generated (a standing answer decoded off the critical path)  BACKGROUND
+    CompactionCopy  [prefix | recent lines ...] in fresh blocks                 BACKGROUND
 
     * an entry that an ask is waiting for is INTERACTIVE.
 
@@ -21,24 +21,50 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from enum import StrEnum
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from streamllm.engine.kv import BlockTable
+from streamllm.engine.outputs import AnswerPath, FinishReason, SessionInfo
 from streamllm.engine.taps import LineTaps
 
-INTERACTIVE, INGEST, BACKGROUND = "interactive", "ingest", "background"
-ASK, ENTRY, DECODE = "ask", "entry", "decode"
+if TYPE_CHECKING:
+    from streamllm.engine.gate import Gate
+    from streamllm.engine.prepos import Standing
+
+
+class SchedClass(StrEnum):
+    """The batcher's three classes, served in this order (scheduler.py)."""
+
+    INTERACTIVE = "interactive"
+    INGEST = "ingest"
+    BACKGROUND = "background"
+
+
+class Logits(StrEnum):
+    """Which logits a step's chunk of a sequence returns."""
+
+    LAST = "last"  # at the chunk's last token (a branch's next token, an entry's ready distribution)
+    ALL = "all"  # at every token (benches, parity tests)
+    NONE = "none"  # none (data: sessions and compaction copies)
+
+
+class BranchKind(StrEnum):
+    ASK = "ask"  # a question someone waits for
+    ENTRY = "entry"  # a standing question's pre-paid prefill, kept after it completes
+    DECODE = "decode"  # a standing answer decoded from an entry as background work
 
 
 class Sequence:
     """Base: what the scheduler and runner need. Subclasses say which tokens are pending."""
 
     __slots__ = ()
-    want_logits: ClassVar[str] = "last"  # logits at the last token of a step's chunk: "last" | "none"
+    want_logits: ClassVar[Logits] = Logits.LAST
     table: BlockTable
     num_computed: int
 
@@ -55,7 +81,7 @@ class Sequence:
         raise NotImplementedError
 
     @property
-    def sched_class(self) -> str:
+    def sched_class(self) -> SchedClass:
         raise NotImplementedError
 
 
@@ -65,8 +91,8 @@ class Session(Sequence):
     __slots__ = ("name", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
                  "version_ends", "version_lines", "data_version", "lines_ingested", "line_ends",
                  "compactions", "tokens_dropped", "opened_at", "version_base", "push_times", "lines_cut", "taps")
-    want_logits = "none"
-    sched_class = INGEST  # type: ignore[assignment]
+    want_logits = Logits.NONE
+    sched_class = SchedClass.INGEST  # type: ignore[assignment]
 
     def __init__(self, name: str, system: str, prefix_ids: list[int], max_context: int, table: BlockTable) -> None:
         self.name = name
@@ -120,6 +146,10 @@ class Session(Sequence):
     @property
     def next_pos(self) -> int:  # type: ignore[override]
         return self.num_computed
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(self.name, self.data_version, self.pushed_version, self.num_tokens, self.num_computed,
+                           self.prefix_len, self.max_context, self.backlog_lines, self.lines_ingested, self.compactions)
 
     @property
     def backlog_lines(self) -> int:
@@ -208,44 +238,24 @@ class Session(Sequence):
 
 @dataclass(slots=True, eq=False)
 class Branch(Sequence):
-    """A sequence forked off a session at a data version, on its own blocks.
+    """A sequence forked off a session at a data version, on its own blocks; it never changes
+    the session. What it is for is its type: `AskBranch`, `EntryBranch` or `DecodeBranch`."""
 
-    kind: ASK (a question someone waits for), ENTRY (a standing question's pre-paid
-    prefill, kept after it completes) or DECODE (a standing answer decoded from an entry
-    as background work).
-    """
-
-    kind: str
+    kind: ClassVar[BranchKind]
     session: Session
     question: str
     prompt_ids: list[int]
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    future: Future | None = None
-    min_version: int = 0
-    choices: Any = None  # the Gate of a choice question: its answer is always one of the choices
-    standing: Any = None  # the Standing this branch serves (entries, decodes, standing asks)
-    on_text: Any = None  # callback(delta: str) as tokens are decoded (streaming), engine thread
-    t_start: float = field(default_factory=time.perf_counter)
+    standing: Standing | None = None  # the standing question this branch serves (entries, decodes, standing asks)
+    choices: Gate | None = None  # a choice question's gate: its answer is always one of the choices
     table: BlockTable | None = None
     base_len: int = 0
     data_version: int = 0
-    generated: list[int] = field(default_factory=list)
-    num_computed: int = 0  # of prompt_ids + generated
-    prepaid: int = 0  # tokens whose KV came with the entry (not computed for this answer)
-    finish_reason: str = "length"
-    text: str = ""
-    keep_logits: bool = False
-    first_logits: Any = None
-    path: str = "cold"
-    confidence: float | None = None
-    choice_probs: dict[str, float] | None = None
-    stale: bool = False
-    ask_id: int = 0
+    num_computed: int = 0  # of `ids`
+    first_logits: torch.Tensor | None = None  # the distribution at the decision point
 
     @property
     def ids(self) -> list[int]:
-        return self.prompt_ids + self.generated
+        return self.prompt_ids
 
     @property
     def pending_ids(self) -> list[int]:  # type: ignore[override]
@@ -259,8 +269,62 @@ class Branch(Sequence):
     def session_name(self) -> str:  # type: ignore[override]
         return self.session.name
 
+
+@dataclass(slots=True, eq=False)
+class EntryBranch(Branch):
+    """A standing question's prefill up to its decision point, kept (with its ready logits) once done."""
+
+    kind: ClassVar[BranchKind] = BranchKind.ENTRY
+
     @property
-    def sched_class(self) -> str:  # type: ignore[override]
-        if self.kind == ASK or (self.kind == ENTRY and self.standing is not None and self.standing.waiters):
-            return INTERACTIVE
-        return BACKGROUND
+    def sched_class(self) -> SchedClass:  # type: ignore[override]
+        waited_for = self.standing is not None and self.standing.waiters
+        return SchedClass.INTERACTIVE if waited_for else SchedClass.BACKGROUND
+
+
+@dataclass(slots=True, eq=False)
+class DecodingBranch(Branch):
+    """A branch that generates tokens after its prompt (asks and standing decodes)."""
+
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    prepaid: int = 0  # tokens whose KV came with the entry (not computed for this answer)
+    finish_reason: FinishReason = FinishReason.LENGTH
+    text: str = ""
+    path: AnswerPath = AnswerPath.COLD
+    confidence: float | None = None
+
+    @property
+    def ids(self) -> list[int]:  # type: ignore[override]
+        return self.prompt_ids + self.generated
+
+
+@dataclass(slots=True, eq=False)
+class DecodeBranch(DecodingBranch):
+    """A standing answer decoded from its entry as background work (free-text push questions)."""
+
+    kind: ClassVar[BranchKind] = BranchKind.DECODE
+
+    @property
+    def sched_class(self) -> SchedClass:  # type: ignore[override]
+        return SchedClass.BACKGROUND
+
+
+@dataclass(slots=True, eq=False)
+class AskBranch(DecodingBranch):
+    """A question someone waits for: answered into its future."""
+
+    kind: ClassVar[BranchKind] = BranchKind.ASK
+    future: Future | None = None
+    min_version: int = 0
+    on_text: Callable[[str], None] | None = None  # called with each decoded delta (streaming), core thread
+    t_start: float = field(default_factory=time.perf_counter)
+    keep_logits: bool = False
+    choice_probs: dict[str, float] | None = None
+    stale: bool = False
+    ask_id: int = 0
+
+    @property
+    def sched_class(self) -> SchedClass:  # type: ignore[override]
+        return SchedClass.INTERACTIVE

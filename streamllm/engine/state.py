@@ -1,6 +1,6 @@
 """A session's whole state as plain data, taken from and put back into the core.
 
-Both functions run on the core thread (through `Engine.call`): the core is the only
+These run on the core thread (the `ExportSession`, `EvictState`, `ImportSession` commands): the core is the only
 writer, so exporting copies cells while nothing can move the table, and importing
 allocates and fills cells between two steps. Files, hashing and fsync are the
 caller's business (`streamllm.durability.snapshot`), off the core thread.
@@ -9,13 +9,18 @@ caller's business (`streamllm.durability.snapshot`), off the core thread.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from streamllm.config import QuestionSpec
+from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockTable, KVCapacityError
-from streamllm.engine.outputs import AdmissionError, SessionError, SessionInfo
+from streamllm.engine.outputs import SessionError, SessionInfo
 from streamllm.engine.sequence import Session
+
+if TYPE_CHECKING:
+    from streamllm.engine.core import EngineCore
 
 
 @dataclass(slots=True)
@@ -24,24 +29,24 @@ class SessionState:
     k: torch.Tensor  # [layers, kv_heads, num_computed, head_dim] on CPU
     v: torch.Tensor
     token_ids: list[int]
-    questions: list[Any] = field(default_factory=list)  # QuestionSpec
+    questions: list[QuestionSpec] = field(default_factory=list)
     # Series heads' line features (engine/taps.py): [n, (2 + W) H] and each line's number; None without them.
     line_features: torch.Tensor | None = None
     line_index: torch.Tensor | None = None
 
 
-def busy_reasons(core: Any, name: str) -> list[str]:
+def busy_reasons(core: EngineCore, name: str) -> list[str]:
     s: Session = core.session(name)
     return [why for why, cond in (
         ("pending ingest", s.pending_tokens > 0),
-        ("questions in flight", any(b.session is s for b in core.running + core.waiting)),
-        ("compaction running", name in core.compactions),
+        ("questions in flight", core.answerer.asks_on(s)),
+        ("compaction running", name in core.compactor.copies),
         ("entries computing", any(st.computing is not None or st.decoding is not None or st.waiters
                                   for st in core.prepos.standing(name))),
     ) if cond]
 
 
-def export_session(core: Any, name: str) -> SessionState:
+def export_session(core: EngineCore, name: str) -> SessionState:
     """Copy session `name`'s computed cells and bookkeeping (pending tokens travel as ids)."""
     s: Session = core.session(name)
     manager, pool = core.store.manager, core.store.pool
@@ -66,7 +71,15 @@ def export_session(core: Any, name: str) -> SessionState:
     return state
 
 
-def evict_session(core: Any, name: str) -> SessionState:
+def export_ready(core: EngineCore, name: str) -> SessionState | None:
+    """`export_session`, or None when the session is not open or its prefix is not computed yet (checkpoints)."""
+    s = core.sessions.get(name)
+    if s is None or not s.ready:
+        return None
+    return export_session(core, name)
+
+
+def evict_session(core: EngineCore, name: str) -> SessionState:
     """Export an idle session and drop it from the core (its subscribers stay attached)."""
     busy = busy_reasons(core, name)
     if busy:
@@ -76,7 +89,7 @@ def evict_session(core: Any, name: str) -> SessionState:
     return state
 
 
-def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[Any, Any, list[int]]]) -> SessionInfo:
+def import_session(core: EngineCore, state: SessionState, name: str, gates: list[tuple[QuestionSpec, Gate, list[int]]]) -> SessionInfo:
     """Open `name` from `state`: reserve its budget, copy the cells back, register its questions.
 
     gates: (spec, gate, prompt_ids) per standing question, built by the caller (tokenizer work)."""
@@ -85,12 +98,7 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
         raise SessionError(f"session {name!r} is already open; close it or restore under another name")
     manager, pool = core.store.manager, core.store.pool
     n, max_context = int(meta["num_computed"]), int(meta["max_context"])
-    keep = core.admission_keep_free(max_context)
-    if not manager.can_reserve(max_context, keep_free_tokens=keep):
-        core.admissions_refused += 1
-        raise AdmissionError(f"cannot restore session {name!r}: it reserves {max_context} cells, the pool has "
-                             f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for "
-                             "questions and compaction copies")
+    core.admit(name, max_context, "restore")
     table = BlockTable()
     manager.reserve(table, max_context)
     try:
@@ -107,21 +115,21 @@ def import_session(core: Any, state: SessionState, name: str, gates: list[tuple[
     s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
     s.line_ends.extend(meta["line_ends"])
     s.lines_cut = int(meta.get("lines_cut", 0))
-    s.taps = core.new_taps()
+    s.taps = core.taps.new_taps()
     if s.taps is not None and state.line_features is not None:  # series heads answer at once, not K lines later
         device = core.runner.model.device
         for i, f in zip(state.line_index.tolist(), state.line_features, strict=True):
             s.taps.lines.append((int(i), f.to(device)))
     s.data_version, s.lines_ingested = int(meta["data_version"]), int(meta["lines_ingested"])
     s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
-    core.sessions[name] = s
+    core.adopt(s)
     saved = meta.get("calibration") or {}
     for spec, gate, prompt_ids in gates:
         st = core.prepos.register(s, spec, gate, prompt_ids)
         if spec.id in saved:  # checked by the snapshot's reader; a window from memory is our own
             st.calibration.restore(saved[spec.id], gate.effective_threshold)
             core.prepos.sync_gate(st)
-    core._dirty.add(name)
-    core._maybe_compact(s)  # restored with more pending than its budget: compaction makes the room
-    return core.info(s)
+    core.publisher.mark(name)
+    core.compactor.maybe_start(s)  # restored with more pending than its budget: compaction makes the room
+    return s.info()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -170,3 +171,27 @@ class LineTaps:
     def num_lines(self) -> int:
         """Index after the newest line held (0: none)."""
         return self.lines[-1][0] + 1 if self.lines else 0
+
+
+@dataclass(frozen=True, slots=True)
+class TapConfig:
+    """What line features every session keeps for the adapter's series heads (lines 0: none)."""
+
+    lines: int = 0  # lines of features each session keeps
+    words: tuple[Word, ...] = ()  # the words whose last token each line's features add
+    word_starts: frozenset[int] = frozenset()  # the tokenizer's word-start ids (with words)
+    word_texts: tuple[str, ...] | None = None  # its token texts (with prefix words)
+
+    @classmethod
+    def for_heads(cls, tokenizer: Any, lines: int, words: Sequence[Word]) -> TapConfig:
+        """Keep `lines` lines of `words` (no lines: nothing served)."""
+        if not lines:
+            return cls()
+        if not words:
+            return cls(lines)
+        starts, texts = word_tables(tokenizer, words)
+        return cls(lines, tuple(words), starts, texts)
+
+    def new_taps(self) -> LineTaps | None:
+        """A session's line features (None when no series head is served)."""
+        return LineTaps(self.lines, self.words, self.word_starts, self.word_texts) if self.lines else None

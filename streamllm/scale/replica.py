@@ -52,13 +52,14 @@ class ReplicaSpec:
     checkpoint_s: float = 0.0
     feeds: FeedPlan | None = None
     torch_threads: int | None = None  # the CPUs Ray reserved for it (None: torch's default)
-    spill_dir: str | None = None  # evict idle sessions here when its cells run out (durability/pressure.py)
+    spill_dir: str | None = None  # evict idle sessions here when its cells run out (durability/resident.py)
 
 
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         from streamllm.durability.ingest_log import IngestLog
         from streamllm.durability.recovery import recover
+        from streamllm.durability.resident import ResidentEngine
         from streamllm.engine import Engine
         from streamllm.model.loader import load_model
         from streamllm.service.bars import BarBook
@@ -70,12 +71,14 @@ class Replica:
             torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.journal = EventJournal()
-        self.engine = Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine)
+        # Snapshots for moves; with a spill folder, idle sessions to disk when its cells run out.
+        self.engine = ResidentEngine(Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine),
+                                     spec.spill_dir or None, auto_evict=bool(spec.spill_dir))
         self.ingest_log = IngestLog(spec.log_dir, flush=spec.log_flush, checkpoint_versions=spec.checkpoint_versions,
                                     checkpoint_s=spec.checkpoint_s)
         # Memory pressure from the start, as `serve` does for one engine: a replica restarted with
         # more sessions than its pool holds brings every one back, idle ones to disk.
-        self.recovery = recover(self.engine, self.ingest_log, spill_dir=spec.spill_dir or None)
+        self.recovery = recover(self.engine, self.ingest_log)
         self._subs: dict[str, list[Any]] = {}
         for info in self.engine.list_sessions():
             self._watch(info.name)

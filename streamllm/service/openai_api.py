@@ -45,7 +45,6 @@ from streamllm.service.httpauth import (
     session_name,
     tenant_of,
 )
-from streamllm.service.shared import resident
 from streamllm.service.sse import sse, sse_response
 from streamllm.service.tenants import Tenant
 
@@ -174,7 +173,6 @@ class OpenAIApi:
                 kw["max_tokens"] = ask.max_tokens
             if queue is not None:
                 kw["on_text"] = threadsafe(asyncio.get_running_loop(), queue.put_nowait)
-            await resident(self.engine, name)
             future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
         except ApiError:
             release()

@@ -121,17 +121,16 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     else:
         engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True,
                         adapter=adapter)
+        if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use (before any recovery)
+            from streamllm.durability.resident import ResidentEngine
+
+            engine = ResidentEngine(engine, args.spill_dir, auto_evict=True)
     if args.log_dir and not args.ray:  # rebuild sessions from the ingest log before anyone can connect
         from streamllm.durability.recovery import recover
 
         ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
                                checkpoint_s=args.checkpoint_s)
-        recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair,
-                                            spill_dir=args.spill_dir)
-    elif args.spill_dir and not args.ray:  # memory pressure: idle sessions to disk, restored on use
-        from streamllm.durability.pressure import enable_auto_evict
-
-        enable_auto_evict(engine, args.spill_dir)
+        recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
     feed_tasks: list[asyncio.Task] = []
     server = StreamServer(engine, tenants, ServerConfig(
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue),

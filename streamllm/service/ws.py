@@ -28,7 +28,7 @@ from streamllm.service.connection import Conn, Subscription, bridge, close_handl
 from streamllm.service.errors import engine_error
 from streamllm.service.protocol import ProtocolError, Request
 from streamllm.service.quotas import QuotaExceeded
-from streamllm.service.shared import bearer, info_dict, resident, standing_dict
+from streamllm.service.shared import bearer, info_dict, standing_dict
 from streamllm.service.tenants import LOCAL
 
 if TYPE_CHECKING:
@@ -234,7 +234,6 @@ class WebSocketApp:
         if stream:
             loop = asyncio.get_running_loop()
             kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
-        await resident(self.engine, _ename(conn, session))
         future = self.engine.submit_ask(_ename(conn, session), question, **kw)
         if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
             if stream:  # after any token the entry path already queued on the loop
