@@ -26,6 +26,8 @@ log = logging.getLogger("streamllm.engine")
 
 
 class Compactor:
+    """Compaction copies in flight, and the cells admission keeps free so that one can always start."""
+
     def __init__(self, *, store: KVStore, policy: CompactionPolicy, branch_cells: int, sessions: dict[str, Session],
                  prepos: Prepositioner, answerer: Answerer, publisher: Publisher,
                  scheduler_config: SchedulerConfig, step_times: StepTimes) -> None:

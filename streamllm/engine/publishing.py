@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from enum import StrEnum
 
 from streamllm.engine.commands import settle
-from streamllm.engine.outputs import ReadyRecord, SessionRecord
+from streamllm.engine.outputs import ReadyRecord, SessionRecord, StandingAnswer
 from streamllm.engine.prepos import Prepositioner, Standing
 from streamllm.engine.sequence import Session
 from streamllm.engine.subscriptions import SubscriptionHub
@@ -28,6 +28,8 @@ class EventKind(StrEnum):
 
 
 class Publisher:
+    """Records, ready records, counters and events: filled on the core thread, read by any thread."""
+
     def __init__(self, *, sessions: dict[str, Session], prepos: Prepositioner, hub: SubscriptionHub) -> None:
         self.sessions = sessions  # the core's registry, read here
         self.prepos = prepos
@@ -50,8 +52,8 @@ class Publisher:
         self._events.append((session.name, EventKind.DATA, session.name, session.data_version))
         self._dirty.add(session.name)
 
-    def standing(self, st: Standing, changed: object | None) -> None:
-        """A standing answer was set; `changed` (a StandingAnswer) is pushed when its question pushes."""
+    def standing(self, st: Standing, changed: StandingAnswer | None) -> None:
+        """A standing answer was set; `changed` (None: same text as before) is pushed when its question pushes."""
         self._dirty.add(st.session.name)
         if changed is not None and st.spec.push:  # push = false: kept for `standing`, told to nobody
             self._events.append((st.session.name, EventKind.STANDING, changed))
