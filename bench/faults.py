@@ -57,7 +57,7 @@ def start_server(model: str, log_dir: Path, extra: list[str] | None = None) -> t
 
 
 async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], kill_after: int) -> dict:
-    from streamllm.service.client import AsyncClient
+    from streamllm.client.client import AsyncClient
 
     acked: dict[str, dict[int, list[str]]] = {s: {} for s in sessions}
     async with await AsyncClient.connect(url) as c:
@@ -97,8 +97,8 @@ async def _push_and_kill(url: str, proc: subprocess.Popen, sessions: list[str], 
 
 
 def crash_and_recover(model: str, work: Path, kill_after: int) -> dict[str, float]:
+    from streamllm.client.client import AsyncClient
     from streamllm.durability.log_reader import read_session, session_folders
-    from streamllm.service.client import AsyncClient
 
     log_dir = work / "crash-log"
     sessions = ["btc", "eth", "sol"]
@@ -192,7 +192,7 @@ def _rss_mb(pid: int) -> float:
 
 async def load_run(url: str, seconds: float, clients: int, pid: int | None = None) -> dict[str, Any]:
     """`clients` connections: each owns a session, pushes, asks and subscribes; a watcher reads all."""
-    from streamllm.service.client import AsyncClient
+    from streamllm.client.client import AsyncClient
 
     sent = {"push": 0, "ask": 0, "replies": 0, "errors": 0, "events": 0}
     acked: dict[str, int] = {}

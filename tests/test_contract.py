@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from streamllm.config import parse_question
+from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
 from streamllm.engine.client import EngineClient, EngineHealth
 from streamllm.engine.outputs import Answer, PushAck, SessionError, SessionInfo, StandingAnswer
@@ -43,6 +44,12 @@ def build_engine(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
         yield engine
 
 
+def build_resident(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
+    spill = tmp_path_factory.mktemp("contract-spill")
+    with ResidentEngine(Engine(tiny_model, **ENGINE), spill, auto_evict=True) as engine:
+        yield engine
+
+
 def build_cluster(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
     ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'streamllm[ray]' (make test installs it)")
     from streamllm.scale.cluster import ClusterEngine
@@ -59,7 +66,7 @@ def build_cluster(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
         ray.shutdown()
 
 
-BUILDERS = {"engine": build_engine, "cluster": build_cluster}
+BUILDERS = {"engine": build_engine, "resident": build_resident, "cluster": build_cluster}
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -192,3 +199,19 @@ def test_stats_and_health(engine, name):
     health = engine.health()
     assert isinstance(health, EngineHealth)
     assert health.alive and health.failure is None and health.failed_steps == 0
+
+
+def test_an_evicted_session_keeps_the_contract(tiny_model, tmp_path):
+    """ResidentEngine's eviction is invisible through the contract: listed as it was, restored on use."""
+    with ResidentEngine(Engine(tiny_model, **ENGINE), tmp_path) as engine:
+        engine.open_session("idle", max_context=512)
+        engine.register("idle", parse_question(QUESTION))
+        engine.push("idle", lines(7))
+        assert engine.wait_idle(TIMEOUT)
+        before = engine.session_info("idle")
+        engine.evict_session("idle")
+        assert engine.session_info("idle") == before
+        assert "idle" in {i.name for i in engine.list_sessions()}
+        assert [q.id for q in engine.standing_questions("idle")] == ["up"]
+        assert engine.push("idle", lines(8)).data_version == 2  # restored on use
+        assert engine.ask("idle", "up", timeout=TIMEOUT, min_version=2).data_version == 2

@@ -15,10 +15,10 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from streamllm.client.client import AsyncClient, ServiceError
 from streamllm.config import parse_question
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine
-from streamllm.service.client import AsyncClient, ServiceError
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants
 
@@ -262,8 +262,8 @@ def test_websocket_token_streaming_and_bearer_at_connect(served):
 
 
 def test_blocking_client_and_ask_cli_stream(served, capsys):
-    from streamllm.service import client as client_cli
-    from streamllm.service.client import Client
+    from streamllm.client import client as client_cli
+    from streamllm.client.client import Client
 
     with Client(served.url, token="tok-a") as c:
         messages = list(c.ask_stream("btc", "What now?", max_tokens=5))
