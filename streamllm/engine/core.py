@@ -250,7 +250,7 @@ class EngineCore:
                 case ImportSession():
                     result = session_state.import_session(self, cmd.state, cmd.name, cmd.gates)
                 case CanAdmit():
-                    result = self.store.manager.can_reserve(cmd.cells, keep_free_tokens=self.admission_keep_free(cmd.cells))
+                    result = self.can_admit(cmd.cells)
                 case Call():
                     result = cmd.fn(self)
                 case _:
@@ -283,12 +283,15 @@ class EngineCore:
         """Cells kept free beside every session's reservation (for questions and compaction copies)."""
         return self.compactor.keep_free(max_context)
 
+    def can_admit(self, max_context: int) -> bool:
+        """Whether the pool can reserve a session's budget beside the cells kept free."""
+        return self.store.manager.can_reserve(max_context, keep_free_tokens=self.admission_keep_free(max_context))
+
     def admit(self, name: str, max_context: int, action: str = "open") -> None:
-        """Refuse (AdmissionError) a session whose budget the pool cannot reserve beside the cells kept free."""
-        manager = self.store.manager
-        keep = self.admission_keep_free(max_context)
-        if not manager.can_reserve(max_context, keep_free_tokens=keep):
+        """Refuse (AdmissionError) a session `can_admit` says no to."""
+        if not self.can_admit(max_context):
             self.admissions_refused += 1
+            manager, keep = self.store.manager, self.admission_keep_free(max_context)
             raise AdmissionError(
                 f"cannot {action} session {name!r}: it reserves {max_context} cells, the pool has "
                 f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for questions "
