@@ -332,7 +332,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stateless-max", type=int, default=8192, help="largest sweep size stateless is run at")
     p.add_argument("--chunk", type=int, default=512, help="baselines' prefill chunk in tokens")
     p.add_argument("--peer-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8080 (make peer)")
-    from feeds.sources import add_read_args
+    from streamllm.cli.common import add_read_args
 
     add_read_args(p)
     p.add_argument("--json", help="write the flat metrics here (rewritten as the run goes)")

@@ -10,7 +10,6 @@ answer's data version holds, so a fast wrong answer shows as wrong.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import re
@@ -19,13 +18,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from feeds.events import Bar
+from feeds.synthetic import SyntheticFeed
 from streamllm.config import QueryConfig, load_config
 from streamllm.engine import Engine
 from streamllm.engine.calibration import calibration_cells, percent
-from streamllm.feeding.attach import Attachment
+from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.render import fixed
+from streamllm.model.adapter import pick_adapter
+from streamllm.model.loader import load_model
+
+if TYPE_CHECKING:
+    import argparse
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "queries" / "demo.toml"
 ADHOC = "What was the highest close so far? Answer with the number only."
@@ -87,9 +93,6 @@ def names_number(text: str, truth: str) -> bool:
 
 
 async def _feed(attachments: list[Witness], speed: float, duration_s: float, seed: int) -> list[Witness]:
-    from feeds.synthetic import SyntheticFeed
-    from streamllm.feeding.attach import attach
-
     feed = SyntheticFeed(seed=seed)
     await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
     return attachments
@@ -170,8 +173,6 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
         engine.subscribe(s.name, display.on_change)
     if display.live is not None:
         display.live.start()
-    from streamllm.feeding.attach import AttachSpec
-
     witnesses = {s.name: Witness(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions}
     asker = asyncio.create_task(_asker(engine, config, display, args.ask_every, witnesses))
     try:
@@ -222,24 +223,8 @@ def _right(calibration: dict | None) -> str:
     return calibration_cells(calibration)[0]
 
 
-def cli_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="streamllm demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="standing-question config (TOML)")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--duration", type=float, default=60.0, help="wall seconds to run")
-    p.add_argument("--speed", type=float, default=2.5, help="simulated market seconds per wall second")
-    p.add_argument("--ask-every", type=float, default=6.0, help="seconds between demo questions")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                   help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
-    p.add_argument("--adapter", help="choice heads from `streamllm tune` (default: the config's [model] adapter)")
-    p.add_argument("--live", action=argparse.BooleanOptionalAction, default=sys.stdout.isatty(),
-                   help="live table (default on a terminal) or one line per change")
-    args = p.parse_args(argv)
-    from streamllm.model.adapter import pick_adapter
-    from streamllm.model.loader import load_model
-
+def run(args: argparse.Namespace) -> int:
+    """The demo with the flags of `streamllm demo` (streamllm/cli/demo.py); returns the exit code."""
     try:
         config = load_config(args.config)
         print(f"loading {args.model} ...", flush=True)

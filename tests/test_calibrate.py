@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from feeds.sources import TableSource
+from streamllm.cli.calibrate import main as cli_main
+from streamllm.cli.calibrate import parser as _parser
 from streamllm.config import load_config
-from streamllm.evaluation.calibrate import _parser, calibrate, cli_main
+from streamllm.evaluation.calibrate import calibrate
 from streamllm.evaluation.report import (
     CONFIDENCES,
     QuestionRecord,

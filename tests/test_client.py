@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamllm.client import client as client_cli
+from streamllm.cli import ask as client_cli
 from streamllm.client.client import AsyncClient, Client, ServiceError
 from streamllm.client.watch import WatchState
 from streamllm.engine import Engine
@@ -88,14 +88,14 @@ def test_sync_client_and_ask_cli(served, capsys):
         assert c.welcome["tenant"] == "alice"
         with pytest.raises(ServiceError, match="unknown_session"):
             c.push("other", ["x"])
-        code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
+        code = client_cli.main(["sync", "Up?", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
         out = capsys.readouterr()
         assert code == 0 and "cold path" in out.err and "data_version 1" in out.err
         assert "free text" not in out.err
-        code = client_cli.cli_main(["sync", "above_vwap", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
+        code = client_cli.main(["sync", "above_vwap", "--url", served.url, "--token", "tok-a", "--max-tokens", "2"])
         out = capsys.readouterr()  # an id the session does not have: answered, with a note saying how
         assert code == 0 and "'above_vwap' is no standing question of session 'sync'" in out.err
-        code = client_cli.cli_main(["sync", "Up?", "--url", served.url, "--token", "nope"])
+        code = client_cli.main(["sync", "Up?", "--url", served.url, "--token", "nope"])
         assert code == 1 and "unauthorized" in capsys.readouterr().err
         c.close_session("sync")
 
@@ -157,7 +157,7 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path):
 
 
 def test_serve_refuses_public_host_without_tokens(capsys, monkeypatch):
-    from streamllm.service.server import cli_main
+    from streamllm.cli.serve import main as cli_main
 
     monkeypatch.delenv("STREAMLLM_TOKENS", raising=False)
     assert cli_main(["--host", "0.0.0.0", "--model", "tiny"]) == 2

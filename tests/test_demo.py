@@ -8,8 +8,9 @@ import re
 from feeds.bars import bars
 from feeds.events import Trade
 from feeds.synthetic import synthetic_events
+from streamllm.cli.demo import main as cli_main
 from streamllm.config import load_config
-from streamllm.demo import ADHOC, DEFAULT_CONFIG, Witness, cli_main, names_number
+from streamllm.demo import ADHOC, DEFAULT_CONFIG, Witness, names_number
 from streamllm.engine import Engine
 from streamllm.feeding.attach import AttachSpec
 from streamllm.feeding.render import fixed

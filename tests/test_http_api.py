@@ -262,14 +262,14 @@ def test_websocket_token_streaming_and_bearer_at_connect(served):
 
 
 def test_blocking_client_and_ask_cli_stream(served, capsys):
-    from streamllm.client import client as client_cli
+    from streamllm.cli import ask as client_cli
     from streamllm.client.client import Client
 
     with Client(served.url, token="tok-a") as c:
         messages = list(c.ask_stream("btc", "What now?", max_tokens=5))
     assert messages[-1]["type"] == "answer" and len(messages) >= 3
     assert "".join(m["text"] for m in messages[:-1]) == messages[-1]["text"]
-    assert client_cli.cli_main(["btc", "What now?", "--url", served.url, "--token", "tok-a", "--stream",
+    assert client_cli.main(["btc", "What now?", "--url", served.url, "--token", "tok-a", "--stream",
                                 "--max-tokens", "5"]) == 0
     out = capsys.readouterr()
     assert out.out.strip() == messages[-1]["text"].strip() and "cold path" in out.err

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import GPT2Config
 
-from streamllm.model import LoadedModel, ModelError, cli_main, load_model, load_tokenizer, loader
+from streamllm.cli.model import main as cli_main
+from streamllm.model import LoadedModel, ModelError, load_model, load_tokenizer, loader
 
 BAR = "12:00:01 BTCUSDT O 64012.5 H 64020.0 L 63990.1 C 64001.2 V 12.5"
 

@@ -19,12 +19,11 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'stre
 
 from websockets.asyncio.client import connect  # noqa: E402
 
+from streamllm.cli import sessions as sessions_cli  # noqa: E402
 from streamllm.config import load_config  # noqa: E402
-from streamllm.feeding.wiring import group_feeds  # noqa: E402
-from streamllm.scale import sessions_cli  # noqa: E402
+from streamllm.feeding.wiring import group_feeds, open_sessions  # noqa: E402
 from streamllm.scale.cluster import ClusterEngine  # noqa: E402
 from streamllm.scale.replica import FeedPlan  # noqa: E402
-from streamllm.service.serve import open_sessions  # noqa: E402
 from streamllm.service.server import ServerConfig, StreamServer  # noqa: E402
 from streamllm.service.tenants import LOCAL  # noqa: E402
 
@@ -221,7 +220,7 @@ def test_move_session_keeps_its_logits(cluster, server):
     standing_before = {a.question_id: a for a in cluster.standing(name)}
     info_before = cluster.session_info(name)
     # The operator's command, against the running front door's admin route.
-    assert sessions_cli.cli_main(["move", "s2", "--to", str(1 - src), "--url", server.url]) == 0
+    assert sessions_cli.main(["move", "s2", "--to", str(1 - src), "--url", server.url]) == 0
     assert cluster.placement.get(name) == 1 - src
     assert name not in {i.name for i in cluster.call_replica(cluster.replicas[src], "list_sessions")}
     cluster.wait_idle(30)
@@ -239,7 +238,7 @@ def test_move_session_keeps_its_logits(cluster, server):
     assert executed[1 - src].get(name) == 1  # the question after the move ran on the target
     with urllib.request.urlopen(server.http_url + "/v1/admin/replicas") as resp:
         assert [r["sessions"] for r in json.loads(resp.read())["data"]] == cluster.placement.counts()
-    assert sessions_cli.cli_main(["move", "nope", "--to", "0", "--url", server.url]) == 1  # unknown: an error
+    assert sessions_cli.main(["move", "nope", "--to", "0", "--url", server.url]) == 1  # unknown: an error
 
 
 def wait_for(predicate, timeout: float = 30.0):

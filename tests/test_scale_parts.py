@@ -27,8 +27,8 @@ from websockets.asyncio.client import connect
 from streamllm.engine import Engine
 from streamllm.model import load_model
 from streamllm.service.server import ServerConfig, StreamServer
-import streamllm.scale, streamllm.scale.errors, streamllm.scale.placement, streamllm.scale.sessions_cli
-import streamllm.service.serve, streamllm.service.admin
+import streamllm.scale, streamllm.scale.errors, streamllm.scale.placement, streamllm.cli.sessions
+import streamllm.cli.serve, streamllm.service.admin
 
 async def main():
     engine = Engine(load_model("tiny"), max_cells=2048, block_size=8, max_context=512, dtype="float32")
@@ -55,7 +55,7 @@ def test_a_plain_serve_never_imports_ray():
 
 
 def test_serve_refuses_ray_options_without_ray(capsys):
-    from streamllm.service.serve import main
+    from streamllm.cli.serve import main
 
     assert main(["--replicas", "3", "--model", "tiny"]) == 2
     assert "need --ray" in capsys.readouterr().err

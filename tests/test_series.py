@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from feeds.sources import TableSource
+from streamllm.cli.tune import main as cli_main
 from streamllm.config import load_config
 from streamllm.durability.snapshot import restore_session, save_session
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
@@ -26,7 +27,6 @@ from streamllm.model.llama import LlamaForward
 from streamllm.model.lora import hf_model
 from streamllm.tuning.extract import StateExtractor, render_window, session_ids
 from streamllm.tuning.seriesfit import _Model, feature_sets, fit_series, samples
-from streamllm.tuning.tune import cli_main
 from tests.test_tune import CONFIG, LAYER, LINES, engine_with, random_series, write_bars
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamllm.cli.calibrate import parser as calibrate_parser
+from streamllm.cli.tune import main as cli_main
 from streamllm.config import labels as labels_module
 from streamllm.config import load_config, parse_config
 from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
 from streamllm.engine import Engine
-from streamllm.evaluation.calibrate import _parser as calibrate_parser
 from streamllm.evaluation.calibrate import calibrate
 from streamllm.evaluation.report import to_json
 from streamllm.model.adapter import (
@@ -28,7 +29,6 @@ from streamllm.model.adapter import (
 from streamllm.tuning.data import plan_windows
 from streamllm.tuning.extract import StateExtractor, render_window
 from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
-from streamllm.tuning.tune import cli_main
 
 CONFIG = """
 [[sessions]]
@@ -678,8 +678,8 @@ def test_tune_refuses_sessions_that_write_different_lines(tiny_model, tmp_path, 
 def test_tune_takes_every_commands_read_flags():
     """tune reads files with the flags calibrate, serve, inspect and bench replay take (one parser):
     --columns comma-separated and repeatable, an unknown field refused by name, not read as nothing."""
+    from streamllm.cli.tune import parser as _parser
     from streamllm.tuning.data import TuneError, read_opts
-    from streamllm.tuning.tune import _parser
 
     base = ["--questions", "q.toml", "--data", "x.csv", "--out", "o"]
     args = _parser().parse_args([*base, "--columns", "ts_event=Date,close=Close", "--columns", "volume=Vol",
@@ -776,8 +776,8 @@ def test_tune_trains_on_a_databento_file(tiny_model, tmp_path, monkeypatch, caps
 
 def test_tune_reads_a_market_below_zero_only_when_told(tmp_path):
     """--signed-prices reaches tune's table reader: WTI's April 2020 bars are training data then."""
+    from streamllm.cli.tune import parser as _parser
     from streamllm.tuning.data import load_bars, read_opts
-    from streamllm.tuning.tune import _parser
 
     csv = tmp_path / "cl.csv"
     csv.write_text("Date,Open,High,Low,Close,Volume\n2020-04-17,19.87,20.29,17.31,18.27,100\n"

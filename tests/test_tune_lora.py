@@ -12,13 +12,13 @@ import torch
 pytest.importorskip("peft")
 
 from feeds.sources import TableSource  # noqa: E402
+from streamllm.cli.tune import main as cli_main  # noqa: E402
 from streamllm.engine import Engine  # noqa: E402
 from streamllm.engine.prompt import PromptLayout  # noqa: E402
 from streamllm.model.adapter import AdapterError, load_adapter  # noqa: E402
 from streamllm.model.lora import merged_state_dict, save_lora  # noqa: E402
 from streamllm.tuning.extract import StateExtractor, render_window  # noqa: E402
 from streamllm.tuning.lora import ChoiceScorer, LoraSettings, LoraTrainer, pack  # noqa: E402
-from streamllm.tuning.tune import cli_main  # noqa: E402
 from tests.test_tune import CONFIG, write_bars  # noqa: E402
 
 

@@ -7,7 +7,6 @@ question's row shows its live calibration (right so far, and the gate).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
-from streamllm.client.client import AsyncClient, add_connection_args, run_command
+from streamllm.client.client import AsyncClient
 from streamllm.engine.calibration import calibration_cells
 
 
@@ -96,16 +95,3 @@ async def watch(url: str, token: str | None, session: str, duration_s: float | N
                 if next_event is not None:
                     next_event.cancel()
     return 0
-
-
-def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="streamllm watch", description="Live table of a session's standing answers.")
-    parser.add_argument("session")
-    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
-    add_connection_args(parser)
-    args = parser.parse_args(argv)
-    try:
-        ok, code = run_command("streamllm watch", args.url, watch(args.url, args.token, args.session, args.duration))
-    except KeyboardInterrupt:
-        return 0
-    return code if ok else 1

@@ -31,6 +31,7 @@ from streamllm.config import (
     venue_symbol,
 )
 from streamllm.durability.ingest_log import IngestLog
+from streamllm.engine.client import EngineClient
 from streamllm.feeding.attach import Attachment, AttachSpec
 
 log = logging.getLogger("streamllm.feeding.wiring")
@@ -128,3 +129,20 @@ def build_attachments(sink: Any, owner: Owner, group: FeedGroup, log: IngestLog 
         out.append(Attachment(sink, AttachSpec.of(spec, session=name, mode=mode), feed_id=feed_id,
                               resume_from=logged, questions=spec.questions))
     return out
+
+
+def open_sessions(engine: EngineClient, owner: Owner, config: QueryConfig) -> int:
+    registered = 0
+    recovered = {info.name for info in engine.list_sessions()}
+    for spec in config.sessions:
+        name = owner.engine_name(spec.name)
+        have: set[str] = set()
+        if name in recovered:  # recovered from the ingest log: keep it and its questions
+            have = {q.id for q in engine.standing_questions(name)}
+        else:
+            engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens)
+        for question in spec.questions:
+            if question.id not in have:
+                engine.register(name, question)
+            registered += 1
+    return registered

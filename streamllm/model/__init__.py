@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from streamllm.model.checkpoint import ModelError
 from streamllm.model.loader import (
     LoadedModel,
-    ModelError,
-    cli_main,
     fetch_default,
     load_model,
     load_tokenizer,
@@ -15,7 +14,6 @@ from streamllm.model.loader import (
 __all__ = [
     "LoadedModel",
     "ModelError",
-    "cli_main",
     "fetch_default",
     "load_model",
     "load_tokenizer",

@@ -13,8 +13,6 @@ model's wheel: convert.py. This module resolves specs and runs `streamllm model`
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +22,8 @@ from streamllm.model import tiny
 from streamllm.model.checkpoint import (
     CONFIG_FILE,
     DEFAULT_SPEC,
-    VALID_FORMS,
     WEIGHTS_FILE,  # noqa: F401 - part of this module's API (the cache layout)
     LoadedModel,
-    ModelError,
     _check_converted,
     _existing_path,
     _load_checkpoint_dir,
@@ -104,7 +100,7 @@ def fetch_default(progress: bool = True) -> Path:
     return target
 
 
-def _ensure_cached(spec: str) -> Path | None:
+def ensure_cached(spec: str) -> Path | None:
     """Convert if needed; the cache dir, or None for specs that are read in place."""
     if spec == DEFAULT_SPEC:
         return fetch_default()
@@ -114,47 +110,5 @@ def _ensure_cached(spec: str) -> Path | None:
     return None if path.is_dir() else _convert_gguf_file(path, progress=True)
 
 
-def _parameter_count(loaded: LoadedModel) -> int:
+def parameter_count(loaded: LoadedModel) -> int:
     return sum(t.numel() for t in loaded.state_dict.values())
-
-
-def cli_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="streamllm model", description="fetch, convert and inspect models"
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    fetch = commands.add_parser(
-        "fetch", help="download/convert a model into the cache and time a load"
-    )
-    fetch.add_argument("spec", nargs="?", default=DEFAULT_SPEC, help=VALID_FORMS)
-    info = commands.add_parser("info", help="architecture, sizes and source of a model")
-    info.add_argument("spec", help=VALID_FORMS)
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "fetch":
-            start = time.perf_counter()
-            cache_dir = _ensure_cached(args.spec)
-            if cache_dir is not None:
-                print(f"cache: {cache_dir} (ready in {time.perf_counter() - start:.2f}s)")
-            start = time.perf_counter()
-            loaded = load_model(args.spec, progress=False)
-            print(f"load:  {time.perf_counter() - start:.2f}s ({loaded.source})")
-            return 0
-        loaded = load_model(args.spec)
-        c = loaded.config
-        arch = ", ".join(getattr(c, "architectures", None) or []) or c.model_type
-        tied = " (tied embeddings)" if getattr(c, "tie_word_embeddings", False) else ""
-        print(f"name:       {loaded.name}")
-        print(f"arch:       {arch} (model_type {c.model_type})")
-        print(f"layers:     {c.num_hidden_layers}")
-        print(
-            f"heads:      {c.num_attention_heads} query, {c.num_key_value_heads} kv, head_dim {getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads}"
-        )
-        print(f"hidden:     {c.hidden_size} (mlp {c.intermediate_size})")
-        print(f"vocab:      {c.vocab_size} (tokenizer {len(loaded.tokenizer)})")
-        print(f"params:     {_parameter_count(loaded):,}{tied}")
-        print(f"source:     {loaded.source}")
-        return 0
-    except ModelError as exc:
-        print(f"streamllm model: {exc}", file=sys.stderr)
-        return 1

@@ -244,10 +244,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def cli_main(argv: list[str]) -> int:
-    """`streamllm serve`: engine + feeds + server from one config (see streamllm.service.serve)."""
-    from streamllm.service.serve import main
-
-    return main(argv)

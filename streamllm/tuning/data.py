@@ -9,7 +9,6 @@ Time split, per data file (no window straddles a boundary):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import math
@@ -17,9 +16,12 @@ import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamllm.config import QuestionSpec, SessionSpec
+
+if TYPE_CHECKING:
+    import argparse
 
 SPLIT = (0.7, 0.8)  # train | dev | later, as fractions of each data file's bars
 

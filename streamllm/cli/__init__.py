@@ -1,7 +1,8 @@
-"""`streamllm ...`: one entry point; each subcommand lives beside the code it drives.
+"""`streamllm ...`: one entry point; every command's flags live in streamllm/cli/<command>.py.
 
-Subcommands delegate to a `cli_main(argv) -> int` in their own module, so each role
-owns its arguments and the dispatcher stays a table.
+Each command module has a `main(argv) -> int` that parses its flags and calls plain functions of
+the library; the dispatcher stays a table. serve.py is the one composition root (engine, ingest
+log, feeds, server).
 """
 
 from __future__ import annotations
@@ -11,16 +12,16 @@ import sys
 from pathlib import Path
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("streamllm.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
-    "model": ("streamllm.model.loader", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
-    "record": ("feeds.recorder", "record a live venue to raw captures and Parquet"),
-    "inspect": ("streamllm.evaluation.inspect", "what a capture, table or DBN file holds: streams, times, gaps, errors"),
-    "calibrate": ("streamllm.evaluation.calibrate", "replay data and calibrate gate thresholds"),
-    "tune": ("streamllm.tuning.tune", "teach the model a config's labelled questions (choice heads) from recorded bars"),
-    "serve": ("streamllm.service.server", "websocket service: engine + feeds + standing questions from a config"),
-    "ask": ("streamllm.client.client", "ask a question on a running server's session"),
-    "watch": ("streamllm.client.watch", "live table of a session's standing answers on a running server"),
-    "sessions": ("streamllm.scale.sessions_cli", "operate a `serve --ray` front door: `sessions move NAME --to N`"),
+    "demo": ("streamllm.cli.demo", "run the full loop on the embedded default (synthetic feed, default model)"),
+    "model": ("streamllm.cli.model", "fetch / convert / inspect models (`model fetch smollm2-135m`)"),
+    "record": ("streamllm.cli.record", "record a live venue to raw captures and Parquet"),
+    "inspect": ("streamllm.cli.inspect", "what a capture, table or DBN file holds: streams, times, gaps, errors"),
+    "calibrate": ("streamllm.cli.calibrate", "replay data and calibrate gate thresholds"),
+    "tune": ("streamllm.cli.tune", "teach the model a config's labelled questions (choice heads) from recorded bars"),
+    "serve": ("streamllm.cli.serve", "websocket service: engine + feeds + standing questions from a config"),
+    "ask": ("streamllm.cli.ask", "ask a question on a running server's session"),
+    "watch": ("streamllm.cli.watch", "live table of a session's standing answers on a running server"),
+    "sessions": ("streamllm.cli.sessions", "operate a `serve --ray` front door: `sessions move NAME --to N`"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
@@ -45,12 +46,12 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-def _dispatch(table: dict[str, tuple[str, str]], name: str, argv: list[str]) -> int:
+def _dispatch(table: dict[str, tuple[str, str]], name: str, argv: list[str], entry: str = "main") -> int:
     if name not in table:
         print(f"streamllm: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(table[name][0])
-    return int(module.cli_main(argv) or 0)
+    return int(getattr(module, entry)(argv) or 0)
 
 
 def _find_bench() -> str | None:
@@ -84,9 +85,5 @@ def main(argv: list[str] | None = None) -> int:
         if rest[0] in BENCHES and (why := _find_bench()) is not None:
             print(why, file=sys.stderr)
             return 2
-        return _dispatch(BENCHES, rest[0], rest[1:])
+        return _dispatch(BENCHES, rest[0], rest[1:], entry="cli_main")
     return _dispatch(COMMANDS, command, rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -45,7 +45,7 @@ def request(url: str, path: str, token: str | None, body: dict[str, Any] | None 
         raise RuntimeError(f"{exc.code}: {message}") from None
 
 
-def cli_main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="streamllm sessions", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     move = sub.add_parser("move", help="move a session to another replica (snapshot + restore)")

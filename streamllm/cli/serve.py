@@ -19,6 +19,8 @@ import signal
 import sys
 from typing import Any
 
+from feeds.sources import read_options
+from streamllm.cli.common import add_read_args
 from streamllm.config import (
     LIVE_VENUES,
     ConfigError,
@@ -26,21 +28,26 @@ from streamllm.config import (
     load_config,
 )
 from streamllm.durability.ingest_log import IngestLog
-from streamllm.engine.client import EngineClient
+from streamllm.durability.recovery import recover
+from streamllm.durability.resident import ResidentEngine
+from streamllm.engine import Engine
 from streamllm.feeding.supervise import FeedRunner
 from streamllm.feeding.wiring import (
     FeedGroup,
     build_attachments,
     feed_events,
     group_feeds,
+    open_sessions,
     parse_feed_override,
     venue_credentials,
 )
+from streamllm.model.adapter import AdapterError, pick_adapter
+from streamllm.model.loader import load_model
 from streamllm.service.bars import TapSink
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
 from streamllm.service.tenants import LOCAL, Tenant, Tenants, TokenConfigError
 
-log = logging.getLogger("streamllm.service.serve")
+log = logging.getLogger("streamllm.cli.serve")
 
 
 def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: float | None, seed: int,
@@ -54,23 +61,6 @@ def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: fl
     # A live feed that fails is restarted with backoff (a recorded one that failed would replay from its start).
     return FeedRunner(name, sessions, lambda attempt: feed_events(group, speed, seed + attempt), attachments,
                       restart=live or group.feed.kind == "synthetic", live=live)
-
-
-def open_sessions(engine: EngineClient, owner: Tenant, config: QueryConfig) -> int:
-    registered = 0
-    recovered = {info.name for info in engine.list_sessions()}
-    for spec in config.sessions:
-        name = owner.engine_name(spec.name)
-        have: set[str] = set()
-        if name in recovered:  # recovered from the ingest log: keep it and its questions
-            have = {q.id for q in engine.standing_questions(name)}
-        else:
-            engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens)
-        for question in spec.questions:
-            if question.id not in have:
-                engine.register(name, question)
-            registered += 1
-    return registered
 
 
 def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: QueryConfig | None,
@@ -100,13 +90,8 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
 
 async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: QueryConfig | None,
                         groups: list[FeedGroup]) -> int:
-    from streamllm.engine import Engine
-
     owner = tenants.tenant(args.owner) if args.owner else (
         next((t for t in tenants.tokens.values() if not t.read_only), LOCAL) if tenants.auth else LOCAL)
-    from streamllm.model.adapter import AdapterError, pick_adapter
-    from streamllm.model.loader import load_model
-
     loaded = load_model(args.model, progress=True)
     try:
         adapter = pick_adapter(args.adapter, config.adapter if config is not None else None, loaded.name,
@@ -122,12 +107,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True,
                         adapter=adapter)
         if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use (before any recovery)
-            from streamllm.durability.resident import ResidentEngine
-
             engine = ResidentEngine(engine, args.spill_dir, auto_evict=True)
     if args.log_dir and not args.ray:  # rebuild sessions from the ingest log before anyone can connect
-        from streamllm.durability.recovery import recover
-
         ingest_log = IngestLog(args.log_dir, flush=args.log_flush, checkpoint_versions=args.checkpoint_versions,
                                checkpoint_s=args.checkpoint_s)
         recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
@@ -193,6 +174,7 @@ def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, confi
 
 
 def main(argv: list[str]) -> int:
+    """`streamllm serve ARGS`: the composition root (engine, ingest log, feeds, server); returns the exit code."""
     parser = argparse.ArgumentParser(prog="streamllm serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="queries/*.toml: sessions, feeds and standing questions")
     parser.add_argument("--feed", help="override every session's feed: synthetic | binance | bybit | coinbase | kraken | kraken-futures | okx | "
@@ -228,8 +210,6 @@ def main(argv: list[str]) -> int:
                         help="with --ray: Ray cluster to join (auto, ray://host:10001); default: start one here")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs reserved per replica")
     parser.add_argument("--log-level", default="INFO")
-    from feeds.sources import add_read_args, read_options
-
     add_read_args(parser)
     args = parser.parse_args(argv)
     if not args.ray and (args.address or args.replicas != 2 or args.replica_cpus != 1.0):
