@@ -383,7 +383,7 @@ class Engine(Intake, Subscribable, EngineClient):
         """Run fn(core) on the core thread between steps and return its result: tests and benches only.
 
         Called from the core thread itself (a subscriber or future callback), fn runs at once."""
-        if threading.current_thread() is self.core._thread:
+        if self.core.on_core_thread():
             return fn(self.core)
         return self.core.submit(Call(fn)).result(timeout)
 
@@ -434,7 +434,7 @@ class Engine(Intake, Subscribable, EngineClient):
     def _handle(self, name: str) -> _Handle:
         """Under self._lock."""
         if self.core.stopped:
-            raise self.core._stopped_error()
+            raise self.core.stopped_error()
         h = self._handles.get(name)
         if h is None:
             raise SessionError(f"no session named {name!r}; open it first")

@@ -162,7 +162,6 @@ class EngineCore:
         why = f"after an internal error: {self.failure!r}" if self.failure else "(shut down)"
         return EngineStopped(f"the engine is stopped {why}")
 
-    _stopped_error = stopped_error  # the facade's old name for it
 
     def _main(self) -> None:
         try:
