@@ -44,9 +44,8 @@ def hf_model(loaded: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module
     from transformers import AutoModelForCausalLM
 
     config = type(loaded.config).from_dict(loaded.config.to_dict())
-    config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     state = dict(loaded.state_dict)
     # Copies: peft merges in place, and the loaded weights are shared (the engine, other trainers).
     model.load_state_dict({k: v.to(dtype, copy=True) for k, v in state.items()}, strict=False, assign=True)

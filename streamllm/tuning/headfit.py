@@ -50,7 +50,7 @@ def _fit_one(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float, max_iter
         return loss
 
     opt.step(closure)
-    steps = int(opt.state[opt._params[0]].get("n_iter", 0))
+    steps = int(opt.state[w].get("n_iter", 0))  # LBFGS keeps its counters on the first parameter
     return w.detach(), b.detach(), steps
 
 
