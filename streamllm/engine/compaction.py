@@ -117,9 +117,9 @@ class CompactionPolicy:
 
         Never before halfway from retain to compact_at: a copy recomputes up to retain x max_context
         tokens to free what the session holds beyond that, so one started just past retain frees a
-        line or two, and under a fast feed every swap started the next (daily bars replayed flat out
-        recomputed 4k tokens per 50-token bar, 15 s a bar). From halfway a copy costs at most twice
-        what one at compact_at does per token freed; a feed faster still waits at the budget briefly.
+        line or two, and under a fast feed every swap would start the next. From halfway a copy costs
+        at most twice what one at compact_at does per token freed; a feed faster still waits at the
+        budget briefly.
         """
         if session.num_tokens >= self.compact_at * session.max_context:
             return True
