@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
 from feeds.wire import ParseStats, UnsupportedFormat, WireParser, epoch_ns, fast_loads, parser_for
 
 OnError = Callable[[str, str, bytes], None]  # (kind, message, sample)
@@ -80,8 +81,6 @@ def _open(path: Path) -> Any:
 
 def sniff_venue(raw: bytes) -> str:
     """The venue whose wire format one message is in; UnsupportedFormat says what it is otherwise."""
-    from feeds.coinbase_exchange import TYPES as EXCHANGE_TYPES
-
     msg: Any = fast_loads(raw)
     if isinstance(msg, list):
         if msg and isinstance(msg[0], dict) and "T" in msg[0]:

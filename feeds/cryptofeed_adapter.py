@@ -24,7 +24,17 @@ from collections.abc import AsyncIterator
 from decimal import Decimal
 from typing import Any
 
-from feeds.events import BUY, SELL, UNKNOWN_SIDE, Bar, Liquidation, Mark, Quote, Trade
+from feeds.events import (
+    BUY,
+    SELL,
+    UNKNOWN_SIDE,
+    Bar,
+    Liquidation,
+    Mark,
+    Quote,
+    Trade,
+    float_decimals,
+)
 from feeds.validate import BadValue, check_bar, error_kind, positive
 from feeds.wire import ParseStats
 
@@ -46,8 +56,6 @@ def _dp(x: Any) -> int:
     if isinstance(x, Decimal):
         exp = x.normalize().as_tuple().exponent
         return max(0, -exp) if isinstance(exp, int) else 0
-    from feeds.events import float_decimals
-
     return float_decimals(float(x))
 
 

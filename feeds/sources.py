@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from feeds.capture import CaptureSource, read_capture
+from feeds.columns import parse_columns
 from feeds.tables import TABLE_SUFFIXES, TableSource
 
 __all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open_source", "read_capture"]
@@ -101,8 +102,6 @@ class _Loaded:
 
 
 def read_options(args: Any, **kw: Any) -> ReadOptions:
-    from feeds.columns import parse_columns
-
     columns = getattr(args, "columns", None)  # one string, or a list from a repeated --columns
     opts = ReadOptions(market=getattr(args, "market", None) or "spot",
                        columns=parse_columns(",".join(columns) if isinstance(columns, list) else columns),

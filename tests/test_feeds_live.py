@@ -148,7 +148,7 @@ def test_record_cli_from_replay_server(tmp_path: Path) -> None:
     import threading
 
     from feeds.events import Quote, Trade, read_parquet
-    from feeds.recorder import cli_main
+    from streamllm.cli.record import main as cli_main
 
     src = tmp_path / "btcusdt_src.gz"
     trade = {"e": "trade", "E": 1, "s": "BTCUSDT", "t": 7, "p": "2.50", "q": "1", "T": 1, "m": False, "M": True}

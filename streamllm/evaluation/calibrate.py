@@ -21,8 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from feeds.sources import read_options
 from streamllm.config import QuestionSpec, SessionSpec, load_config
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.compaction import CompactionPolicy
+from streamllm.engine.prompt import PromptLayout
 from streamllm.evaluation.report import (
     CalibrationRun,
     QuestionRecord,
@@ -30,6 +33,10 @@ from streamllm.evaluation.report import (
     summarize,
 )
 from streamllm.evaluation.samples import SamplesError, read_samples
+from streamllm.feeding.render import Renderer
+from streamllm.model.adapter import AdapterError, pick_adapter
+from streamllm.model.loader import load_model
+from streamllm.tuning.data import describe, load_bars, time_range
 
 if TYPE_CHECKING:
     import argparse
@@ -136,8 +143,6 @@ def _one_instrument(sources: dict[str, list[Any]], spec: SessionSpec, path: Path
 
 def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
     """--data as given (PATH, or PATH@FROM..TO: the bars opening in that time range) and its file."""
-    from streamllm.tuning.data import time_range
-
     if data is not None:
         try:
             path = Path(time_range(data)[0])
@@ -155,11 +160,6 @@ def _data_path(spec: SessionSpec, data: str | None) -> tuple[str, Path]:
 
 def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationRun, list[QuestionReport], dict]:
     """Run the whole calibration; returns the run, per-question reports and the JSON's run metadata."""
-    from feeds.sources import read_options
-    from streamllm.model.adapter import AdapterError, pick_adapter
-    from streamllm.model.loader import load_model
-    from streamllm.tuning.data import describe, load_bars
-
     if not 0 < args.target_precision <= 1:
         raise CalibrationError(f"--target-precision must be in (0, 1], got {args.target_precision}")
     if args.auto_confidence is not None and not 0.5 <= args.auto_confidence < 1:
@@ -256,11 +256,6 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
                   bars: list[Any], warmup: int) -> tuple[CalibrationRun, str | None]:
     """One range's replay in a fresh engine: from its first bar, --bars of them (warmup included);
     the run and the adapter id the engine loaded."""
-    from streamllm.engine import Engine
-    from streamllm.engine.prompt import PromptLayout
-    from streamllm.feeding.render import Renderer
-    from streamllm.model.adapter import AdapterError
-
     questions = labelled_questions(spec)
     layout = PromptLayout(loaded.tokenizer)
     renderer = Renderer(changes=spec.render.changes)
@@ -295,8 +290,9 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
     # Admission also keeps room for one compaction copy of the session (the engine's own rule).
     keep_free = CompactionPolicy().keep_free(branch_cells, spec.max_context_tokens)
     try:
-        engine = Engine(loaded, max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
-                        max_context=spec.max_context_tokens, branch_cells=branch_cells, adapter=adapter)
+        engine = Engine(loaded, EngineConfig(max_cells=spec.max_context_tokens + keep_free + block, block_size=block,
+                                             max_context=spec.max_context_tokens, branch_cells=branch_cells),
+                        adapter=adapter)
     except AdapterError as exc:
         raise CalibrationError(str(exc)) from None
     try:

@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from streamllm.feeding.attach import attach
+
 log = logging.getLogger("streamllm.feeding.supervise")
 
 BACKOFF_START_S = 0.5
@@ -120,8 +122,6 @@ class FeedRunner:
             outer.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
 
     async def _attach(self, attempt: int) -> None:
-        from streamllm.feeding.attach import attach
-
         self._thread_loop = asyncio.get_running_loop()
         self._thread_task = asyncio.current_task()
         if self._stop.is_set():

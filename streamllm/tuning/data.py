@@ -18,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from feeds.bars import bars as to_bars
+from feeds.bars import merge_bars
+from feeds.events import Bar, Trade
+from feeds.sources import file_format, open_source, read_options
+from feeds.synthetic import SyntheticFeed
 from streamllm.config import QuestionSpec, SessionSpec
 
 if TYPE_CHECKING:
@@ -47,8 +52,6 @@ class WindowPlan:
 
 def read_opts(args: argparse.Namespace, **kw: Any) -> Any:
     """The shared read flags (feeds.sources.add_read_args) as ReadOptions; a bad --columns is a TuneError."""
-    from feeds.sources import read_options
-
     try:
         return read_options(args, **kw)
     except ValueError as exc:
@@ -60,10 +63,6 @@ def load_bars(paths: list[str], *, opts: Any, bar_seconds: float) -> dict[str, l
     (`opts`: its ReadOptions). A file's own bars (bar tables, DBN OHLCV) are one source per instrument,
     at the interval they show; trades (Binance captures, trade tables, DBN trades) become bars of
     `bar_seconds` per symbol, a symbol's captures merged into one source."""
-    from feeds.bars import bars as to_bars
-    from feeds.events import Bar, Trade
-    from feeds.sources import file_format, open_source
-
     out: dict[str, list[Any]] = {}
     trades: dict[str, list[Any]] = {}
     for name in sorted(paths):
@@ -154,10 +153,6 @@ def _day(ns: int) -> str:
 
 
 def synthetic_bars(seed: int, bars_each: int, bar_seconds: float) -> dict[str, list[Any]]:
-    from feeds.bars import bars as to_bars
-    from feeds.events import Trade
-    from feeds.synthetic import SyntheticFeed
-
     events = [e for e in SyntheticFeed(seed=seed).events(bars_each * bar_seconds) if isinstance(e, Trade)]
     out: dict[str, list[Any]] = {}
     for bar in to_bars(events, bar_seconds):
@@ -231,8 +226,6 @@ class Variant:
                 + (f"-{self.bars}bars" if self.bars > 1 else "") + (f"-{self.every}s" if self.every else ""))
 
     def apply(self, bars: list[Any]) -> list[Any]:
-        from feeds.bars import merge_bars
-
         merged = bars if self.bars == 1 else [merge_bars(bars[i:i + self.bars])
                                               for i in range(0, len(bars) - self.bars + 1, self.bars)]
         if not merged:

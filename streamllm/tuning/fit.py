@@ -17,8 +17,12 @@ import torch
 from tqdm.auto import tqdm
 
 from streamllm.config import QuestionSpec, normalize_question
+from streamllm.model.adapter import CARD_FILE, ChoiceHead, SeriesHead, save_heads
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import SPLIT, Task, WindowPlan
+from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
+from streamllm.tuning.lora import ChoiceScorer
+from streamllm.tuning.seriesfit import feature_sets, fit_series, samples
 
 
 def groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
@@ -55,16 +59,11 @@ def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: in
 
 def _base_logits(extractor: Any, q: QuestionSpec, x: torch.Tensor) -> torch.Tensor:
     """The base model's own choice scores at the same states (the gate's rule, on its LM head rows)."""
-    from streamllm.tuning.lora import ChoiceScorer
-
     return ChoiceScorer([q], extractor.layout.tokenizer)(q.id, x, extractor.model.lm_head)
 
 
 def _fit_entry(args, head_id, q, members, got, sets, hidden):
     """An entry head: logistic regression on the decision points' states."""
-    from streamllm.model.adapter import ChoiceHead
-    from streamllm.tuning.headfit import calibrate_threshold, fit_head
-
     x, y = _gather(got, "train", members, hidden)
     xd, yd = _gather(got, "dev", members, hidden)
     fit = fit_head(x, y, xd, yd, len(q.choices))
@@ -81,10 +80,6 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
 def _fit_series(args, head_id, q, members, got, sets, hidden):
     """A series head: every bar of every window, read over its last --lines lines (tuning/seriesfit.py),
     or over all of a window's first lines once its label is known (a session's start, as served)."""
-    from streamllm.model.adapter import SeriesHead
-    from streamllm.tuning.headfit import calibrate_threshold
-    from streamllm.tuning.seriesfit import feature_sets, fit_series, samples
-
     def gather(set_name, least=1):
         return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
                         for qid in taught(p, session, members)], args.lines, least)
@@ -111,9 +106,6 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
 
 
 def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
-    from streamllm.model.adapter import CARD_FILE, save_heads
-    from streamllm.tuning.headfit import judge
-
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]

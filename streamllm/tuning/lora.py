@@ -30,6 +30,9 @@ import torch.nn.functional as F
 
 from streamllm.config import QuestionSpec
 from streamllm.config.labels import parse_label
+from streamllm.engine.gate import Gate
+from streamllm.model.dtype import resolve_dtype
+from streamllm.model.lora import attach_lora, hf_model
 from streamllm.tuning.packing import Packed, pack_window
 
 # Ad-hoc questions: never trained on, their answers computed from the data; judged before/after.
@@ -62,8 +65,6 @@ class ChoiceScorer:
     """Choice scores as the engine's gate computes them: per choice, its best candidate token's logit."""
 
     def __init__(self, questions: list[QuestionSpec], tokenizer: Any) -> None:
-        from streamllm.engine.gate import Gate
-
         self.ids: dict[str, torch.Tensor] = {}
         self.owner: dict[str, torch.Tensor] = {}
         self.choices = {q.id: len(q.choices) for q in questions}
@@ -80,8 +81,6 @@ class ChoiceScorer:
 
 class LoraTrainer:
     def __init__(self, loaded: Any, settings: LoraSettings, seed: int = 0) -> None:
-        from streamllm.model.lora import attach_lora, hf_model
-
         self.loaded, self.settings = loaded, settings
         n = loaded.config.num_hidden_layers
         if not 1 <= settings.layers <= n:
@@ -194,8 +193,6 @@ class LoraTrainer:
 
 
 def _bf16_ok() -> bool:
-    from streamllm.model.dtype import resolve_dtype
-
     try:
         return resolve_dtype("auto", torch.device("cpu")).dtype == torch.bfloat16
     except (ValueError, RuntimeError):

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from streamllm.engine.prompt import PromptLayout
+from streamllm.model.lora import LORA_DIR, save_lora
+from streamllm.tuning.headfit import calibrate_threshold, judge
 from streamllm.tuning.lora import (
     ChoiceScorer,
     LoraSettings,
@@ -49,10 +52,6 @@ def _load_packed(path: Path) -> Packed:
 
 def run_lora(args: Any, loaded: Any, tasks: list[Any], t0: float, fingerprint: str) -> dict[str, Any]:
     from tqdm import tqdm
-
-    from streamllm.engine.prompt import PromptLayout
-    from streamllm.model.lora import LORA_DIR, save_lora
-    from streamllm.tuning.headfit import calibrate_threshold, judge
 
     settings = LoraSettings(layers=args.lora_layers, rank=args.rank, alpha=args.alpha, lr=args.lr,
                             points=args.points, kl=args.kl, eval_every=args.eval_every)

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamllm.config import SessionSpec, load_config
+from streamllm.model.adapter import CARD_FILE
+from streamllm.model.loader import load_model
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import (
     SPLIT,
@@ -59,7 +61,9 @@ from streamllm.tuning.data import (
     spread,
     synthetic_bars,
 )
+from streamllm.tuning.extract import StateExtractor, WindowStates, render_window
 from streamllm.tuning.fit import fit_and_write
+from streamllm.tuning.lora_run import run_lora
 
 if TYPE_CHECKING:
     import argparse
@@ -173,9 +177,6 @@ def _mix_dev(name: str, n_bars: int, train: list[WindowPlan], args: argparse.Nam
 def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from streamllm.model.loader import load_model
-    from streamllm.tuning.extract import StateExtractor, WindowStates
-
     if not 0 < args.target_precision <= 1:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
     if args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1 or args.mix_dev_windows < 0:
@@ -258,8 +259,6 @@ def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPla
     """The plan if its window fits the session's context; a --mix window is trimmed to the bars that
     fit (another market's lines may be longer: the synthetic one writes trade counts and buy shares),
     or dropped when too few would; any other window over it is an error, before anything is extracted."""
-    from streamllm.tuning.extract import render_window
-
     limit = task.extractor.max_window_tokens
     lines = render_window(task.sources[plan.source][plan.start: plan.start + plan.bars], task.spec.render.changes)
     ids, ends = task.extractor.session_ids(lines)
@@ -287,9 +286,6 @@ def states_fingerprint(args: argparse.Namespace, model_name: str, task: Task) ->
 
 
 def _lora(args: argparse.Namespace, loaded: Any, tasks: list[Task], t0: float) -> dict[str, Any]:
-    from streamllm.model.adapter import CARD_FILE
-    from streamllm.tuning.lora_run import run_lora
-
     # The lower layers' states depend on these; the adapter's training settings do not.
     fingerprint = f"L{args.lora_layers}"
     try:
