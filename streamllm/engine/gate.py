@@ -1,4 +1,4 @@
-"""The confidence gate and its calibration.
+"""The confidence gate: the runtime decision (its offline statistics: evaluation/scoring.py).
 
 At a question's decision point the engine holds the ready distribution (the logits
 of the answer's first token). The gate decides from it alone whether the answer is
