@@ -28,14 +28,14 @@ def power_loss(loaded: Any, work: Path, pushes: int = 60) -> dict[str, float]:
     from bench.powerloss import PowerLoss
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.log_reader import pushed_lines
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
 
     out: dict[str, float] = {}
     for flush in ("batch", "interval"):
         root = work / f"pl-{flush}"
         root.mkdir(parents=True)
         with PowerLoss(root) as pl:
-            eng = Engine(loaded, max_cells=8192, max_context=4096, ingest_log=IngestLog(root / "log", flush=flush))
+            eng = Engine(loaded, EngineConfig(max_cells=8192, max_context=4096), ingest_log=IngestLog(root / "log", flush=flush))
             eng.open_session("s")
             acked = []
             for v in range(1, pushes + 1):
@@ -56,14 +56,14 @@ def power_loss(loaded: Any, work: Path, pushes: int = 60) -> dict[str, float]:
 def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, float]:
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.recovery import recover
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
 
     # A minute of bars already fills the context (compaction from then on): a session's size is
     # bounded by max_context, so recovery is bounded by it and the checkpoint interval.
-    kw = {"max_cells": 16384, "max_context": 1024}
+    config = EngineConfig(max_cells=16384, max_context=1024)
     log_dir = work / f"bounded-{seconds}-{every}"
     log = IngestLog(log_dir, flush="interval", checkpoint_versions=every)
-    eng = Engine(loaded, **kw)
+    eng = Engine(loaded, config)
     recover(eng, log)
     if log.checkpointer is None:
         eng.ingest_log = log
@@ -85,7 +85,7 @@ def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, 
     fill_s = time.perf_counter() - t0
     eng.shutdown()
     log.close()
-    eng = Engine(loaded, **kw)
+    eng = Engine(loaded, config)
     t0 = time.perf_counter()
     report = recover(eng, IngestLog(log_dir))
     recovery_s = time.perf_counter() - t0
@@ -114,7 +114,7 @@ def feed_restart(loaded: Any, work: Path, crash_at: int = 230) -> dict[str, floa
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.log_reader import pushed_lines
     from streamllm.durability.recovery import recover
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
     from streamllm.feeding.attach import Attachment, AttachSpec
 
     feed = "replay:bench-trades"
@@ -123,7 +123,7 @@ def feed_restart(loaded: Any, work: Path, crash_at: int = 230) -> dict[str, floa
                     64000 + (i * 7919 % 100) / 10, 0.01 * (1 + i % 3), 1, i) for i in range(400)]
 
     def run(log_dir: Path, until: int | None) -> Attachment:
-        eng, log = Engine(loaded, max_cells=16384, max_context=4096), IngestLog(log_dir)
+        eng, log = Engine(loaded, EngineConfig(max_cells=16384, max_context=4096)), IngestLog(log_dir)
         recover(eng, log)
         if "s" not in eng.sessions:
             eng.open_session("s")
@@ -150,9 +150,9 @@ def feed_restart(loaded: Any, work: Path, crash_at: int = 230) -> dict[str, floa
 
 def pressure(loaded: Any, work: Path, sessions: int = 6) -> dict[str, float]:
     from streamllm.durability.resident import ResidentEngine
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
 
-    eng = ResidentEngine(Engine(loaded, max_cells=1536, block_size=16, max_context=512, branch_cells=256),
+    eng = ResidentEngine(Engine(loaded, EngineConfig(max_cells=1536, block_size=16, max_context=512, branch_cells=256)),
                          work / "spill", auto_evict=True)  # two sessions fit
     live = {}
     for k in range(sessions):

@@ -146,13 +146,13 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     from streamllm.durability.ingest_log import IngestLog
     from streamllm.durability.recovery import recover
     from streamllm.durability.snapshot import restore_session, save_session
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
     from streamllm.model import load_model
 
     loaded = load_model(model, progress=False)
     log_dir, snap = work / "rr-log", work / "rr.safetensors"
-    kw = {"max_cells": 32768, "max_context": 8192}
-    eng = Engine(loaded, ingest_log=IngestLog(log_dir), **kw)
+    config = EngineConfig(max_cells=32768, max_context=8192)
+    eng = Engine(loaded, config, ingest_log=IngestLog(log_dir))
     eng.open_session("s")
     eng.register("s", parse_question(QUESTION))
     source = market_lines()
@@ -167,11 +167,11 @@ def restore_vs_replay(model: str, work: Path, lines: int) -> dict[str, float]:
     eng.shutdown()
     eng.ingest_log.close()
 
-    eng = Engine(loaded, **kw)
+    eng = Engine(loaded, config)
     report = recover(eng, IngestLog(log_dir))
     replay_s = report.replay_s + report.ingest_s
     eng.shutdown()
-    eng = Engine(loaded, **kw)
+    eng = Engine(loaded, config)
     t0 = time.perf_counter()
     restore_session(eng, snap)
     restore_s = time.perf_counter() - t0

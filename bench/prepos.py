@@ -25,7 +25,7 @@ from bench.common import (
     write_json,
 )
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.model import load_model
 
 FAST = QuestionSpec("direction", "Is the price going up or down? Answer with one word: up or down.",
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     contexts = parse_ints(args.contexts)
     loaded = load_model(args.model)
     max_context = budget_for(max(contexts))
-    engine = Engine(loaded, max_cells=max_context + 8192, max_context=max_context)
+    engine = Engine(loaded, EngineConfig(max_cells=max_context + 8192, max_context=max_context))
     metrics: dict[str, float] = {}
     rows = []
     try:

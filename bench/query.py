@@ -36,7 +36,7 @@ from bench.common import (
     timed_ms,
     write_json,
 )
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.runner import Work
 from streamllm.model import load_model
@@ -114,8 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     contexts = parse_ints(args.contexts)
     loaded = load_model(args.model)
     max_context = budget_for(max(contexts))
-    engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=max_context * 2 + 4096, max_context=max_context,
-                    chunk_tokens=args.chunk, step_tokens=args.chunk)
+    engine = Engine(loaded, EngineConfig(max_cells=max_context * 2 + 4096, max_context=max_context, scheduler=SchedulerConfig(chunk_tokens=args.chunk, step_tokens=args.chunk)), device=args.device, dtype=args.dtype)
     print(f"engine dtype: {engine.model.dtype_choice.reason}", flush=True)
     metrics: dict[str, float] = {}
     rows = []

@@ -109,11 +109,9 @@ def pool_cells(config: QueryConfig) -> int:
 
 def new_engine(loaded, config: QueryConfig, sweep_context: int = 0, adapter: Any = None):
     """adapter: the `streamllm tune` adapter dir ours serves with (bench(): --adapter, else the config's)."""
-    from streamllm.engine import Engine
+    from streamllm.engine import Engine, EngineConfig
 
-    return Engine(loaded, max_cells=max(pool_cells(config), 4 * sweep_context) + 8192, branch_cells=8192,
-                  max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context]),
-                  adapter=adapter)
+    return Engine(loaded, EngineConfig(max_cells=max(pool_cells(config), 4 * sweep_context) + 8192, branch_cells=8192, max_context=max([s.max_context_tokens for s in config.sessions] + [sweep_context])), adapter=adapter)
 
 
 def ingest_capacity(loaded, config: QueryConfig, warm: list[Any], timed: list[Any],

@@ -40,9 +40,11 @@ def bar_lines(i: int, n: int = 2) -> list[str]:
     return [f"12:{(i // 60) % 60:02d}:{i % 60:02d} 640{(i + k) % 100:02d}.5 +1.{k} v{i % 7}.2 n{k + 3}" for k in range(n)]
 
 
-def engine_kw(args: argparse.Namespace) -> dict[str, Any]:
-    return {"max_cells": args.sessions * args.max_context * 2 + 4096, "block_size": 16, "max_context": args.max_context,
-            "dtype": args.dtype}
+def engine_config(args: argparse.Namespace) -> Any:
+    from streamllm.engine import EngineConfig
+
+    return EngineConfig(max_cells=args.sessions * args.max_context * 2 + 4096, block_size=16,
+                        max_context=args.max_context)
 
 
 def open_sessions(engine: Any, sessions: int, max_context: int) -> list[str]:
@@ -165,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     t_run = time.perf_counter()
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     try:
-        local = Engine(load_model(args.model), **engine_kw(args))
+        local = Engine(load_model(args.model), engine_config(args), dtype=args.dtype)
         open_sessions(local, 1, args.max_context)
         local_ms = fast_asks_ms(local, "s0", args.asks)
         local.shutdown()
@@ -174,8 +176,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             per = max(1, cpus // n)
             with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
                 t0 = time.perf_counter()
-                cluster = ClusterEngine(args.model, replicas=n, log_dir=Path(tmp), cpus_per_replica=per,
-                                        engine=engine_kw(args), poll_s=0.5,
+                cluster = ClusterEngine(args.model, engine_config(args), dtype=args.dtype, replicas=n, log_dir=Path(tmp),
+                                        cpus_per_replica=per, poll_s=0.5,
                                         checkpoint_versions=args.checkpoint_versions)
                 start_s = time.perf_counter() - t0
                 phase(f"{n} replica(s) up", t_run)

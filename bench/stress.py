@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from bench.common import market_lines, print_table, write_json
 from streamllm.config import QuestionSpec
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 
 # Failures a caller may legitimately see while others close, reopen and evict its session.
 EXPECTED = (
@@ -358,9 +358,7 @@ def run_stress(cfg: StressConfig, model=None) -> tuple[dict[str, float], dict[st
     logger.addHandler(errors_logged)
     with tempfile.TemporaryDirectory(prefix="streamllm-stress-") as tmp:
         log = IngestLog(f"{tmp}/log") if cfg.ingest_log else None
-        engine = ResidentEngine(Engine(loaded, max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context,
-                                       chunk_tokens=64, step_tokens=192, check_integrity_every_step=True,
-                                       ingest_log=log), f"{tmp}/evicted")
+        engine = ResidentEngine(Engine(loaded, EngineConfig(max_cells=cfg.max_cells, block_size=16, max_context=cfg.max_context, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=64, step_tokens=192)), ingest_log=log), f"{tmp}/evicted")
         try:
             stress = Stress(engine, cfg)
             metrics = stress.run()

@@ -34,7 +34,7 @@ from bench.common import (
     write_json,
 )
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.model import load_model
 
 QUESTIONS = [
@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     sizes = parse_ints(args.sessions)
     top = max(sizes)
     budget = budget_for(args.context)
-    engine = Engine(loaded, max_cells=top * budget + 8192, max_context=budget,
-                    chunk_tokens=args.chunk, step_tokens=args.chunk * 2)
+    engine = Engine(loaded, EngineConfig(max_cells=top * budget + 8192, max_context=budget, scheduler=SchedulerConfig(chunk_tokens=args.chunk, step_tokens=args.chunk * 2)))
     metrics: dict[str, float] = {}
     rows = []
     try:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
 from streamllm.config import QueryConfig, load_config
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.calibration import calibration_cells, percent
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.render import fixed
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:  # a config or adapter mistake: say what and where
         print(f"streamllm demo: {exc}", file=sys.stderr)
         return 2
-    engine = Engine(loaded, dtype=args.dtype, max_cells=65536, progress=True, adapter=adapter)
+    engine = Engine(loaded, EngineConfig(max_cells=65536), dtype=args.dtype, progress=True, adapter=adapter)
     if adapter is not None:
         print(f"adapter {adapter.path}: choice heads for " + ", ".join(h.question_id for h in adapter.heads))
     print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}; sessions: "

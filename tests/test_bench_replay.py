@@ -20,7 +20,7 @@ from bench.loadgen import poisson_schedule
 from bench.replay import cli_main, matches
 from bench.replay_metrics import base_rate
 from streamllm.config import QuestionSpec, load_config
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.gate import Gate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot"
@@ -51,7 +51,7 @@ def test_matches_first_word():
 
 @pytest.fixture
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=8192, max_context=2048, branch_cells=1024)
+    eng = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=2048, branch_cells=1024))
     yield eng
     eng.shutdown()
 

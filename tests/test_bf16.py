@@ -16,7 +16,7 @@ import torch
 from bench import dtype as dt
 from streamllm.config import parse_question
 from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
 from streamllm.model.dtype import parse_dtype, resolve_dtype
@@ -122,7 +122,7 @@ def test_cells_of_another_dtype_are_refused(tiny_model):
 def test_engine_reports_its_dtype_and_answers_in_bf16(tiny_model):
     from streamllm.service.server import StreamServer
 
-    with Engine(tiny_model, device=DEVICE, dtype="bfloat16", max_cells=4096, block_size=8, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=1024), device=DEVICE, dtype="bfloat16") as engine:
         assert engine.stats()["dtype"] == "bfloat16" and engine.store.pool.k.dtype == torch.bfloat16
         assert StreamServer(engine).health()["dtype"] == "bfloat16"
         engine.open_session("s", "You watch bars.")
@@ -130,13 +130,13 @@ def test_engine_reports_its_dtype_and_answers_in_bf16(tiny_model):
         ack = engine.push("s", LINES)
         answer = engine.ask("s", "trend", min_version=ack.data_version)
         assert answer.path == "fast" and answer.text in ("up", "down")
-    with Engine(tiny_model, device=DEVICE, dtype="float32", max_cells=1024, block_size=8, max_context=512) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=1024, block_size=8, max_context=512), device=DEVICE, dtype="float32") as engine:
         assert engine.stats()["dtype"] == "float32"
 
 
 def test_snapshots_record_their_dtype_and_refuse_another(tiny_model, tmp_path):
     path = tmp_path / "s.safetensors"
-    with Engine(tiny_model, device=DEVICE, dtype="bfloat16", max_cells=4096, block_size=8, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=1024), device=DEVICE, dtype="bfloat16") as engine:
         engine.open_session("s", "You watch bars.")
         engine.push("s", LINES)
         engine.wait_idle()
@@ -146,7 +146,7 @@ def test_snapshots_record_their_dtype_and_refuse_another(tiny_model, tmp_path):
         slots_a = engine.store.manager.slots(a.table, 0, a.num_computed)
         slots_b = engine.store.manager.slots(b.table, 0, b.num_computed)
         assert torch.equal(engine.store.pool.k[:, :, slots_a], engine.store.pool.k[:, :, slots_b])
-    with Engine(tiny_model, device=DEVICE, dtype="float32", max_cells=4096, block_size=8, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=1024), device=DEVICE, dtype="float32") as engine:
         with pytest.raises(SnapshotError, match="cells are bfloat16, this engine runs float32"):
             restore_session(engine, path)
         assert not engine.sessions

@@ -13,10 +13,10 @@ from streamllm.durability.checkpoint import snapshot_files, start_checkpoints
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.log_reader import session_folders
 from streamllm.durability.recovery import recover
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
-KW = {"max_cells": 16384, "max_context": 4096, "block_size": 8}  # no compaction: token ids compare
+CONFIG = EngineConfig(max_cells=16384, max_context=4096, block_size=8)  # no compaction: token ids compare
 
 
 def lines(v: int) -> list[str]:
@@ -28,7 +28,7 @@ def engines(tiny_model):
     made: list[Engine] = []
 
     def make(**kw) -> Engine:
-        eng = Engine(tiny_model, **KW, **kw)
+        eng = Engine(tiny_model, CONFIG, **kw)
         made.append(eng)
         return eng
 

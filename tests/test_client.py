@@ -15,7 +15,7 @@ import pytest
 from streamllm.cli import ask as client_cli
 from streamllm.client.client import AsyncClient, Client, ServiceError
 from streamllm.client.watch import WatchState
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants
 
@@ -27,7 +27,7 @@ needs_standing = pytest.mark.skipif(not hasattr(Engine, "register"), reason="eng
 @pytest.fixture(scope="module")
 def served(tiny_model, serve_in_thread):
     """A server on its own loop in a thread, so blocking clients can run in the test thread."""
-    engine = Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=64)
+    engine = Engine(tiny_model, EngineConfig(max_cells=8192, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=64)))
     tenants = Tenants({"tok-a": Tenant("alice")})
     try:
         with serve_in_thread(StreamServer(engine, tenants, ServerConfig(port=0))) as server:

@@ -5,15 +5,14 @@ from __future__ import annotations
 import pytest
 
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine
+from streamllm.engine import CompactionPolicy, Engine, EngineConfig, SchedulerConfig
 
 LINES = [f"12:{i // 60:02d}:{i % 60:02d} BTCUSDT C 640{i % 97:02d}.5 v{i % 13}.5 n{i % 7}" for i in range(400)]
 
 
 @pytest.fixture()
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, block_size=8, max_context=640, compact_at=0.75, retain=0.5,
-                 chunk_tokens=32, step_tokens=64)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640, scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64), compaction=CompactionPolicy(compact_at=0.75, retain=0.5)))
     yield eng
     eng.shutdown()
 
@@ -104,8 +103,7 @@ def test_a_steady_stream_of_three_budgets_is_never_refused_and_keeps_answering(t
     compaction keeps the session inside its budget, questions keep being answered throughout."""
     import time
 
-    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=400, chunk_tokens=32, step_tokens=64,
-                check_integrity_every_step=True) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=400, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64))) as eng:
         eng.open_session("s")
         eng.register("s", QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5, max_tokens=2))
         per_line = len(eng.layout.lines_ids(LINES[:1])[0])
@@ -131,8 +129,7 @@ def test_many_sessions_at_budget_in_a_tight_pool_all_get_through(tiny_model):
     copy half built, every session at its budget and nothing moving. Copies now start only when
     the pool can hold them, and a blocked copy takes idle entries' cells first."""
     sessions, max_context = 6, 320
-    with Engine(tiny_model, max_cells=sessions * max_context + 512, block_size=8, max_context=max_context,
-                branch_cells=256, chunk_tokens=64, step_tokens=128, check_integrity_every_step=True) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=sessions * max_context + 512, block_size=8, max_context=max_context, branch_cells=256, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=64, step_tokens=128))) as eng:
         for k in range(sessions):
             eng.open_session(f"s{k}")
             eng.register(f"s{k}", QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5))

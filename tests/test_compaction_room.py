@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import market_lines
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.commands import Call
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.outputs import AdmissionError
@@ -51,8 +51,7 @@ def dump(core) -> str:
 
 def test_a_burst_on_a_big_session_beside_two_small_ones_is_all_applied(tiny_model):
     lines = market_lines()
-    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=8192, chunk_tokens=64,
-                check_integrity_every_step=True) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=64))) as eng:
         eng.open_session("big", max_context=8192)
         eng.open_session("a", max_context=2048)
         eng.open_session("b", max_context=2048)
@@ -72,7 +71,7 @@ def test_a_burst_on_a_big_session_beside_two_small_ones_is_all_applied(tiny_mode
         tokens = list(eng.sessions["big"].token_ids)
         eng.check_integrity()
     # The reference: a fresh engine prefilled with exactly the retained lines.
-    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=8192, chunk_tokens=64) as ref:
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, scheduler=SchedulerConfig(chunk_tokens=64))) as ref:
         ref.open_session("fresh")
         for i in range(0, len(kept), 32):
             ref.push("fresh", kept[i : i + 32])
@@ -88,8 +87,7 @@ def test_four_sessions_filling_at_once_in_a_tight_pool_do_not_deadlock(tiny_mode
     budgets plus room for one copy: copies, entries and questions compete for the same cells."""
     sessions, max_context = 4, 1024
     feeds = {f"s{k}": market_lines(seed=k) for k in range(sessions)}
-    with Engine(tiny_model, max_cells=sessions * max_context + 512, block_size=8, max_context=max_context,
-                branch_cells=512, chunk_tokens=64, step_tokens=128, check_integrity_every_step=True) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=sessions * max_context + 512, block_size=8, max_context=max_context, branch_cells=512, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=64, step_tokens=128))) as eng:
         for name in feeds:
             eng.open_session(name)
             eng.register(name, QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5))
@@ -112,7 +110,7 @@ def test_four_sessions_filling_at_once_in_a_tight_pool_do_not_deadlock(tiny_mode
 
 
 def test_admission_keeps_room_for_the_largest_sessions_compaction_copy(tiny_model):
-    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=8192, branch_cells=1024) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, branch_cells=1024)) as eng:
         eng.open_session("big", max_context=8192)
         eng.open_session("a", max_context=2048)
         eng.open_session("b", max_context=2048)  # ~4096 left: one copy of big (retain 0.5 x 8192)
@@ -120,7 +118,7 @@ def test_admission_keeps_room_for_the_largest_sessions_compaction_copy(tiny_mode
                                                  r"\d+ free and keeps 4096 free for questions and compaction"):
             eng.open_session("c", max_context=2048)
         assert eng.stats()["admissions_refused"] == 1
-    with Engine(tiny_model, max_cells=8192, block_size=8, max_context=2048, branch_cells=512) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=8192, block_size=8, max_context=2048, branch_cells=512)) as eng:
         eng.open_session("a")
         eng.open_session("b")
         # 3584 + 512 for questions would fit the 4096 left, but not a copy of it (1792) beside it
@@ -134,8 +132,7 @@ def test_a_session_stuck_for_want_of_cells_says_so_and_catches_up_when_they_come
     """No room for a copy (cells held outside any session, as a leak would): wait_idle says not idle,
     the core logs it once, the pushes stay accepted; once the cells are back, all are applied."""
     lines = market_lines(seed=3)
-    with Engine(tiny_model, max_cells=2048, block_size=8, max_context=1024, branch_cells=128,
-                chunk_tokens=64) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=2048, block_size=8, max_context=1024, branch_cells=128, scheduler=SchedulerConfig(chunk_tokens=64))) as eng:
         eng.open_session("s")
         held = BlockTable()
         eng.call(lambda core: core.store.manager.reserve(held, 1024))  # every free cell
@@ -161,8 +158,7 @@ def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holdin
     rescue never runs) and the copy waited for cells forever: wait_idle() never returned (seen once
     in CI, 240 s with 48 cells free). A blocked copy that nothing will unblock is preempted."""
     lines = market_lines(seed=5)
-    with Engine(tiny_model, max_cells=2048, block_size=8, max_context=1024, branch_cells=128,
-                chunk_tokens=64) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=2048, block_size=8, max_context=1024, branch_cells=128, scheduler=SchedulerConfig(chunk_tokens=64))) as eng:
         eng.open_session("s")
         while eng.session_info("s").num_tokens < 600:  # below compact_at: no copy yet
             eng.push("s", list(itertools.islice(lines, 4)))

@@ -17,12 +17,12 @@ import pytest
 
 from streamllm.config import parse_question
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.client import EngineClient, EngineHealth
 from streamllm.engine.outputs import Answer, PushAck, SessionError, SessionInfo, StandingAnswer
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 
-ENGINE = {"dtype": "float32", "max_cells": 32768, "block_size": 8, "max_context": 2048, "chunk_tokens": 64}
+CONFIG = EngineConfig(max_cells=32768, block_size=8, max_context=2048, scheduler=SchedulerConfig(chunk_tokens=64))
 QUESTION = {"id": "up", "text": "Is the price going up?", "choices": ["yes", "no"]}
 TIMEOUT = 60
 _names = itertools.count()
@@ -40,13 +40,13 @@ def until(predicate: Callable[[], bool], timeout: float = TIMEOUT) -> None:
 
 
 def build_engine(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
-    with Engine(tiny_model, **ENGINE) as engine:
+    with Engine(tiny_model, CONFIG, dtype="float32") as engine:
         yield engine
 
 
 def build_resident(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
     spill = tmp_path_factory.mktemp("contract-spill")
-    with ResidentEngine(Engine(tiny_model, **ENGINE), spill, auto_evict=True) as engine:
+    with ResidentEngine(Engine(tiny_model, CONFIG, dtype="float32"), spill, auto_evict=True) as engine:
         yield engine
 
 
@@ -56,7 +56,7 @@ def build_cluster(tiny_model, tmp_path_factory) -> Iterator[EngineClient]:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        cluster = ClusterEngine("tiny", replicas=1, log_dir=tmp_path_factory.mktemp("contract-cluster"), engine=ENGINE,
+        cluster = ClusterEngine("tiny", CONFIG, dtype="float32", replicas=1, log_dir=tmp_path_factory.mktemp("contract-cluster"),
                                 call_timeout_s=20, poll_s=0.2)
         try:
             yield cluster
@@ -203,7 +203,7 @@ def test_stats_and_health(engine, name):
 
 def test_an_evicted_session_keeps_the_contract(tiny_model, tmp_path):
     """ResidentEngine's eviction is invisible through the contract: listed as it was, restored on use."""
-    with ResidentEngine(Engine(tiny_model, **ENGINE), tmp_path) as engine:
+    with ResidentEngine(Engine(tiny_model, CONFIG, dtype="float32"), tmp_path) as engine:
         engine.open_session("idle", max_context=512)
         engine.register("idle", parse_question(QUESTION))
         engine.push("idle", lines(7))

@@ -11,7 +11,7 @@ from feeds.synthetic import synthetic_events
 from streamllm.cli.demo import main as cli_main
 from streamllm.config import load_config
 from streamllm.demo import ADHOC, DEFAULT_CONFIG, Witness, names_number
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.feeding.attach import AttachSpec
 from streamllm.feeding.render import fixed
 
@@ -29,7 +29,7 @@ def test_the_witness_knows_each_pushed_versions_last_and_highest_close(tiny_mode
     spec = load_config(DEFAULT_CONFIG).sessions[0]
     trades = [e for e in synthetic_events(seed=3, duration_s=150) if isinstance(e, Trade)
               and e.instrument == spec.instrument]
-    engine = Engine(tiny_model, max_cells=4096, max_context=2048)
+    engine = Engine(tiny_model, EngineConfig(max_cells=4096, max_context=2048))
     try:
         engine.open_session(spec.name)
         witness = Witness(engine, AttachSpec.of(spec))

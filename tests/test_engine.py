@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from streamllm.engine import AdmissionError, Engine, SessionError
+from streamllm.engine import AdmissionError, Engine, EngineConfig, SchedulerConfig, SessionError
 from streamllm.model import load_model
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
@@ -23,7 +23,7 @@ def tiny():
 @pytest.fixture()
 def engine(tiny):
     # small blocks and chunks so every path crosses block and chunk boundaries
-    eng = Engine(tiny, max_cells=16384, block_size=8, max_context=2048, chunk_tokens=24, step_tokens=64)
+    eng = Engine(tiny, EngineConfig(max_cells=16384, block_size=8, max_context=2048, scheduler=SchedulerConfig(chunk_tokens=24, step_tokens=64)))
     yield eng
     eng.shutdown()
 
@@ -160,7 +160,7 @@ def test_errors_are_clear_and_lose_nothing(engine):
 
 
 def test_admission_refuses_when_the_pool_cannot_reserve(tiny):
-    with Engine(tiny, max_cells=1024, block_size=8, max_context=400, branch_cells=128) as eng:
+    with Engine(tiny, EngineConfig(max_cells=1024, block_size=8, max_context=400, branch_cells=128)) as eng:
         eng.open_session("a")
         eng.open_session("b")
         with pytest.raises(AdmissionError, match="cannot open session 'c'"):
@@ -228,7 +228,7 @@ def test_sessions_with_the_same_frozen_prefix_share_its_blocks(engine):
 
 
 def test_empty_push_is_refused_and_a_stopped_engine_says_so(tiny):
-    eng = Engine(tiny, max_cells=4096, max_context=512)
+    eng = Engine(tiny, EngineConfig(max_cells=4096, max_context=512))
     eng.open_session("s")
     with pytest.raises(ValueError, match="at least one line"):
         eng.push("s", [])

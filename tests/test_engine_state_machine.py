@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine, SessionError
+from streamllm.engine import Engine, EngineConfig, SessionError
 
 NAMES = ["a", "b", "t/c"]
 QUESTIONS = [
@@ -27,7 +27,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, max_context=256, check_integrity_every_step=True)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, max_context=256, check_integrity_every_step=True))
     yield eng
     eng.shutdown()
 

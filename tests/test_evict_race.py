@@ -14,7 +14,7 @@ import time
 import pytest
 
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.commands import Call
 
 LINES = [f"2024-01-01 00:00:0{i} 100.{i} +0.1 h+0.2 l-0.1 v1.0 n3 b50" for i in range(8)]
@@ -22,7 +22,7 @@ LINES = [f"2024-01-01 00:00:0{i} 100.{i} +0.1 h+0.2 l-0.1 v1.0 n3 b50" for i in 
 
 @pytest.fixture()
 def engine(tiny_model, tmp_path):
-    eng = ResidentEngine(Engine(tiny_model, max_cells=4096, block_size=8, max_context=512), tmp_path / "spill")
+    eng = ResidentEngine(Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=512)), tmp_path / "spill")
     yield eng
     eng.shutdown()
 

@@ -18,7 +18,7 @@ from websockets.asyncio.server import ServerConnection
 
 from feeds.adapters import FeedAdapter
 from feeds.server import ReplayServer
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 
 CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot" / "btcusdt_20240808.gz"
 if not CAPTURE.exists():
@@ -76,7 +76,7 @@ def capture(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, max_context=4096)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, max_context=4096))
     yield eng
     eng.shutdown()
 

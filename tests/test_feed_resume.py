@@ -9,7 +9,7 @@ from feeds.events import Trade
 from streamllm.durability.ingest_log import DuplicateBatch, IngestLog
 from streamllm.durability.log_reader import pushed_lines
 from streamllm.durability.recovery import recover
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.feeding.attach import Attachment, AttachSpec
 
 FEED = "replay:trades.csv"
@@ -46,7 +46,7 @@ def engines(tiny_model):
     made: list[Engine] = []
 
     def make() -> Engine:
-        eng = Engine(tiny_model, max_cells=16384, max_context=4096)
+        eng = Engine(tiny_model, EngineConfig(max_cells=16384, max_context=4096))
         made.append(eng)
         return eng
 

@@ -6,7 +6,7 @@ import asyncio
 
 from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.feeding.render import Renderer
 from streamllm.feeding.supervise import FeedRunner
@@ -15,7 +15,7 @@ from streamllm.service.server import StreamServer
 
 
 def test_a_failing_feed_restarts_and_health_says_degraded(tiny_model):
-    engine = Engine(tiny_model, max_cells=16384, block_size=8, max_context=4096, chunk_tokens=64)
+    engine = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=4096, scheduler=SchedulerConfig(chunk_tokens=64)))
     engine.open_session("local/btc")
     server = StreamServer(engine)
     attachment = Attachment(TapSink(engine, server.bars), AttachSpec(

@@ -20,7 +20,7 @@ from websockets.sync.client import connect
 from bench.fuzz import SAMPLES, mutate, mutated_config
 from feeds.wire import AuthError, parser_for
 from streamllm.config import ConfigError, parse_config
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.service import protocol as p
 from streamllm.service.server import StreamServer
 
@@ -116,7 +116,7 @@ def test_config_arbitrary_structures_raise_only_config_errors(value):
 
 @pytest.fixture(scope="module")
 def live_server(tiny_model, serve_in_thread):
-    engine = Engine(tiny_model, max_cells=8192, max_context=512)
+    engine = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=512))
     server = StreamServer(engine)
     server.config.port = 0
     server.config.max_message_bytes = 4096

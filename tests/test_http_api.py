@@ -18,7 +18,7 @@ from websockets.exceptions import InvalidStatus
 from streamllm.client.client import AsyncClient, ServiceError
 from streamllm.config import parse_question
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants
 
@@ -31,7 +31,7 @@ NEVER = {"id": "never", "text": "Higher or lower?", "choices": ["higher", "lower
 @pytest.fixture(scope="module")
 def served(tiny_model, serve_in_thread, tmp_path_factory):
     # as `serve --spill-dir` builds it: idle sessions can go to disk
-    engine = ResidentEngine(Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64),
+    engine = ResidentEngine(Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=64))),
                             tmp_path_factory.mktemp("spill"))
     engine.open_session("alice/btc")
     engine.push("alice/btc", LINES[:6])

@@ -10,7 +10,7 @@ from streamllm.config import parse_question
 from streamllm.durability.ingest_log import IngestLog, Record
 from streamllm.durability.log_reader import pushed_lines, read_session, session_folders
 from streamllm.durability.recovery import recover
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.commands import Call
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
@@ -25,7 +25,7 @@ def make_engine(tiny_model):
     engines: list[Engine] = []
 
     def make(**kw) -> Engine:
-        eng = Engine(tiny_model, max_cells=8192, max_context=1024, **kw)
+        eng = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024), **kw)
         engines.append(eng)
         return eng
 

@@ -23,7 +23,7 @@ from streamllm.config import ConfigError, parse_question
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.calibration import LiveCalibration, precision_floor
 from streamllm.engine.gate import Gate
 from streamllm.evaluation.scoring import risk_coverage, threshold_for_precision
@@ -46,7 +46,7 @@ def _varied_lines(i: int) -> list[str]:
 def _run(tiny_model, truths_for, threshold, lines=_lines, pushes=PUSHES, max_cells=4096):
     """Push `pushes` batches, each ingested and pre-positioned before the next; returns
     (version, standing answer text, path, gap) per version and the (still running) engine."""
-    engine = Engine(tiny_model, max_cells=max_cells, max_context=2048)
+    engine = Engine(tiny_model, EngineConfig(max_cells=max_cells, max_context=2048))
     engine.open_session("s")
     engine.register("s", parse_question({**QUESTION, "threshold": threshold}))
     seen = []
@@ -325,7 +325,7 @@ def test_truths_are_logged_and_a_recovery_scores_the_versions_it_replays(tiny_mo
     """Truths are accepted input: the ingest log keeps them with their batch, and a recovery from the
     log pushes them again, so the answers it recomputes are scored (before: an empty window)."""
     log_dir = tmp_path / "log"
-    engine = Engine(tiny_model, max_cells=4096, max_context=2048, ingest_log=IngestLog(log_dir))
+    engine = Engine(tiny_model, EngineConfig(max_cells=4096, max_context=2048), ingest_log=IngestLog(log_dir))
     engine.open_session("s")
     engine.register("s", parse_question({**QUESTION, "threshold": "auto:0.9"}))
     for i in range(12):
@@ -333,7 +333,7 @@ def test_truths_are_logged_and_a_recovery_scores_the_versions_it_replays(tiny_mo
         assert engine.wait_idle(timeout=30)
     scored = engine.calibration()["s"]["trend"]["scored"]
     engine.shutdown()
-    again = Engine(tiny_model, max_cells=4096, max_context=2048)
+    again = Engine(tiny_model, EngineConfig(max_cells=4096, max_context=2048))
     try:
         report = recover(again, IngestLog(log_dir))
         assert not report.failed and report.batches == 12
@@ -443,7 +443,7 @@ def test_engine_opens_an_auto_gate_on_right_answers_and_keeps_it_shut_on_wrong_o
 
 
 def test_push_rejects_a_truth_that_is_not_a_choice_and_drops_unknown_questions(tiny_model) -> None:
-    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=2048, max_context=1024)) as engine:
         engine.open_session("s")
         engine.register("s", parse_question(QUESTION))
         with pytest.raises(ValueError, match=r"truths\['trend'\]: 'sideways' is not one of its choices"):
@@ -482,7 +482,7 @@ def test_attachment_sends_the_labels_truth_on_the_bars_each_push_completes() -> 
 
 
 def test_metrics_and_stats_carry_the_live_figures(tiny_model, serve_in_thread) -> None:
-    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=2048, max_context=1024)) as engine:
         engine.open_session("s")
         engine.register("s", parse_question({**QUESTION, "threshold": "auto:0.9"}))
         for i in range(3):
@@ -505,7 +505,7 @@ def test_websocket_push_carries_truths_and_stats_report_the_figures(tiny_model, 
 
     from websockets.sync.client import connect
 
-    with Engine(tiny_model, max_cells=2048, max_context=1024) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=2048, max_context=1024)) as engine:
         server = StreamServer(engine)
         with serve_in_thread(server), connect(server.url) as ws:
             def call(msg: dict) -> dict:

@@ -11,13 +11,12 @@ import asyncio
 from bench.faults import load_run
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.log_reader import pushed_lines
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.service.server import ServerConfig, StreamServer
 
 
 def test_concurrent_clients_lose_nothing_acknowledged(tiny_model, tmp_path):
-    engine = Engine(tiny_model, max_cells=32768, max_context=2048,
-                    ingest_log=IngestLog(tmp_path, flush="interval", fsync_ms=20))
+    engine = Engine(tiny_model, EngineConfig(max_cells=32768, max_context=2048), ingest_log=IngestLog(tmp_path, flush="interval", fsync_ms=20))
 
     async def run() -> dict:
         async with StreamServer(engine, config=ServerConfig(port=0)) as server:

@@ -10,7 +10,7 @@ import pytest
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.log_reader import read_session, session_folders
 from streamllm.durability.recovery import recover
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.outputs import SessionError
 
 
@@ -36,7 +36,7 @@ def flip(path, needle: bytes) -> None:
 
 @pytest.fixture()
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=8192, max_context=1024)
+    eng = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024))
     yield eng
     eng.shutdown()
 
@@ -85,7 +85,7 @@ def test_recovery_refuses_a_session_with_a_hole_unless_repaired(tmp_path, engine
     assert "HOLE" in report.summary() and "HOLE" in caplog.text
     with pytest.raises(SessionError):
         engine.session_info("s")
-    again = Engine(tiny_model, max_cells=8192, max_context=1024)
+    again = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024))
     try:
         report = recover(again, IngestLog(tmp_path), repair=True)
         assert report.sessions == 1 and report.repaired == ["s"] and "REPAIRED" in report.summary()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.gate import GateError
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
@@ -17,7 +17,7 @@ ALWAYS, NEVER = 0.0, 1e9  # gate thresholds
 
 @pytest.fixture()
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, block_size=8, max_context=2048, chunk_tokens=24, step_tokens=64)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=2048, scheduler=SchedulerConfig(chunk_tokens=24, step_tokens=64)))
     yield eng
     eng.shutdown()
 
@@ -109,7 +109,7 @@ def test_ask_while_stale_waits_for_the_fresh_entry_by_default(engine):
 
 
 def test_stale_policy_answers_from_the_previous_version_flagged(tiny_model):
-    with Engine(tiny_model, max_cells=16384, block_size=8, max_context=2048, stale_policy="stale") as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=2048, stale_policy="stale")) as eng:
         ready(eng, questions=[QuestionSpec("q", "Next?", threshold=ALWAYS, max_tokens=1)])
         futures = asked_at_ingest(eng)
         eng.push("s", LINES[6:9])
@@ -224,7 +224,7 @@ def test_entries_of_many_questions_and_sessions_stay_consistent(engine):
 def test_under_pressure_idle_sessions_entries_are_evicted_first(tiny_model):
     specs = [QuestionSpec(f"q{i}", f"Standing question number {i}?", threshold=NEVER, max_tokens=1, push=False)
              for i in range(4)]
-    with Engine(tiny_model, max_cells=1152, block_size=8, max_context=256, branch_cells=640) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=1152, block_size=8, max_context=256, branch_cells=640)) as eng:
         for name in ("a", "b"):  # both admitted before any entry takes cells
             eng.open_session(name)
         for name in ("a", "b"):
@@ -251,7 +251,7 @@ def test_under_pressure_idle_sessions_entries_are_evicted_first(tiny_model):
 
 
 def test_a_question_too_big_for_the_pool_fails_clearly(tiny_model):
-    with Engine(tiny_model, max_cells=1024, block_size=8, max_context=256, branch_cells=256) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=1024, block_size=8, max_context=256, branch_cells=256)) as eng:
         eng.open_session("a")
         eng.push("a", LINES[:2])
         with pytest.raises(Exception, match="needs .* more cells"):

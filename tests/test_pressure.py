@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.outputs import AdmissionError
 
 QUESTION = "What is the last close?"
@@ -15,9 +15,12 @@ def lines(k: int) -> list[str]:
     return [f"12:00:{i:02d} S{k} C 64{k}{i:02d}.5 V {i}" for i in range(6)]
 
 
+# room for two sessions of 512 cells (plus the cells kept for questions), not three
+SMALL = EngineConfig(max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+
+
 def small_engine(tiny_model) -> Engine:
-    # room for two sessions of 512 cells (plus the cells kept for questions), not three
-    return Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256)
+    return Engine(tiny_model, SMALL)
 
 
 @pytest.fixture()
@@ -85,8 +88,7 @@ def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_pa
     from streamllm.durability.recovery import recover
 
     def new_engine(**kw) -> ResidentEngine:  # as serve builds it with --spill-dir
-        return ResidentEngine(Engine(tiny_model, max_cells=1536, block_size=16, max_context=512, branch_cells=256,
-                                     **kw), tmp_path / "spill", auto_evict=True)
+        return ResidentEngine(Engine(tiny_model, SMALL, **kw), tmp_path / "spill", auto_evict=True)
 
     first = new_engine(ingest_log=IngestLog(tmp_path / "log"))
     try:

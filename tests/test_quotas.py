@@ -16,7 +16,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.service.quotas import Quota, TokenBucket
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants, TokenConfigError
@@ -28,7 +28,7 @@ TOKENS = {"tok-a": Tenant("alice"), "tok-b": Tenant("bob"), "tok-c": Tenant("car
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=64)))
     yield eng
     eng.shutdown()
 

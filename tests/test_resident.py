@@ -10,7 +10,7 @@ import pytest
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine, SessionError
+from streamllm.engine import Engine, EngineConfig, SessionError
 from streamllm.engine.outputs import EngineStopped
 
 QUESTION = "What is the last close?"
@@ -21,7 +21,7 @@ def lines(k: int, v: int = 0) -> list[str]:
 
 
 def resident(tiny_model, spill, **kw) -> ResidentEngine:
-    return ResidentEngine(Engine(tiny_model, max_cells=4096, block_size=16, max_context=512, **kw), spill)
+    return ResidentEngine(Engine(tiny_model, EngineConfig(max_cells=4096, block_size=16, max_context=512), **kw), spill)
 
 
 def test_closing_a_session_on_disk_deletes_it_ends_its_subscriptions_and_logs_the_close(tiny_model, tmp_path):
@@ -47,7 +47,7 @@ def test_closing_a_session_on_disk_deletes_it_ends_its_subscriptions_and_logs_th
     finally:
         eng.shutdown()
         eng.ingest_log.close()
-    again = Engine(tiny_model, max_cells=4096, block_size=16, max_context=512)
+    again = Engine(tiny_model, EngineConfig(max_cells=4096, block_size=16, max_context=512))
     try:
         report = recover(again, IngestLog(tmp_path / "log"))
         assert [i.name for i in again.list_sessions()] == ["kept"] and not report.failed

@@ -21,13 +21,14 @@ from websockets.asyncio.client import connect  # noqa: E402
 
 from streamllm.cli import sessions as sessions_cli  # noqa: E402
 from streamllm.config import load_config  # noqa: E402
+from streamllm.engine import EngineConfig, SchedulerConfig  # noqa: E402
 from streamllm.feeding.wiring import group_feeds, open_sessions  # noqa: E402
 from streamllm.scale.cluster import ClusterEngine  # noqa: E402
 from streamllm.scale.replica import FeedPlan  # noqa: E402
 from streamllm.service.server import ServerConfig, StreamServer  # noqa: E402
 from streamllm.service.tenants import LOCAL  # noqa: E402
 
-ENGINE = {"dtype": "float32", "max_cells": 65536, "block_size": 8, "max_context": 8192, "chunk_tokens": 64}
+CONFIG = EngineConfig(max_cells=65536, block_size=8, max_context=8192, scheduler=SchedulerConfig(chunk_tokens=64))
 QUESTION = {"id": "up", "text": "Is the price going up?", "choices": ["yes", "no"]}
 TIMEOUT = 60
 
@@ -59,7 +60,7 @@ def fed_config(tmp_path_factory):
 def cluster(tmp_path_factory, fed_config):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     feeds = FeedPlan(group_feeds(fed_config, None), LOCAL, speed=20.0, seed=1)  # runs in the replicas
-    engine = ClusterEngine("tiny", replicas=2, log_dir=tmp_path_factory.mktemp("cluster"), engine=ENGINE,
+    engine = ClusterEngine("tiny", CONFIG, dtype="float32", replicas=2, log_dir=tmp_path_factory.mktemp("cluster"),
                            call_timeout_s=20, poll_s=0.5, feeds=feeds)
     yield engine
     engine.shutdown()
@@ -352,7 +353,8 @@ def test_a_restarted_front_door_finds_its_sessions_where_the_placement_table_say
     before = {n: (cluster.placement.get(n), cluster.session_info(n).data_version) for n in cluster.placement.names()}
     log_dir = cluster.log_dir
     cluster.shutdown()  # the module's server keeps pointing at it; nothing uses it after this test
-    again = ClusterEngine("tiny", replicas=2, log_dir=log_dir, engine=ENGINE, call_timeout_s=20, poll_s=0.5)
+    again = ClusterEngine("tiny", CONFIG, dtype="float32", replicas=2, log_dir=log_dir, call_timeout_s=20,
+                          poll_s=0.5)
     try:
         after = {n: (again.placement.get(n), again.session_info(n).data_version) for n in again.placement.names()}
         fed = LOCAL.engine_name("fed")  # its feed pushed until the end: at least what was seen, and on

@@ -13,10 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'streamllm[ray]' (make test installs it)")
 
+from streamllm.engine import EngineConfig  # noqa: E402
 from streamllm.scale.cluster import ClusterEngine  # noqa: E402
 
 # room for two sessions of 512 cells per replica (plus the cells kept for questions), not three
-ENGINE = {"dtype": "float32", "max_cells": 1536, "block_size": 16, "max_context": 512, "branch_cells": 256}
+CONFIG = EngineConfig(max_cells=1536, block_size=16, max_context=512, branch_cells=256)
 QUESTION = "What is the last close?"
 
 
@@ -28,7 +29,7 @@ def lines(k: int) -> list[str]:
 def spilling(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     spill = tmp_path_factory.mktemp("spill")
-    engine = ClusterEngine("tiny", replicas=2, log_dir=tmp_path_factory.mktemp("cluster"), engine=ENGINE,
+    engine = ClusterEngine("tiny", CONFIG, dtype="float32", replicas=2, log_dir=tmp_path_factory.mktemp("cluster"),
                            call_timeout_s=30, poll_s=0.5, spill_dir=spill)
     yield engine, spill
     engine.shutdown()

@@ -17,7 +17,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants, TokenConfigError
 
@@ -28,7 +28,7 @@ TIMEOUT = 20
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = Engine(tiny_model, max_cells=16384, block_size=8, max_context=1024, chunk_tokens=64)
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=64)))
     yield eng
     eng.shutdown()
 
@@ -380,7 +380,7 @@ def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
     # leak would): the session fills its budget and its pushes wait.
     from streamllm.engine.kv import BlockTable
 
-    with Engine(tiny_model, max_cells=512, max_context=256, branch_cells=64) as engine:
+    with Engine(tiny_model, EngineConfig(max_cells=512, max_context=256, branch_cells=64)) as engine:
         engine.open_session("s")
         held = BlockTable()
         m = engine.store.manager
@@ -404,7 +404,7 @@ def test_health_is_degraded_while_a_session_waits_at_its_budget(tiny_model):
 
 
 def test_health_fails_with_503_once_the_engine_has_stopped(tiny_model):
-    engine = Engine(tiny_model, dtype="float32", max_cells=4096, block_size=8)
+    engine = Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8), dtype="float32")
     engine.open_session("s", max_context=512)
     engine.shutdown()  # what a core killed by an internal error looks like from outside: not alive
 

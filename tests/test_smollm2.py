@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from streamllm.engine import EngineConfig
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.runner import Runner, Work
 from streamllm.model.llama import LlamaForward
@@ -50,7 +51,7 @@ def test_engine_paths_on_the_default_model(smollm2):
     from streamllm.config import QuestionSpec
     from streamllm.engine import Engine
 
-    with Engine(smollm2, max_cells=8192, max_context=2048) as engine:
+    with Engine(smollm2, EngineConfig(max_cells=8192, max_context=2048)) as engine:
         engine.open_session("btc")
         engine.register("btc", QuestionSpec("dir", "Is the price going up or down? Answer with one word.",
                                             choices=("up", "down"), threshold=0.0, max_tokens=1))
@@ -69,7 +70,7 @@ def test_entry_path_choice_answers_end_at_the_named_choice(smollm2):
     from streamllm.config import QuestionSpec
     from streamllm.engine import Engine
 
-    with Engine(smollm2, max_cells=8192, max_context=2048) as engine:
+    with Engine(smollm2, EngineConfig(max_cells=8192, max_context=2048)) as engine:
         engine.open_session("btc")
         engine.register("btc", QuestionSpec("dir", "Is the price going up or down?", choices=("up", "down"),
                                             threshold=1e9, max_tokens=12))

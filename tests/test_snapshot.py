@@ -15,7 +15,7 @@ from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
 from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 
 QUESTION = parse_question({"id": "trend", "text": "Up or down?", "choices": ["up", "down"]})
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 C 640{i:02d}.2 V {i}.5" for i in range(30)]
@@ -23,7 +23,7 @@ LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 C 640{i:02d}.2 V {i}.5" for i in
 
 @pytest.fixture()
 def engine(tiny_model, tmp_path):
-    eng = ResidentEngine(Engine(tiny_model, max_cells=8192, block_size=8, max_context=1024, chunk_tokens=24),
+    eng = ResidentEngine(Engine(tiny_model, EngineConfig(max_cells=8192, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=24))),
                          tmp_path / "spill")
     yield eng
     eng.shutdown()
@@ -114,7 +114,7 @@ def test_a_snapshot_of_another_model_is_refused(engine, tiny_model, tmp_path):
     filled(engine)
     path = tmp_path / "s.safetensors"
     engine.snapshot_session("live", path)
-    other = Engine(dataclasses.replace(tiny_model, name="tiny-v2"), max_cells=4096)
+    other = Engine(dataclasses.replace(tiny_model, name="tiny-v2"), EngineConfig(max_cells=4096))
     try:
         with pytest.raises(SnapshotError, match="written by model 'tiny' with another config"):
             restore_session(other, path)
@@ -161,18 +161,18 @@ def test_eviction_refuses_a_busy_session(engine, tmp_path):
 
 def test_recovery_restores_from_the_snapshot_then_replays_the_tail(tiny_model, tmp_path):
     snap = tmp_path / "snap.safetensors"
-    eng = Engine(tiny_model, max_cells=8192, max_context=1024)
+    eng = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024))
     filled(eng, "src")
     save_session(eng, "src", snap)
     eng.shutdown()
     log_dir = tmp_path / "log"
-    eng = Engine(tiny_model, max_cells=8192, max_context=1024, ingest_log=IngestLog(log_dir))
+    eng = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024), ingest_log=IngestLog(log_dir))
     restore_session(eng, snap, "s")
     eng.push("s", ["tail line one", "tail line two"])
     eng.wait_idle()
     want = list(eng.sessions["s"].token_ids)
     eng.shutdown()
-    eng2 = Engine(tiny_model, max_cells=8192, max_context=1024)
+    eng2 = Engine(tiny_model, EngineConfig(max_cells=8192, max_context=1024))
     try:
         report = recover(eng2, IngestLog(log_dir))
         assert report.sessions == 1 and report.batches == 1 and not report.failed

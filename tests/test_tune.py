@@ -15,7 +15,7 @@ from streamllm.cli.tune import main as cli_main
 from streamllm.config import labels as labels_module
 from streamllm.config import load_config, parse_config
 from streamllm.durability.snapshot import SnapshotError, restore_session, save_session
-from streamllm.engine import Engine
+from streamllm.engine import CompactionPolicy, Engine, EngineConfig
 from streamllm.evaluation.calibrate import calibrate
 from streamllm.evaluation.report import to_json
 from streamllm.model.adapter import (
@@ -96,8 +96,11 @@ def random_series(spec, hidden: int, threshold: float = 0.0, rank: int = 3, seed
                        torch.randn(2, generator=g), threshold, words) for q in spec.questions if q.label is not None]
 
 
-def engine_with(tiny_model, adapter=None, max_context: int = 2048, **kw) -> Engine:
-    return Engine(tiny_model, max_cells=8192, max_context=max_context, adapter=adapter, **kw)
+def engine_with(tiny_model, adapter=None, max_context: int = 2048, *, head_entries: bool = True,
+                compact_early: float = 2.0) -> Engine:
+    config = EngineConfig(max_cells=8192, max_context=max_context, head_entries=head_entries,
+                          compaction=CompactionPolicy(safety=compact_early))
+    return Engine(tiny_model, config, adapter=adapter)
 
 
 def test_training_prompt_and_state_are_the_engines_entry(tiny_model, spec, bars, tmp_path):

@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 from feeds.sources import TableSource  # noqa: E402
 from streamllm.cli.tune import main as cli_main  # noqa: E402
-from streamllm.engine import Engine  # noqa: E402
+from streamllm.engine import Engine, EngineConfig  # noqa: E402
 from streamllm.engine.prompt import PromptLayout  # noqa: E402
 from streamllm.model.adapter import AdapterError, load_adapter  # noqa: E402
 from streamllm.model.lora import merged_state_dict, save_lora  # noqa: E402
@@ -97,8 +97,8 @@ def test_training_lowers_the_loss_and_the_merged_engine_matches_peft(tiny_model,
     assert torch.equal(merged.state_dict["model.layers.0.mlp.down_proj.weight"],  # below the adapted layers
                        tiny_model.state_dict["model.layers.0.mlp.down_proj.weight"])
 
-    engine = Engine(tiny_model, max_cells=4096, max_context=2048, adapter=tmp_path / "ad")
-    plain = Engine(tiny_model, max_cells=4096, max_context=2048)
+    engine = Engine(tiny_model, EngineConfig(max_cells=4096, max_context=2048), adapter=tmp_path / "ad")
+    plain = Engine(tiny_model, EngineConfig(max_cells=4096, max_context=2048))
     try:
         assert engine.adapter.lora and engine.adapter_id
         q = labelled(spec)[0]
@@ -151,4 +151,4 @@ def test_a_lora_of_another_model_is_refused(tiny_model, tmp_path):
     (tmp_path / "ad" / "lora" / "streamllm.json").write_text(json.dumps(
         {"format": "streamllm-lora", "model": "smollm2-135m", "hidden_size": 576}))
     with pytest.raises(AdapterError, match="trained on 'smollm2-135m'"):
-        Engine(tiny_model, max_cells=1024, max_context=512, adapter=tmp_path / "ad")
+        Engine(tiny_model, EngineConfig(max_cells=1024, max_context=512), adapter=tmp_path / "ad")

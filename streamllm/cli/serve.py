@@ -30,7 +30,7 @@ from streamllm.config import (
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.feeding.supervise import FeedRunner
 from streamllm.feeding.wiring import (
     FeedGroup,
@@ -104,7 +104,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         engine = await asyncio.to_thread(build_cluster, args, loaded.name, adapter, config, groups, owner)
         del loaded
     else:
-        engine = Engine(loaded, device=args.device, dtype=args.dtype, max_cells=args.max_cells, progress=True,
+        engine = Engine(loaded, engine_config(args), device=args.device, dtype=args.dtype, progress=True,
                         adapter=adapter)
         if args.spill_dir:  # memory pressure: idle sessions to disk, restored on use (before any recovery)
             engine = ResidentEngine(engine, args.spill_dir, auto_evict=True)
@@ -158,6 +158,11 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
     return 0
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from serve's flags (every replica of `--ray` gets the same)."""
+    return EngineConfig(max_cells=args.max_cells)
+
+
 def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, config: QueryConfig | None,
                   groups: list[FeedGroup], owner: Tenant) -> Any:
     """`serve --ray`: the ClusterEngine (streamllm.scale; imports Ray) in place of an Engine."""
@@ -166,10 +171,10 @@ def build_cluster(args: argparse.Namespace, model_name: str, adapter: Any, confi
 
     adapter_path = args.adapter or (str(config.adapter) if adapter is not None and config is not None else None)
     return ClusterEngine(
-        args.model, replicas=args.replicas, address=args.address, log_dir=args.log_dir,
+        args.model, engine_config(args), device=args.device, dtype=args.dtype, replicas=args.replicas,
+        address=args.address, log_dir=args.log_dir,
         cpus_per_replica=args.replica_cpus, adapter=adapter_path, log_flush=args.log_flush,
         checkpoint_versions=args.checkpoint_versions, checkpoint_s=args.checkpoint_s,
-        engine={"device": args.device, "dtype": args.dtype, "max_cells": args.max_cells},
         feeds=FeedPlan(groups, owner, args.speed, args.seed) if groups else None, spill_dir=args.spill_dir)
 
 

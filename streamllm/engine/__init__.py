@@ -3,5 +3,7 @@
 from __future__ import annotations
 
 from streamllm.engine.api import AdmissionError, Engine, PushAck, SessionError, SessionInfo
+from streamllm.engine.config import CompactionPolicy, EngineConfig, SchedulerConfig
 
-__all__ = ["AdmissionError", "Engine", "PushAck", "SessionError", "SessionInfo"]
+__all__ = ["AdmissionError", "CompactionPolicy", "Engine", "EngineConfig", "PushAck", "SchedulerConfig", "SessionError",
+           "SessionInfo"]

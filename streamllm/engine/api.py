@@ -46,7 +46,7 @@ from streamllm.engine.commands import (
     Unregister,
     WaitIdle,
 )
-from streamllm.engine.compaction import CompactionPolicy
+from streamllm.engine.config import EngineConfig
 from streamllm.engine.core import EngineCore
 from streamllm.engine.fastpath import fast_answer, find_standing
 from streamllm.engine.gate import Gate
@@ -60,13 +60,12 @@ from streamllm.engine.outputs import (
     PushAck,
     SessionError,
     SessionInfo,
-    StalePolicy,
     StandingAnswer,
 )
 from streamllm.engine.prepos import Prepositioner
 from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
 from streamllm.engine.runner import Runner
-from streamllm.engine.scheduler import Scheduler, SchedulerConfig
+from streamllm.engine.scheduler import Scheduler
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
 from streamllm.engine.taps import TapConfig
@@ -85,32 +84,17 @@ class Engine(Intake, Subscribable, EngineClient):
     def __init__(
         self,
         model: str | LoadedModel = "smollm2-135m",
+        config: EngineConfig | None = None,
         *,
         device: str | None = None,
         dtype: str = "auto",
-        max_cells: int = 65536,
-        block_size: int = 16,
-        max_context: int = 8192,
-        step_tokens: int = 256,
-        chunk_tokens: int = 128,
-        scheduler: SchedulerConfig | None = None,
-        branch_cells: int | None = None,
-        stale_policy: str = "wait",
-        compact_at: float = 0.75,
-        retain: float = 0.5,
-        compact_early: float = 2.0,
-        progress: bool = False,
-        ingest_log=None,
         adapter=None,
-        check_integrity_every_step: bool = False,
-        head_entries: bool = True,
+        ingest_log=None,
+        progress: bool = False,
     ) -> None:
-        if stale_policy not in ("wait", "stale"):
-            raise ValueError(f"stale_policy must be 'wait' or 'stale', got {stale_policy!r}")
-        self.stale_policy = stale_policy
-        # compact_early: CompactionPolicy.safety; 0 starts copies at compact_at only, by tokens alone
-        # (the same cuts on any machine), never earlier by the feed's measured pace.
-        policy = CompactionPolicy(compact_at, retain, compact_early)
+        config = config if config is not None else EngineConfig()
+        self.config = config
+        self.stale_policy = config.stale_policy
         loaded = model if isinstance(model, LoadedModel) else load_model(model, progress=progress)
         self._model_name = loaded.name
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -128,14 +112,13 @@ class Engine(Intake, Subscribable, EngineClient):
         if self.adapter is not None:  # hidden states come back fp32
             self.adapter.heads = [h.to(self.model.device, torch.float32) for h in self.adapter.heads]
         self.adapter_id = None if self.adapter is None else self.adapter.id
-        num_blocks = max(1, max_cells // block_size)
+        num_blocks = max(1, config.max_cells // config.block_size)
         store = KVStore(
-            BlockManager(num_blocks, block_size),
-            KVPool(self.model.num_layers, num_blocks * block_size, self.model.num_kv_heads, self.model.head_dim,
+            BlockManager(num_blocks, config.block_size),
+            KVPool(self.model.num_layers, num_blocks * config.block_size, self.model.num_kv_heads, self.model.head_dim,
                    dtype=self.model.dtype, device=self.device),
         )
-        config = scheduler or SchedulerConfig(step_tokens=step_tokens, chunk_tokens=chunk_tokens)
-        self.default_max_context = max_context
+        self.default_max_context = config.max_context
         self.hub = SubscriptionHub()
         # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
         # and ingest may have computed a few updates past it by the time the entry is ready.
@@ -144,11 +127,10 @@ class Engine(Intake, Subscribable, EngineClient):
                                    self.adapter.tap_words if lines else ())
         self.core = EngineCore(
             model_name=self._model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
-            runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config),
-            prepos=Prepositioner(store, self.layout.eos_ids, head_entries=head_entries), hub=self.hub, policy=policy,
-            # Cells kept free for branches (questions, entries); sessions cannot reserve them.
-            branch_cells=branch_cells if branch_cells is not None else max(4 * block_size, max_cells // 8),
-            stale_policy=StalePolicy(stale_policy), taps=taps, check_every_step=check_integrity_every_step)
+            runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config.scheduler),
+            prepos=Prepositioner(store, self.layout.eos_ids, head_entries=config.head_entries), hub=self.hub,
+            policy=config.compaction, branch_cells=config.reserved_branch_cells, stale_policy=config.stale_policy,
+            taps=taps, check_every_step=config.check_integrity_every_step)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self._ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state

@@ -80,7 +80,7 @@ def copy_size(session: Session, cut: int) -> int:
     return session.prefix_len + max(0, min(session.num_tokens, session.max_context) - cut)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class CompactionPolicy:
     compact_at: float = 0.75  # start at the latest when the session holds this share of max_context
     retain: float = 0.5  # share of max_context the copy keeps (prefix included)

@@ -62,7 +62,7 @@ class Plan:
         return bool(self.items)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     step_tokens: int = 256  # token budget per forward (decode tokens + prefill chunks)
     chunk_tokens: int = 128  # largest prefill chunk of one sequence in one step

@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import quote
 
 from streamllm.engine.client import EngineClient, EngineHealth, ReplicaControl
+from streamllm.engine.config import EngineConfig
 from streamllm.engine.outputs import AdmissionError, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 from streamllm.engine.subscriptions import Subscription
@@ -53,9 +54,10 @@ def import_ray() -> Any:
 class ClusterEngine(EngineClient, ReplicaControl):
     """Engine replicas as Ray actors behind one front door; a session lives on one replica."""
 
-    def __init__(self, model: str = "smollm2-135m", *, replicas: int = 2, log_dir: str | Path | None = None,
+    def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, *, device: str | None = None,
+                 dtype: str = "auto", replicas: int = 2, log_dir: str | Path | None = None,
                  address: str | None = None, num_cpus: int | None = None, cpus_per_replica: float = 1.0,
-                 engine: dict[str, Any] | None = None, adapter: str | None = None, log_flush: str = "batch",
+                 adapter: str | None = None, log_flush: str = "batch",
                  checkpoint_versions: int = 0, checkpoint_s: float = 0.0, feeds: FeedPlan | None = None,
                  call_timeout_s: float = 30.0, start_timeout_s: float = 900.0, max_concurrency: int = 32,
                  poll_s: float = 1.0, spill_dir: str | Path | None = None) -> None:
@@ -86,8 +88,8 @@ class ClusterEngine(EngineClient, ReplicaControl):
         tag = uuid.uuid4().hex[:6]
         self.replicas: list[ReplicaHandle] = []
         for i in range(replicas):
-            spec = ReplicaSpec(i, model, str(self.log_dir / f"replica-{i}"), dict(engine or {}), adapter, log_flush,
-                               checkpoint_versions, checkpoint_s, feeds, max(1, int(cpus_per_replica)),
+            spec = ReplicaSpec(i, model, str(self.log_dir / f"replica-{i}"), config or EngineConfig(), device, dtype,
+                               adapter, log_flush, checkpoint_versions, checkpoint_s, feeds, max(1, int(cpus_per_replica)),
                                str(spill_dir / f"replica-{i}") if spill_dir is not None else None)
             actor = actor_cls.options(name=f"streamllm-replica-{i}-{tag}", max_restarts=-1, max_task_retries=0,
                                       max_concurrency=max_concurrency, num_cpus=cpus_per_replica).remote(spec)

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamllm.engine.config import EngineConfig
 from streamllm.scale.journal import EventBatch, EventJournal
 
 log = logging.getLogger("streamllm.scale.replica")
@@ -45,7 +46,9 @@ class ReplicaSpec:
     index: int
     model: str
     log_dir: str
-    engine: dict[str, Any] = field(default_factory=dict)  # Engine(...) keyword arguments
+    config: EngineConfig = field(default_factory=EngineConfig)  # the Engine's settings (pickled to the actor)
+    device: str | None = None
+    dtype: str = "auto"
     adapter: str | None = None
     log_flush: str = "batch"
     checkpoint_versions: int = 0
@@ -72,7 +75,8 @@ class Replica:
         self.spec = spec
         self.journal = EventJournal()
         # Snapshots for moves; with a spill folder, idle sessions to disk when its cells run out.
-        self.engine = ResidentEngine(Engine(load_model(spec.model), adapter=spec.adapter, **spec.engine),
+        self.engine = ResidentEngine(Engine(load_model(spec.model), spec.config, device=spec.device, dtype=spec.dtype,
+                                            adapter=spec.adapter),
                                      spec.spill_dir or None, auto_evict=bool(spec.spill_dir))
         self.ingest_log = IngestLog(spec.log_dir, flush=spec.log_flush, checkpoint_versions=spec.checkpoint_versions,
                                     checkpoint_s=spec.checkpoint_s)

@@ -1,0 +1,64 @@
+"""EngineConfig: every setting of one engine core in one immutable object.
+
+Three groups: the cells (pool size, block size, default context budget, cells kept for
+branches), the scheduler (`SchedulerConfig`: step budget, chunk size, floors) and the
+compaction policy (`CompactionPolicy`: when a copy starts and what it keeps). `Engine`
+takes one; `ClusterEngine` pickles the same object to each replica. The composition root
+(`cli/serve.py`) builds it from its flags; `dataclasses.replace` derives a variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from streamllm.engine.compaction import CompactionPolicy
+from streamllm.engine.outputs import StalePolicy
+from streamllm.engine.scheduler import SchedulerConfig
+
+__all__ = ["CompactionPolicy", "EngineConfig", "SchedulerConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_cells: int = 65536  # KV cells in the pool, every session and branch together
+    block_size: int = 16  # cells per block
+    max_context: int = 8192  # a session's context budget unless its open says otherwise
+    branch_cells: int | None = None  # cells sessions cannot reserve (questions, entries); None: max(4 blocks, 1/8)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compaction: CompactionPolicy = field(default_factory=CompactionPolicy)  # safety=0: cuts by token counts alone
+    stale_policy: StalePolicy = StalePolicy.WAIT  # a standing question asked while its entry lags
+    head_entries: bool = True  # series heads decide entries without a prefill
+    check_integrity_every_step: bool = False  # tests: the KV store's invariants after every step
+
+    def __post_init__(self) -> None:
+        for name in ("max_cells", "block_size", "max_context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.max_cells < self.block_size:
+            raise ValueError(f"EngineConfig.max_cells ({self.max_cells}) must hold at least one block "
+                             f"of block_size={self.block_size}")
+        if self.branch_cells is not None and (not isinstance(self.branch_cells, int) or self.branch_cells < 0):
+            raise ValueError(f"EngineConfig.branch_cells must be None or an int >= 0, got {self.branch_cells!r}")
+        try:
+            # The enum or its value ("wait"/"stale", e.g. from a flag): stored as the enum.
+            object.__setattr__(self, "stale_policy", StalePolicy(self.stale_policy))
+        except ValueError:
+            choices = ", ".join(repr(p.value) for p in StalePolicy)
+            raise ValueError(f"EngineConfig.stale_policy must be a StalePolicy ({choices}), "
+                             f"got {self.stale_policy!r}") from None
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise TypeError(f"EngineConfig.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        if not isinstance(self.compaction, CompactionPolicy):
+            raise TypeError(f"EngineConfig.compaction must be a CompactionPolicy, got {type(self.compaction).__name__}")
+        for name in ("step_tokens", "chunk_tokens", "busy_step_tokens"):
+            value = getattr(self.scheduler, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"EngineConfig.scheduler.{name} must be a positive int, got {value!r}")
+
+    @property
+    def reserved_branch_cells(self) -> int:
+        """Cells kept free for branches: `branch_cells`, or max(4 blocks, max_cells / 8)."""
+        if self.branch_cells is not None:
+            return self.branch_cells
+        return max(4 * self.block_size, self.max_cells // 8)
