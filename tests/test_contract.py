@@ -91,6 +91,16 @@ def test_is_an_engine_client(engine):
     assert 0 < short < default == engine.prefix_tokens(DEFAULT_SYSTEM)
 
 
+def test_the_tenant_is_told_at_open_and_reported(engine):
+    session = f"s{next(_names)}"
+    assert engine.open_session(session, max_context=512, tenant="acme").tenant == "acme"
+    try:
+        assert engine.session_info(session).tenant == "acme"
+        assert {i.name: i.tenant for i in engine.list_sessions()}[session] == "acme"
+    finally:
+        engine.close_session(session)
+
+
 def test_session_lifecycle(engine):
     session = f"s{next(_names)}"
     info = engine.open_session(session, "You watch prices.", max_context=512)
@@ -100,6 +110,7 @@ def test_session_lifecycle(engine):
     assert session in {i.name for i in engine.list_sessions()}
     with pytest.raises(SessionError):
         engine.open_session(session)
+    assert info.tenant == ""  # none told
     engine.close_session(session)
     assert session not in {i.name for i in engine.list_sessions()}
     for call in (lambda: engine.session_info(session), lambda: engine.close_session(session),

@@ -16,7 +16,7 @@ from streamllm.service.server import StreamServer
 
 def test_a_failing_feed_restarts_and_health_says_degraded(tiny_model):
     engine = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=4096, scheduler=SchedulerConfig(chunk_tokens=64)))
-    engine.open_session("local/btc")
+    engine.open_session("local/btc", tenant="local")
     server = StreamServer(engine)
     attachment = Attachment(TapSink(engine, server.bars), AttachSpec(
         session="local/btc", bar_s=1.0, instruments=frozenset({"BTCUSDT"})))

@@ -33,7 +33,7 @@ def served(tiny_model, serve_in_thread, tmp_path_factory):
     # as `serve --spill-dir` builds it: idle sessions can go to disk
     engine = ResidentEngine(Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=1024, scheduler=SchedulerConfig(chunk_tokens=64))),
                             tmp_path_factory.mktemp("spill"))
-    engine.open_session("alice/btc")
+    engine.open_session("alice/btc", tenant="alice")
     engine.push("alice/btc", LINES[:6])
     for q in (SURE, NEVER):
         engine.register("alice/btc", parse_question(q, source="test", key_path="question"))
@@ -277,7 +277,7 @@ def test_blocking_client_and_ask_cli_stream(served, capsys):
 
 def test_an_evicted_session_is_restored_off_the_loop_on_ask(served):
     engine = served.engine
-    engine.open_session("alice/idle")
+    engine.open_session("alice/idle", tenant="alice")
     engine.push("alice/idle", LINES[:4])
     assert engine.wait_idle(30)
     engine.evict_session("alice/idle")

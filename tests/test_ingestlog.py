@@ -168,3 +168,19 @@ def test_a_burst_longer_than_one_drain_applies_in_version_order(make_engine, tmp
     s = eng.sessions["s"]
     ids = [t for i in range(n) for line in eng.layout.lines_ids([f"b{i}"]) for t in line]
     assert s.token_ids[s.prefix_len:] == ids  # each batch at the version its ack gave it
+
+
+def test_recovery_keeps_each_sessions_tenant_and_derives_it_for_an_older_log(make_engine, tmp_path):
+    eng = make_engine(ingest_log=IngestLog(tmp_path))
+    eng.open_session("k1", tenant="acme")  # the key says nothing of the tenant: the field does
+    eng.push("k1", lines(1))
+    eng.ingest_log.close()
+    log = IngestLog(tmp_path / "old")  # written before open records carried a tenant
+    log.append(Record("open", "bob/s", meta={"system": "sys", "max_context": 512}))
+    log.close()
+    again = make_engine()
+    recover(again, IngestLog(tmp_path))
+    assert again.session_info("k1").tenant == "acme"
+    older = make_engine()
+    recover(older, IngestLog(tmp_path / "old"))
+    assert older.session_info("bob/s").tenant == "bob"

@@ -243,7 +243,7 @@ def test_no_quota_means_unlimited_and_local_keeps_engine_stats(engine):
 
 def test_counts_come_from_the_engine_not_the_server(engine):
     """Sessions the engine already holds (restored at startup, or opened by --config) count at once."""
-    engine.open_session("alice/restored")
+    engine.open_session("alice/restored", tenant="alice")
     try:
         async def scenario(server):
             alice = await Wire.hello(server, "tok-a")

@@ -25,10 +25,11 @@ INTERACTIVE, INGEST, BACKGROUND = SchedClass.INTERACTIVE, SchedClass.INGEST, Sch
 ASK, ENTRY, DECODE = AskBranch, EntryBranch, DecodeBranch
 
 
-def session(m: BlockManager, name: str, pending: int, prefix: int = 4, max_context: int = 1 << 20) -> Session:
+def session(m: BlockManager, name: str, pending: int, prefix: int = 4, max_context: int = 1 << 20,
+            tenant: str = "") -> Session:
     t = BlockTable()
     m.reserve(t, min(prefix + pending + 64, max_context))
-    s = Session(name, "sys", list(range(prefix)), max_context, t)
+    s = Session(name, "sys", list(range(prefix)), max_context, t, tenant)
     if pending:
         s.append_batch([list(range(pending))], 0.0)
     return s
@@ -144,8 +145,8 @@ def test_session_at_budget_waits_and_its_compaction_copy_becomes_ingest():
 def test_fair_across_sessions_and_tenants():
     m = BlockManager(4096, 16)
     sched = Scheduler(m, SchedulerConfig(step_tokens=32, chunk_tokens=32, busy_window_s=0))
-    many = [session(m, f"alice/s{i}", 10_000) for i in range(5)]
-    one = session(m, "bob/s", 10_000)
+    many = [session(m, f"alice/s{i}", 10_000, tenant="alice") for i in range(5)]
+    one = session(m, "bob/s", 10_000, tenant="bob")
     served = {s.name: 0 for s in [*many, one]}
     for _ in range(40):
         plan = sched.schedule([*many, one])
@@ -159,11 +160,11 @@ def test_fair_across_sessions_and_tenants():
 
 def test_fair_order_interleaves_tenants_then_sessions():
     class B:
-        def __init__(self, name):
-            self.name = name
+        def __init__(self, tenant, name):
+            self.tenant, self.name = tenant, name
 
-    items = [B("a/x"), B("a/x"), B("a/y"), B("b/z")]
-    order = [b.name for b in fair_order(items, lambda b: b.name, 0)]
+    items = [B("a", "a/x"), B("a", "a/x"), B("a", "a/y"), B("b", "b/z")]
+    order = [b.name for b in fair_order(items, lambda b: (b.tenant, b.name), 0)]
     assert order[:2] == ["a/x", "b/z"] and sorted(order) == sorted(b.name for b in items)
 
 
@@ -210,3 +211,19 @@ def test_a_sessions_entries_take_turns_under_a_steady_feed():
             entries[0] = branch(s, 40, ENTRY)
         run_fake(sched.schedule([s, *entries]))
     assert all(e.num_computed > 0 for e in entries[1:])
+
+
+def test_the_tenant_is_the_sessions_field_not_a_prefix_of_its_name():
+    m = BlockManager(4096, 16)
+    sched = Scheduler(m, SchedulerConfig(step_tokens=32, chunk_tokens=32, busy_window_s=0))
+    many = [session(m, f"s{i}", 10_000, tenant="alice") for i in range(5)]  # names say nothing of tenants
+    one = session(m, "bob/s", 10_000)  # a slash in a name is not a tenant: "" like any session told none
+    assert one.tenant == "" and one.info().tenant == "" and many[0].info().tenant == "alice"
+    one.tenant = "bob"
+    served = {s.name: 0 for s in [*many, one]}
+    for _ in range(40):
+        plan = sched.schedule([*many, one])
+        for item in plan.items:
+            served[item.seq.session_name] += len(item.token_ids)
+        run_fake(plan)
+    assert served["bob/s"] == sum(v for k, v in served.items() if k != "bob/s")

@@ -180,3 +180,21 @@ def test_recovery_restores_from_the_snapshot_then_replays_the_tail(tiny_model, t
         assert torch.isfinite(eng2.ask("s", "trend", return_logits=True).logits).all()
     finally:
         eng2.shutdown()
+
+
+def test_a_restored_session_keeps_its_tenant_and_an_older_file_gets_it_once_at_load(engine, tmp_path):
+    engine.open_session("acme/live", "You watch bars.", tenant="acme")
+    engine.push("acme/live", LINES[:7])
+    engine.wait_idle()
+    path = tmp_path / "t.safetensors"
+    engine.snapshot_session("acme/live", path)
+    assert engine.restore_session(path, "copy").session == "copy"
+    assert engine.session_info("copy").tenant == "acme"  # the snapshot's field, whatever the new name
+    engine.close_session("copy")
+    with safe_open(str(path), framework="pt") as fh:  # a file written before snapshots carried the tenant
+        meta = json.loads(fh.metadata()["streamllm"])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+    assert meta.pop("tenant") == "acme"
+    save_file(tensors, str(path), metadata={"streamllm": json.dumps(meta)})
+    engine.restore_session(path, "old")
+    assert engine.session_info("old").tenant == "acme"  # derived from the name it was saved under

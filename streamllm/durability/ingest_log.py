@@ -95,6 +95,13 @@ def record_batch(rec: Record) -> pa.RecordBatch:
                             pa.array([crc], pa.uint32())], schema=SCHEMA)
 
 
+def legacy_tenant(session: str) -> str:
+    """The tenant of a session logged or snapshotted before records carried one: the server then
+    named its sessions "tenant/name". Read once, at load; the engine is told it, never parses names."""
+    head, sep, _ = session.partition("/")
+    return head if sep else ""
+
+
 def session_dir_name(session: str) -> str:
     # Tenant names hold '/': one flat folder per session; '.' is escaped too, so a folder
     # name with a dot is always one set aside (closed, replaced).
@@ -194,9 +201,9 @@ class IngestLog:
         return self.sessions_dir / session_dir_name(session)
 
     # -- records ----------------------------------------------------------
-    def record_open(self, session: str, system: str, max_context: int) -> None:
+    def record_open(self, session: str, system: str, max_context: int, tenant: str = "") -> None:
         self._fresh_folder(session)
-        self.append(Record("open", session, meta={"system": system, "max_context": max_context}))
+        self.append(Record("open", session, meta={"system": system, "max_context": max_context, "tenant": tenant}))
 
     def record_restore(self, session: str, snapshot: str | Path, data_version: int) -> None:
         self._fresh_folder(session)

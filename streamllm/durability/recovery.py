@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from streamllm.config import parse_question
 from streamllm.durability.checkpoint import snapshot_files, start_checkpoints
-from streamllm.durability.ingest_log import IngestLog, Record
+from streamllm.durability.ingest_log import IngestLog, Record, legacy_tenant
 from streamllm.durability.log_reader import SessionLog, read_session, session_folders
 from streamllm.durability.resident import ResidentEngine
 from streamllm.durability.snapshot import SnapshotError, load_snapshot, restore_loaded
@@ -155,7 +155,8 @@ def _recover_session(engine: Engine | ResidentEngine, ingest_log: IngestLog, fol
 
 def _apply(engine: Engine | ResidentEngine, name: str, rec: Record, report: RecoveryReport) -> None:
     if rec.kind == "open":
-        engine.open_session(name, rec.meta["system"], max_context=rec.meta["max_context"])
+        engine.open_session(name, rec.meta["system"], max_context=rec.meta["max_context"],
+                            tenant=rec.meta["tenant"] if "tenant" in rec.meta else legacy_tenant(name))
     elif rec.kind == "restore":
         restore_loaded(engine, load_snapshot(engine, rec.meta["path"]), rec.meta["path"], name)
         report.questions += len(engine.standing_questions(name))

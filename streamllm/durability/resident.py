@@ -116,16 +116,16 @@ class ResidentEngine(EngineClient):
 
     # -- sessions -----------------------------------------------------------------
     def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *,
-                     max_context: int | None = None) -> SessionInfo:
+                     max_context: int | None = None, tenant: str = "") -> SessionInfo:
         with self._session(name):
             if self._evicted_entry(name) is not None:
                 raise SessionError(f"session {name!r} is already open")
             try:
-                info = self.engine.open_session(name, system, max_context=max_context)
+                info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
             except AdmissionError:
                 if not self._make_room(max_context or self.engine.default_max_context, {name}):
                     raise
-                info = self.engine.open_session(name, system, max_context=max_context)
+                info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
             self._last_asked[name] = time.monotonic()
             self._forward(name)
             return info

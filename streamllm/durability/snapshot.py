@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from streamllm.config import ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
-from streamllm.durability.ingest_log import session_dir_name
+from streamllm.durability.ingest_log import legacy_tenant, session_dir_name
 from streamllm.engine.calibration import read_window
 from streamllm.engine.outputs import EngineIdentity, SessionError, SessionInfo
 from streamllm.engine.state import SessionState
@@ -220,6 +220,8 @@ def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
     if features is not None and (features.ndim != 2 or features.shape[1] != width
                                  or index.shape != (features.shape[0],)):
         raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, {width}] / [n]")
+    if "tenant" not in meta:  # written before snapshots carried the tenant
+        meta["tenant"] = legacy_tenant(str(meta.get("session", "")))
     return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index)
 
 

@@ -197,7 +197,8 @@ class Engine(Intake, Subscribable, EngineClient):
         return self._fast_answers + self.core.fast_answers
 
     # -- sessions ---------------------------------------------------------
-    def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *, max_context: int | None = None) -> SessionInfo:
+    def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *, max_context: int | None = None,
+                     tenant: str = "") -> SessionInfo:
         if not isinstance(name, str) or not name:
             raise ValueError("session name must be a non-empty string")
         max_context = max_context or self.default_max_context
@@ -208,11 +209,11 @@ class Engine(Intake, Subscribable, EngineClient):
             with self._lock:
                 if name in self._handles:
                     raise SessionError(f"session {name!r} is already open")
-            info = self._wait(OpenSession(name, system, prefix, max_context))
+            info = self._wait(OpenSession(name, system, prefix, max_context, tenant))
             with self._lock:
                 self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
             if self.ingest_log is not None:
-                self.ingest_log.record_open(name, system, max_context)
+                self.ingest_log.record_open(name, system, max_context, tenant)
         return info
 
     def close_session(self, name: str) -> None:

@@ -67,8 +67,12 @@ class EngineClient(abc.ABC):
     # -- sessions -----------------------------------------------------------------
     @abc.abstractmethod
     def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *,
-                     max_context: int | None = None) -> SessionInfo:
-        """Open a session; `AdmissionError` when its cells cannot be had, `SessionError` if open."""
+                     max_context: int | None = None, tenant: str = "") -> SessionInfo:
+        """Open a session; `AdmissionError` when its cells cannot be had, `SessionError` if open.
+
+        name: the engine's key for the session, opaque to the engine. tenant: who it belongs to,
+        kept with the session (ingest log, snapshots, moves) and reported as `SessionInfo.tenant`;
+        the scheduler is fair across tenants. The engine never derives a tenant from a name."""
 
     @abc.abstractmethod
     def close_session(self, name: str) -> None:

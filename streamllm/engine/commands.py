@@ -42,6 +42,7 @@ class OpenSession(Command):
     system: str
     prefix_ids: list[int]
     max_context: int
+    tenant: str = ""
 
 
 @dataclass(slots=True, eq=False)

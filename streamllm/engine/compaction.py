@@ -58,6 +58,10 @@ class CompactionCopy(Sequence):
         return self.session.name
 
     @property
+    def tenant(self) -> str:  # type: ignore[override]
+        return self.session.tenant
+
+    @property
     def sched_class(self) -> SchedClass:  # type: ignore[override]
         # A session stuck at its budget ingests nothing until the swap: the copy *is* its ingest.
         return SchedClass.INGEST if self.session.at_budget else SchedClass.BACKGROUND

@@ -231,7 +231,7 @@ class EngineCore:
                     self._stop = True
                     result = None
                 case OpenSession():
-                    result = self.open_session(cmd.name, cmd.system, cmd.prefix_ids, cmd.max_context)
+                    result = self.open_session(cmd.name, cmd.system, cmd.prefix_ids, cmd.max_context, cmd.tenant)
                 case CloseSession():
                     result = self.close_session(cmd.name)
                 case Push():
@@ -266,14 +266,15 @@ class EngineCore:
             raise SessionError(f"no session named {name!r}; open it first")
         return session
 
-    def open_session(self, name: str, system: str, prefix: list[int], max_context: int) -> SessionInfo:
+    def open_session(self, name: str, system: str, prefix: list[int], max_context: int,
+                     tenant: str = "") -> SessionInfo:
         if name in self.sessions:
             raise SessionError(f"session {name!r} is already open")
         self.admit(name, max_context)
         table = BlockTable()
         computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
         self.store.manager.reserve(table, max_context)
-        session = Session(name, system, prefix, max_context, table)
+        session = Session(name, system, prefix, max_context, table, tenant)
         session.taps = self.taps.new_taps()
         session.num_computed = computed
         return self.adopt(session)

@@ -73,6 +73,7 @@ class SessionInfo:
     backlog_lines: int
     lines_ingested: int
     compactions: int = 0
+    tenant: str = ""  # as told at open (or restored with the session); "" when none was
 
 
 @dataclass(frozen=True, slots=True)

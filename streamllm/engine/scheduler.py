@@ -83,18 +83,14 @@ class SchedulerStats:
     blocked: int = 0  # sequences skipped for lack of cells
 
 
-def tenant_of(session_name: str) -> str:
-    """Sessions of tenant t are named "t/..." by the server; bare names form one tenant."""
-    head, sep, _ = session_name.partition("/")
-    return head if sep else ""
+def fair_order(items: list, owner: Callable[[object], tuple[str, str]], turn: int) -> list:
+    """Interleave items by tenant, then by session; rotate the starting tenant, session and item by `turn`.
 
-
-def fair_order(items: list, session_name: Callable[[object], str], turn: int) -> list:
-    """Interleave items by tenant, then by session; rotate the starting tenant, session and item by `turn`."""
+    owner(item) -> (tenant, session name): the tenant is the session's field, never read from its name."""
     tenants: dict[str, dict[str, list]] = {}
     for item in items:
-        name = session_name(item)
-        tenants.setdefault(tenant_of(name), {}).setdefault(name, []).append(item)
+        tenant, name = owner(item)
+        tenants.setdefault(tenant, {}).setdefault(name, []).append(item)
     queues: list[list] = []
     for sessions in _rotate(list(tenants.values()), turn):
         # Rotate within a session too: its standing questions' entries take turns, so the first
@@ -167,7 +163,7 @@ class Scheduler:
 
     def _fill(self, plan: Plan, sched_class: SchedClass, seqs: list[Sequence], budget: int, turn: int) -> int:
         used = 0
-        for seq in fair_order(seqs, lambda s: s.session_name, turn):
+        for seq in fair_order(seqs, lambda s: (s.tenant, s.session_name), turn):
             if budget - used <= 0:
                 break
             used += self._take(plan, sched_class, seq, budget - used)

@@ -81,6 +81,11 @@ class Sequence:
         raise NotImplementedError
 
     @property
+    def tenant(self) -> str:
+        """The tenant of the session this sequence serves (fairness groups by it)."""
+        raise NotImplementedError
+
+    @property
     def sched_class(self) -> SchedClass:
         raise NotImplementedError
 
@@ -88,14 +93,16 @@ class Sequence:
 class Session(Sequence):
     """One persistent context: frozen prefix + data lines, with its data versions."""
 
-    __slots__ = ("name", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
+    __slots__ = ("name", "tenant", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
                  "version_ends", "version_lines", "data_version", "lines_ingested", "line_ends",
                  "compactions", "tokens_dropped", "opened_at", "version_base", "push_times", "lines_cut", "taps")
     want_logits = Logits.NONE
     sched_class = SchedClass.INGEST  # type: ignore[assignment]
 
-    def __init__(self, name: str, system: str, prefix_ids: list[int], max_context: int, table: BlockTable) -> None:
+    def __init__(self, name: str, system: str, prefix_ids: list[int], max_context: int, table: BlockTable,
+                 tenant: str = "") -> None:
         self.name = name
+        self.tenant = tenant  # who the session belongs to, as told at open; the scheduler is fair across tenants
         self.system = system
         self.max_context = max_context
         self.table = table
@@ -149,7 +156,8 @@ class Session(Sequence):
 
     def info(self) -> SessionInfo:
         return SessionInfo(self.name, self.data_version, self.pushed_version, self.num_tokens, self.num_computed,
-                           self.prefix_len, self.max_context, self.backlog_lines, self.lines_ingested, self.compactions)
+                           self.prefix_len, self.max_context, self.backlog_lines, self.lines_ingested, self.compactions,
+                           self.tenant)
 
     @property
     def backlog_lines(self) -> int:
@@ -268,6 +276,10 @@ class Branch(Sequence):
     @property
     def session_name(self) -> str:  # type: ignore[override]
         return self.session.name
+
+    @property
+    def tenant(self) -> str:  # type: ignore[override]
+        return self.session.tenant
 
 
 @dataclass(slots=True, eq=False)

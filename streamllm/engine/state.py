@@ -53,7 +53,7 @@ def export_session(core: EngineCore, name: str) -> SessionState:
     n = s.num_computed
     slots = manager.slots(s.table, 0, n).to(pool.k.device)
     meta = {
-        "session": s.name, "system": s.system, "max_context": s.max_context, "prefix_len": s.prefix_len,
+        "session": s.name, "tenant": s.tenant, "system": s.system, "max_context": s.max_context, "prefix_len": s.prefix_len,
         "num_tokens": s.num_tokens, "num_computed": n, "version_base": s.version_base,
         "version_ends": list(s.version_ends), "version_lines": list(s.version_lines),
         "line_ends": list(s.line_ends), "lines_cut": s.lines_cut, "data_version": s.data_version, "lines_ingested": s.lines_ingested,
@@ -108,7 +108,8 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
         raise
     pool.k[:, :, slots] = state.k.to(pool.k.device, pool.k.dtype)
     pool.v[:, :, slots] = state.v.to(pool.v.device, pool.v.dtype)
-    s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table)
+    s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table,
+                str(meta.get("tenant", "")))
     s.token_ids = list(state.token_ids)
     s.num_computed = n
     s.version_base = int(meta.get("version_base", 0))

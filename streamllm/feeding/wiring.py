@@ -40,6 +40,9 @@ log = logging.getLogger("streamllm.feeding.wiring")
 class Owner(Protocol):
     """Who owns the config's sessions (service.tenants.Tenant): it names them in the engine."""
 
+    @property
+    def name(self) -> str: ...  # the tenant, told to the engine at open
+
     def engine_name(self, name: str) -> str: ...
 
 
@@ -140,7 +143,8 @@ def open_sessions(engine: EngineClient, owner: Owner, config: QueryConfig) -> in
         if name in recovered:  # recovered from the ingest log: keep it and its questions
             have = {q.id for q in engine.standing_questions(name)}
         else:
-            engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens)
+            engine.open_session(name, system=spec.system_prompt, max_context=spec.max_context_tokens,
+                                tenant=owner.name)
         for question in spec.questions:
             if question.id not in have:
                 engine.register(name, question)

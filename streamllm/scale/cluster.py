@@ -191,7 +191,8 @@ class ClusterEngine(EngineClient, ReplicaControl):
     def sessions(self) -> set[str]:
         return set(self.placement.names())
 
-    def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *, max_context: int | None = None) -> Any:
+    def open_session(self, name: str, system: str = DEFAULT_SYSTEM, *, max_context: int | None = None,
+                     tenant: str = "") -> Any:
         if not isinstance(name, str) or not name:
             raise ValueError("session name must be a non-empty string")
         with self._place_lock:
@@ -208,7 +209,8 @@ class ClusterEngine(EngineClient, ReplicaControl):
             refused = []
             for index in sorted(free, key=lambda i: (-free[i], counts[i], i)):
                 try:
-                    info = self.call_replica(self.replicas[index], "open_session", name, system, max_context)
+                    info = self.call_replica(self.replicas[index], "open_session", name, system, max_context,
+                                             tenant)
                 except AdmissionError as exc:  # the replica's own admission: try the next one
                     refused.append(f"replica {index}: {exc}")
                     continue

@@ -138,8 +138,8 @@ class Replica:
         self.ingest_log.close()
 
     # -- the Engine facade, for the sessions this replica holds ----------------
-    def open_session(self, name: str, system: str | None, max_context: int | None) -> Any:
-        kw: dict[str, Any] = {"max_context": max_context}
+    def open_session(self, name: str, system: str | None, max_context: int | None, tenant: str = "") -> Any:
+        kw: dict[str, Any] = {"max_context": max_context, "tenant": tenant}
         if system is not None:
             kw["system"] = system
         info = self.engine.open_session(name, **kw)

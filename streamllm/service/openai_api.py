@@ -212,7 +212,8 @@ class OpenAIApi:
         system = ask.system if ask.system is not None else DEFAULT_SYSTEM
         try:  # reserve what the prompt needs, not a full session's budget
             max_context = await asyncio.to_thread(self.engine.prefix_tokens, system) + 64
-            await asyncio.to_thread(self.engine.open_session, name, system, max_context=max_context)
+            await asyncio.to_thread(self.engine.open_session, name, system, max_context=max_context,
+                                    tenant=tenant.name)
         except Exception as exc:
             raise from_engine(exc, "completions") from None
         return name

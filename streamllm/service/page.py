@@ -39,7 +39,7 @@ def routes(server: StreamServer) -> list:
         tenant = tenant_of(server, request)
         out = []
         for info in engine.list_sessions():
-            local = tenant.local_name(info.name)
+            local = tenant.local_name(info)
             if local is None or local.startswith("."):  # '.': a stateless request's temporary session
                 continue
             questions = [{"id": q.id, "text": q.text, "choices": list(q.choices)}

@@ -124,9 +124,8 @@ class QuotaBook:
     # -- counts, from the engine ------------------------------------------
     def sessions(self, tenant: str) -> list[str]:
         """Engine names of the tenant's client sessions (the HTTP face's `.stateless-*` ones are transient)."""
-        prefix = f"{tenant}/"
-        return [s.name for s in self.engine.list_sessions()
-                if s.name.startswith(prefix) and not s.name[len(prefix):].startswith(".")]
+        temporary = f"{tenant}/."  # the key tenants.Tenant.engine_name gives a '.'-named session
+        return [s.name for s in self.engine.list_sessions() if s.tenant == tenant and not s.name.startswith(temporary)]
 
     def standing_questions(self, tenant: str) -> int:
         total = 0

@@ -39,7 +39,7 @@ from streamllm.service.connection import Conn
 from streamllm.service.httpauth import EXCEPTION_HANDLERS
 from streamllm.service.metrics import ServerMetrics
 from streamllm.service.quotas import QuotaBook
-from streamllm.service.tenants import Tenants
+from streamllm.service.tenants import Tenants, client_name
 from streamllm.service.ws import CLOSE_GOING_AWAY, WebSocketApp
 
 BEHIND_LINES = 256  # a session with more lines waiting to be ingested counts as behind (attach's max_backlog)
@@ -233,7 +233,7 @@ class StreamServer:
             out["status"] = "degraded" if out["status"] == "ok" else out["status"]
             out["reasons"] = reasons
         if not self.tenants.auth:  # with tenants, health is public: names stay private
-            out["queue_depths"] = {name.partition("/")[2] or name: n for name, n in backlog.items()}
+            out["queue_depths"] = {client_name(s): s.backlog_lines for s in sessions}
         return out
 
 

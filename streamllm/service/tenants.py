@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamllm.engine.outputs import SessionInfo
 from streamllm.service.protocol import SESSION_NAME
 from streamllm.service.quotas import DEFAULT, Quota, TokenConfigError, parse_quotas
 
@@ -38,12 +39,20 @@ class Tenant:
     read_only: bool = False
 
     def engine_name(self, session: str) -> str:
+        """The engine's key for this tenant's session `session`: unique across tenants, opaque to the
+        engine (which is told the tenant as a field at open)."""
         return f"{self.name}/{session}"
 
-    def local_name(self, engine_name: str) -> str | None:
+    def local_name(self, info: SessionInfo) -> str | None:
         """The client-facing name of an engine session, or None when it is not this tenant's."""
-        head, sep, tail = engine_name.partition("/")
-        return tail if sep and head == self.name else None
+        if info.tenant != self.name:
+            return None
+        return info.name.removeprefix(f"{self.name}/")
+
+
+def client_name(info: SessionInfo) -> str:
+    """The name a session's own tenant knows it by (the engine key for a session opened without one)."""
+    return (Tenant(info.tenant).local_name(info) if info.tenant else None) or info.name
 
 
 LOCAL = Tenant(LOCAL_TENANT)

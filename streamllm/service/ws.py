@@ -163,7 +163,8 @@ class WebSocketApp:
         try:
             async with quotas.lock(conn.tenant.name):  # check and open as one step per tenant
                 quotas.check_open(conn.tenant.name)
-                info = await asyncio.to_thread(self.engine.open_session, _ename(conn, session), **kw)
+                info = await asyncio.to_thread(self.engine.open_session, _ename(conn, session),
+                                               tenant=conn.tenant.name, **kw)
         except SessionError:
             raise ProtocolError(p.SESSION_EXISTS, f"session {session!r} is already open") from None
         return {"type": "ok", "session": session, "info": info_dict(info, session)}
@@ -320,7 +321,7 @@ class WebSocketApp:
         mine = []
         calibration = self.engine.calibration()
         for info in self.engine.list_sessions():
-            local = conn.tenant.local_name(info.name)
+            local = conn.tenant.local_name(info)
             if local is not None:
                 data = info_dict(info, local)
                 data["standing_questions"] = [q.id for q in self._questions(info.name)]
