@@ -95,7 +95,7 @@ def kill_run(cluster: Any, names: list[str], seconds: float, rate: float) -> dic
     """Push to every session at `rate` updates/s in all while replica 0 is killed; count what was lost."""
     import ray
 
-    from streamllm.scale.errors import ReplicaUnavailable
+    from streamllm.engine.outputs import ReplicaUnavailable
 
     delivered: dict[str, list[int]] = {n: [] for n in names}
     cluster.wait_idle(300)

@@ -32,11 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 # Known arrows that break the rules today, each with its owner's plan. Empty it, never grow it.
-ALLOWED_UPWARD: set[tuple[str, str]] = {
-    # The service's error codes name the cluster's ReplicaUnavailable (service/scale owner: the error
-    # moves below the service, e.g. to engine/client.py beside the contract, or service stops naming it).
-    ("streamllm.service.errors", "streamllm.scale.errors"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 ALLOWED_CYCLES: list[set[str]] = []  # none left; a new cycle is a bug
 
 # Imports of our own modules inside functions: only where something optional or heavy must stay
@@ -48,12 +44,6 @@ ALLOWED_LATE_IMPORTS: dict[str, set[str]] = {
     "streamllm/cli/serve.py": {"streamllm.scale.cluster", "streamllm.scale.replica"},
     # Databento's native decoder is loaded when a DBN file is read, not for every recorded source.
     "feeds/sources.py": {"feeds.dbn"},
-    # Owned by the engine contract / scale work, to move to the top of their files:
-    "streamllm/engine/api.py": {"streamllm.model.lora", "streamllm.model.adapter"},
-    "streamllm/scale/replica.py": {"streamllm.durability.ingest_log", "streamllm.durability.recovery",
-                                   "streamllm.durability.resident", "streamllm.engine", "streamllm.model.loader",
-                                   "streamllm.service.bars", "streamllm.feeding.supervise",
-                                   "streamllm.feeding.wiring"},
 }
 
 

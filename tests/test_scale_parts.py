@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamllm.scale.errors import ReplicaUnavailable
+from streamllm.engine.outputs import ReplicaUnavailable
 from streamllm.scale.journal import EventJournal
 from streamllm.scale.placement import PlacementError, PlacementTable
 from streamllm.service import protocol as p
@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PLAIN_SERVE = r"""
 import asyncio, json, sys
 from websockets.asyncio.client import connect
-from streamllm.engine import Engine
+from streamllm.engine import Engine, EngineConfig
 from streamllm.model import load_model
 from streamllm.service.server import ServerConfig, StreamServer
-import streamllm.scale, streamllm.scale.errors, streamllm.scale.placement, streamllm.cli.sessions
+import streamllm.scale, streamllm.scale.handle, streamllm.scale.placement, streamllm.cli.sessions
 import streamllm.cli.serve, streamllm.service.admin
 
 async def main():
-    engine = Engine(load_model("tiny"), max_cells=2048, block_size=8, max_context=512, dtype="float32")
+    engine = Engine(load_model("tiny"), EngineConfig(max_cells=2048, block_size=8, max_context=512), dtype="float32")
     async with StreamServer(engine, None, ServerConfig(port=0)) as server:
         async with connect(server.url) as ws:
             for msg in ({"type": "hello", "id": 1}, {"type": "open", "id": 2, "session": "a"},

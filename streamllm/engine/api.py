@@ -69,9 +69,10 @@ from streamllm.engine.scheduler import Scheduler
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
 from streamllm.engine.taps import TapConfig
-from streamllm.model.adapter import series_width
+from streamllm.model.adapter import Adapter, check_adapter, load_adapter, series_width
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
+from streamllm.model.lora import merged_state_dict
 
 __all__ = ["AdmissionError", "Answer", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
 LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
@@ -105,8 +106,6 @@ class Engine(Intake, Subscribable, EngineClient):
         self.adapter = _load_adapter(adapter, loaded)
         weights = loaded.state_dict
         if self.adapter is not None and self.adapter.lora:
-            from streamllm.model.lora import merged_state_dict
-
             weights = merged_state_dict(loaded, self.adapter.path)
         self.model = LlamaForward(loaded.config, weights, device=self.device, dtype=dtype)
         if self.adapter is not None:  # hidden states come back fp32
@@ -434,8 +433,6 @@ class Engine(Intake, Subscribable, EngineClient):
 def _load_adapter(adapter, model: LoadedModel):
     if adapter is None:
         return None
-    from streamllm.model.adapter import Adapter, check_adapter, load_adapter
-
     out = adapter if isinstance(adapter, Adapter) else load_adapter(adapter)
     check_adapter(out, model.name, model.config.hidden_size, model.config.num_hidden_layers)
     return out

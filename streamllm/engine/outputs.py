@@ -49,6 +49,15 @@ class AdmissionError(RuntimeError):
     """The KV pool cannot reserve the cells a new session asks for."""
 
 
+class ReplicaUnavailable(RuntimeError):
+    """The engine holding the session is down, restarting or recovering its sessions, or the session
+    is being moved (`ClusterEngine`). Nothing acked is lost: retry after a moment."""
+
+    def __init__(self, message: str, *, replica: int | None = None) -> None:
+        super().__init__(message)
+        self.replica = replica
+
+
 class EngineStopped(RuntimeError):
     """The engine was shut down (or its core died); nothing more is accepted."""
 

@@ -29,10 +29,9 @@ from urllib.parse import quote
 
 from streamllm.engine.client import EngineClient, EngineHealth, ReplicaControl
 from streamllm.engine.config import EngineConfig
-from streamllm.engine.outputs import AdmissionError, SessionError
+from streamllm.engine.outputs import AdmissionError, ReplicaUnavailable, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 from streamllm.engine.subscriptions import Subscription
-from streamllm.scale.errors import ReplicaUnavailable
 from streamllm.scale.fanin import EventPump, FanInHub
 from streamllm.scale.handle import ReplicaHandle, ReplicaState
 from streamllm.scale.metrics import ReplicaCollector, cluster_stats, replica_health

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from streamllm.scale.errors import ReplicaUnavailable
+from streamllm.engine.outputs import ReplicaUnavailable
 from streamllm.scale.handle import ReplicaState
 
 

@@ -24,8 +24,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.durability.recovery import recover
+from streamllm.durability.resident import ResidentEngine
+from streamllm.engine import Engine
 from streamllm.engine.config import EngineConfig
+from streamllm.feeding.supervise import FeedRunner
+from streamllm.feeding.wiring import FeedGroup, build_attachments, feed_events
+from streamllm.model.loader import load_model
 from streamllm.scale.journal import EventBatch, EventJournal
+from streamllm.service.bars import BarBook, TapSink
 
 log = logging.getLogger("streamllm.scale.replica")
 _DONE = object()
@@ -60,13 +68,6 @@ class ReplicaSpec:
 
 class Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
-        from streamllm.durability.ingest_log import IngestLog
-        from streamllm.durability.recovery import recover
-        from streamllm.durability.resident import ResidentEngine
-        from streamllm.engine import Engine
-        from streamllm.model.loader import load_model
-        from streamllm.service.bars import BarBook
-
         t0, self.init_at = time.perf_counter(), time.time()
         if spec.torch_threads:
             import torch
@@ -236,10 +237,6 @@ class Replica:
     # -- feeds beside their sessions -------------------------------------------
     def start_feeds(self) -> list[str]:
         """(Re)start one feed per config feed group, attached to the group's sessions held here."""
-        from streamllm.feeding.supervise import FeedRunner
-        from streamllm.feeding.wiring import FeedGroup, build_attachments, feed_events
-        from streamllm.service.bars import TapSink
-
         plan = self.spec.feeds
         if plan is None:
             return []

@@ -8,7 +8,7 @@ import re
 from streamllm.config import ConfigError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
-from streamllm.scale.errors import ReplicaUnavailable
+from streamllm.engine.outputs import ReplicaUnavailable
 from streamllm.service import protocol as p
 from streamllm.service.quotas import QuotaExceeded
 
