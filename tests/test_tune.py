@@ -424,7 +424,9 @@ def test_a_variant_for_one_question_trains_that_head_alone(tiny_model, tmp_path,
     the one trained without the variant, to the bit (same samples, same fit)."""
     argv, _, _ = _mix_run(tiny_model, tmp_path, monkeypatch, other_bars=0)
     argv[argv.index("head")] = method
-    argv += ["--mix-windows", "3"] + (["--fit-orders", "1", "--lines", "10", "--tap-layer", "1"] if method == "series" else [])
+    # series: one fit per candidate, over [mean, last] alone (--words ''): which head a variant trains is the point
+    argv += ["--mix-windows", "3"] + (["--fit-orders", "1", "--lines", "10", "--tap-layer", "1", "--words", ""]
+                                      if method == "series" else [])
 
     def heads():
         card = json.loads((tmp_path / "out" / "card.json").read_text())
