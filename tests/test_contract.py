@@ -188,11 +188,13 @@ def test_ask_async_and_cancel(engine, name):
 
 
 def test_subscriptions_hear_data_and_standing_changes(engine, name):
-    engine.register(name, parse_question(QUESTION))
     heard_data: list[tuple[str, int]] = []
     heard_standing: list[StandingAnswer] = []
     data_sub = engine.subscribe_data(name, lambda session, version: heard_data.append((session, version)))
     standing_sub = engine.subscribe(name, heard_standing.append)
+    # Subscribed first: a standing answer is published when it changes, and its first answer (from
+    # the question's registration on) is the change every subscriber must hear.
+    engine.register(name, parse_question(QUESTION))
     engine.push(name, lines(5))
     engine.push(name, lines(6))
     until(lambda: (name, 2) in heard_data)
