@@ -31,7 +31,7 @@ from streamllm.engine.client import EngineClient, EngineHealth, ReplicaControl
 from streamllm.engine.config import EngineConfig
 from streamllm.engine.outputs import AdmissionError, ReplicaUnavailable, SessionError
 from streamllm.engine.prompt import DEFAULT_SYSTEM
-from streamllm.engine.subscriptions import Subscription
+from streamllm.engine.subscriptions import Subscribable
 from streamllm.scale.fanin import EventPump, FanInHub
 from streamllm.scale.handle import ReplicaHandle, ReplicaState
 from streamllm.scale.metrics import ReplicaCollector, cluster_stats, replica_health
@@ -50,7 +50,7 @@ def import_ray() -> Any:
     return ray
 
 
-class ClusterEngine(EngineClient, ReplicaControl):
+class ClusterEngine(Subscribable, EngineClient, ReplicaControl):
     """Engine replicas as Ray actors behind one front door; a session lives on one replica."""
 
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None, *, device: str | None = None,
@@ -273,14 +273,6 @@ class ClusterEngine(EngineClient, ReplicaControl):
     def _known(self, name: str) -> None:
         if self.placement.get(name) is None:
             raise SessionError(f"no session named {name!r}; open it first")
-
-    def subscribe(self, name: str, callback) -> Subscription:
-        self._known(name)
-        return self.hub.add(name, "standing", callback)
-
-    def subscribe_data(self, name: str, callback) -> Subscription:
-        self._known(name)
-        return self.hub.add(name, "data", callback)
 
     # -- identity -------------------------------------------------------------
     @property
