@@ -93,14 +93,14 @@ class AlpacaParser:
                        max(float_decimals(o), float_decimals(h), float_decimals(lo), float_decimals(c)),
                        float_decimals(v))
         if kind == "success":
-            self.stats.control += 1
+            self.stats.aside("connection reply")
             if m.get("msg") == "connected":
                 self.connected = True
             elif m.get("msg") == "authenticated":
                 self.authenticated = True
             return None
         if kind == "subscription":
-            self.stats.control += 1
+            self.stats.aside("subscription reply")
             self.subscription = {k: v for k, v in m.items() if k != "T"}
             return None
         if kind == "error":

@@ -15,10 +15,13 @@ Formats (Binance "WebSocket Streams" docs of each market): payloads arrive raw o
 `m` true means the buyer was the maker, i.e. the aggressor sold. Times: `T` (the matching
 engine's) when given, else `E`, else the receive time (spot bookTicker).
 
-Depth gaps follow each market's rule. Spot: each update starts where the last ended
-(`U == last u + 1`; after a snapshot `U <= lastUpdateId + 1 <= u`). Futures: each update
-names the previous one (`pu == last u`; after a snapshot `U <= lastUpdateId <= u`), and
-ids are not contiguous, so the spot rule would call every update a gap. A futures-only
+Depth gaps follow each market's documented sync (feeds/books.py `DepthSync`). Spot: each
+update starts where the last ended (`U == last u + 1`; after a snapshot, updates with
+`u <= lastUpdateId` are dropped and the first kept spans it, `U <= lastUpdateId + 1 <= u`).
+Futures: each update names the previous one (`pu == last u`; after a snapshot `u < lastUpdateId`
+is dropped and `U <= lastUpdateId <= u`), and ids are not contiguous, so the spot rule would
+call every update a gap. The spanning update may arrive before the snapshot line (the stream
+is buffered while the snapshot is fetched): it is the bridge then, not a gap. A futures-only
 message on a spot parser (or `pu` on spot depth) is refused as a counted error that says
 to pass `--market usdm` or `coinm`; nothing is guessed.
 Control: `{"method":"SUBSCRIBE","params":[..],"id":1}` -> `{"result":null,"id":1}`;
@@ -31,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from feeds.books import DepthSync
 from feeds.events import BUY, SELL, Bar, BookDelta, Liquidation, Mark, Quote, Trade, decimals
 from feeds.validate import BadValue, check_bar, flag, nonnegative, positive
 from feeds.wire import CountingParser, Loads, SeqTracker, VenueError, fast_loads
@@ -73,8 +77,7 @@ class BinanceParser(CountingParser):
         self.seq = SeqTracker(self.stats)
         self.closed_klines_only = closed_klines_only
         self._last_symbol = symbol_hint.upper()
-        self._depth_u: dict[str, int] = {}  # futures: last `u` per symbol
-        self._snap: dict[str, int] = {}  # futures: lastUpdateId of a snapshot not yet bridged
+        self.depth = DepthSync(self.futures, self.stats)
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         msg = self.loads(raw)
@@ -92,7 +95,7 @@ class BinanceParser(CountingParser):
             if "lastUpdateId" in d:
                 return [self._snapshot(d, ts_recv)]
             if "result" in d and "id" in d:
-                self.stats.control += 1
+                self.stats.aside("subscription reply")
                 return []
             if "code" in d or "error" in d:
                 err = d.get("error", d)
@@ -153,39 +156,16 @@ class BinanceParser(CountingParser):
         first, last = d["U"], d["u"]
         if "pu" in d and not self.futures:
             self._futures_only("depthUpdate with 'pu'")
-        if self.futures:
-            self._futures_gap(s, first, last, d["pu"])
-        else:
-            self.seq.check(s + "@depth", first, last)
+        self.depth.update(s, first, last, d["pu"] if self.futures else None)
         ms = d.get("T") or d["E"]
         return BookDelta(VENUE, s, ms * MS, ts_recv, _levels(d["b"], "bids"), _levels(d["a"], "asks"), first, last)
-
-    def _futures_gap(self, s: str, first: int, last: int, pu: int) -> None:
-        key = s + "@depth"
-        snap = self._snap.pop(s, None)
-        if snap is not None:
-            # The first update after a snapshot must span it: U <= lastUpdateId <= u.
-            if last < snap:
-                self._snap[s] = snap  # older than the snapshot: still waiting for the bridge
-                return
-            if first > snap:
-                self.stats.gap(key, snap, first)
-        else:
-            prev = self._depth_u.get(s)
-            if prev is not None and pu != prev:
-                self.stats.gap(key + " pu", prev, pu)
-        self._depth_u[s] = last
 
     def _snapshot(self, d: dict[str, Any], ts_recv: int) -> BookDelta:
         if not self._last_symbol:
             raise ValueError("depth snapshot without a symbol (pass symbol_hint)")
         last = d["lastUpdateId"]
         s = self._last_symbol
-        if self.futures:
-            self._snap[s] = last
-        else:
-            key = s + "@depth"
-            self.seq.last[key] = max(last, self.seq.last.get(key, last))
+        self.depth.snapshot(s, last)
         ms = d.get("T") or d.get("E")
         ts = ms * MS if ms else ts_recv
         return BookDelta(VENUE, s, ts, ts_recv, _levels(d["bids"], "bids"), _levels(d["asks"], "asks"),
@@ -194,7 +174,7 @@ class BinanceParser(CountingParser):
     def _kline(self, d: dict[str, Any], ts_recv: int) -> list[Any]:
         k = d["k"]
         if self.closed_klines_only and not flag("x", k["x"]):
-            self.stats.control += 1
+            self.stats.aside("unclosed kline")
             return []
         s = k["s"]
         o, h, lo, c, v = k["o"], k["h"], k["l"], k["c"], k["v"]

@@ -82,7 +82,7 @@ class BybitParser(CountingParser):
                 if msg.get("success") is False:
                     op = msg.get("op") or msg["request"].get("op")
                     raise VenueError(f"bybit {op} failed: {msg.get('ret_msg', '')}")
-                self.stats.control += 1
+                self.stats.aside("op reply")
                 return []
             raise ValueError(f"a bybit message has a topic or an op, got keys {sorted(msg)[:6]}")
         name, _, symbol = msg["topic"].partition(".")
@@ -147,7 +147,7 @@ class BybitParser(CountingParser):
                             float(rate) if rate not in (None, "") else NAN,
                             int(last.get("nextFundingTime") or 0) * MS, decimals(m)))
         if not out:
-            self.stats.control += 1  # nothing we keep changed (spot tickers carry no bid/ask)
+            self.stats.aside("ticker without a change we keep")  # nothing we keep changed (spot tickers carry no bid/ask)
         return out
 
     def _bar(self, symbol: str, k: dict[str, Any], ts_recv: int) -> Bar:

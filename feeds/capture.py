@@ -92,6 +92,8 @@ def sniff_venue(raw: bytes) -> str:
         raise UnsupportedFormat(f"a capture message is a JSON object or array, got {type(msg).__name__}")
     if "stream" in msg or "e" in msg or "lastUpdateId" in msg or ("u" in msg and "b" in msg):
         return "binance"
+    if msg.keys() == {"result", "id"}:
+        return "binance"  # its reply to SUBSCRIBE, often a capture's first line
     if "channel" in msg and "events" in msg:
         return "coinbase"
     if "channel" in msg or "method" in msg:

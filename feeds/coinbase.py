@@ -43,6 +43,7 @@ VENUE = "coinbase"
 DEFAULT_URL = "wss://advanced-trade-ws.coinbase.com"
 CANDLE_NS = 300 * 1_000_000_000
 _SIDES = {"BUY": BUY, "SELL": SELL}
+_CONTROL_NAMES = {"heartbeats": "heartbeat", "subscriptions": "subscription reply", "status": "status"}
 NAN = math.nan
 # Coinbase Exchange ws-feed messages (flat, keyed by "type") are another parser's: say which.
 EXCHANGE_REFUSAL = ("this looks like Coinbase Exchange (ws-feed: messages keyed by 'type', no 'channel'); this "
@@ -114,7 +115,7 @@ class CoinbaseParser(CountingParser):
                 for c in sorted(ev["candles"], key=lambda c: int(c["start"])):
                     out.extend(self._candle(c, ts_recv))
         elif channel in ("heartbeats", "subscriptions", "status"):
-            self.stats.control += 1
+            self.stats.aside(_CONTROL_NAMES[channel])
         else:
             raise ValueError(f"unknown coinbase channel {channel!r}")
         return out

@@ -87,7 +87,7 @@ class CoinbaseExchangeParser(CountingParser):
             if "auth" in text.lower():
                 raise AuthError(f"coinbase refused authentication: {text}")
             raise VenueError(f"coinbase error: {text}")
-        self.stats.control += 1  # control, order-level events, and types added since (the docs: ignore them)
+        self.stats.aside(str(msg.get("type")))  # control, order-level events, and types added since (the docs: ignore them)
         return []
 
     def _match(self, msg: dict[str, Any], ts_recv: int) -> list[Trade]:
@@ -95,7 +95,7 @@ class CoinbaseExchangeParser(CountingParser):
         key = product + "@trades"
         prev = self.seq.last.get(key)
         if prev is not None and tid <= prev:
-            self.stats.control += 1  # already read: last_match resent on a reconnect
+            self.stats.aside("resent last_match")  # already read: last_match resent on a reconnect
             return []
         self.seq.check(key, tid)
         side = _AGGRESSOR.get(msg["side"])

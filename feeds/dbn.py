@@ -188,9 +188,9 @@ class DbnSource:
     def _mapping(self, r: Any) -> None:
         out_sym = str(r.stype_out_symbol)
         self.symbols[r.instrument_id] = str(r.stype_in_symbol) if out_sym.isdigit() else out_sym
-        self.stats.control += 1
+        self.stats.aside("symbol mapping")
         return None
 
     def _other(self, r: Any) -> None:
-        self.stats.control += 1  # definitions, statistics, status, ...: not market events here
+        self.stats.aside(type(r).__name__)  # definitions, statistics, status, ...: not market events here
         return None

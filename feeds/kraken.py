@@ -57,7 +57,7 @@ class KrakenParser(CountingParser):
         if "method" in msg:
             if msg.get("success") is False:
                 raise VenueError(f"kraken {msg['method']} failed: {msg.get('error')}")
-            self.stats.control += 1
+            self.stats.aside(f"{msg['method']} reply")
             return []
         channel = msg["channel"]
         out: list[Any] = []
@@ -85,7 +85,7 @@ class KrakenParser(CountingParser):
             for c in sorted(msg["data"], key=lambda c: c["interval_begin"]):
                 out.extend(self._candle(c, ts_recv))
         elif channel in ("heartbeat", "status"):
-            self.stats.control += 1
+            self.stats.aside(channel)
         else:
             raise ValueError(f"unknown kraken channel {channel!r}")
         return out

@@ -59,11 +59,11 @@ class KrakenFuturesParser(CountingParser):
                 raise VenueError(f"kraken futures {event}: {msg.get('message', msg)}")
             if event not in _CONTROL_EVENTS:
                 raise ValueError(f"unknown kraken futures event {event!r}")
-            self.stats.control += 1
+            self.stats.aside(f"{event} reply" if event in ("subscribed", "unsubscribed") else str(event))
             return []
         feed = msg["feed"]
         if feed == "heartbeat":
-            self.stats.control += 1
+            self.stats.aside("heartbeat")
             return []
         inst = msg["product_id"]
         if feed == "trade":
@@ -72,7 +72,7 @@ class KrakenFuturesParser(CountingParser):
             last = self._trade_seq.get(inst)
             if last is None:  # history from before the connection: where the sequence starts
                 self._trade_seq[inst] = max((t["seq"] for t in msg["trades"]), default=0)
-                self.stats.control += 1
+                self.stats.aside("trade history before the connection")
                 return []
             missed = sorted((t for t in msg["trades"] if t["seq"] > last), key=lambda t: t["seq"])
             return self._trades(inst, missed, ts_recv)  # what a reconnect missed

@@ -54,7 +54,7 @@ class KrakenV1Parser(CountingParser):
             event = msg["event"]
             if event == "error" or msg.get("status") == "error":
                 raise VenueError(f"kraken {event}: {msg.get('errorMessage', msg)}")
-            self.stats.control += 1
+            self.stats.aside(str(event))
             return []
         if not isinstance(msg, list) or len(msg) < 4:
             raise ValueError("kraken v1 data messages are [channelID, payload, ..., channelName, pair]")

@@ -60,7 +60,7 @@ class OkxParser(CountingParser):
 
     def _read(self, raw: str | bytes, ts_recv: int) -> list[Any]:
         if raw in ("pong", b"pong"):  # the answer to our ping, in text
-            self.stats.control += 1
+            self.stats.aside("pong")
             return []
         msg = self._object(raw)
         if "event" in msg:
@@ -68,7 +68,7 @@ class OkxParser(CountingParser):
                 raise VenueError(f"okx error {msg.get('code', '')}: {msg.get('msg', '')}")
             if msg["event"] not in _CONTROL_EVENTS:
                 raise ValueError(f"unknown okx event {msg['event']!r}")
-            self.stats.control += 1
+            self.stats.aside(f"{msg['event']} reply")
             return []
         channel, inst = msg["arg"]["channel"], msg["arg"].get("instId", "")
         out: list[Any] = []

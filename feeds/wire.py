@@ -56,9 +56,17 @@ class ParseStats:
     # Records read and kept out on purpose, by kind ("block trade": not a market print). Neither an
     # error nor control: data this engine does not make events of, said so a user can count them.
     skipped: dict[str, int] = field(default_factory=dict)
+    # Control messages by kind (heartbeat, subscription reply, unclosed kline, ...): read, understood,
+    # no event. `control` counts them all; this says which they were, for `streamllm inspect`.
+    control_kinds: dict[str, int] = field(default_factory=dict)
 
     def skip(self, kind: str) -> None:
         self.skipped[kind] = self.skipped.get(kind, 0) + 1
+
+    def aside(self, kind: str) -> None:
+        """A control message read and set aside on purpose, named by kind."""
+        self.control += 1
+        self.control_kinds[kind] = self.control_kinds.get(kind, 0) + 1
 
     def error(self, reason: str, raw: str | bytes, kind: str = "") -> None:
         self.errors += 1
@@ -77,6 +85,20 @@ class ParseStats:
         if len(self.gap_samples) < MAX_SAMPLES:
             self.gap_samples.append(f"{where}: expected {expected}, got {got}")
 
+    def withdraw_gap(self, where: str, expected: int, got: int) -> None:
+        """Take back a gap counted before later data showed nothing needed was lost (Binance: a break
+        among updates that the next snapshot makes stale, feeds/books.py)."""
+        self.gaps -= 1
+        key = where.split(" ", 1)[0]
+        left = self.gap_keys.get(key, 1) - 1
+        if left > 0:
+            self.gap_keys[key] = left
+        else:
+            self.gap_keys.pop(key, None)
+        sample = f"{where}: expected {expected}, got {got}"
+        if sample in self.gap_samples:
+            self.gap_samples.remove(sample)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "messages": self.messages,
@@ -86,6 +108,7 @@ class ParseStats:
             "gaps": self.gaps,
             "error_kinds": dict(self.error_kinds),
             "skipped": dict(self.skipped),
+            "control_kinds": dict(self.control_kinds),
             "error_samples": list(self.error_samples),
             "gap_samples": list(self.gap_samples),
         }

@@ -60,7 +60,7 @@ def test_inspect_bar_table_reports_missing_intervals(tmp_path: Path) -> None:
     (stream,) = rep["streams"].values()
     assert rep["gaps"] == stream["gaps"] == 1 and rep["tokens_per_line"] is None
     assert "to 2021-12-31T23:05:00.000+00:00" in stream["gap_samples"][0]
-    assert rep["first_ts"] == 1640991720 * S and rep["last_ts"] == 1640991960 * S
+    assert rep["first_ts"] == 1640991660 * S and rep["last_ts"] == 1640991960 * S  # first start, last end
 
 
 def test_inspect_counts_records_kept_out_on_purpose(tmp_path: Path, capsys) -> None:
@@ -76,4 +76,28 @@ def test_inspect_counts_records_kept_out_on_purpose(tmp_path: Path, capsys) -> N
     assert main(["inspect", str(cap), "--tokenizer", "none", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert (rep["events"], rep["errors"], rep["gaps"], rep["skipped"]) == (2, 0, 0, {"block trade": 2})
-    assert "skipped (not market events): block trade 2" in capsys.readouterr().out
+    assert "skipped on purpose (not market events): block trade 2" in capsys.readouterr().out
+
+
+def test_inspect_names_what_it_sets_aside_and_a_book_without_snapshot(tmp_path: Path, capsys) -> None:
+    kline = {"e": "kline", "E": 1672515782136, "s": "BTCUSDT", "k": {
+        "t": 1672515780000, "T": 1672515839999, "s": "BTCUSDT", "i": "1m", "f": 100, "L": 200, "o": "10",
+        "c": "11", "h": "12", "l": "9", "v": "5", "n": 3, "x": False, "q": "50", "V": "2", "Q": "20", "B": "0"}}
+    closed = json.loads(json.dumps(kline))
+    closed["k"]["x"] = True
+    depth = {"e": "depthUpdate", "E": 1672515782136, "s": "BTCUSDT", "U": 157, "u": 160,
+             "b": [["10", "1"]], "a": [["11", "1"]]}
+    msgs = [{"result": None, "id": 1}, kline, kline, closed, depth]
+    cap = tmp_path / "btcusdt_k.gz"
+    cap.write_bytes(gzip.compress(("\n".join(f"{1000 + i} {json.dumps(m)}" for i, m in enumerate(msgs)) + "\n").encode()))
+    out = tmp_path / "r.json"
+    assert main(["inspect", str(cap), "--tokenizer", "none", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["skipped"] == {"subscription reply": 1, "unclosed kline": 2} and rep["events"] == 2
+    assert rep["streams"]["BTCUSDT book"]["book"] == "cannot be rebuilt: no depth snapshot"
+    assert rep["notes"] == ["BTCUSDT: no depth snapshot, so its order book cannot be rebuilt (1 book updates only)"]
+    bar = rep["streams"]["BTCUSDT bar"]
+    assert (bar["first_ts"], bar["last_ts"]) == (1672515780000 * 10**6, 1672515840000 * 10**6)  # start -> end
+    text = capsys.readouterr().out
+    assert "skipped on purpose (not market events): subscription reply 1, unclosed kline 2" in text
+    assert "its order book cannot be rebuilt" in text
