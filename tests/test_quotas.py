@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
-from streamllm.service.quotas import Quota, TokenBucket
+from streamllm.service.quotas import DEFAULT_QUOTA, Quota, TokenBucket
 from streamllm.service.server import ServerConfig, StreamServer
 from streamllm.service.tenants import Tenant, Tenants, TokenConfigError
 
@@ -118,7 +118,7 @@ def test_standing_questions_quota_freed_by_unregister(engine):
         quota_error(await alice.req("register", session="b", question=question("q3")),
                     "standing_questions = 2", "2 standing questions")
         assert [q.id for q in engine.standing_questions("alice/b")] == ["q2"]
-        await carol.ok("open", session="a")  # carol has no quota at all: unlimited
+        await carol.ok("open", session="a")  # carol has no table and there is no "*": the default quota
         for i in range(3):
             await carol.ok("register", session="a", question=question(f"c{i}"))
         await alice.ok("unregister", session="b", question_id="q2")
@@ -128,8 +128,9 @@ def test_standing_questions_quota_freed_by_unregister(engine):
         assert {s["name"]: s["standing_questions"] for s in stats["sessions"]} == {"a": ["q1"], "b": ["q3"]}
         carol_stats = await carol.ok("stats")
         assert [(s["name"], s["standing_questions"]) for s in carol_stats["sessions"]] == [("a", ["c0", "c1", "c2"])]
-        assert carol_stats["quota"] == {"limits": {}, "use": {"sessions": 1, "standing_questions": 3,
-                                                              "connections": 1}}
+        assert carol_stats["quota"] == {"limits": DEFAULT_QUOTA.limits(), "use": {
+            "sessions": 1, "standing_questions": 3, "connections": 1, "asks_in_flight": 0,
+            "push_lines_available": DEFAULT_QUOTA.push_lines_per_s}}
         await alice.ok("close", session="a")  # closing a session frees its questions too
         await alice.ok("register", session="b", question=question("q4"))
         for w, names in ((alice, ("b",)), (carol, ("a",))):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.config.labels import LabelError, LabelSpec, parse_label
+from streamllm.config.limits import LimitError, max_tokens_problem, text_problem
 from streamllm.config.specs import (
     CHANGE_UNITS,
     DEFAULT_AUTO_CONFIDENCE,
@@ -152,6 +153,11 @@ class _Reader:
             raise self.fail(_join(path, key), f"must be >= {minimum}, got {value}")
         return value
 
+    def within(self, path: str, key: str, problem: str | None) -> None:
+        """Raise `LimitError` for a value over one of config/limits.py's bounds (`problem` from its checks)."""
+        if problem is not None:
+            raise LimitError(self.source, _join(path, key), problem)
+
     def array_of_tables(self, table: Mapping[str, Any], path: str, key: str, required: bool = False) -> list:
         value = self.get(table, path, key, (list,), "an array of tables", _MISSING if required else [])
         for index, item in enumerate(value):
@@ -255,10 +261,12 @@ class _Reader:
                                 "push"))
         question_id = self.name(table, path, "id")
         text = self.text(table, path, "text")
+        self.within(path, "text", text_problem(text))
         choices = self.choices(table, path)
         threshold, target = self.threshold(table, path)
         default_tokens = DEFAULT_MAX_TOKENS_CHOICES if choices else DEFAULT_MAX_TOKENS_FREE
         max_tokens = self.integer(table, path, "max_tokens", default_tokens, 1)
+        self.within(path, "max_tokens", max_tokens_problem(max_tokens))
         label = self.label(table, path, choices)
         push = self.get(table, path, "push", (bool,), "true or false", True)
         if target is not None and label is None:

@@ -4,6 +4,10 @@ Nothing here ever waits on the client from the engine's side: `send` only append
 bounded queue that one writer task drains into the socket (ASGI `websocket.send`), and a
 full queue cuts the connection (close 1013) instead of growing or blocking. Engine
 callbacks arrive on the engine thread and are handed to the loop with `threadsafe`.
+
+A client that goes away takes its work with it: `teardown` cancels the engine futures of
+its questions in flight, which cancels the questions and frees their cells. `ConnectionCaps`
+bounds the connections of the whole server, and those not authenticated yet.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamllm.config import normalize_question
+from streamllm.engine.client import EngineClient
 from streamllm.service import protocol as p
 from streamllm.service.metrics import ServerMetrics
 from streamllm.service.tenants import Tenant
@@ -33,21 +39,86 @@ class Subscription:
     last: dict[str, dict] = field(default_factory=dict)  # question_id -> last sent, to drop repeats
 
 
+class CapExceeded(Exception):
+    """A connection over one of the server-wide caps; the message names the cap."""
+
+
+class ConnectionCaps:
+    """Server-wide caps on what is connected at once: websockets and HTTP requests holding a connection
+    (`total`), and websockets that have not authenticated yet (`pre_auth`), so strangers who never say
+    hello cannot take every slot. `admit` counts a connection until its `Slot` is released."""
+
+    def __init__(self, total: int, pre_auth: int) -> None:
+        self.total, self.pre_auth = total, pre_auth
+        self.open = 0
+        self.unauthenticated = 0
+
+    def admit(self, authenticated: bool) -> Slot:
+        if self.open >= self.total:
+            raise CapExceeded(f"the server has {self.open} connections open, its limit (max_connections = "
+                              f"{self.total}); retry later")
+        if not authenticated and self.unauthenticated >= self.pre_auth:
+            raise CapExceeded(f"the server has {self.unauthenticated} connections waiting to authenticate, its "
+                              f"limit (max_preauth_connections = {self.pre_auth}); retry later, or send "
+                              "'Authorization: Bearer' with the handshake")
+        self.open += 1
+        self.unauthenticated += not authenticated
+        return Slot(self, authenticated)
+
+
+class Slot:
+    """One admitted connection; `release` it once, whatever happens (a second call does nothing)."""
+
+    __slots__ = ("caps", "authenticated", "released")
+
+    def __init__(self, caps: ConnectionCaps, authenticated: bool) -> None:
+        self.caps, self.authenticated, self.released = caps, authenticated, False
+
+    def authenticate(self) -> None:
+        if not self.authenticated and not self.released:
+            self.authenticated = True
+            self.caps.unauthenticated -= 1
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.caps.open -= 1
+            self.caps.unauthenticated -= not self.authenticated
+
+
 class Conn:
     """One client: its tenant, outgoing queue, subscriptions and questions in flight."""
 
     def __init__(self, send: AsgiSend, peer: Any, tenant: Tenant | None, max_queue: int,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, slot: Slot | None = None) -> None:
         self._send = send
         self.peer = peer
+        self.slot = slot
+        self._tenant: Tenant | None = None
         self.tenant = tenant
         self.metrics = metrics
         self.out: asyncio.Queue[bytes | tuple[int, str]] = asyncio.Queue(max_queue)
         self.subs: dict[str, Subscription] = {}
-        self.asks: set[asyncio.Task] = set()
+        self.asks: dict[asyncio.Task, Future] = {}  # question tasks -> their engine futures
         self.cut_reason: str | None = None
         self.writer = asyncio.create_task(self._write())
         self.closer: asyncio.Task | None = None
+
+    @property
+    def tenant(self) -> Tenant | None:
+        return self._tenant
+
+    @tenant.setter
+    def tenant(self, tenant: Tenant | None) -> None:
+        """Set by `hello` (or a bearer token at connect): from then on the connection is not pre-auth."""
+        self._tenant = tenant
+        if tenant is not None and self.slot is not None:
+            self.slot.authenticate()
+
+    def track(self, task: asyncio.Task, future: Future) -> None:
+        """A question in flight: its task, and the engine future that `teardown` cancels."""
+        self.asks[task] = future
+        task.add_done_callback(lambda done: self.asks.pop(done, None))
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue a message; never waits. A full queue means the client is too slow: cut it."""
@@ -94,19 +165,26 @@ class Conn:
         for sub in self.subs.values():
             close_handles(sub)
         self.subs.clear()
-        for task in self.asks:
+        for task, future in list(self.asks.items()):  # the client is gone: so are its questions
+            future.cancel()  # the engine drops the question and frees its cells
             task.cancel()
         self.writer.cancel()
+        if self.slot is not None:
+            self.slot.release()
 
 
 def bridge(future: Future) -> asyncio.Future:
-    """Await an engine future without ever cancelling it: `asyncio.wrap_future` would, when the
-    client goes away, and the engine thread would then fail on `set_result` of a cancelled future."""
+    """Await an engine future from the loop. Unlike `asyncio.wrap_future`, cancelling the awaiting side
+    leaves the engine future alone: whoever knows the client is gone cancels it, once (`Conn.teardown`,
+    an HTTP request's disconnect); an engine future cancelled that way cancels the returned one."""
     loop = asyncio.get_running_loop()
     out = loop.create_future()
 
     def copy(done: Future) -> None:
         if out.cancelled():
+            return
+        if done.cancelled():
+            out.cancel()
             return
         exc = done.exception()
         if exc is not None:
@@ -116,6 +194,41 @@ def bridge(future: Future) -> asyncio.Future:
 
     future.add_done_callback(threadsafe(loop, copy))
     return out
+
+
+async def until_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return once an HTTP client has gone away (its request body already read): ASGI `http.disconnect`."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def submit_off_loop(submit: Callable[[], Future]) -> Future:
+    """Run `submit` (an engine call that tokenizes, then returns a future) in a worker thread. Should the
+    caller be cancelled meanwhile, the future it returns is cancelled the moment it exists."""
+    running = asyncio.ensure_future(asyncio.to_thread(submit))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        running.add_done_callback(_cancel_result)
+        raise
+
+
+def _cancel_result(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is None:
+        done.result().cancel()
+
+
+def is_standing(engine: EngineClient, name: str, question: str) -> bool:
+    """Whether `question` is one of the session's standing questions, by id or by text: those take the
+    fast or entry path, with nothing to tokenize. False for an unknown session (its ask says why)."""
+    try:
+        specs = engine.standing_questions(name)
+    except KeyError:
+        return False
+    if any(spec.id == question for spec in specs):
+        return True
+    normalized = normalize_question(question)
+    return any(spec.normalized_text == normalized for spec in specs)
 
 
 def threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:

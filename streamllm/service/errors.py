@@ -6,6 +6,7 @@ import logging
 import re
 
 from streamllm.config import ConfigError
+from streamllm.config.limits import LimitError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
 from streamllm.engine.outputs import ReplicaUnavailable
@@ -26,6 +27,8 @@ def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
         return p.UNKNOWN_SESSION, client_text(str(exc))
     if isinstance(exc, AdmissionError | KVCapacityError):
         return p.CAPACITY, client_text(str(exc))
+    if isinstance(exc, LimitError):  # a registered question over config/limits.py's bounds
+        return p.TOO_LARGE, str(exc)
     if isinstance(exc, ConfigError):
         return p.CONFIG_ERROR, str(exc)
     if isinstance(exc, KeyError):  # e.g. unregister of an unknown question id

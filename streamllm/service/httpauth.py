@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from streamllm.service import protocol as p
+from streamllm.service.connection import CapExceeded
 from streamllm.service.errors import engine_error
 from streamllm.service.quotas import QuotaExceeded
 from streamllm.service.shared import bearer
@@ -27,10 +28,10 @@ if TYPE_CHECKING:
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               503: "server_error", 500: "server_error"}
+               503: "server_error", 500: "server_error", 504: "server_error"}
 CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LARGE: 413, p.UNAUTHORIZED: 401,
                p.FORBIDDEN: 403, p.UNKNOWN_SESSION: 404, p.UNKNOWN_QUESTION: 404, p.SESSION_EXISTS: 409,
-               p.CAPACITY: 503, p.BUSY: 429, p.QUOTA: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503}
+               p.CAPACITY: 503, p.BUSY: 429, p.QUOTA: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503, p.TIMEOUT: 504}
 
 
 class JsonResponse(Response):
@@ -82,10 +83,17 @@ def tenant_of(server: StreamServer, request: Request, *, write: bool = False) ->
 
 def hold_connection(server: StreamServer, tenant: Tenant) -> Callable[[], None]:
     """Count an HTTP request or SSE stream as one of the tenant's connections while it lasts (429
-    `quota` when over its `connections`); returns the release, which is safe to call twice."""
+    `quota` when over its `connections`, 503 `capacity` over the server's `max_connections`); returns
+    the release, which is safe to call twice."""
+    try:
+        slot = server.caps.admit(authenticated=True)
+    except CapExceeded as exc:
+        server.metrics.errors.labels(p.CAPACITY).inc()
+        raise ApiError(503, str(exc), code=p.CAPACITY) from None
     try:
         server.quotas.hold_http(tenant.name, server.connections_of(tenant.name))
     except QuotaExceeded as exc:
+        slot.release()
         server.metrics.errors.labels(p.QUOTA).inc()
         raise from_engine(exc, "connect") from None
     held = True
@@ -94,6 +102,7 @@ def hold_connection(server: StreamServer, tenant: Tenant) -> Callable[[], None]:
         nonlocal held
         if held:
             held = False
+            slot.release()
             server.quotas.release_http(tenant.name)
 
     return release

@@ -33,9 +33,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from streamllm.config import limits
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 from streamllm.service import protocol as p
-from streamllm.service.connection import bridge, threadsafe
+from streamllm.service.connection import (
+    bridge,
+    is_standing,
+    submit_off_loop,
+    threadsafe,
+    until_disconnect,
+)
 from streamllm.service.httpauth import (
     ApiError,
     JsonResponse,
@@ -45,20 +52,20 @@ from streamllm.service.httpauth import (
     session_name,
     tenant_of,
 )
+from streamllm.service.quotas import QuotaExceeded
 from streamllm.service.sse import sse, sse_response
 from streamllm.service.tenants import Tenant
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer
 
-MAX_STOP = 4
 _temp_ids = itertools.count(1)
 
 
 class Ask:
     """One validated completion request."""
 
-    __slots__ = ("chat", "model", "question", "system", "max_tokens", "stop", "stream", "session", "question_id",
+    __slots__ = ("chat", "model", "question", "question_param", "system", "max_tokens", "stop", "stream", "session", "question_id",
                  "min_version", "include_usage")
 
     def __init__(self, body: dict[str, Any], chat: bool, model_name: str) -> None:
@@ -68,6 +75,7 @@ class Ask:
             raise ApiError(404, f"the model {self.model!r} does not exist; this server serves {model_name!r}",
                            code="model_not_found", param="model")
         self.system: str | None = None
+        self.question_param = "prompt"
         if chat:
             self.question = self._from_messages(_field(body, "messages", list, "an array of messages"))
         else:
@@ -78,15 +86,22 @@ class Ask:
                                    code=p.BAD_FIELD, param="prompt")
                 prompt = prompt[0]
             self.question = prompt
+        _within(self.question_param, limits.text_problem(self.question))
         tokens_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-        self.max_tokens = _int(body, tokens_key, 1, p.MAX_ASK_TOKENS)
+        self.max_tokens = _field(body, tokens_key, (int, type(None)), f"an integer in [1, {p.MAX_ASK_TOKENS}]", None)
+        if self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise ApiError(400, f"{tokens_key!r} must be at least 1, got {self.max_tokens}", code=p.BAD_FIELD,
+                               param=tokens_key)
+            _within(tokens_key, limits.max_tokens_problem(self.max_tokens))
         stop = body.get("stop")
         if isinstance(stop, str):
             stop = [stop]
-        if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP
-                                 or not all(isinstance(s, str) and s for s in stop)):
-            raise ApiError(400, f"stop must be a non-empty string or an array of up to {MAX_STOP} of them",
+        if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+            raise ApiError(400, f"stop must be a non-empty string or an array of up to {p.MAX_STOPS} of them",
                            code=p.BAD_FIELD, param="stop")
+        if stop is not None:
+            _within("stop", limits.stops_problem(stop))
         self.stop = stop
         self.stream = _field(body, "stream", bool, "true or false", False)
         options = _field(body, "stream_options", (dict, type(None)), "an object", None) or {}
@@ -116,7 +131,7 @@ class Ask:
             if message["role"] in ("system", "developer"):
                 self.system = text if self.system is None else f"{self.system}\n{text}"
             elif message["role"] == "user":
-                question = text
+                question, self.question_param = text, f"messages[{i}].content"
         if question is None:
             raise ApiError(400, "messages: needs a user message (the question)", code=p.BAD_FIELD, param="messages")
         return question
@@ -148,13 +163,14 @@ class OpenAIApi:
 
     async def _complete(self, request: Request, chat: bool) -> Response:
         server = self.server
+        kind = "chat.completions" if chat else "completions"
         tenant = tenant_of(server, request)
         ask = Ask(await json_body(request, server.config.max_message_bytes), chat, self.engine.model_name)
         server.metrics.messages.labels("chat" if chat else "completion").inc()
         if ask.session is None and tenant.read_only:
             tenant_of(server, request, write=True)  # 403: a stateless request opens a session
         t0 = time.perf_counter()
-        release = hold_connection(server, tenant)  # a completion in flight is one of the tenant's connections
+        release = self._hold(tenant, kind)
         try:
             temp = await self._open_temp(tenant, ask) if ask.session is None else None
         except BaseException:
@@ -173,38 +189,66 @@ class OpenAIApi:
                 kw["max_tokens"] = ask.max_tokens
             if queue is not None:
                 kw["on_text"] = threadsafe(asyncio.get_running_loop(), queue.put_nowait)
-            future = self.engine.submit_ask(name, ask.question_id or ask.question, **kw)
-        except ApiError:
+            question = ask.question_id or ask.question
+            if ask.question_id is not None or is_standing(self.engine, name, question):  # nothing to tokenize
+                future = self.engine.submit_ask(name, question, **kw)
+            else:  # a cold question is tokenized by submit_ask: in a worker thread, never on the loop
+                future = await submit_off_loop(lambda: self.engine.submit_ask(name, question, **kw))
+        except BaseException as exc:
             release()
             await self._close_temp(temp)
+            if isinstance(exc, Exception) and not isinstance(exc, ApiError):
+                raise from_engine(exc, kind) from None
             raise
-        except Exception as exc:
-            release()
-            await self._close_temp(temp)
-            raise from_engine(exc, "chat.completions" if chat else "completions") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if queue is None:
             try:
-                answer = await bridge(future)
+                answer = await _answer_unless_gone(request, future)
             except Exception as exc:
-                raise from_engine(exc, "completions") from None
+                raise from_engine(exc, kind) from None
             finally:
                 release()
                 await self._close_temp(temp)
+            if answer is None:  # the client went away: its question was cancelled, nobody reads this
+                return Response(status_code=499)
             self._count(answer, t0)
             return JsonResponse(self._whole(ask, rid, answer))
 
-        ended = False
+        closed = temp is None
 
-        async def end() -> None:  # once: from the stream's end, or when the client left before it began
-            nonlocal ended
-            if not ended:
-                ended = True
-                future.cancel()
-                release()
+        async def end() -> None:
+            """From the stream's `finally`, and again from the response's background task (the client may
+            have left before the stream began, or while it ran, cancelling the close of its session)."""
+            nonlocal closed
+            future.cancel()  # the client is gone before the answer: so is the question (a no-op once answered)
+            release()
+            if not closed:
                 await self._close_temp(temp)
+                closed = True
 
         return sse_response(self._chunks(ask, rid, future, queue, t0, end), on_close=end)
+
+    def _hold(self, tenant: Tenant, kind: str) -> Callable[[], None]:
+        """Hold one of the tenant's connections and one of its questions in flight until the release
+        (safe to call twice); 429 `quota` or 503 `capacity` when over a limit."""
+        release_connection = hold_connection(self.server, tenant)
+        quotas = self.server.quotas
+        try:
+            quotas.take_ask(tenant.name)
+        except QuotaExceeded as exc:
+            release_connection()
+            self.server.metrics.errors.labels(p.QUOTA).inc()
+            raise from_engine(exc, kind) from None
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            release_connection()
+            if held:
+                held = False
+                quotas.release_ask(tenant.name)
+
+        return release
 
     async def _open_temp(self, tenant: Tenant, ask: Ask) -> str:
         # '.' cannot start a client's session name: temporary sessions never collide with real ones.
@@ -292,6 +336,21 @@ class OpenAIApi:
             await end()
 
 
+async def _answer_unless_gone(request: Request, future: Any) -> Any:
+    """The engine's answer, or None when the client goes away first: its question is then cancelled (so
+    is it when this handler is, the server stopping), freeing what it held in the engine."""
+    answer = bridge(future)
+    gone = asyncio.ensure_future(until_disconnect(request.receive))
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            future.cancel()
+            answer.cancel()
+    return None if answer.cancelled() else answer.result()
+
+
 def _field(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], what: str, default: Any = ...) -> Any:
     if key not in body:
         if default is ...:
@@ -302,6 +361,12 @@ def _field(body: dict[str, Any], key: str, kinds: type | tuple[type, ...], what:
     if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
         raise ApiError(400, f"{key!r} must be {what}, got {type(value).__name__}", code=p.BAD_FIELD, param=key)
     return value
+
+
+def _within(param: str, problem: str | None) -> None:
+    """400 `too_large` naming the parameter, when `problem` (a config/limits.py check) says it is over a limit."""
+    if problem is not None:
+        raise ApiError(400, f"{param}: {problem}", code=p.TOO_LARGE, param=param)
 
 
 def _int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:

@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from streamllm.config import limits
+
 # Stable error codes: clients may branch on these, so never rename one.
 BAD_JSON = "bad_json"
 UNKNOWN_TYPE = "unknown_type"
@@ -29,8 +31,10 @@ QUOTA = "quota"
 CONFIG_ERROR = "config_error"
 INTERNAL = "internal"
 UNAVAILABLE = "unavailable"  # the session's replica is restarting (serve --ray); retry shortly
+TIMEOUT = "timeout"  # the question ran past the engine's ask deadline; nothing of it is left running
 ERROR_CODES = (BAD_JSON, UNKNOWN_TYPE, BAD_FIELD, TOO_LARGE, UNKNOWN_SESSION, SESSION_EXISTS,
-               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, QUOTA, CONFIG_ERROR, INTERNAL, UNAVAILABLE)
+               UNKNOWN_QUESTION, UNAUTHORIZED, FORBIDDEN, CAPACITY, BUSY, QUOTA, CONFIG_ERROR, INTERNAL, UNAVAILABLE,
+               TIMEOUT)
 
 CLIENT_TYPES = ("hello", "open", "close", "push", "register", "unregister", "ask", "subscribe",
                 "unsubscribe", "stats")
@@ -40,7 +44,11 @@ WRITE_TYPES = frozenset({"open", "close", "push", "register", "unregister"})
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 MAX_ID_CHARS = 128
 MAX_LINES_PER_PUSH = 10_000
-MAX_ASK_TOKENS = 512
+# What one question may ask for: one set of numbers, shared with config files (parse_question) and HTTP.
+MAX_QUESTION_CHARS = limits.MAX_QUESTION_CHARS
+MAX_ASK_TOKENS = limits.MAX_ASK_TOKENS
+MAX_STOPS = limits.MAX_STOPS
+MAX_STOP_CHARS = limits.MAX_STOP_CHARS
 
 
 class ProtocolError(Exception):
@@ -92,6 +100,27 @@ class Request:
 
     def flag(self, key: str, default: bool) -> bool:
         return self.field(key, bool, "true or false", default)
+
+    def within(self, key: str, problem: str | None) -> None:
+        """`too_large` naming the field, when `problem` (a config/limits.py check) says it is over a limit."""
+        if problem is not None:
+            raise ProtocolError(TOO_LARGE, f"{self.type}: field {key!r}: {problem}")
+
+    def question(self) -> tuple[str, int | None, list[str] | None]:
+        """An ask's `question`, `max_tokens` and `stop`, each checked against config/limits.py."""
+        question = self.text("question", "the question text, or a standing question's id")
+        self.within("question", limits.text_problem(question))
+        max_tokens = self.field("max_tokens", int, f"an integer in [1, {MAX_ASK_TOKENS}]", None)
+        if max_tokens is not None:  # None: the standing question's, or 16
+            if max_tokens < 1:
+                raise ProtocolError(BAD_FIELD, f"{self.type}: field 'max_tokens' must be at least 1, got {max_tokens}")
+            self.within("max_tokens", limits.max_tokens_problem(max_tokens))
+        stop = self.field("stop", list, "an array of strings", None)
+        if stop is not None:
+            self.within("stop", limits.stops_problem(stop))
+            if not all(isinstance(s, str) and s for s in stop):
+                raise ProtocolError(BAD_FIELD, f"{self.type}: field 'stop' must hold non-empty strings")
+        return question, max_tokens, stop
 
 
 def decode(raw: str | bytes, max_bytes: int) -> Request:

@@ -1,19 +1,22 @@
 """Per-tenant quotas: limits from the token file, enforced by the service (never the engine).
 
-    [quotas."*"]              # optional default for every tenant without its own table
+    [quotas."*"]              # the default for every tenant without its own table
     sessions = 4
     [quotas.alice]
     sessions = 16             # open sessions
     standing_questions = 64   # standing questions, over all of the tenant's sessions
     connections = 8           # connections at once: websockets, SSE streams, HTTP completions in flight
     push_lines_per_s = 500    # pushed lines per second (a token bucket; bursts up to one second's worth)
+    asks_in_flight = 32       # questions in flight, over all of the tenant's connections
 
-A missing key, or a tenant with no table and no "*" default, is unlimited. Counts come from
-the engine itself (its sessions named `tenant/...` and their standing questions), so a close,
-an unregister or a restart keeps them right; the push rate and the HTTP requests in flight
-are the service's own state. An HTTP completion or SSE stream holds a connection while it
-lasts (a stateless completion opens a temporary session: without this, a tenant's requests
-could fill the pool, bounded by nothing).
+A tenant's own table is all of its limits (a key it leaves out is unlimited). With tokens and
+no "*" table, tenants without a table get `DEFAULT_QUOTA`: nothing is unlimited by default.
+Without tokens (every connection is `local`) only `asks_in_flight` is bounded, so reconnecting
+never resets it. Counts come from the engine itself (its sessions named `tenant/...` and their
+standing questions), so a close, an unregister or a restart keeps them right; the push rate,
+the questions and the HTTP requests in flight are the service's own state. An HTTP completion
+or SSE stream holds a connection while it lasts (a stateless completion opens a temporary
+session: without this, a tenant's requests could fill the pool, bounded by nothing).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT = "*"
-KEYS = ("sessions", "standing_questions", "connections", "push_lines_per_s")
+KEYS = ("sessions", "standing_questions", "connections", "push_lines_per_s", "asks_in_flight")
 
 
 class QuotaExceeded(Exception):
@@ -38,12 +41,19 @@ class Quota:
     standing_questions: int | None = None
     connections: int | None = None
     push_lines_per_s: int | None = None
+    asks_in_flight: int | None = None
 
     def limits(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in KEYS if getattr(self, key) is not None}
 
 
 UNLIMITED = Quota()
+# With tokens and no [quotas."*"]: what a tenant without its own table may use. Sized for a person or a
+# program with a few dozen instruments; the pool's own admission check still applies to every open.
+DEFAULT_QUOTA = Quota(sessions=32, standing_questions=256, connections=32, push_lines_per_s=20_000,
+                      asks_in_flight=128)
+# Without tokens: the one `local` tenant; only its questions in flight are bounded (over all connections).
+NO_AUTH_QUOTA = Quota(asks_in_flight=DEFAULT_QUOTA.asks_in_flight)
 
 
 def parse_quotas(table: Any, where: str, check_name: Callable[[Any, str], str]) -> dict[str, Quota]:
@@ -106,16 +116,21 @@ class TokenBucket:
 class QuotaBook:
     """Checks one server's tenants against their quotas; counts read from the engine on demand."""
 
-    def __init__(self, quotas: Mapping[str, Quota], engine: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, quotas: Mapping[str, Quota], engine: Any, clock: Callable[[], float] = time.monotonic,
+                 *, auth: bool = True) -> None:
+        """auth: whether the server has tokens; it picks the default quota (DEFAULT_QUOTA or NO_AUTH_QUOTA)
+        for tenants without a table when there is no "*" one."""
         self.quotas = dict(quotas)
+        self.default = self.quotas.get(DEFAULT) or (DEFAULT_QUOTA if auth else NO_AUTH_QUOTA)
         self.engine = engine
         self.clock = clock
         self.buckets: dict[str, TokenBucket] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.http: dict[str, int] = {}  # tenant -> HTTP requests and SSE streams in flight
+        self.asks: dict[str, int] = {}  # tenant -> questions in flight, websocket and HTTP
 
     def quota(self, tenant: str) -> Quota:
-        return self.quotas.get(tenant) or self.quotas.get(DEFAULT) or UNLIMITED
+        return self.quotas.get(tenant) or self.default
 
     def lock(self, tenant: str) -> asyncio.Lock:
         """Held across check-and-open / check-and-register, so two connections cannot both pass."""
@@ -180,6 +195,25 @@ class QuotaBook:
         else:
             self.http.pop(tenant, None)
 
+    def take_ask(self, tenant: str) -> None:
+        """A question about to run (one not answered at once): count it, or refuse it over the tenant's
+        `asks_in_flight`; `release_ask` when it ends, whatever happens."""
+        limit = self.quota(tenant).asks_in_flight
+        used = self.asks.get(tenant, 0)
+        if limit is not None and used >= limit:
+            raise QuotaExceeded(f"ask: tenant {tenant!r} has {used} questions in flight over all its connections, "
+                                f"its quota is asks_in_flight = {limit}; wait for answers")
+        self.asks[tenant] = used + 1
+
+    def release_ask(self, tenant: str) -> None:
+        left = self.asks.get(tenant, 0) - 1
+        if left < 0:
+            raise AssertionError(f"tenant {tenant!r}: a question released twice")
+        if left:
+            self.asks[tenant] = left
+        else:
+            self.asks.pop(tenant, None)
+
     def take_push(self, tenant: str, lines: int) -> None:
         """Debit `lines` from the tenant's push bucket, or refuse the whole push."""
         rate = self.quota(tenant).push_lines_per_s
@@ -200,7 +234,8 @@ class QuotaBook:
         """The tenant's quota and its current use, for `stats`."""
         quota = self.quota(tenant)
         use: dict[str, Any] = {"sessions": len(self.sessions(tenant)),
-                               "standing_questions": self.standing_questions(tenant), "connections": connections}
+                               "standing_questions": self.standing_questions(tenant), "connections": connections,
+                               "asks_in_flight": self.asks.get(tenant, 0)}
         if quota.push_lines_per_s is not None:
             bucket = self.buckets.get(tenant)
             use["push_lines_available"] = int(bucket.available()) if bucket else quota.push_lines_per_s

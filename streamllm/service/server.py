@@ -35,7 +35,7 @@ from streamllm.engine.client import EngineClient, ReplicaControl
 from streamllm.service import openai_api, page, sse
 from streamllm.service.admin import admin_routes
 from streamllm.service.bars import BarBook
-from streamllm.service.connection import Conn
+from streamllm.service.connection import Conn, ConnectionCaps
 from streamllm.service.httpauth import EXCEPTION_HANDLERS
 from streamllm.service.metrics import ServerMetrics
 from streamllm.service.quotas import QuotaBook
@@ -69,6 +69,8 @@ class ServerConfig:
     hard_max_bytes: int = 0  # websocket frames above this close the connection (1009); 0: 4x max_message_bytes
     max_queue: int = 1024  # outgoing messages buffered per connection (websocket or SSE) before it is cut
     max_inflight_asks: int = 64  # per websocket connection
+    max_connections: int = 1024  # websockets and HTTP completions/SSE streams at once; over it: 503
+    max_preauth_connections: int = 128  # websockets not authenticated yet (no hello); over it: 503
     hello_timeout_s: float = 10.0  # with auth: close connections that never say hello
     close_timeout_s: float = 5.0
 
@@ -83,7 +85,8 @@ class StreamServer:
         self.replicas = replicas
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
-        self.quotas = QuotaBook(self.tenants.quotas, engine)  # per-tenant limits, checked by ws.py
+        self.quotas = QuotaBook(self.tenants.quotas, engine, auth=self.tenants.auth)  # per tenant, checked by ws.py
+        self.caps = ConnectionCaps(self.config.max_connections, self.config.max_preauth_connections)
         self.metrics = ServerMetrics(engine.stats, None if self.tenants.auth else engine.calibration)
         self.conns: set[Conn] = set()
         self.bars = BarBook()

@@ -24,7 +24,16 @@ import orjson
 from streamllm.config import parse_question
 from streamllm.engine import SessionError
 from streamllm.service import protocol as p
-from streamllm.service.connection import Conn, Subscription, bridge, close_handles, threadsafe
+from streamllm.service.connection import (
+    CapExceeded,
+    Conn,
+    Subscription,
+    bridge,
+    close_handles,
+    is_standing,
+    submit_off_loop,
+    threadsafe,
+)
 from streamllm.service.errors import engine_error
 from streamllm.service.protocol import ProtocolError, Request
 from streamllm.service.quotas import QuotaExceeded
@@ -63,10 +72,22 @@ class WebSocketApp:
                 self.metrics.errors.labels(p.UNAUTHORIZED).inc()
                 await _refuse(scope, send, 401, "unknown bearer token")
                 return
-        if (await receive())["type"] != "websocket.connect":
+        try:
+            slot = self.server.caps.admit(authenticated=tenant is not None)
+        except CapExceeded as exc:  # over a server-wide connection cap: HTTP 503, nothing accepted
+            self.metrics.errors.labels(p.CAPACITY).inc()
+            await _refuse(scope, send, 503, str(exc), p.CAPACITY)
             return
-        await send({"type": "websocket.accept"})
-        conn = Conn(send, scope.get("client"), tenant, self.config.max_queue, self.metrics)
+        conn = None
+        try:  # from here the slot is the connection's: its teardown releases it
+            if (await receive())["type"] == "websocket.connect":
+                await send({"type": "websocket.accept"})
+                conn = Conn(send, scope.get("client"), tenant, self.config.max_queue, self.metrics, slot)
+        finally:
+            if conn is None:
+                slot.release()
+        if conn is None:
+            return
         if tenant is not None and tenants.auth and not self._admit(conn, tenant, None):
             conn.tenant = None  # refused: everything but the close is `unauthorized`
         self.server.conns.add(conn)
@@ -217,17 +238,14 @@ class WebSocketApp:
 
     async def _ask(self, conn: Conn, req: Request) -> None:
         session = req.session()
-        question = req.text("question", "the question text, or a standing question's id")
-        max_tokens = req.integer("max_tokens", None, 1, p.MAX_ASK_TOKENS)  # None: the standing spec's, or 16
+        question, max_tokens, stop = req.question()  # within config/limits.py's bounds
         min_version = req.integer("min_version", None, 0, 1 << 62)
-        stop = req.field("stop", list, "an array of strings", None)
-        if stop is not None and not all(isinstance(s, str) and s for s in stop):
-            raise ProtocolError(p.BAD_FIELD, "ask: field 'stop' must hold non-empty strings")
         stream = req.flag("stream", False)
         if len(conn.asks) >= self.config.max_inflight_asks:
             raise ProtocolError(p.BUSY, f"ask: {len(conn.asks)} questions already in flight on this connection "
                                         f"(limit {self.config.max_inflight_asks}); wait for answers")
         t0 = time.perf_counter()
+        name = _ename(conn, session)
         kw: dict[str, Any] = {"stop": stop, "min_version": min_version}
         if max_tokens is not None:
             kw["max_tokens"] = max_tokens
@@ -235,25 +253,40 @@ class WebSocketApp:
         if stream:
             loop = asyncio.get_running_loop()
             kw["on_text"] = threadsafe(loop, lambda text: self._send_token(conn, req.id, session, text, streamed))
-        future = self.engine.submit_ask(_ename(conn, session), question, **kw)
-        if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
-            if stream:  # after any token the entry path already queued on the loop
-                asyncio.get_running_loop().call_soon(self._send_answer, conn, req.id, session, future.result(),
-                                                     t0, streamed)
-            else:
-                self._send_answer(conn, req.id, session, future.result(), t0, None)
-            return None
+        quotas, tenant = self.server.quotas, conn.tenant.name  # type: ignore[union-attr]
+        if is_standing(self.engine, name, question):  # nothing to tokenize: microseconds, on the loop
+            future = self.engine.submit_ask(name, question, **kw)
+            if future.done() and future.exception() is None:  # fast path: answered inside submit_ask
+                if stream:  # after any token the entry path already queued on the loop
+                    asyncio.get_running_loop().call_soon(self._send_answer, conn, req.id, session, future.result(),
+                                                         t0, streamed)
+                else:
+                    self._send_answer(conn, req.id, session, future.result(), t0, None)
+                return None
+            try:
+                quotas.take_ask(tenant)
+            except QuotaExceeded:
+                future.cancel()
+                raise
+        else:  # a cold question is tokenized by submit_ask: in a worker thread, never on the loop
+            quotas.take_ask(tenant)
+            try:
+                future = await submit_off_loop(lambda: self.engine.submit_ask(name, question, **kw))
+            except BaseException:
+                quotas.release_ask(tenant)
+                raise
         task = asyncio.create_task(self._await_answer(conn, req.id, session, future, t0,
                                                       streamed if stream else None))
-        conn.asks.add(task)
-        task.add_done_callback(conn.asks.discard)
+        conn.track(task, future)
+        task.add_done_callback(lambda _t: quotas.release_ask(tenant))
         return None
 
     async def _await_answer(self, conn: Conn, req_id: Any, session: str, future: Future, t0: float,
                             streamed: list[int] | None) -> None:
         try:
             answer = await bridge(future)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the client went away or the server is stopping: so does the question
+            future.cancel()
             raise
         except Exception as exc:
             self._error(conn, *engine_error(exc, "ask"), req_id)
@@ -361,11 +394,11 @@ class WebSocketApp:
 
 
 
-async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str) -> None:
+async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str, code: str = p.UNAUTHORIZED) -> None:
     """Refuse a websocket handshake: an HTTP response when the server supports it, else 403."""
     if "websocket.http.response" in scope.get("extensions", {}):
-        body = orjson.dumps({"error": {"message": message, "type": "authentication_error",
-                                       "code": p.UNAUTHORIZED, "param": None}})
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "server_error")
+        body = orjson.dumps({"error": {"message": message, "type": kind, "code": code, "param": None}})
         await send({"type": "websocket.http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "websocket.http.response.body", "body": body})
