@@ -7,6 +7,7 @@
     feed_restart     a recorded feed killed mid-way and restarted from its beginning:
                      lines delivered twice or never, against an uninterrupted run
     pressure         more sessions than the pool holds: auto evictions, restored vs live logits
+                     (max abs difference; a restore is exact, so anything but 0 is a bug)
 """
 
 from __future__ import annotations

@@ -116,3 +116,21 @@ def test_integrity_catches_a_leak():
     m.append(t, 4)
     with pytest.raises(AssertionError):
         m.check_integrity([])
+
+
+def test_lay_out_reproduces_runs_and_refuses_what_it_cannot():
+    m = BlockManager(num_blocks=16, block_size=4)
+    table = BlockTable()
+    m.reserve(table, 32)  # 8 contiguous blocks
+    assert m.lay_out(table, [8, 4, 6])  # runs of 2, 1 and 2 blocks (the last one partial)
+    m.append(table, 18)
+    assert [(pos, n) for pos, _, n in m.runs(table)] == [(0, 8), (8, 4), (12, 6)]
+    m.append(table, 14)  # the last run grows into the rest of the budget, still one run
+    assert [(pos, n) for pos, _, n in m.runs(table)] == [(0, 8), (8, 4), (12, 20)]
+    m.check_integrity([table])
+    fresh = BlockTable()
+    m.reserve(fresh, 16)
+    before = list(fresh.reserved)
+    assert not m.lay_out(fresh, [6, 4])  # a run before the last must be whole blocks
+    assert not m.lay_out(fresh, [16, 8])  # more than the budget
+    assert fresh.reserved == before

@@ -137,6 +137,32 @@ class BlockManager:
         table.reserved.extend(self._take(need, contiguous=True))
         self.num_reserved += need
 
+    def lay_out(self, table: BlockTable, run_tokens: list[int]) -> bool:
+        """Order an empty table's reserved blocks so that appending sum(run_tokens) tokens lands in
+        runs of exactly these lengths (`runs`); False, and the order untouched, when it cannot.
+
+        A restored session must attend over the runs it had live: attention merges per-run
+        partials, so where the runs split changes the rounding (bf16 most of all). Needs the
+        reservation to be one contiguous range (first-fit gives one whenever the pool has it):
+
+            logical:   run 1 | run 2 | ... | run k | rest of the budget
+            physical:  [run k, rest][run k-1] ... [run 1]   no run sits right before its successor
+        """
+        bs = self.block_size
+        counts = [self.blocks_for(n) for n in run_tokens]
+        reserved = sorted(table.reserved)
+        if (table.blocks or not run_tokens or min(run_tokens) < 1 or sum(counts) > len(reserved)
+                or any(n % bs for n in run_tokens[:-1])  # only the last run may end in a partial block
+                or reserved[-1] - reserved[0] + 1 != len(reserved)):
+            return False
+        physical = [reserved[: len(reserved) - sum(counts[:-1])]]  # the last run, then what it grows into
+        at = len(physical[0])
+        for count in reversed(counts[:-1]):
+            physical.append(reserved[at: at + count])
+            at += count
+        table.reserved = [b for run in reversed(physical) for b in run]
+        return True
+
     def append(self, table: BlockTable, num_new_tokens: int) -> torch.Tensor:
         """Assign slots for num_new_tokens more tokens; returns their flat slot ids."""
         if not self.can_append(table, num_new_tokens):

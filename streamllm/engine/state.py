@@ -58,6 +58,9 @@ def export_session(core: EngineCore, name: str) -> SessionState:
         "version_ends": list(s.version_ends), "version_lines": list(s.version_lines),
         "line_ends": list(s.line_ends), "lines_cut": s.lines_cut, "data_version": s.data_version, "lines_ingested": s.lines_ingested,
         "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
+        # where the cells' runs of consecutive slots split: attention rounds per run (model/attention.py),
+        # so the import lays the cells out the same way and the session answers exactly as it did
+        "runs": [n for _, _, n in manager.runs(s.table, n)],
     }
     # Each labelled question's live calibration window travels too: an auto gate stays open across an
     # eviction, a move or a restart from a checkpoint instead of closing until there is new evidence.
@@ -101,6 +104,9 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     core.admit(name, max_context, "restore")
     table = BlockTable()
     manager.reserve(table, max_context)
+    runs = meta.get("runs")  # a layout hint (older snapshots have none): unusable ones are ignored
+    if isinstance(runs, list) and all(type(r) is int for r in runs) and sum(runs) == n:
+        manager.lay_out(table, runs)
     try:
         slots = manager.append(table, n).to(pool.k.device)
     except KVCapacityError:
