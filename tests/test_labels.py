@@ -6,7 +6,15 @@ from dataclasses import dataclass
 import polars as pl
 import pytest
 
-from streamllm.config.labels import LABELS, LabelError, parse_label, to_columns
+from streamllm.config import ConfigError, parse_question
+from streamllm.config.labels import (
+    LABELS,
+    MAX_LABEL_CHARS,
+    MAX_LABEL_DEPTH,
+    LabelError,
+    parse_label,
+    to_columns,
+)
 
 
 @dataclass(slots=True)
@@ -61,6 +69,33 @@ def test_parse_errors_are_precise(text, message):
     with pytest.raises(LabelError) as info:
         parse_label(text)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("trend_up(n=" + "-" * 100_000 + "1)", f"100013 characters, over the limit of {MAX_LABEL_CHARS}"),
+        ("(" * 100_000, f"over the limit of {MAX_LABEL_CHARS}"),  # was MemoryError from ast.parse
+        ("trend_up(n=" + "(" * 50 + "1" + ")" * 50 + ")", f"51 deep, over the limit of {MAX_LABEL_DEPTH}"),
+        ("[[[[[{1}]]]]]", f"6 deep, over the limit of {MAX_LABEL_DEPTH}"),
+    ],
+)
+def test_oversized_or_deeply_nested_labels_are_refused_before_parsing(text, message):
+    with pytest.raises(LabelError) as info:
+        parse_label(text)
+    assert message in str(info.value) and len(str(info.value)) < 200  # quotes a prefix, not the text
+    # in a question: a config error at its key path
+    with pytest.raises(ConfigError) as info:
+        parse_question({"id": "q", "text": "Up?", "choices": ["up", "down"], "label": text},
+                       source="q.toml", key_path="sessions[0].questions[3]")
+    assert "sessions[0].questions[3].label" in str(info.value) and message in str(info.value)
+
+
+def test_labels_at_the_bounds_still_parse():
+    at_depth = "trend_up(n=" + "(" * (MAX_LABEL_DEPTH - 1) + "7" + ")" * (MAX_LABEL_DEPTH - 1) + ")"
+    assert parse_label(at_depth).params == (("n", 7),)
+    padded = "trend_up(n=7)".center(MAX_LABEL_CHARS)
+    assert len(padded) == MAX_LABEL_CHARS and parse_label(padded).params == (("n", 7),)
 
 
 # -- values on hand-made bars ----------------------------------------------------------

@@ -22,6 +22,12 @@ from typing import Any
 
 BAR_FIELDS = ("open", "high", "low", "close", "volume")
 
+# Bounds checked before the text reaches Python's parser, which answers a deep enough nesting with
+# MemoryError or RecursionError instead of a SyntaxError. The longest label is some 30 characters
+# (`volume_spike(k=3.0, n=20)`) and needs one bracket: `name(...)`.
+MAX_LABEL_CHARS = 200
+MAX_LABEL_DEPTH = 4  # brackets ( [ { inside one another
+
 
 class LabelError(ValueError):
     """A label text that does not parse, or names an unknown label or parameter."""
@@ -251,13 +257,30 @@ def _did_you_mean(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _check_size(text: str) -> None:
+    if len(text) > MAX_LABEL_CHARS:
+        raise LabelError(f"label {text[:40]!r}... is {len(text)} characters, over the limit of "
+                         f"{MAX_LABEL_CHARS}; write it like 'trend_up(n=10)'")
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth -= 1
+    if deepest > MAX_LABEL_DEPTH:
+        raise LabelError(f"label {text[:40]!r}... nests brackets {deepest} deep, over the limit of "
+                         f"{MAX_LABEL_DEPTH}; write it like 'trend_up(n=10)'")
+
+
 def parse_label(text: str) -> LabelSpec:
     """Parse `name` or `name(k=v, ...)` (keyword arguments, number literals only)."""
     if not isinstance(text, str) or not text.strip():
         raise LabelError(f"label must be a non-empty string like 'trend_up(n=10)', got {text!r}")
+    _check_size(text)
     try:
         node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # the bounds above keep the last two away
         raise LabelError(f"label {text!r} does not parse; write it like 'trend_up(n=10)'") from None
     if isinstance(node, ast.Name):
         name, keywords = node.id, []
