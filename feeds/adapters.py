@@ -14,7 +14,10 @@ Per venue (see each venue module's docstring for the documented rules):
   okx       one subscribe for all channel/instrument pairs; a "ping" text every `ping_s` (OKX
             closes a connection silent for 30 s; candles need the /ws/v5/business url).
   alpaca    wait for "connected", send auth, wait for "authenticated", then subscribe.
-A silent connection (nothing for `idle_timeout_s`) is treated as dead. Disconnects
+A message larger than `max_frame_bytes` (per venue: `MAX_FRAME_BYTES`) closes the
+connection with 1009 and reconnects, with `stats.last_error` saying so: a venue (or anything
+at its url) cannot make the adapter buffer without bound. A silent connection (nothing for
+`idle_timeout_s`) is treated as dead. Disconnects
 reconnect with exponential backoff and full jitter; an auth refusal raises `AuthError`
 at once (retrying cannot fix credentials). Malformed messages are counted by the parser
 (`adapter.parser.stats`) and never stop the stream. `on_raw(recv_ns, text)` sees every
@@ -35,6 +38,7 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.frames import CloseCode
 
 from feeds import alpaca, binance, bybit, coinbase, kraken, kraken_futures, okx
 from feeds.wire import AuthError, Loads, fast_loads, parser_for
@@ -58,6 +62,21 @@ DEFAULT_CHANNELS = {
     "okx": okx.DEFAULT_CHANNELS,
     "bybit": bybit.DEFAULT_CHANNELS,
     "alpaca": alpaca.DEFAULT_CHANNELS,
+}
+
+# The largest message each venue may send, with room to spare. Order book snapshots are the big
+# ones: Coinbase's level2 snapshot of BTC-USD is the whole book, several MB (over aiohttp's 4 MiB
+# default, under 10 MB as measured by client libraries) and its docs ask for the largest receive
+# buffer possible; the others cap their book depth (Kraken 1000 levels, Kraken Futures' snapshot,
+# OKX 400, Bybit 1000, Binance diffs only), a few hundred KB at most.
+MAX_FRAME_BYTES = {
+    "binance": 16 << 20,
+    "coinbase": 64 << 20,
+    "kraken": 16 << 20,
+    "kraken-futures": 16 << 20,
+    "okx": 16 << 20,
+    "bybit": 16 << 20,
+    "alpaca": 16 << 20,
 }
 
 
@@ -98,7 +117,9 @@ class FeedAdapter:
         on_raw: Callable[[int, str], None] | None = None,
         seed: int | None = None,
         market: str = "spot",
+        max_frame_bytes: int | None = None,
     ) -> None:
+        """max_frame_bytes: the largest message accepted (default: the venue's `MAX_FRAME_BYTES`)."""
         if venue not in DEFAULT_URLS:
             raise ValueError(f"unknown venue {venue!r} (one of {sorted(DEFAULT_URLS)})")
         if not symbols:
@@ -114,6 +135,7 @@ class FeedAdapter:
         if venue == "alpaca" and not {"key", "secret"} <= self.credentials.keys():
             raise AuthError("alpaca adapter needs credentials={'key': ..., 'secret': ...}")
         self.parser = parser_for(venue, loads=loads, **({"market": market} if venue == "binance" else {}))
+        self.max_frame_bytes = max_frame_bytes or MAX_FRAME_BYTES[venue]
         self.backoff_s = backoff_s
         self.idle_timeout_s = idle_timeout_s
         self.ping_s = ping_s
@@ -133,7 +155,7 @@ class FeedAdapter:
         while not self._stop.is_set():
             got_data = False
             try:
-                async with connect(self.url, max_size=None, open_timeout=10) as ws:
+                async with connect(self.url, max_size=self.max_frame_bytes, open_timeout=10) as ws:
                     self.stats.connects += 1
                     await self._handshake(ws)
                     async for ev in self._stream(ws):
@@ -144,7 +166,13 @@ class FeedAdapter:
                     self.stats.last_error = "server closed the connection"
             except AuthError:
                 raise
-            except (OSError, ConnectionClosed, InvalidHandshake, TimeoutError) as exc:
+            except ConnectionClosed as exc:
+                if exc.sent is not None and exc.sent.code == CloseCode.MESSAGE_TOO_BIG:
+                    self.stats.last_error = (f"{self.url} sent a message over max_frame_bytes = "
+                                             f"{self.max_frame_bytes} ({exc.sent.reason}); closed 1009")
+                else:
+                    self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            except (OSError, InvalidHandshake, TimeoutError) as exc:
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
             except InvalidURI as exc:
                 raise ValueError(f"{self.venue} adapter: bad url {self.url!r}: {exc}") from exc

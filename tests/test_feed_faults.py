@@ -1,4 +1,5 @@
-"""Feed faults against the local replay server: drops, stalls, garbage, reorder, skipped messages.
+"""Feed faults against the local replay server: drops, stalls, garbage, reorder, skipped messages,
+a message over the adapter's max_frame_bytes.
 
 `FaultyReplayServer` is the real replay server with faults injected into what it sends.
 The real adapter must reconnect with backoff, count garbage and gaps, and keep feeding
@@ -23,6 +24,8 @@ from streamllm.engine import Engine, EngineConfig
 CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot" / "btcusdt_20240808.gz"
 if not CAPTURE.exists():
     CAPTURE = Path("/work/shared/data/binance-spot/btcusdt_20240808.gz")
+MAX_FRAME_BYTES = 256 << 10  # the adapter's limit in these tests: 4x the largest message of the capture
+OVERSIZE = 1 << 20
 
 
 @dataclass
@@ -35,6 +38,7 @@ class FaultyReplayServer(ReplayServer):
     garbage_every: int | None = None  # replace every n-th message with garbage
     reorder: bool = False  # swap neighbouring messages
     skip_every: int | None = None  # silently lose every n-th message (a gap the parser can see)
+    oversize_after: int | None = None  # then send one message of OVERSIZE bytes
     faulty: int = 2
     garbage_sent: int = field(default=0, init=False)
 
@@ -62,6 +66,8 @@ class FaultyReplayServer(ReplayServer):
                 return None
             if self.stall_after and sent == self.stall_after:
                 await asyncio.sleep(self.stall_s)
+            if self.oversize_after and sent == self.oversize_after:
+                await ws.send('{"stream":"btcusdt@trade","data":"' + "x" * OVERSIZE + '"}')
         return None
 
 
@@ -87,7 +93,7 @@ async def run_feed(server: ReplayServer, engine: Engine, session: str, *, idle_t
     async with server:
         adapter = FeedAdapter("binance", ["btcusdt"], ["trade", "bookTicker", "depth@100ms"],
                               url=server.url + "/stream", backoff_s=(0.01, 0.05), idle_timeout_s=idle_timeout_s,
-                              max_reconnects=max_reconnects, seed=3)
+                              max_reconnects=max_reconnects, seed=3, max_frame_bytes=MAX_FRAME_BYTES)
         batch: list[str] = []
 
         def flush() -> None:  # one summary line per 20 events, like a bar
@@ -107,10 +113,11 @@ async def run_feed(server: ReplayServer, engine: Engine, session: str, *, idle_t
     return adapter
 
 
-@pytest.mark.parametrize("fault", ["drop", "stall", "garbage", "reorder", "skip"])
-def test_adapter_survives_faults_and_the_engine_keeps_answering(engine, capture, fault):
+@pytest.mark.parametrize("fault", ["drop", "stall", "garbage", "reorder", "skip", "oversize"])
+def test_adapter_survives_faults_and_the_engine_keeps_answering(engine, capture, fault, caplog):
     kw = {"drop": {"drop_after": 60}, "stall": {"stall_after": 40, "stall_s": 1.0, "faulty": 4},
-          "garbage": {"garbage_every": 25}, "reorder": {"reorder": True}, "skip": {"skip_every": 30}}[fault]
+          "garbage": {"garbage_every": 25}, "reorder": {"reorder": True}, "skip": {"skip_every": 30},
+          "oversize": {"oversize_after": 50}}[fault]
     server = FaultyReplayServer([capture], **kw)
     session = f"faults-{fault}"
     engine.open_session(session, max_context=1024)
@@ -123,6 +130,10 @@ def test_adapter_survives_faults_and_the_engine_keeps_answering(engine, capture,
         assert "ConnectionClosed" in stats.last_error or stats.last_error == "server closed the connection"
     if fault == "stall":
         assert stats.last_error.startswith("TimeoutError")  # silence past idle_timeout_s counts as dead
+    if fault == "oversize":  # each faulty connection was closed 1009 at the big message, and came back
+        too_big = [r.getMessage() for r in caplog.records if "over max_frame_bytes" in r.getMessage()]
+        assert len(too_big) == server.faulty, too_big
+        assert all(f"max_frame_bytes = {MAX_FRAME_BYTES}" in m and "closed 1009" in m for m in too_big)
     if fault == "garbage":
         assert parsed.errors == server.garbage_sent > 0 and len(parsed.error_samples) > 0
     if fault in ("reorder", "skip"):
