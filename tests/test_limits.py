@@ -243,6 +243,37 @@ def test_an_http_completion_whose_client_leaves_is_cancelled(engine, stream):
         engine.close_session("local/leave")
 
 
+def test_a_cold_ask_is_tokenized_off_the_loop_and_a_standing_id_answers_inline(engine):
+    """While the tokenizer is busy (its lock held), a cold ask waits in a worker thread: the loop still
+    serves every other request. A standing question asked by id needs no tokenizer at all."""
+    async def scenario(server):
+        w = await Wire.connect(server)
+        other = await Wire.connect(server)
+        await w.ok("open", session="tok")
+        question = {"id": "dir", "text": "Up or down?", "choices": ["up", "down"], "threshold": 0.0}
+        await w.ok("register", session="tok", question=question)
+        await w.ok("push", session="tok", lines=LINES[:3])
+        await asyncio.to_thread(engine.wait_idle, TIMEOUT)
+        released = threading.Event()
+        release = threading.Timer(TIMEOUT / 4, lambda: (released.set(), engine.layout.lock.release()))
+        engine.layout.lock.acquire()
+        release.start()
+        try:
+            cold = await w.send("ask", session="tok", question="A question nobody asked before, 7f3a?",
+                                max_tokens=1)
+            assert (await other.ok("stats"))["type"] == "stats"  # the loop is free
+            fast = await other.ok("ask", session="tok", question="dir")  # the fast path: no tokenizer
+            assert fast["path"] == "fast" and not released.is_set()
+        finally:
+            release.cancel()
+            if not released.is_set():
+                engine.layout.lock.release()
+        assert (await w.reply(cold))["type"] == "answer"
+        await w.ok("close", session="tok")
+
+    run(scenario, engine)
+
+
 # -- quotas ----------------------------------------------------------------------------------------
 def test_default_quota_with_tokens_and_a_tenants_own_table_wins(engine):
     assert QuotaBook({}, engine, auth=True).quota("bob") == DEFAULT_QUOTA

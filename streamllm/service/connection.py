@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamllm.config import normalize_question
 from streamllm.engine.client import EngineClient
 from streamllm.service import protocol as p
 from streamllm.service.metrics import ServerMetrics
@@ -29,6 +29,7 @@ from streamllm.service.tenants import Tenant
 log = logging.getLogger("streamllm.service.server")
 
 CLOSE_TRY_AGAIN_LATER = 1013  # outgoing queue full: the client reads too slowly
+_QUESTION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")  # ids as config/reader.py takes them
 AsgiSend = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -219,16 +220,15 @@ def _cancel_result(done: asyncio.Future) -> None:
 
 
 def is_standing(engine: EngineClient, name: str, question: str) -> bool:
-    """Whether `question` is one of the session's standing questions, by id or by text: those take the
-    fast or entry path, with nothing to tokenize. False for an unknown session (its ask says why)."""
-    try:
-        specs = engine.standing_questions(name)
-    except KeyError:
+    """Whether `question` is the id of one of the session's standing questions: the fast or entry path,
+    with nothing to tokenize. Only a question shaped like an id costs the look; a question's text goes
+    the cold way (a worker thread), where the engine still finds a standing question by its text."""
+    if not _QUESTION_ID.match(question):
         return False
-    if any(spec.id == question for spec in specs):
-        return True
-    normalized = normalize_question(question)
-    return any(spec.normalized_text == normalized for spec in specs)
+    try:
+        return any(spec.id == question for spec in engine.standing_questions(name))
+    except KeyError:  # an unknown session: its ask says so
+        return False
 
 
 def threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None]) -> Callable[..., None]:
