@@ -20,7 +20,9 @@ never has to guess:
 - Layouts as tools write them: UTF-8 or UTF-16 text; a comma, tab (MetaTrader), semicolon or pipe between cells
   (a semicolon table may write decimal commas); names in angle brackets (`<CLOSE>`); a
   date and a time of day in two columns (`<DATE>` `2024.01.02`, `<TIME>` `00:00:00`); a
-  real-volume column of zeros beside a tick-volume one (MetaTrader's forex) reads the ticks.
+  real-volume column of zeros beside a tick-volume one (MetaTrader's forex) reads the ticks;
+  bars with no volume column at all (FX brokers' OHLC) read volume as unknown (NaN), and
+  `notes` warns of that and of a volume column that is all zero.
 - Headerless tables are read only in published layouts (Binance's public data, Kraken's
   downloadable OHLCVT and trades), each recognized by its column count *and* its cells;
   any other first row of data is refused with a request for a header.
@@ -88,6 +90,7 @@ BOOK_COLUMNS = {"is_snapshot", "side", "price", "amount"}  # a book table: one c
 INDEX_NAMES = ("", "Unnamed: 0", "index", "__index_level_0__")
 # Columns that hold a tick count where a forex source has no real volume (MetaTrader's <TICKVOL>).
 TICK_VOLUME = ("tickvol", "tick_volume", "ticks")
+NO_VOLUME = math.nan  # the one NaN object a table without a volume column fills its bars with
 _TIME_OF_DAY = re.compile(r"^\s*\d{1,2}:\d{2}(:\d{2}(\.\d+)?)?\s*$")
 
 
@@ -240,14 +243,24 @@ class TableSource:
 
     def _volume(self, df: pl.DataFrame) -> tuple[list[Any], bool]:
         """The bars' volume; a real-volume column of zeros beside a tick-volume one reads the ticks
-        (MetaTrader writes <VOL> 0 for forex, where only <TICKVOL> counts anything)."""
+        (MetaTrader writes <VOL> 0 for forex, where only <TICKVOL> counts anything). A table with no
+        volume at all (FX brokers' OHLC exports) reads as volume unknown (NaN), said in `notes`; one
+        whose volumes are all zero is read as written, with a warning there."""
         keys = _by_key(df)
         ticks = next((keys[k] for k in TICK_VOLUME if k in keys), None)
-        col = self._col(df, "volume", required=ticks is None or "volume" in self.columns)
+        col = self._col(df, "volume", required="volume" in self.columns)
         if ticks is not None and "volume" not in self.columns and (col is None or _all_zero(col)):
             self.notes.append(f"{self.path}: volume read from {ticks!r} (a tick count, not traded units)"
                               + ("" if col is None else f": {col.name!r} is all zero"))
             col = df[ticks]
+        if col is None:
+            self.notes.append(f"{self.path}: warning: no volume column (columns {df.columns}): every bar's volume is "
+                              "unknown, so questions about volume cannot be answered on these bars "
+                              "(pass --columns volume=COLUMN if one holds it)")
+            return [NO_VOLUME] * df.height, False
+        if df.height and _all_zero(col):
+            self.notes.append(f"{self.path}: warning: volume column {col.name!r} is all zero: questions about volume "
+                              "would only score their base rate on these bars")
         return self._floats(col, "volume")
 
     # --- per kind: columns -> checked rows ---
@@ -335,6 +348,7 @@ class TableSource:
     def _bar(self, df, ts, recv, insts, has_recv) -> list[Bar]:
         cols = {k: self._num(df, k) for k in ("open", "high", "low", "close")} | {"volume": self._volume(df)}
         o, h, lo, c, vol = (cols[k][0] for k in ("open", "high", "low", "close", "volume"))
+        no_volume = bool(vol) and vol[0] is NO_VOLUME  # the table has none: NaN, unknown (a NaN cell is still refused)
         n, nan = len(ts), math.nan
         cnt_col = self._col(df, "trades", required=False)
         cnt = cnt_col.cast(pl.Int64).to_list() if cnt_col is not None else [-1] * n
@@ -349,7 +363,7 @@ class TableSource:
                                  "volume": vol[i]}):
                 continue
             try:
-                check_bar(o[i], h[i], lo[i], c[i], vol[i], self.signed_prices)
+                check_bar(o[i], h[i], lo[i], c[i], 0.0 if no_volume else vol[i], self.signed_prices)
             except BadValue as exc:
                 self._bad(i, exc)
                 continue

@@ -7,13 +7,15 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from feeds.sources import TableSource
 from streamllm.cli.calibrate import main as cli_main
 from streamllm.cli.calibrate import parser as _parser
 from streamllm.config import load_config
-from streamllm.evaluation.calibrate import calibrate
+from streamllm.engine.prompt import PromptLayout
+from streamllm.evaluation.calibrate import CalibrationError, _without_head, calibrate
 from streamllm.evaluation.report import (
     CONFIDENCES,
     QuestionRecord,
@@ -24,6 +26,7 @@ from streamllm.evaluation.report import (
     summarize,
     table,
 )
+from streamllm.feeding.render import Renderer
 
 SHARED_BARS = Path(__file__).resolve().parents[2] / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 
@@ -266,7 +269,7 @@ def _error(capsys, argv: list[str]) -> str:
 
 
 RUN_KEYS = {"data", "start", "adapter", "adapter_id", "model", "bars", "warmup", "updates", "context_tokens",
-            "seconds", "from_samples"}  # what a replay knows of itself and a file of its samples does not
+            "seconds", "from_samples", "without_head", "left_out_no_volume"}  # what a replay knows of itself and a file of its samples does not
 
 
 @pytest.mark.parametrize("name", ["samples.parquet", "samples.csv"])
@@ -340,6 +343,86 @@ def test_several_ranges_pool_into_one_report(setup, tiny_model, capsys):
     assert "in 2 ranges pooled" in capsys.readouterr().out
     err = _error(capsys, args_for(setup, "--start", "0", "99"))
     assert "--start 99 is outside the file's 60 bars" in err
+
+
+def test_every_range_is_fitted_before_any_replay(setup, tiny_model, capsys):
+    """--start A B: a range whose bars cannot fit the context is refused before the first range runs."""
+    rows = setup["data"].read_text().splitlines()
+    longer = [rows[0], *rows[1:31]]
+    for i, r in enumerate(rows[31:]):  # the second range's prices and moves have many more digits
+        t, *ohlc, v = r.split(",")
+        longer.append(",".join([t, *(f"{float(x) * 1000 + 0.000371 * i * (k + 1):.6f}" for k, x in enumerate(ohlc)), v]))
+    data = setup["dir"] / "longer.csv"
+    data.write_text("\n".join(longer) + "\n")
+    spec = load_config(setup["config"]).session("test")
+    layout = PromptLayout(tiny_model.tokenizer)
+    bars = TableSource(data, "bar").events()
+    need = [len(layout.prefix_ids(spec.system_prompt)) + sum(len(ids) for ids in layout.lines_ids(
+        [Renderer(changes=spec.render.changes).render(b) for b in bars[start:start + 30]])) for start in (0, 30)]
+    assert need[1] > need[0] + 300
+    tight = setup["dir"] / "tight.toml"
+    tight.write_text(CONFIG.format(name="test", max_context=(need[0] + need[1]) // 2))
+    args = _parser().parse_args(args_for({**setup, "config": tight, "data": data}, "--start", "0", "30", "--bars", "30"))
+    with pytest.raises(CalibrationError, match="range --start 30: --bars 30 needs"):
+        calibrate(args, model=tiny_model)
+    assert "range 1 of 2" not in capsys.readouterr().out  # nothing replayed before the refusal
+
+
+def test_calibrate_names_what_it_leaves_out_and_what_its_minimum_counts(setup, tiny_model, capsys):
+    out = setup["dir"] / "r.json"
+    assert cli_main(args_for(setup, "--bars", "20", "--json", str(out))) == 0
+    captured = capsys.readouterr()
+    assert "left out, having no label to judge them by: free" in captured.err
+    report = json.loads(out.read_text())
+    assert report["left_out_no_label"] == ["free"] and report["without_head"] == ["trend", "sma"]
+    assert "over 2 questions; every question decided by the model's own logits" in captured.out
+
+    class OneHead:  # an adapter whose only choice head answers `trend`
+        def head_for(self, text: str, choices: tuple[str, ...]) -> object | None:
+            return object() if choices == ("up", "down") else None
+
+    spec = load_config(setup["config"]).session("test")
+    assert _without_head(spec, OneHead()) == ["sma"] and _without_head(spec, None) == ["trend", "sma"]
+
+
+def test_bars_without_volume_leave_volume_questions_out_by_name(setup, tiny_model, capsys):
+    rows = setup["data"].read_text().splitlines()
+    fx = setup["dir"] / "fx.csv"
+    fx.write_text("\n".join(r.rpartition(",")[0] for r in rows) + "\n")  # no volume column, as FX brokers export
+    config = setup["dir"] / "vol.toml"
+    config.write_text(CONFIG.format(name="test", max_context=4096) + '\n[[sessions.questions]]\nid = "spike"\n'
+                      'text = "Is the last bar\'s volume a spike?"\nchoices = ["yes", "no"]\nlabel = "volume_spike(n=5)"\n')
+    out = setup["dir"] / "r.json"
+    assert cli_main(args_for({**setup, "config": config, "data": fx}, "--bars", "20", "--json", str(out))) == 0
+    captured = capsys.readouterr()
+    assert "fx.csv has no volume: spike cannot be answered" in captured.err
+    assert "left out, their labels reading volume the bars do not have: spike" in captured.out
+    report = json.loads(out.read_text())
+    assert report["left_out_no_volume"] == ["spike"] and "trend.samples" in report and "spike.samples" not in report
+    only = setup["dir"] / "only.toml"
+    only.write_text('[[sessions]]\nname = "v"\ninstrument = "TEST"\n[[sessions.questions]]\nid = "spike"\n'
+                    'text = "Spike?"\nchoices = ["yes", "no"]\nlabel = "volume_spike(n=5)"\n')
+    err = _error(capsys, args_for({**setup, "config": only, "data": fx}))
+    assert "every labelled question of session 'v' reads volume (spike)" in err
+
+
+def test_reads_volume_names_every_label_whose_answer_depends_on_volume():
+    from streamllm.config.labels import LABELS, parse_label
+    from streamllm.evaluation.calibrate import READS_VOLUME
+
+    rng = np.random.default_rng(7)
+    closes = 100 + np.cumsum(rng.normal(0, 1, 80))
+    depends = set()
+    for name in LABELS:
+        label = parse_label(name)
+        for end in range(label.bars_needed, 80):
+            window = [{"open": closes[i - 1] if i else closes[0], "high": closes[i] + 1, "low": closes[i] - 1,
+                       "close": closes[i], "volume": v} for i, v in zip(range(end), rng.choice([0.01, 1000.0], end), strict=True)]
+            flat = [{**b, "volume": 5.0} for b in window]
+            if label.evaluate(window) != label.evaluate(flat):
+                depends.add(name)
+                break
+    assert depends == READS_VOLUME
 
 
 def test_clear_errors(setup, capsys):

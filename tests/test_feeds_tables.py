@@ -416,3 +416,26 @@ def test_replay_server_serves_the_good_prefix_of_a_cut_capture(tmp_path: Path) -
     lines = _load([path], damage)
     assert 0 < len(lines) < 3000 and lines[0].recv_ns == 1
     assert len(damage) == 1 and "btcusdt_cut.gz: gzip stream ends early" in damage[0]
+
+
+def test_bars_without_volume_read_as_unknown_and_zero_volume_is_warned(tmp_path: Path) -> None:
+    """FX brokers export OHLC without volume: read, volume NaN (unknown), said in notes; a volume column of
+    zeros is read as written with a warning; a NaN cell in a real volume column is still a refused row."""
+    fx = tmp_path / "eurusd_h1.csv"
+    fx.write_text("Date,Open,High,Low,Close\n2024-01-02 00:00,1.1040,1.1046,1.1031,1.1038\n"
+                  "2024-01-02 01:00,1.1038,1.1052,1.1035,1.1050\n")
+    src = TableSource(fx, "auto")
+    got = src.events()
+    assert len(got) == 2 and src.stats.errors == 0 and all(math.isnan(b.volume) for b in got)
+    assert (got[1].close, got[1].interval_ns) == (1.1050, 3600 * 10**9)
+    assert any("no volume column" in n and "cannot be answered" in n for n in src.notes)
+    assert Renderer().render(got[0]).endswith("v?")  # unknown, not a made-up zero
+    zero = tmp_path / "zero.csv"
+    zero.write_text("timestamp,open,high,low,close,volume\n1640991660,10,11,9,10,0\n1640991720,10,11,9,10,0\n")
+    src = TableSource(zero, "auto")
+    assert [b.volume for b in src.events()] == [0.0, 0.0]
+    assert any("volume column 'volume' is all zero" in n for n in src.notes)
+    nan_cell = tmp_path / "nan.csv"
+    nan_cell.write_text("timestamp,open,high,low,close,volume\n1640991660,10,11,9,10,NaN\n1640991720,10,11,9,10,2\n")
+    src = TableSource(nan_cell, "auto")
+    assert [b.volume for b in src.events()] == [2.0] and src.stats.error_kinds == {"bad_bar": 1}

@@ -15,6 +15,7 @@ from streamllm.evaluation import calibrate as calibrate_lib
 from streamllm.evaluation.calibrate import DEFAULT_BARS, CalibrationError, calibrate
 from streamllm.evaluation.report import plot, table, to_json
 from streamllm.evaluation.samples import write_samples
+from streamllm.tuning.card import fmt_number
 
 
 def parser() -> argparse.ArgumentParser:
@@ -67,6 +68,19 @@ def main(argv: list[str]) -> int:
         print(f"\n{run.updates} updates on {run.bars} bars ({run.warmup} warmup){ranges} in {run.seconds:.0f}s, "
               f"model {run.model}, target precision {args.target_precision:g}")
     print(table(reports, args.target_precision))
+    scored = [r for r in reports if r.samples]
+    if scored and "without_head" in meta:  # a replay knows its heads; a samples file does not
+        weakest = min(scored, key=lambda r: r.coverage if r.coverage is not None else -1.0)
+        headless = [q for q in meta.get("without_head", []) if any(r.id == q for r in scored)]
+        who = ("; every question decided by the model's own logits (no choice heads)" if meta.get("adapter") is None
+               else f"; it counts {len(headless)} without a choice head (the model's logits decide them): "
+                    f"{', '.join(headless)}" if headless else "; every question has a choice head")
+        print(f"config-wide minimum coverage at {args.target_precision:g}: {fmt_number(weakest.coverage)} "
+              f"({weakest.id}) over {len(scored)} questions{who}")
+    if meta.get("left_out_no_label"):
+        print(f"left out, having no label: {', '.join(meta['left_out_no_label'])}")
+    if meta.get("left_out_no_volume"):
+        print(f"left out, their labels reading volume the bars do not have: {', '.join(meta['left_out_no_volume'])}")
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(run, reports, meta), indent=1) + "\n")
         print(f"wrote {args.json}")

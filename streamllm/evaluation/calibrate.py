@@ -180,11 +180,16 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     print(f"streamllm calibrate: session {spec.name}: {describe(name, bars)}", file=sys.stderr)
     if not bars:
         raise CalibrationError(f"{path}: no usable bars")
+    spec, no_volume = _without_volume_questions(spec, bars, path)
     starts = args.start
     for start in starts:
         if not 0 <= start < len(bars):
             raise CalibrationError(f"--start {start} is outside the file's {len(bars)} bars")
     warmups = [_warmup(args, spec, bars[start:]) for start in starts]  # every range checked before the model loads
+    unlabelled = [q.id for q in spec.questions if q.label is None]
+    if unlabelled:
+        print(f"streamllm calibrate: left out, having no label to judge them by: {', '.join(unlabelled)} "
+              "(add `label = \"trend_up(n=10)\"`, docs/questions.md)", file=sys.stderr)
     loaded = model if model is not None else load_model(args.model, progress=True)
     try:  # as serve would: --adapter, else the config's heads when they fit the model
         chosen = None if args.no_adapter else pick_adapter(args.adapter, config.adapter, loaded.name,
@@ -192,16 +197,51 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     except AdapterError as exc:
         raise CalibrationError(str(exc)) from None
     adapter = None if chosen is None else str(chosen.path)
+    # Every range's bars rendered and fitted to the context before any replay: a range that cannot fit
+    # is refused now, not after the ranges before it have run.
+    plans = [_plan_range(args, config, spec, loaded, bars[start:], warmup, start if len(starts) > 1 else None)
+             for start, warmup in zip(starts, warmups, strict=True)]
     runs = []
-    for k, (start, warmup) in enumerate(zip(starts, warmups, strict=True)):
+    for k, (start, plan) in enumerate(zip(starts, plans, strict=True)):
         if len(starts) > 1:
             print(f"range {k + 1} of {len(starts)}: bars from {start}")
-        run, adapter_id = _replay_range(args, config, spec, loaded, adapter, bars[start:], warmup)
+        run, adapter_id = _replay_range(spec, loaded, adapter, plan, progress=not args.no_progress)
         runs.append(run)
     run = runs[0] if len(runs) == 1 else pool(runs)
     meta = {"config": str(args.questions), "data": data, "target_precision": args.target_precision,
-            "start": starts[0] if len(starts) == 1 else starts, "adapter": adapter, "adapter_id": adapter_id}
+            "start": starts[0] if len(starts) == 1 else starts, "adapter": adapter, "adapter_id": adapter_id,
+            "left_out_no_label": unlabelled, "left_out_no_volume": no_volume, "without_head": _without_head(spec, chosen)}
     return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
+
+
+# Labels whose predicate reads bar volume (config/labels.py); tests/test_calibrate.py checks that every
+# other label answers alike whatever the volume is.
+READS_VOLUME = frozenset({"above_vwap", "volume_spike"})
+
+
+def _without_volume_questions(spec: SessionSpec, bars: Sequence[Any], path: Path) -> tuple[SessionSpec, list[str]]:
+    """Bars of a table with no volume (NaN: FX brokers' OHLC) cannot answer a label that reads volume: those
+    questions are left out, by name, and the rest calibrated; none left is an error."""
+    if not all(b.volume != b.volume for b in bars):
+        return spec, []
+    out = [q.id for q in labelled_questions(spec) if q.label.name in READS_VOLUME]
+    if not out:
+        return spec, []
+    print(f"streamllm calibrate: {path} has no volume: {', '.join(out)} cannot be answered (their labels read "
+          "volume); left out", file=sys.stderr)
+    kept = tuple(q for q in spec.questions if q.id not in out)
+    spec = dataclasses.replace(spec, questions=kept)
+    if not labelled_questions(spec):
+        raise CalibrationError(f"{path} has no volume column and every labelled question of session {spec.name!r} "
+                               f"reads volume ({', '.join(out)}): nothing to calibrate on these bars")
+    return spec, out
+
+
+def _without_head(spec: SessionSpec, adapter: Any) -> list[str]:
+    """Labelled questions no choice head of the adapter decides (the untuned model's logits do): all of
+    them without an adapter. The config-wide minimum coverage counts them too."""
+    return [q.id for q in labelled_questions(spec)
+            if adapter is None or adapter.head_for(q.text, tuple(q.choices or ())) is None]
 
 
 REPLAY_ONLY = ("data", "bars", "warmup", "adapter", "no_adapter")
@@ -221,7 +261,8 @@ def _from_samples(args: argparse.Namespace, spec: SessionSpec) -> tuple[Calibrat
         raise CalibrationError(str(exc)) from None
     ranges = sorted({k for r in run.records for k in r.ranges})
     meta = {"config": str(args.questions), "from_samples": str(args.from_samples),
-            "target_precision": args.target_precision, "start": ranges if len(ranges) > 1 else 0}
+            "target_precision": args.target_precision, "start": ranges if len(ranges) > 1 else 0,
+            "left_out_no_label": [q.id for q in spec.questions if q.label is None]}
     return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
 
 
@@ -252,10 +293,19 @@ def _warmup(args: argparse.Namespace, spec: SessionSpec, bars: list[Any]) -> int
     return warmup
 
 
-def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, loaded: Any, adapter: str | None,
-                  bars: list[Any], warmup: int) -> tuple[CalibrationRun, str | None]:
-    """One range's replay in a fresh engine: from its first bar, --bars of them (warmup included);
-    the run and the adapter id the engine loaded."""
+@dataclasses.dataclass(slots=True)
+class RangePlan:
+    """One range, rendered and fitted to the session's context before any replay."""
+
+    bars: list[Any]  # the range's bars to replay, warmup included
+    lines: list[str]
+    warmup: int
+
+
+def _plan_range(args: argparse.Namespace, config: Any, spec: SessionSpec, loaded: Any, bars: list[Any],
+                warmup: int, start: int | None) -> RangePlan:
+    """A range from its first bar, --bars of them (warmup included), or the CalibrationError that says
+    why it cannot fit the session's context (naming the range when there are several)."""
     questions = labelled_questions(spec)
     layout = PromptLayout(loaded.tokenizer)
     renderer = Renderer(changes=spec.render.changes)
@@ -265,24 +315,35 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
     line_tokens = [len(ids) for ids in layout.lines_ids(lines)]
     prefix = len(layout.prefix_ids(spec.system_prompt))
     fit = bars_that_fit(prefix, line_tokens, spec.max_context_tokens)
+    where = "" if start is None else f"range --start {start}: "
     if args.bars is None:
         count = min(DEFAULT_BARS, fit, len(bars))
-        print(f"replaying the first {count} of {len(bars)} bars (default; --bars N to change, "
+        print(f"{where}replaying the first {count} of {len(bars)} bars (default; --bars N to change, "
               f"the session's max_context_tokens {spec.max_context_tokens} holds about {fit})")
     elif min(args.bars, len(bars)) > fit:
         need = prefix + sum(line_tokens[: args.bars])
         raise CalibrationError(
-            f"--bars {args.bars} needs {need if args.bars <= len(line_tokens) else 'more than ' + str(need)} "
+            f"{where}--bars {args.bars} needs {need if args.bars <= len(line_tokens) else 'more than ' + str(need)} "
             f"context tokens; session {spec.name!r} has max_context_tokens {spec.max_context_tokens} "
             f"(fits {fit} bars): lower --bars or raise max_context_tokens in {config.source}")
     else:
         count = min(args.bars, len(bars))
+    if warmup >= count:
+        raise CalibrationError(f"{where}--warmup {warmup} leaves no bars to record (of {count} that fit)")
     entry_tokens = [len(layout.question_ids(q.text)) for q in questions]
     per_bar = sum(line_tokens[:count]) / count
-    print(f"session {spec.name!r}: {len(questions)} labelled questions, {count} bars x ~{per_bar:.0f} tokens "
+    print(f"{where}session {spec.name!r}: {len(questions)} labelled questions, {count} bars x ~{per_bar:.0f} tokens "
           f"= {prefix + sum(line_tokens[:count])} of {spec.max_context_tokens} context tokens; each update "
           f"prefills ~{per_bar:.0f} + {sum(entry_tokens)} entry tokens; warmup {warmup} bars")
+    return RangePlan(bars[:count], lines[:count], warmup)
 
+
+def _replay_range(spec: SessionSpec, loaded: Any, adapter: str | None, plan: RangePlan,
+                  progress: bool) -> tuple[CalibrationRun, str | None]:
+    """One planned range's replay in a fresh engine; the run and the adapter id the engine loaded."""
+    questions = labelled_questions(spec)
+    layout = PromptLayout(loaded.tokenizer)
+    entry_tokens = [len(layout.question_ids(q.text)) for q in questions]
     block = 16
     # Each question holds up to two entries (ready + computing), each its question plus copied tail
     # blocks; doubled, since an entry that cannot get cells is retried and wait_idle would never return.
@@ -296,7 +357,7 @@ def _replay_range(args: argparse.Namespace, config: Any, spec: SessionSpec, load
     except AdapterError as exc:
         raise CalibrationError(str(exc)) from None
     try:
-        run = replay(engine, spec, bars[:count], lines[:count], warmup=warmup, progress=not args.no_progress)
+        run = replay(engine, spec, plan.bars, plan.lines, warmup=plan.warmup, progress=progress)
     finally:
         engine.shutdown()
     return run, engine.adapter_id
