@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -123,7 +124,11 @@ def test_watch_state_table():
     assert "data_version 4" in str(table.title)
 
 
-def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path):
+def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path, monkeypatch):
+    """Without tokens, serve makes a local token (as Jupyter does): a 0600 file in the state folder that
+    the client finds by the URL's port, printed once in the page's URL; the file goes when it stops."""
+    monkeypatch.setenv("STREAMLLM_HOME", str(tmp_path / "home"))  # the subprocess's and this client's
+    monkeypatch.delenv("STREAMLLM_TOKEN", raising=False)
     config = tmp_path / "demo.toml"
     config.write_text('[[sessions]]\nname = "btc"\ninstrument = "BTCUSDT"\nfeed = "synthetic"\n'
                       '[sessions.render]\nbar_seconds = 1\n'
@@ -137,20 +142,30 @@ def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path):
         head = proc.stdout.readline()
         assert head.startswith("streamllm serving tiny"), head + proc.stderr.read()
         url = head.rsplit(" at ", 1)[1].strip()
-        summary = "".join(proc.stdout.readline() for _ in range(4))
-        assert "loopback only" in summary and "session btc" in summary and "feed synthetic" in summary
+        summary = "".join(proc.stdout.readline() for _ in range(6))  # dtype, auth, session, registered, page, try
+        assert "session btc" in summary and "feed synthetic" in summary
+        token_file = tmp_path / "home" / f"serve-{url.rsplit(':', 1)[1]}.token"
+        assert f"a local token (tenant 'local', admin) in {token_file}" in summary
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32 and f"{url.replace('ws://', 'http://')}/?token={token} " in summary
 
-        async def ask() -> dict:
-            async with await AsyncClient.connect(url) as c:
-                while (await c.stats())["sessions"][0]["data_version"] < 2:  # the feed is attached
+        async def ask() -> tuple[dict, dict, dict]:
+            async with await AsyncClient.connect(url) as c:  # no token given: the file's
+                while (stats := await c.stats())["sessions"][0]["data_version"] < 2:  # the feed is attached
                     await asyncio.sleep(0.1)
-                return await c.ask("btc", "trend")
+                return c.welcome, stats, await c.ask("btc", "trend")
 
-        answer = asyncio.run(asyncio.wait_for(ask(), 60))
+        welcome, stats, answer = asyncio.run(asyncio.wait_for(ask(), 60))
+        assert welcome["auth"] and welcome["tenant"] == "local" and welcome["admin"]
+        assert "engine" in stats  # the one local user sees the engine-wide figures, as without tokens
         assert answer["session"] == "btc" and answer["data_version"] >= 2
+        with pytest.raises(ServiceError, match="unauthorized"):  # anyone without the file is refused
+            Client(url, token="not-the-local-token", timeout=30)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert "stopping" in proc.stderr.read()
+        assert not token_file.exists()
     finally:
         proc.kill()
         proc.wait()

@@ -21,7 +21,8 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default=os.environ.get("STREAMLLM_URL", DEFAULT_URL),
                         help=f"server url (default $STREAMLLM_URL or {DEFAULT_URL})")
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV),
-                        help=f"bearer token (default ${TOKEN_ENV})")
+                        help=f"bearer token (default ${TOKEN_ENV}, else the token `streamllm serve` wrote for "
+                             "this port on this machine: $STREAMLLM_HOME/serve-PORT.token)")
 
 
 def run_command(prog: str, url: str, coro) -> tuple[bool, Any]:

@@ -2,6 +2,13 @@
 
     streamllm serve --config queries/crypto.toml [--feed synthetic|binance|okx|...|replay:FILE[,FILE]]
                     [--host 127.0.0.1] [--port 8765] [--model smollm2-135m] [--tokens tokens.toml]
+                    [--no-auth] [--allow-origin ORIGIN] [--allow-host NAME]
+
+Without --tokens (or $STREAMLLM_TOKENS) the server makes one local token at start, as Jupyter
+does: tenant `local`, an admin, written to $STREAMLLM_HOME/serve-PORT.token (mode 0600, removed
+at stop) where `streamllm ask` / `watch` and the Python client find it, and printed once in
+the page's URL (`/?token=...`). `--no-auth` serves without any token (loopback only), as before.
+Browsers from other sites are refused whatever the tokens (service/edge.py: Origin and Host).
 
 Each config session is opened in the engine under the owner tenant (`--owner`, default
 the first tenant of the token file, or `local` without tokens), its standing questions
@@ -17,10 +24,12 @@ import contextlib
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 from feeds.sources import read_options
 from streamllm.cli.common import add_read_args
+from streamllm.client.local_token import new_token, remove_token, write_token
 from streamllm.config import (
     LIVE_VENUES,
     ConfigError,
@@ -44,6 +53,7 @@ from streamllm.feeding.wiring import (
 from streamllm.model.adapter import AdapterError, pick_adapter
 from streamllm.model.loader import load_model
 from streamllm.service.bars import TapSink
+from streamllm.service.edge import EdgeRules
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
 from streamllm.service.tenants import LOCAL, Tenant, Tenants, TokenConfigError
 
@@ -64,16 +74,21 @@ def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: fl
 
 
 def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: QueryConfig | None,
-            groups: list[FeedGroup], registered: int) -> str:
+            groups: list[FeedGroup], registered: int, token_file: Path | None = None) -> str:
     http = server.url.replace("ws://", "http://", 1)
     stats = server.engine.stats()
     lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
              f"  dtype: {stats['dtype']}"]
-    if tenants.auth:
+    page = f"{http}/"
+    if tenants.local_token:
+        page += f"?token={next(iter(tenants.tokens))}"  # printed this once; the page then keeps it per tab
+        lines.append(f"  auth: a local token (tenant 'local', admin) in {token_file}, read by streamllm ask / "
+                     "watch and the client on this machine; --no-auth serves without one")
+    elif tenants.auth:
         lines.append(f"  auth: {len(tenants.tokens)} tokens, tenants {', '.join(tenants.names)}; "
                      f"config sessions belong to {owner.name!r}")
     else:
-        lines.append("  auth: none (no tokens configured): listening on loopback only")
+        lines.append("  auth: none (--no-auth): listening on loopback only")
     if config is not None:
         for group in groups:
             for spec in group.sessions:
@@ -82,7 +97,7 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
         lines.append(f"  {registered} standing questions registered")
     else:
         lines.append("  no --config: clients open their own sessions")
-    lines.append(f"  page {http}/   health {http}/health   metrics {http}/metrics   OpenAI API {http}/v1")
+    lines.append(f"  page {page}   health {http}/health   metrics {http}/metrics   OpenAI API {http}/v1")
     if config is not None and config.sessions:
         lines.append(f"  try: streamllm watch {config.sessions[0].name} --url {server.url}")
     return "\n".join(lines)
@@ -114,8 +129,10 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         recovered = await asyncio.to_thread(recover, engine, ingest_log, progress=True, repair=args.repair)
     feed_tasks: list[asyncio.Task] = []
     server = StreamServer(engine, tenants, ServerConfig(
-        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue),
+        host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue,
+        allowed_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host)),
         replicas=engine if args.ray else None)
+    token_file = None
     try:
         registered = await asyncio.to_thread(open_sessions, engine, owner, config) if config is not None else 0
         try:
@@ -123,13 +140,15 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 1
+        if tenants.local_token:  # the port is known now (--port 0 picks one)
+            token_file = write_token(server.port, next(iter(tenants.tokens)))
         if args.ray and groups:  # feeds run inside the replicas, beside their sessions
             await asyncio.to_thread(engine.start_feeds)
         for group in groups if not args.ray else []:
             runner = feed_runner(server, owner, group, args.speed, args.seed, ingest_log)
             server.feeds.append(runner)
             feed_tasks.append(asyncio.create_task(runner.run()))
-        print(summary(server, tenants, owner, config, groups, registered), flush=True)
+        print(summary(server, tenants, owner, config, groups, registered, token_file), flush=True)
         if recovered is not None:
             print(f"  ingest log {args.log_dir} ({args.log_flush}): {recovered.summary()}", flush=True)
         if args.ray:
@@ -145,6 +164,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         await stop.wait()
         print("streamllm serve: stopping (signal received)", file=sys.stderr, flush=True)
     finally:
+        if token_file is not None:
+            remove_token(server.port, next(iter(tenants.tokens)))
         for task in feed_tasks:
             task.cancel()
         for task in feed_tasks:
@@ -192,7 +213,16 @@ def main(argv: list[str]) -> int:
                         help="auto: bf16 where the CPU runs bf16 products fast (AMX/AVX512-BF16) and on CUDA")
     parser.add_argument("--adapter", help="choice heads from `streamllm tune` (default: the config's [model] adapter)")
     parser.add_argument("--max-cells", type=int, default=65536, help="KV cells in the shared pool")
-    parser.add_argument("--tokens", help="TOML token file ([tokens] \"token\" = \"tenant\"); also $STREAMLLM_TOKENS")
+    parser.add_argument("--tokens", help="TOML token file ([tokens] \"token\" = \"tenant\"); also $STREAMLLM_TOKENS; "
+                        "without either, a local token is generated (see --no-auth)")
+    parser.add_argument("--no-auth", action="store_true",
+                        help="no tokens at all: every local client is tenant `local` (loopback only)")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a browser origin besides the server's own that may use it, e.g. "
+                             "http://localhost:3000 ('*': any; repeatable)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="a Host name besides localhost/127.0.0.1/[::1] (or the bound address) that "
+                             "clients may use, e.g. myhost.lan ('*.example.com', '*': any; repeatable)")
     parser.add_argument("--owner", help="tenant owning the config's sessions (default: first tenant)")
     parser.add_argument("--speed", type=float, default=1.0, help="replay/synthetic pace, x real time (0: max)")
     parser.add_argument("--seed", type=int, default=0, help="synthetic feed seed")
@@ -231,6 +261,13 @@ def main(argv: list[str]) -> int:
                   "and write every session. Pass --tokens FILE or set STREAMLLM_TOKENS=token=tenant, or "
                   "bind 127.0.0.1.", file=sys.stderr)
             return 2
+        if args.no_auth and tenants.auth:
+            print("streamllm serve: --no-auth, but tokens are configured (--tokens or $STREAMLLM_TOKENS): "
+                  "drop one or the other", file=sys.stderr)
+            return 2
+        if not tenants.auth and not args.no_auth:
+            tenants = Tenants.local(new_token())
+        EdgeRules.for_bind(args.host, args.allow_host, args.allow_origin)  # a malformed one: exit 2, now
         if args.owner:
             tenants.tenant(args.owner)
         config = load_config(args.config) if args.config else None

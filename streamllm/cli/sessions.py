@@ -4,7 +4,8 @@
     streamllm sessions replicas [--url ...]
 
 They talk HTTP to the server's admin routes (service/admin.py) with the standard library:
-no torch, no Ray on the operator's side.
+no torch, no Ray on the operator's side. With tokens they need an admin token; without
+--token or $STREAMLLM_TOKEN they use the local token `serve` wrote for that port on this machine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import sys
 import urllib.error
 import urllib.request
 from typing import Any
+
+from streamllm.client.local_token import find_token
 
 DEFAULT_URL = "ws://127.0.0.1:8765"
 TOKEN_ENV = "STREAMLLM_TOKEN"
@@ -32,6 +35,7 @@ def request(url: str, path: str, token: str | None, body: dict[str, Any] | None 
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(http_base(url) + path, data=data, method="GET" if body is None else "POST")
     req.add_header("Content-Type", "application/json")
+    token = find_token(url, token)
     if token:
         req.add_header("Authorization", f"Bearer {token}")
     try:

@@ -13,6 +13,8 @@
 One reader task routes replies to the future of their request id and everything else
 (standing answers, data events) to `events()`. `Client` is the same API, blocking, for
 scripts and notebooks. `streamllm ask SESSION QUESTION` is the command-line front.
+Without a `token`, the client uses $STREAMLLM_TOKEN, else the local token `streamllm serve`
+wrote for that port on this machine (local_token.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ import orjson
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from streamllm.client.local_token import TOKEN_ENV, find_token
+
+__all__ = ["DEFAULT_URL", "TOKEN_ENV", "AsyncClient", "Client", "ServiceError"]
+
 DEFAULT_URL = "ws://127.0.0.1:8765"
-TOKEN_ENV = "STREAMLLM_TOKEN"
 EVENT_TYPES = ("standing", "data")
 MAX_EVENTS = 10_000  # buffered events before the oldest are dropped (counted in events_dropped)
 _END = object()
@@ -58,7 +63,9 @@ class AsyncClient:
 
     @classmethod
     async def connect(cls, url: str = DEFAULT_URL, token: str | None = None, **kw: Any) -> AsyncClient:
-        """Connect and say hello (with `token` when the server wants one)."""
+        """Connect and say hello: with `token`, else $STREAMLLM_TOKEN, else this machine's local token
+        for the URL's port (local_token.py); a server without tokens ignores one."""
+        token = find_token(url, token)
         ws = await connect(url, max_size=None, compression=None, **kw)
         client = cls(ws)
         try:

@@ -1,10 +1,15 @@
 """Operator routes of the front door (`serve --ray`): the replicas, and moving a session between them.
 
     GET  /v1/admin/replicas                 each replica's state, sessions, restarts, last recovery
-    POST /v1/admin/sessions/{name}/move     {"to": REPLICA}: snapshot + restore + placement (ClusterEngine.move_session)
+    POST /v1/admin/sessions/{name}/move     {"to": REPLICA, "tenant": T}: snapshot + restore + placement
+                                            (ClusterEngine.move_session); `tenant` (default: the token's
+                                            own) names whose session `name` is
 
-With tokens, a write token of the session's tenant is needed (the CLI: `streamllm sessions move`).
-A server without --ray answers 404 with a message saying so.
+With tokens, both need an admin token (token file: `"tok" = { tenant = "ops", admin = true }`);
+any other token gets 403 `forbidden`. A move stops the session's feeds on the source replica and
+leaves a snapshot in `moves/`: an operator's act, not a tenant's. The CLI: `streamllm sessions
+move`. Without tokens (loopback only) the one local user is the operator. A server without
+--ray answers 404 with a message saying so.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from streamllm.service.httpauth import (
     session_name,
     tenant_of,
 )
+from streamllm.service.tenants import Tenant
 
 if TYPE_CHECKING:
     from streamllm.service.server import StreamServer
@@ -39,12 +45,12 @@ def admin_routes(server: StreamServer) -> list[Route]:
         return server.replicas
 
     async def replicas(request: Request) -> Response:
-        tenant_of(server, request)
+        tenant_of(server, request, admin=True)
         engine = cluster()
         return JsonResponse({"object": "list", "data": engine.replica_health()})
 
     async def move(request: Request) -> Response:
-        tenant = tenant_of(server, request, write=True)
+        tenant = tenant_of(server, request, write=True, admin=True)
         engine = cluster()
         local = session_name(request.path_params["name"], "name")
         body = await json_body(request, server.config.max_message_bytes)
@@ -52,8 +58,9 @@ def admin_routes(server: StreamServer) -> list[Route]:
         if not isinstance(to, int) or isinstance(to, bool):
             raise ApiError(400, f"'to' must be a replica index (0..{len(engine.replicas) - 1}), got {to!r}",
                            code=p.BAD_FIELD, param="to")
+        owner = Tenant(session_name(body["tenant"], "tenant")) if body.get("tenant") is not None else tenant
         try:
-            result = await asyncio.to_thread(engine.move_session, tenant.engine_name(local), to)
+            result = await asyncio.to_thread(engine.move_session, owner.engine_name(local), to)
         except Exception as exc:
             raise from_engine(exc, "move") from None
         result["session"] = local

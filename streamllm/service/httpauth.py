@@ -2,8 +2,14 @@
 
 Errors follow the OpenAI API: `{"error": {"message", "type", "param", "code"}}` with the
 HTTP status that says what went wrong (400 bad request, 401 no or unknown token, 403 a
-read-only token writing, 404 unknown model / session / question, 413 body too large,
-503 no capacity); never a traceback. `code` is the websocket protocol's stable code.
+read-only token writing, a non-admin token on an admin route, or a foreign Origin / Host
+(edge.py), 404 unknown model / session / question, 413 body too large, 415 a body that is
+not `application/json`, 503 no capacity); never a traceback. `code` is the websocket
+protocol's stable code.
+
+A token comes in `Authorization: Bearer`; only the SSE events route, which browsers open with
+`EventSource` (no headers), also takes `?token=`. Anywhere else a token in the URL is refused
+(401): URLs end up in logs, histories and Referer headers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from starlette.responses import Response
 
 from streamllm.service import protocol as p
 from streamllm.service.connection import CapExceeded
+from streamllm.service.edge import FORBIDDEN_HOST, FORBIDDEN_ORIGIN
 from streamllm.service.errors import engine_error
 from streamllm.service.quotas import QuotaExceeded
 from streamllm.service.shared import bearer
@@ -28,10 +35,12 @@ if TYPE_CHECKING:
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               503: "server_error", 500: "server_error", 504: "server_error"}
+               415: "invalid_request_error", 503: "server_error", 500: "server_error", 504: "server_error"}
+UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a POST body that does not say Content-Type: application/json
 CODE_STATUS = {p.BAD_JSON: 400, p.BAD_FIELD: 400, p.CONFIG_ERROR: 400, p.TOO_LARGE: 413, p.UNAUTHORIZED: 401,
                p.FORBIDDEN: 403, p.UNKNOWN_SESSION: 404, p.UNKNOWN_QUESTION: 404, p.SESSION_EXISTS: 409,
-               p.CAPACITY: 503, p.BUSY: 429, p.QUOTA: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503, p.TIMEOUT: 504}
+               p.CAPACITY: 503, p.BUSY: 429, p.QUOTA: 429, p.INTERNAL: 500, p.UNAVAILABLE: 503, p.TIMEOUT: 504,
+               FORBIDDEN_ORIGIN: 403, FORBIDDEN_HOST: 403, UNSUPPORTED_MEDIA_TYPE: 415}
 
 
 class JsonResponse(Response):
@@ -62,13 +71,19 @@ def from_engine(exc: BaseException, kind: str) -> ApiError:
     return ApiError(CODE_STATUS.get(code, 500), message, code=code)
 
 
-def tenant_of(server: StreamServer, request: Request, *, write: bool = False) -> Tenant:
-    """The request's tenant from `Authorization: Bearer` (or `?token=`, for EventSource)."""
+def tenant_of(server: StreamServer, request: Request, *, write: bool = False, admin: bool = False,
+              query_token: bool = False) -> Tenant:
+    """The request's tenant from `Authorization: Bearer`, or from `?token=` where `query_token` (the SSE
+    route: EventSource sends no headers). `write`: 403 for a read-only token; `admin`: 403 unless an admin one."""
     if not server.tenants.auth:
         return LOCAL
     token = bearer(request.scope)
-    if token is None:
-        token = request.query_params.get("token")
+    if token is None and "token" in request.query_params:
+        if not query_token:
+            raise ApiError(401, f"a token in the URL is accepted only by GET /v1/sessions/{{name}}/events "
+                                f"(EventSource); send 'Authorization: Bearer <token>' to {request.url.path}",
+                           code=p.UNAUTHORIZED, param="token")
+        token = request.query_params["token"]
     if not token:
         raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'", code=p.UNAUTHORIZED)
     tenant = server.tenants.authenticate(token)
@@ -78,7 +93,21 @@ def tenant_of(server: StreamServer, request: Request, *, write: bool = False) ->
         raise ApiError(403, "this token is read-only: it may ask a session's questions and watch them, "
                             "not open sessions (a request without 'session' opens a temporary one)",
                        code=p.FORBIDDEN)
+    if admin and not tenant.admin:
+        raise ApiError(403, f"{request.url.path} needs an admin token (token file: "
+                            "{ tenant = \"ops\", admin = true }); this one is tenant "
+                            f"{tenant.name!r}'s", code=p.FORBIDDEN)
     return tenant
+
+
+def sees_everything(server: StreamServer, request: Request) -> bool:
+    """Whether this request may see engine-wide figures and every session's name (public routes such as
+    /health and /metrics): on a server without tokens, or with an admin bearer token; never an error."""
+    if not server.tenants.auth:
+        return True
+    token = bearer(request.scope)
+    tenant = server.tenants.authenticate(token) if token else None
+    return tenant is not None and tenant.admin
 
 
 def hold_connection(server: StreamServer, tenant: Tenant) -> Callable[[], None]:
@@ -116,7 +145,13 @@ def session_name(name: Any, param: str = "session") -> str:
 
 
 async def json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The request's JSON object; 413 over `limit` bytes (checked while reading), 400 if not an object."""
+    """The request's JSON object; 415 unless `Content-Type: application/json` (a cross-site page may send
+    `text/plain` without a CORS preflight, never JSON), 413 over `limit` bytes (checked while reading),
+    400 if not an object."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"request body must be JSON sent with 'Content-Type: application/json', got "
+                            f"{media_type[:100] or 'no Content-Type'!r}", code=UNSUPPORTED_MEDIA_TYPE)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body is {declared} bytes, over the limit of {limit}", code=p.TOO_LARGE)

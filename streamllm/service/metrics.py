@@ -65,8 +65,12 @@ class ServerMetrics:
                                         "connections cut because their outgoing queue filled", registry=r)
         self.lines_pushed = Counter("streamllm_lines_pushed", "data lines accepted by push", registry=r)
         r.register(_EngineCollector(engine_stats))
-        if calibration is not None:  # per-session labels: only where /metrics shows no tenant's names
-            r.register(_CalibrationCollector(calibration))
+        # Per-session labels name tenants' sessions: rendered only for a viewer who may see every session.
+        self.private_registry = CollectorRegistry(auto_describe=True)
+        if calibration is not None:
+            self.private_registry.register(_CalibrationCollector(calibration))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, private: bool = False) -> bytes:
+        """The text format; `private`: with the per-session series (a tokenless server, or an admin token)."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self.private_registry) if private else text

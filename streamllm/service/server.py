@@ -17,7 +17,6 @@ worker threads, and feeds run in their own threads (feeds.py).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import time
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ from streamllm.service import openai_api, page, sse
 from streamllm.service.admin import admin_routes
 from streamllm.service.bars import BarBook
 from streamllm.service.connection import Conn, ConnectionCaps
-from streamllm.service.httpauth import EXCEPTION_HANDLERS
+from streamllm.service.edge import EdgeRules, is_loopback
+from streamllm.service.httpauth import EXCEPTION_HANDLERS, ApiError, sees_everything
 from streamllm.service.metrics import ServerMetrics
 from streamllm.service.quotas import QuotaBook
 from streamllm.service.tenants import Tenants, client_name
@@ -72,6 +72,8 @@ class ServerConfig:
     max_connections: int = 1024  # websockets and HTTP completions/SSE streams at once; over it: 503
     max_preauth_connections: int = 128  # websockets not authenticated yet (no hello); over it: 503
     hello_timeout_s: float = 10.0  # with auth: close connections that never say hello
+    allowed_origins: tuple[str, ...] = ()  # browser origins besides the server's own (edge.py); "*": any
+    allowed_hosts: tuple[str, ...] = ()  # Host names besides the bound address / loopback names; "*": any
     close_timeout_s: float = 5.0
 
 
@@ -85,9 +87,11 @@ class StreamServer:
         self.replicas = replicas
         self.tenants = tenants or Tenants({})
         self.config = config or ServerConfig()
-        self.quotas = QuotaBook(self.tenants.quotas, engine, auth=self.tenants.auth)  # per tenant, checked by ws.py
+        self.edge = EdgeRules.for_bind(self.config.host, self.config.allowed_hosts, self.config.allowed_origins)
+        # per tenant, checked by ws.py; serve's generated local token keeps a tokenless server's defaults
+        self.quotas = QuotaBook(self.tenants.quotas, engine, auth=self.tenants.auth and not self.tenants.local_token)
         self.caps = ConnectionCaps(self.config.max_connections, self.config.max_preauth_connections)
-        self.metrics = ServerMetrics(engine.stats, None if self.tenants.auth else engine.calibration)
+        self.metrics = ServerMetrics(engine.stats, engine.calibration)
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
@@ -107,9 +111,14 @@ class StreamServer:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":  # straight to the protocol: no router or middleware per frame
-            await self.ws(scope, receive, send)
-        else:
-            await self.http(scope, receive, send)
+            await self.ws(scope, receive, send)  # which checks Host and Origin at the handshake
+            return
+        refusal = self.edge.refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:  # a foreign Host or Origin: nothing of the request is read or run
+            self.metrics.errors.labels(refusal[0]).inc()
+            await ApiError(403, refusal[1], code=refusal[0]).response()(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
 
     # -- lifecycle --------------------------------------------------------
     async def start(self) -> StreamServer:
@@ -177,14 +186,19 @@ class StreamServer:
 
     # -- /health and /metrics ---------------------------------------------
     async def _health(self, request: HttpRequest) -> Response:
-        health = self.health()  # a stopped engine is 503: load balancers and supervisors act on the code
+        # a stopped engine is 503: load balancers and supervisors act on the code
+        health = self.health(private=sees_everything(self, request))
         return Response(orjson.dumps(health), status_code=503 if health["status"] == "failing" else 200,
                         media_type="application/json")
 
     async def _metrics(self, request: HttpRequest) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(self.metrics.render(private=sees_everything(self, request)),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def health(self) -> dict[str, Any]:
+    def health(self, private: bool | None = None) -> dict[str, Any]:
+        """/health's body. Public (`private` false; default: private only without tokens): no session names,
+        feed URLs or file paths; private (no tokens, or an admin token): everything, as its one operator sees it."""
+        private = not self.tenants.auth if private is None else private
         stats = self.engine.stats()
         sessions = self.engine.list_sessions()
         backlog = {s.name: s.backlog_lines for s in sessions}
@@ -214,10 +228,10 @@ class StreamServer:
         feeds += [feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES) for feed in self.feeds]
         if feeds:
             for entry, why in feeds:
-                if self.tenants.auth:  # health is public: no tenant's names in it
+                if not private:  # health is public: no tenant's names, no URL, path or error text
                     entry.pop("sessions", None)
                     entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
-                    why = [w.split(" (", 1)[0] if "behind" in w else w for w in why]
+                    why = _public_feed(entry, [w.split(" (", 1)[0] if "behind" in w else w for w in why])
                 reasons += why
             out["feeds"] = [entry for entry, _ in feeds]
             lags = [e["lag_s"] for e in out["feeds"] if e["lag_s"] is not None]
@@ -235,15 +249,21 @@ class StreamServer:
         if reasons:
             out["status"] = "degraded" if out["status"] == "ok" else out["status"]
             out["reasons"] = reasons
-        if not self.tenants.auth:  # with tenants, health is public: names stay private
+        if private:  # names of sessions: never to the public
             out["queue_depths"] = {client_name(s): s.backlog_lines for s in sessions}
         return out
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def _public_feed(entry: dict[str, Any], reasons: list[str]) -> list[str]:
+    """A feed's /health entry and reasons without what only its operator should read: the feed's URL or
+    file (`replay:/home/me/data.jsonl` -> `replay`) and its error's text (the exception's type stays)."""
+    name, error = entry["feed"], entry.get("last_error")
+    kind = name.split(":", 1)[0]
+    public_error = error.split(":", 1)[0] if error else error
+    entry["feed"], entry["last_error"] = kind, public_error
+    out = []
+    for reason in reasons:
+        if error:
+            reason = reason.replace(error, public_error or "")
+        out.append(reason.replace(name, kind))
+    return out

@@ -3,13 +3,15 @@
 A token names a tenant. A tenant's sessions live in the engine as `tenant/name`; clients
 only ever see `name`, so one tenant cannot name, list or subscribe to another's sessions.
 With no token configured, every connection is the tenant `local` (and the server only
-binds to loopback).
+binds to loopback). `streamllm serve` without tokens generates one local admin token
+(`local_token`) unless `--no-auth`; only a library `StreamServer(engine)` is tokenless by default.
 
 Tokens come from a TOML file and/or `STREAMLLM_TOKENS="tok1=alice,tok2=bob"`:
 
     [tokens]
     "tok-alice" = "alice"
     "tok-audit" = { tenant = "alice", read_only = true }   # may ask and subscribe only
+    "tok-ops" = { tenant = "ops", admin = true }            # operator: may move any tenant's session
 
     [quotas.alice]                                         # optional limits (see quotas.py)
     sessions = 4
@@ -37,6 +39,7 @@ LOCAL_TENANT = "local"
 class Tenant:
     name: str
     read_only: bool = False
+    admin: bool = False  # an operator: moves sessions between replicas, sees engine-wide figures
 
     def engine_name(self, session: str) -> str:
         """The engine's key for this tenant's session `session`: unique across tenants, opaque to the
@@ -62,6 +65,14 @@ LOCAL = Tenant(LOCAL_TENANT)
 class Tenants:
     tokens: Mapping[str, Tenant]
     quotas: Mapping[str, Quota] = field(default_factory=dict)  # tenant or "*" -> limits; none: unlimited
+    local_token: bool = False  # one generated token for the one local user (`Tenants.local`)
+
+    @classmethod
+    def local(cls, token: str) -> Tenants:
+        """`streamllm serve` without tokens: one generated token for tenant `local`, an admin, so its one
+        user sees what a server without tokens shows (engine-wide stats, queue depths) and is held to
+        the same quotas as one, while nobody without the token (another user, a web page) gets in."""
+        return cls({_check_token(token, "local token"): Tenant(LOCAL_TENANT, admin=True)}, local_token=True)
 
     @property
     def auth(self) -> bool:
@@ -138,15 +149,18 @@ def _from_file(path: Path) -> tuple[dict[str, Tenant], dict[str, Quota]]:
         if isinstance(value, str):
             out[token] = Tenant(_tenant_name(value, where))
         elif isinstance(value, dict):
-            extra = set(value) - {"tenant", "read_only"}
+            extra = set(value) - {"tenant", "read_only", "admin"}
             if extra:
-                raise TokenConfigError(f"{where}: unknown key {sorted(extra)[0]!r} (tenant, read_only)")
-            read_only = value.get("read_only", False)
-            if not isinstance(read_only, bool):
-                raise TokenConfigError(f"{where}: read_only must be true or false")
-            out[token] = Tenant(_tenant_name(value.get("tenant"), where), read_only)
+                raise TokenConfigError(f"{where}: unknown key {sorted(extra)[0]!r} (tenant, read_only, admin)")
+            read_only, admin = value.get("read_only", False), value.get("admin", False)
+            if not isinstance(read_only, bool) or not isinstance(admin, bool):
+                raise TokenConfigError(f"{where}: read_only and admin must be true or false")
+            if read_only and admin:
+                raise TokenConfigError(f"{where}: an admin token moves sessions, so it cannot be read_only")
+            out[token] = Tenant(_tenant_name(value.get("tenant"), where), read_only, admin)
         else:
-            raise TokenConfigError(f"{where}: expected a tenant name or {{ tenant = ..., read_only = ... }}")
+            raise TokenConfigError(f"{where}: expected a tenant name or {{ tenant = ..., read_only = ..., "
+                                   "admin = ... }}")
     return out, quotas
 
 
