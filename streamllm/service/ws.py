@@ -63,6 +63,11 @@ class WebSocketApp:
         }
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        refusal = self.server.edge.refusal(scope)  # a foreign Origin or Host (edge.py): HTTP 403, nothing accepted
+        if refusal is not None:
+            self.metrics.errors.labels(refusal[0]).inc()
+            await _refuse(scope, send, 403, refusal[1], refusal[0])
+            return
         tenants = self.server.tenants
         tenant = None if tenants.auth else LOCAL
         token = bearer(scope)
@@ -148,8 +153,12 @@ class WebSocketApp:
         if tenants.auth and (token is not None or conn.tenant is None):  # a bearer header may have said it
             tenant = tenants.authenticate(token or "")
             if tenant is None:
-                conn.send(p.error(p.UNAUTHORIZED, "unknown token", req.id))
-                conn.finish(CLOSE_POLICY, "unknown token")
+                why = "unknown token" if token else "this server needs a token"
+                hint = "" if token else (": send {\"type\": \"hello\", \"token\": ...}; `streamllm serve` prints "
+                                         "its local token in the page's URL and writes it to "
+                                         "$STREAMLLM_HOME/serve-PORT.token")
+                conn.send(p.error(p.UNAUTHORIZED, why + hint, req.id))
+                conn.finish(CLOSE_POLICY, why)
                 self.metrics.errors.labels(p.UNAUTHORIZED).inc()
                 return None
             if conn.tenant is not None and conn.tenant != tenant:
@@ -159,8 +168,8 @@ class WebSocketApp:
             conn.tenant = tenant
         assert conn.tenant is not None
         return {"type": "welcome", "protocol": PROTOCOL_VERSION, "tenant": conn.tenant.name,
-                "read_only": conn.tenant.read_only, "auth": tenants.auth, "model": self.engine.model_name,
-                "max_message_bytes": self.config.max_message_bytes, "max_queue": self.config.max_queue}
+                "read_only": conn.tenant.read_only, "admin": conn.tenant.admin, "auth": tenants.auth,
+                "model": self.engine.model_name, "max_message_bytes": self.config.max_message_bytes, "max_queue": self.config.max_queue}
 
     def _admit(self, conn: Conn, tenant: Any, req_id: Any) -> bool:
         """Check the tenant's `connections` quota for a connection about to become its; refuse and close if over."""
@@ -360,7 +369,7 @@ class WebSocketApp:
                 data["standing_questions"] = [q.id for q in self._questions(info.name)]
                 data["calibration"] = calibration.get(info.name, {})
                 mine.append(data)
-        if not self.server.tenants.auth:  # one local tenant: the engine-wide figures are all its own
+        if not self.server.tenants.auth or conn.tenant.admin:  # the operator (or the one local user) sees the engine
             return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
                     "server": {"connections": len(self.server.conns), "outgoing_queued": conn.out.qsize()}}
         # With tenants, nothing global: another tenant's load, sessions or counters are not this one's business.
