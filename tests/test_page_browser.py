@@ -1,6 +1,8 @@
 """The live page in a real browser: `streamllm serve` on the tiny model with the synthetic
 feed, Debian's headless Chromium driven by Playwright. The page must show each session's
-price chart and standing answers, follow them live, and answer through its ask box.
+price chart and standing answers, follow them live, and answer through its ask box, opened
+the way `serve` says: the URL it prints, with its generated local token (`?token=`), which
+the page keeps for the tab and takes out of the address bar. Without the token it asks for one.
 
 Skips (saying why) when Playwright or a Chromium binary is missing; CI installs both
 (.ci/run installs Debian's `chromium`; Playwright comes with the dev extra).
@@ -48,9 +50,10 @@ threshold = 0.0
 
 @pytest.fixture
 def served(tmp_path):
+    """(the server's http URL, the page URL serve printed: with its local token)"""
     config = tmp_path / "page.toml"
     config.write_text(CONFIG)
-    env = {**os.environ, "STREAMLLM_TOKENS": "", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "STREAMLLM_TOKENS": "", "PYTHONPATH": str(ROOT), "STREAMLLM_HOME": str(tmp_path / "home")}
     proc = subprocess.Popen([sys.executable, "-m", "streamllm.cli", "serve", "--config", str(config), "--model",
                              "tiny", "--port", "0", "--speed", "5", "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
@@ -58,7 +61,9 @@ def served(tmp_path):
         assert proc.stdout is not None
         head = proc.stdout.readline()
         assert head.startswith("streamllm serving tiny"), head + (proc.stderr.read() if proc.poll() else "")
-        yield "http" + head.rsplit(" at ", 1)[1].strip()[2:]
+        page = next(line for line in proc.stdout if line.startswith("  page ")).split()[1]
+        assert "?token=" in page, page
+        yield "http" + head.rsplit(" at ", 1)[1].strip()[2:], page
     finally:
         proc.terminate()
         try:
@@ -76,8 +81,13 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             page = browser.new_page(viewport={"width": 1280, "height": 800})
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
-            page.goto(served + "/")
+            base, printed = served
+            page.goto(printed)
             page.wait_for_selector("#status.live", timeout=30_000)
+            assert page.url == base + "/"  # the token left the address bar...
+            token = printed.split("?token=", 1)[1]
+            assert page.evaluate("sessionStorage.getItem('streamllm_token')") == token  # ...for this tab's storage
+            assert "tenant local" in page.inner_text("#model")
             card = page.locator('section.card[data-session="btc"]')
             row = card.locator('tr[data-question="trend"]')
             row.wait_for(timeout=30_000)
@@ -113,6 +123,12 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             shot = tmp_path / "page.png"
             page.screenshot(path=str(shot), full_page=True)
             assert shot.stat().st_size > 10_000
+            page.reload()  # the tab keeps its token: a reload needs no ?token=
+            page.wait_for_selector("#status.live", timeout=30_000)
+            stranger = browser.new_page()  # another tab (its own sessionStorage), no token: asked for one
+            stranger.goto(base + "/")
+            stranger.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
+            assert "needs a token" in stranger.inner_text("#status")
         finally:
             browser.close()
     assert not errors, errors

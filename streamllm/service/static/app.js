@@ -12,11 +12,21 @@
   const TOKEN_KEY = "streamllm_token";
   const state = { ws: null, nextId: 1, pending: new Map(), onToken: new Map(), sessions: new Map(), auth: false };
 
-  function token() {
-    const m = location.hash.match(/token=([^&]+)/);
-    if (m) localStorage.setItem(TOKEN_KEY, decodeURIComponent(m[1]));
-    return localStorage.getItem(TOKEN_KEY) || "";
-  }
+  // `streamllm serve` prints the page's URL with ?token= (its local token): taken once, kept for this
+  // tab only (sessionStorage), and removed from the address bar so it lands in no history or bookmark.
+  (function adoptUrlToken() {
+    const url = new URL(location.href);
+    const hash = new URLSearchParams(url.hash.slice(1));  // #token= links of earlier versions
+    const given = url.searchParams.get("token") || hash.get("token");
+    if (!given) return;
+    sessionStorage.setItem(TOKEN_KEY, given);
+    url.searchParams.delete("token");
+    hash.delete("token");
+    url.hash = hash.toString();
+    history.replaceState(null, "", url.pathname + url.search + url.hash);
+  })();
+  const token = () => sessionStorage.getItem(TOKEN_KEY) || "";
+  // Every request sends the token in a header; only an EventSource (which cannot) would put it in its URL.
   const authHeaders = () => (token() ? { Authorization: "Bearer " + token() } : {});
 
   function setStatus(text, cls) {
@@ -70,8 +80,12 @@
     ws.onclose = (ev) => {
       for (const p of state.pending.values()) p.reject(new Error("connection closed"));
       state.pending.clear();
+      if (ev.code === 1008) {  // no token, or a wrong one: ask for one
+        setStatus(`not connected (${ev.reason || "policy"}): enter a token`, "down");
+        $("#token-form").hidden = false;
+        return;
+      }
       setStatus(`disconnected (${ev.code}${ev.reason ? ": " + ev.reason : ""}); retrying`, "down");
-      if (ev.code === 1008) { $("#token-form").hidden = false; return; }
       setTimeout(connect, 2000);
     };
   }
@@ -248,7 +262,7 @@
 
   $("#token-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
-    localStorage.setItem(TOKEN_KEY, $("#token").value);
+    sessionStorage.setItem(TOKEN_KEY, $("#token").value);
     $("#token-form").hidden = true;
     connect();
   });
