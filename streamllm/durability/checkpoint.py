@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.durability.files import durable_rename, fsync_dir, make_dirs
-from streamllm.durability.ingest_log import SEGMENT_SUFFIX, IngestLog, session_dir_name
+from streamllm.durability.ingest_log import (
+    SEGMENT_SUFFIX,
+    IngestLog,
+    IngestLogError,
+    session_dir_name,
+)
 from streamllm.durability.snapshot import SnapshotError, write_state
 from streamllm.engine.outputs import SessionError
 
@@ -107,7 +112,7 @@ class Checkpointer:
                 try:
                     if self.checkpoint(name) is None:  # on disk or not ready: not again before new data
                         self.last[name] = (info.pushed_version, time.monotonic())
-                except (SessionError, SnapshotError, OSError) as exc:
+                except (SessionError, SnapshotError, OSError, IngestLogError) as exc:  # a stopped log: no rotation
                     self.errors += 1
                     log.warning("checkpoint of session %r failed (the log still holds everything): %s", name, exc)
 

@@ -25,6 +25,24 @@ With both policies the names are made durable too: the folder is fsynced after a
 segment is created, a folder made or a file renamed (`files.py`), so a power loss can
 never leave an fsynced segment without its directory entry.
 
+A write or fsync that fails (disk full, I/O error) never leaves a record in doubt:
+
+    a record's write or (batch) fsync fails    the segment is cut back to the bytes before it
+                                               (ftruncate + fsync) and abandoned; the push gets
+                                               `IngestLogError` (not acked) and the next record
+                                               starts a new segment, so its data_version is
+                                               free again: it is on disk nowhere
+    that cut fails too, or an fsync fails      the log FAIL-STOPS (`failure` says why): every later
+    under `interval` (the syncer's, a close's)  write raises `IngestLogError`, /health reports it;
+                                               under `interval` the records acked since the last
+                                               fsync may not be durable (the kernel may have dropped
+                                               their pages), so nothing is written after them
+
+Either way recovery finds no hole: an abandoned segment ends with its last acked record,
+and a fail-stopped log ends where it stopped (at worst with the failed record, whole or torn,
+which was never acked). Segments are written through a raw file descriptor (`os.write`, no
+buffer that could flush a failed record's bytes later) in the Arrow IPC stream format.
+
 Closing a session writes nothing: its folder is renamed aside (durably) and removed, so
 recovery never reopens it. Reading is `log_reader.py` (torn tails, holes).
 """
@@ -45,7 +63,6 @@ from typing import Any
 from urllib.parse import quote
 
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from streamllm.durability.files import durable_rename, fsync_dir, make_dirs
 
@@ -120,46 +137,95 @@ def next_segment_number(folder: Path) -> int:
     return max(segment_numbers(folder) + after, default=0) + 1
 
 
-class _Segment:
-    """One open segment file and its Arrow stream writer.
+_SCHEMA_MESSAGE = SCHEMA.serialize().to_pybytes()
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
-    `written` counts records flushed to the OS, `synced` those covered by an fsync. The
-    syncer reads `written` *before* its fsync and only then raises `synced`, so a record
-    written while an fsync runs is never marked synced by it (the race of a shared flag)."""
+
+class _Segment:
+    """One open segment file, written as an Arrow IPC stream through a raw descriptor.
+
+    `size` counts the bytes written, all of them in order (the schema goes out with the first
+    record), so a failed write can be cut off exactly. `written` counts records in the OS,
+    `synced` those covered by an fsync. The syncer reads `written` *before* its fsync and only
+    then raises `synced`, so a record written while an fsync runs is never marked synced by it
+    (the race of a shared flag). `lock` keeps the descriptor open while the syncer uses it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = open(path, "xb")  # noqa: SIM115 - kept open across appends
-        fsync_dir(path.parent)  # the new name survives a power loss
-        self.writer = ipc.new_stream(self.file, SCHEMA)
-        self.written = self.synced = 0
-
-    @property
-    def size(self) -> int:
-        return self.file.tell()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fsync_dir(path.parent)  # the new name survives a power loss
+        except OSError:
+            os.close(self.fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        self.lock = threading.Lock()
+        self.size = self.written = self.synced = 0
+        self.closed = False
+        self.fsync_failed = False  # an fsync of this file raised: what it covered may be lost
 
     def write(self, batch: pa.RecordBatch, fsync: bool) -> None:
-        self.writer.write_batch(batch)
-        self.file.flush()  # in the OS before the ack: a killed process loses nothing
+        data = batch.serialize().to_pybytes()
+        self._write(_SCHEMA_MESSAGE + data if self.size == 0 else data)
         self.written += 1
         if fsync:
-            os.fsync(self.file.fileno())
+            self._fsync()
             self.synced = self.written
 
     def sync(self) -> None:
-        target = self.written  # everything counted here is already flushed to the OS
-        if target > self.synced and not self.file.closed:
-            os.fsync(self.file.fileno())
-            self.synced = max(self.synced, target)
+        with self.lock:
+            target = self.written  # everything counted here is already in the OS
+            if target > self.synced and not self.closed:
+                self._fsync()
+                self.synced = max(self.synced, target)
 
     def close(self) -> None:
-        if self.file.closed:
-            return
-        self.writer.close()  # end-of-stream marker: a complete segment
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.synced = self.written
-        self.file.close()
+        """End-of-stream marker (a complete segment), fsync, close."""
+        with self.lock:
+            if self.closed:
+                return
+            self._write(_END_OF_STREAM if self.size else _SCHEMA_MESSAGE + _END_OF_STREAM)
+            self._fsync()
+            self.synced = self.written
+            self.closed = True
+            os.close(self.fd)
+
+    def cut(self, size: int) -> None:
+        """Drop everything past `size` bytes, durably, and close: the segment is abandoned."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                os.ftruncate(self.fd, size)
+                self._fsync()
+                self.size = size
+            finally:
+                self.closed = True
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+
+    def drop(self) -> None:
+        """Close without writing anything more (a stopped log)."""
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                with contextlib.suppress(OSError):
+                    os.close(self.fd)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            done = os.write(self.fd, view)
+            self.size += done
+            view = view[done:]
+
+    def _fsync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError:
+            self.fsync_failed = True
+            raise
 
 
 class IngestLog:
@@ -185,6 +251,8 @@ class IngestLog:
         self.records_written = 0
         self.bytes_written = 0
         self.duplicates_dropped = 0
+        self.segments_abandoned = 0  # cut back after a failed write or fsync (the next record starts anew)
+        self._failure: str | None = None  # set once: the log is fail-stopped and refuses every write
         self._stop = threading.Event()
         self._syncer = None
         if flush == "interval":
@@ -202,10 +270,12 @@ class IngestLog:
 
     # -- records ----------------------------------------------------------
     def record_open(self, session: str, system: str, max_context: int, tenant: str = "") -> None:
+        self._check_writable(Record("open", session))
         self._fresh_folder(session)
         self.append(Record("open", session, meta={"system": system, "max_context": max_context, "tenant": tenant}))
 
     def record_restore(self, session: str, snapshot: str | Path, data_version: int) -> None:
+        self._check_writable(Record("restore", session))
         self._fresh_folder(session)
         self.append(Record("restore", session, data_version, meta={"path": str(Path(snapshot).absolute())}))
 
@@ -240,14 +310,18 @@ class IngestLog:
         """The session is gone: rename its folder aside (atomic, durable), then remove it."""
         with self.session_lock(session):
             with self._guard:
-                seg = self._segments.pop(session, None)
+                seg = self._segments.get(session)
             if seg is not None:
-                seg.close()
+                self._close_segment(session, seg, "closing the session")
             self.positions.pop(session, None)
             folder = self.folder(session)
             if folder.exists():
                 gone = folder.with_name(f"{folder.name}.closed-{time.time_ns()}")
-                durable_rename(folder, gone)
+                try:
+                    durable_rename(folder, gone)
+                except OSError as exc:
+                    raise IngestLogError(f"ingest log for session {session!r}: cannot set its folder aside: {exc}; "
+                                         "it may come back at the next start") from exc
                 shutil.rmtree(gone, ignore_errors=True)
         with self._guard:
             self._locks.pop(session, None)  # a closed session keeps no lock behind
@@ -256,70 +330,162 @@ class IngestLog:
         """Where feed `feed` stands in session `session`'s log (None: never logged)."""
         return self.positions.get(session, {}).get(feed)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the log stopped writing (None while it writes): a failed fsync, or a failed write whose
+        bytes could not be cut off. Every record after it was refused with `IngestLogError`."""
+        return self._failure
+
     def append(self, rec: Record) -> None:
         batch = record_batch(rec)
-        try:
-            # Per-session lock: one session's fsync never waits for another's.
-            with self.session_lock(rec.session):
-                with self._guard:
-                    seg = self._segments.get(rec.session)
-                if seg is not None and seg.size >= self.segment_bytes:
-                    seg.close()
-                    seg = None
-                if seg is None:
+        # Per-session lock: one session's fsync never waits for another's.
+        with self.session_lock(rec.session):
+            self._check_writable(rec)
+            with self._guard:
+                seg = self._segments.get(rec.session)
+            if seg is not None and seg.size >= self.segment_bytes:
+                self._close_segment(rec.session, seg, f"closing a full segment before a {rec.kind} record")
+                seg = None
+            if seg is None:
+                try:
                     seg = _Segment(self._next_segment(rec.session))
-                    with self._guard:
-                        self._segments[rec.session] = seg
-                before = seg.size
-                seg.write(batch, fsync=self.flush == "batch")
+                except OSError as exc:
+                    raise self._refused(rec, f"cannot start a segment: {exc}") from exc
                 with self._guard:
-                    self.records_written += 1
-                    self.bytes_written += seg.size - before
+                    self._segments[rec.session] = seg
+            before = seg.size
+            try:
+                seg.write(batch, fsync=self.flush == "batch")
+            except OSError as exc:
+                self._abandon(rec.session, seg, before, f"{rec.kind} record v{rec.data_version}: {exc}")
+                raise self._refused(rec, str(exc)) from exc
+            with self._guard:
+                self.records_written += 1
+                self.bytes_written += seg.size - before
+
+    def _check_writable(self, rec: Record) -> None:
+        if self._failure is not None:
+            raise IngestLogError(f"ingest log for session {rec.session!r}: {rec.kind} record refused, the log is "
+                                 f"stopped ({self._failure}); the batch is not durable and was not acknowledged")
+
+    def _refused(self, rec: Record, why: str) -> IngestLogError:
+        state = f"the log is stopped ({self._failure})" if self._failure is not None else \
+            "its segment was abandoned; the next record starts a new one"
+        return IngestLogError(f"ingest log for session {rec.session!r}: cannot write {rec.kind} record: {why}; "
+                              f"the batch is not durable and was not acknowledged; {state}")
+
+    def _abandon(self, session: str, seg: _Segment, keep: int, why: str) -> None:
+        """Under the session lock, after a failed write or fsync: cut the segment back to its `keep`
+        bytes (its acked records), durably, and drop it; the next record starts a new one. Fail-stop
+        when the cut fails, or when an fsync failed under `interval` (acked records may be lost)."""
+        with self._guard:
+            if self._segments.get(session) is seg:
+                del self._segments[session]
+        try:
+            seg.cut(keep)
         except OSError as exc:
-            raise IngestLogError(f"ingest log for session {rec.session!r}: cannot write {rec.kind} record: {exc}; "
-                                 "the batch is not durable and was not acknowledged") from exc
+            self._fail(f"{seg.path.name} of session {session!r}: {why}; cutting the failed record off failed "
+                       f"too ({exc})")
+            return
+        if seg.fsync_failed and self.flush == "interval":
+            self._fail(f"fsync of {seg.path.name} of session {session!r} failed ({why}): records acked since "
+                       "the last fsync may not be durable")
+            return
+        if keep == 0:  # nothing acked in it: no empty segment is left behind
+            with contextlib.suppress(OSError):
+                seg.path.unlink()
+                fsync_dir(seg.path.parent)
+        with self._guard:
+            self.segments_abandoned += 1
+        log.error("ingest log: %s of session %r: %s; the segment was cut back to its acknowledged records and "
+                  "abandoned, the next record starts a new one", seg.path.name, session, why)
+
+    def _close_segment(self, session: str, seg: _Segment, doing: str) -> None:
+        """Close a segment (rotation); a failure abandons it at its last record, or fail-stops the log."""
+        with self._guard:
+            if self._segments.get(session) is seg:
+                del self._segments[session]
+        if self._failure is not None:  # stopped: nothing is written after what it stopped at
+            seg.drop()
+            return
+        keep = seg.size
+        try:
+            seg.close()
+        except OSError as exc:
+            self._abandon(session, seg, keep, f"{doing}: {exc}")
+            if self._failure is not None:
+                raise IngestLogError(f"ingest log for session {session!r}: {doing}: {exc}; the log is stopped "
+                                     f"({self._failure})") from exc
+
+    def _fail(self, why: str) -> None:
+        with self._guard:
+            if self._failure is None:
+                self._failure = why
+                log.critical("ingest log STOPPED: %s. Every later push, open and register is refused with an "
+                             "error until the server restarts (recovery reads what is on disk)", why)
 
     def rotate(self, session: str) -> int:
         """Close the session's open segment; returns the number the next record's segment gets.
 
         Called under `session_lock` by a checkpoint: everything before that number is covered."""
         with self.session_lock(session):
+            if self._failure is not None:
+                raise IngestLogError(f"ingest log for session {session!r}: no rotation, the log is stopped "
+                                     f"({self._failure})")
             with self._guard:
-                seg = self._segments.pop(session, None)
+                seg = self._segments.get(session)
             if seg is not None:
-                seg.close()
+                self._close_segment(session, seg, "rotating for a checkpoint")
             return next_segment_number(self.folder(session))
 
     def sync(self) -> None:
-        """fsync every segment with records not yet synced (what the interval syncer does)."""
+        """fsync every segment with records not yet synced (what the interval syncer does).
+
+        A failed fsync fail-stops the log (records it acked may not be durable) and raises
+        `IngestLogError`; a stopped log raises it at once."""
+        if self._failure is not None:
+            raise IngestLogError(f"ingest log: cannot sync, the log is stopped ({self._failure})")
         with self._guard:
-            segments = list(self._segments.values())
-        for seg in segments:
-            with contextlib.suppress(OSError, ValueError):  # closed meanwhile: its close() synced it
-                seg.sync()
+            segments = list(self._segments.items())
+        for session, seg in segments:
+            try:
+                seg.sync()  # closed meanwhile: nothing to do, its close() synced it
+            except OSError as exc:
+                self._fail(f"fsync of {seg.path.name} of session {session!r} failed ({exc}): records acked "
+                           "since the last fsync may not be durable")
+                raise IngestLogError(f"ingest log: {self._failure}") from exc
 
     def close(self) -> None:
+        """Close every segment (shutdown); failures are logged, never raised: nothing more is written."""
         self._stop.set()
         if self.checkpointer is not None:
             self.checkpointer.stop()
         with self._guard:
-            for seg in self._segments.values():
-                seg.close()
-            self._segments.clear()
+            segments = list(self._segments.items())
+        for session, seg in segments:
+            with self.session_lock(session):
+                try:
+                    self._close_segment(session, seg, "closing the log")
+                except IngestLogError as exc:
+                    log.error("%s", exc)
 
     # -- internals --------------------------------------------------------
     def _fresh_folder(self, session: str) -> None:
         """A new session starts an empty folder; leftovers of an unrecovered one are moved aside."""
         folder = self.folder(session)
         with self._guard:
-            seg = self._segments.pop(session, None)
+            seg = self._segments.get(session)
         if seg is not None:
-            seg.close()
+            self._close_segment(session, seg, "starting the session anew")
         self.positions.pop(session, None)
         if folder.exists() and any(folder.iterdir()):
             aside = folder.with_name(f"{folder.name}.replaced-{time.time_ns()}")
             log.warning("ingest log: session %r already had a log folder; kept it as %s", session, aside.name)
-            durable_rename(folder, aside)
+            try:
+                durable_rename(folder, aside)
+            except OSError as exc:
+                raise IngestLogError(f"ingest log for session {session!r}: cannot set its old folder aside: "
+                                     f"{exc}; the session was not logged") from exc
 
     def _next_segment(self, session: str) -> Path:
         folder = make_dirs(self.folder(session))
@@ -327,4 +493,7 @@ class IngestLog:
 
     def _sync_loop(self) -> None:
         while not self._stop.wait(self.fsync_ms / 1000):
-            self.sync()
+            try:
+                self.sync()
+            except IngestLogError:  # stopped: `failure` says why, every later write is refused
+                return

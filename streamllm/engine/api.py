@@ -212,7 +212,13 @@ class Engine(Intake, Subscribable, EngineClient):
             with self._lock:
                 self._handles[name] = _Handle(max_context, len(prefix), 0, 0)
             if self.ingest_log is not None:
-                self.ingest_log.record_open(name, system, max_context, tenant)
+                try:
+                    self.ingest_log.record_open(name, system, max_context, tenant)
+                except BaseException:  # not logged: not open either (a push to it could never be recovered)
+                    with self._lock:
+                        self._handles.pop(name, None)
+                    self.core.submit(CloseSession(name)).result()
+                    raise
         return info
 
     def close_session(self, name: str) -> None:
@@ -391,7 +397,9 @@ class Engine(Intake, Subscribable, EngineClient):
 
     def health(self) -> EngineHealth:
         failure = self.core.failure
-        return EngineHealth(not self.core.stopped, None if failure is None else repr(failure), self.core.failed_steps)
+        log_failure = self.ingest_log.failure if self.ingest_log is not None else None  # durability/ingest_log.py
+        return EngineHealth(not self.core.stopped, None if failure is None else repr(failure), self.core.failed_steps,
+                            log_failure)
 
     def stats(self) -> dict:
         """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""

@@ -49,6 +49,7 @@ class EngineHealth:
     alive: bool  # every core thread is running
     failure: str | None  # why a core stopped, when one did
     failed_steps: int  # steps that raised and were failed back to their callers
+    log_failure: str | None = None  # why the ingest log stopped writing (pushes are refused), when it did
 
 
 class EngineClient(abc.ABC):

@@ -63,7 +63,9 @@ class Intake:
                     return self._enqueue(name, batch)
             with self._lock:  # (evict_state also takes the log lock: the session stays between the blocks)
                 version = self._next_version(name, batch.new_tokens)
-            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)  # on disk before the ack
+            # On disk before the ack. When it raises (IngestLogError) nothing is acked and the version stays
+            # free: the log cut the failed record off (or stopped writing), so no record holds it twice.
+            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)
             with self._lock:
                 return self._enqueue(name, batch, version)
 

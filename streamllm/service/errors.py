@@ -7,6 +7,7 @@ import re
 
 from streamllm.config import ConfigError
 from streamllm.config.limits import LimitError
+from streamllm.durability.ingest_log import IngestLogError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
 from streamllm.engine.outputs import ReplicaUnavailable
@@ -22,6 +23,8 @@ def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
     if isinstance(exc, QuotaExceeded):
         return p.QUOTA, str(exc)
     if isinstance(exc, ReplicaUnavailable):  # serve --ray: the session's replica is recovering
+        return p.UNAVAILABLE, client_text(str(exc))
+    if isinstance(exc, IngestLogError):  # the disk failed: not acked, nothing kept (durability/ingest_log.py)
         return p.UNAVAILABLE, client_text(str(exc))
     if isinstance(exc, SessionError):
         return p.UNKNOWN_SESSION, client_text(str(exc))
