@@ -67,7 +67,7 @@ def _recovery_s(loaded: Any, work: Path, seconds: int, every: int) -> dict[str, 
     eng = Engine(loaded, config)
     recover(eng, log)
     if log.checkpointer is None:
-        eng.ingest_log = log
+        eng.attach_log(log)
     eng.open_session("s")
     tail = every // 2  # the crash comes half a checkpoint interval after the last one could have run
     t0 = time.perf_counter()
