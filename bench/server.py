@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.client.client import AsyncClient
+from streamllm.client.local_token import find_token
 
 ROOT = Path(__file__).resolve().parents[1]
 LINES = [f"12:{i // 60:02d}:{i % 60:02d} 640{i % 100:02d}.5 +1.5 v{i % 7}.2 n{i % 5 + 3}" for i in range(64)]
@@ -155,10 +156,12 @@ def http_fast(url: str, model: str, asks: int) -> dict[str, float]:
     conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=30)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "trend"}],
                        "session": "bench", "question_id": "trend"}).encode()
+    token = find_token(url)  # serve's local token (a server without tokens ignores it)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     lat, not_fast = [], 0
     for i in range(asks + 20):
         t0 = time.perf_counter()
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", body, headers)
         response = conn.getresponse()
         data = json.loads(response.read())
         if i >= 20:  # warm-up first

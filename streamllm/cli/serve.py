@@ -142,6 +142,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
             return 1
         if tenants.local_token:  # the port is known now (--port 0 picks one)
             token_file = write_token(server.port, next(iter(tenants.tokens)))
+        else:  # a file for this port is a killed server's: clients would send its stale token
+            remove_token(server.port)
         if args.ray and groups:  # feeds run inside the replicas, beside their sessions
             await asyncio.to_thread(engine.start_feeds)
         for group in groups if not args.ray else []:

@@ -1,6 +1,6 @@
 """`streamllm sessions ...`: operator commands against a running front door (`serve --ray`).
 
-    streamllm sessions move NAME --to REPLICA [--url ws://127.0.0.1:8765] [--token T]
+    streamllm sessions move NAME --to REPLICA [--tenant T] [--url ws://127.0.0.1:8765] [--token T]
     streamllm sessions replicas [--url ...]
 
 They talk HTTP to the server's admin routes (service/admin.py) with the standard library:
@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
     move = sub.add_parser("move", help="move a session to another replica (snapshot + restore)")
     move.add_argument("name")
     move.add_argument("--to", type=int, required=True, help="the target replica's index")
+    move.add_argument("--tenant", help="whose session NAME is (default: the admin token's own tenant)")
     replicas = sub.add_parser("replicas", help="list the replicas: state, sessions, restarts, last recovery")
     for p in (move, replicas):
         p.add_argument("--url", default=os.environ.get("STREAMLLM_URL", DEFAULT_URL),
@@ -63,7 +64,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "move":
-            out = request(args.url, f"/v1/admin/sessions/{args.name}/move", args.token, {"to": args.to})
+            body = {"to": args.to, **({"tenant": args.tenant} if args.tenant else {})}
+            out = request(args.url, f"/v1/admin/sessions/{args.name}/move", args.token, body)
             print(f"moved {out['session']}: replica {out['from']} -> {out['to']} at data_version "
                   f"{out['data_version']} in {out['seconds']:.2f} s")
         else:

@@ -53,11 +53,13 @@ def write_token(port: int, token: str) -> Path:
     return path
 
 
-def remove_token(port: int, token: str) -> None:
-    """Remove the file if it still holds `token` (a newer server on the same port keeps its own)."""
+def remove_token(port: int, token: str | None = None) -> None:
+    """Remove the file if it still holds `token` (a newer server on the same port keeps its own); with no
+    `token`, whatever it holds (a server starting on `port` without a local token: one left by a killed
+    server would only have clients send a stale token)."""
     path = token_path(port)
     with contextlib.suppress(OSError):
-        if path.read_text().strip() == token:
+        if token is None or path.read_text().strip() == token:
             path.unlink()
 
 
