@@ -316,7 +316,7 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     assert f"{first} min extracting" in (tmp_path / "out" / "card.md").read_text()
     saved = sorted((tmp_path / "out" / "states").glob("*.pt"))
     for f in saved:  # checkpoints from before times were kept
-        d = torch.load(f)
+        d = torch.load(f, weights_only=True)
         del d["seconds"]
         torch.save(d, f)
     assert cli_main([*argv, "--resume"]) == 0

@@ -152,3 +152,38 @@ def test_a_lora_of_another_model_is_refused(tiny_model, tmp_path):
         {"format": "streamllm-lora", "model": "smollm2-135m", "hidden_size": 576}))
     with pytest.raises(AdapterError, match="trained on 'smollm2-135m'"):
         Engine(tiny_model, EngineConfig(max_cells=1024, max_context=512), adapter=tmp_path / "ad")
+
+
+class _RunsCode:
+    """Unpickling this calls os.makedirs(marker): what a hostile checkpoint could do with any call."""
+
+    def __init__(self, marker) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.makedirs, (self.marker,))
+
+
+def test_checkpoints_load_as_plain_data_and_run_no_code(tiny_model, tmp_path):
+    import pickle
+
+    from streamllm.tuning.lora_run import _load_packed
+
+    trainer = trainer_for(tiny_model)
+    ckpt = tmp_path / "lora-checkpoint.pt"
+    trainer.save_checkpoint(ckpt, {"history": [{"step": 0, "dev_loss": 0.5}], "best_loss": 0.5, "best_step": 0,
+                                   "best": trainer.lora_state()})
+    again = trainer_for(tiny_model)
+    assert again.load_checkpoint(ckpt)["history"] == [{"step": 0, "dev_loss": 0.5}]  # what we write loads
+    marker = tmp_path / "code-ran"
+    hostile = {"lora": trainer.lora_state(), "opt": _RunsCode(marker), "step": 0}
+    torch.save(hostile, ckpt)
+    with pytest.raises(pickle.UnpicklingError):
+        again.load_checkpoint(ckpt)
+    torch.save({"ids": _RunsCode(marker), "positions": [], "session_rows": [], "blocks": [], "extra": {}},
+               tmp_path / "packed.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        _load_packed(tmp_path / "packed.pt")
+    assert not marker.exists()

@@ -185,7 +185,7 @@ class LoraTrainer:
         tmp.replace(path)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        ck = torch.load(path, weights_only=False)
+        ck = torch.load(path, weights_only=True)  # tensors, numbers, lists, dicts: no code runs
         self.load_lora_state(ck["lora"])
         self.opt.load_state_dict(ck["opt"])
         self.step = int(ck["step"])

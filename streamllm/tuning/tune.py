@@ -232,7 +232,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     for task, plan in bar:
         path = states_dir / f"{plan.key}-{task.fingerprint}.pt"
         if path.is_file():
-            got[task.spec.name, plan] = WindowStates.from_dict(torch.load(path))
+            got[task.spec.name, plan] = WindowStates.from_dict(torch.load(path, weights_only=True))
             continue
         if plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for _, p in got):
             if not spent:
