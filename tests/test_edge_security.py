@@ -297,7 +297,8 @@ def test_the_local_token_file_is_private_and_read_by_the_client(engine, serve_in
         with Client(server.url, timeout=20) as client:  # found by port
             assert client.welcome["tenant"] == "local" and client.welcome["admin"]
             stats = client.stats()
-            assert "engine" in stats and "quota" not in stats  # what a tokenless server shows its one user
+            assert "engine" in stats  # what a tokenless server shows its one user
+        assert server.quotas.quota("local").sessions is None  # and its limits: no default quota on sessions
         status, health = request(server, "GET", "/health", headers={"Authorization": f"Bearer {token}"})
         assert status == 200 and "queue_depths" in health
         assert "queue_depths" not in request(server, "GET", "/health")[1]  # to anyone else: public health
