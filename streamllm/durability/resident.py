@@ -6,7 +6,9 @@
                           restore it first (the snapshot read back, ImportSession), then run
     open / restore refused for want of cells (AdmissionError), with auto_evict=True
                           evict resident sessions, least recently asked first, skipping busy
-                          ones, until the request fits; then retry once
+                          ones (work in flight, or their session or log lock held: a push
+                          between its version and its enqueue), until the request fits; then
+                          retry once
 
 Built only on the engine's public methods. Every call that touches one session runs under
 that session's lock, so an eviction never slips between the residency check and the call:
@@ -409,6 +411,22 @@ class ResidentEngine(EngineClient):
             raise
         return str(path)
 
+    def _try_locks(self, name: str) -> list[threading.RLock] | None:
+        """The session's lock, then its ingest-log lock (close_session's order), without waiting; None when
+        either is held: an auto-eviction skips a victim in use rather than wait for it (or race its push)."""
+        locks = [self._session(name)]
+        log = self.engine.ingest_log
+        if log is not None:
+            locks.append(log.session_lock(name))
+        taken: list[threading.RLock] = []
+        for lock in locks:
+            if not lock.acquire(blocking=False):
+                for held in reversed(taken):
+                    held.release()
+                return None
+            taken.append(lock)
+        return taken
+
     def _make_room(self, cells: int, exclude: set[str]) -> bool:
         """Evict idle sessions, least recently asked first, until `cells` can be reserved; False when it
         cannot be done (or auto_evict is off)."""
@@ -420,8 +438,8 @@ class ResidentEngine(EngineClient):
                     return True
                 resident = [i.name for i in self.engine.list_sessions() if i.name not in exclude]
                 for name in sorted(resident, key=lambda n: self._last_asked.get(n, 0.0)):
-                    lock = self._session(name)
-                    if not lock.acquire(blocking=False):  # in use right now: not idle
+                    locks = self._try_locks(name)
+                    if locks is None:  # in use right now (a call on it, a push writing its log): not idle
                         continue
                     try:
                         if self._evicted_entry(name) is not None:
@@ -430,7 +448,8 @@ class ResidentEngine(EngineClient):
                     except (SnapshotError, SessionError):  # busy (or could not write, or closed): the next one
                         continue
                     finally:
-                        lock.release()
+                        for lock in reversed(locks):
+                            lock.release()
                     self.auto_evictions += 1
                     if self.engine.can_admit(cells):
                         return True
