@@ -4,6 +4,7 @@
                              venue sniffed or given
   *.dbn, *.dbn.zst           Databento DBN (feeds.dbn): trades, MBP-1/BBO, OHLCV
   *.csv, *.tsv, *.txt (.gz), *.parquet  trades, quotes or bars table (feeds.tables), kind from its columns
+  *.json                     a venue's REST kline/candle answer, saved (feeds.rest): bars
 
 Each source has `stats` (a `ParseStats`): damaged lines, impossible values and missing
 cells are counted there by kind, never raised past the source. A file that cannot be read
@@ -21,6 +22,7 @@ from typing import Any
 
 from feeds.capture import CaptureSource, read_capture
 from feeds.columns import parse_columns
+from feeds.rest import RestSource
 from feeds.tables import TABLE_SUFFIXES, TableSource
 
 __all__ = ["CaptureSource", "ReadOptions", "TableSource", "open_recorded", "open_source", "read_capture"]
@@ -49,10 +51,12 @@ def file_format(path: Path) -> str:
         return "dbn"
     if name.endswith(TABLE_SUFFIXES):
         return "table"
+    if name.endswith(".json"):
+        return "rest"
     if name.endswith(".gz") or _CRYPTOFEED_LOG.search(name):
         return "capture"
     raise ValueError(f"{path}: unknown file format; expected a capture (.gz, or cryptofeed's NAME.ws.N.M), Databento DBN (.dbn, .dbn.zst), "
-                     f"or a table ({', '.join(TABLE_SUFFIXES)})")
+                     f"a table ({', '.join(TABLE_SUFFIXES)}), or a venue's REST kline/candle answer (.json)")
 
 
 def open_source(path: str | Path, opts: ReadOptions | None = None, *, what: str = "feed") -> Any:
@@ -64,6 +68,8 @@ def open_source(path: str | Path, opts: ReadOptions | None = None, *, what: str 
     fmt = file_format(path)
     if fmt == "capture":
         return CaptureSource(path, venue=opts.venue, market=opts.market)
+    if fmt == "rest":
+        return RestSource(path, instrument=opts.instrument, bar_interval_s=opts.bar_interval_s)
     if fmt == "dbn":
         from feeds.dbn import DbnSource
 
@@ -80,7 +86,7 @@ def open_recorded(paths: list[str | Path], opts: ReadOptions | None = None, *,
     sources: list[Iterable[Any]] = []
     for name in paths:
         src = open_source(name, opts, what=what)
-        if isinstance(src, TableSource):
+        if isinstance(src, TableSource | RestSource):
             sources.append(_Loaded(src))  # read now: format errors surface before the replay
         else:
             sources.append(src)
@@ -90,7 +96,7 @@ def open_recorded(paths: list[str | Path], opts: ReadOptions | None = None, *,
 class _Loaded:
     """A table read once, iterable many times, keeping its stats and notes."""
 
-    def __init__(self, table: TableSource) -> None:
+    def __init__(self, table: TableSource | RestSource) -> None:
         self.table = table
         self.rows = table.events()
         self.stats = table.stats

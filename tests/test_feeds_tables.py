@@ -403,7 +403,10 @@ def test_capture_venue_is_sniffed_and_other_formats_named(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="odd.gz: not a capture of a supported venue.*first message keys"):
         open_source(odd)
     with pytest.raises(ValueError, match="unknown file format"):
-        open_source(tmp_path.joinpath("x.json").resolve() if tmp_path.joinpath("x.json").write_text("{}") else "")
+        open_source(tmp_path.joinpath("x.xml").resolve() if tmp_path.joinpath("x.xml").write_text("{}") else "")
+    tmp_path.joinpath("x.json").write_text("{}")  # .json: a venue's REST answer (feeds/rest.py), or refused by name
+    with pytest.raises(ValueError, match="x.json: not a REST kline/candle answer this reads"):
+        list(open_source(tmp_path / "x.json"))
 
 
 def test_replay_server_serves_the_good_prefix_of_a_cut_capture(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def test_inspect_refuses_what_it_cannot_read(tmp_path: Path, capsys) -> None:
     assert main(["inspect", str(csv), "--tokenizer", "none"]) == 2
     assert "--time-format" in capsys.readouterr().err
     assert main(["inspect", str(csv), "--tokenizer", "none", "--time-format", "%d/%m/%Y %H:%M"]) == 0
-    odd = tmp_path / "x.json"
+    odd = tmp_path / "x.xml"
     odd.write_text("{}")
     assert main(["inspect", str(odd), "--tokenizer", "none"]) == 2
     assert "unknown file format" in capsys.readouterr().err
