@@ -74,14 +74,15 @@ def feed_runner(server: StreamServer, owner: Tenant, group: FeedGroup, speed: fl
 
 
 def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: QueryConfig | None,
-            groups: list[FeedGroup], registered: int, token_file: Path | None = None) -> str:
+            groups: list[FeedGroup], registered: int, token_file: Path | None = None,
+            local_token: str | None = None) -> str:
     http = server.url.replace("ws://", "http://", 1)
     stats = server.engine.stats()
     lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
              f"  dtype: {stats['dtype']}"]
     page = f"{http}/"
-    if tenants.local_token:
-        page += f"?token={next(iter(tenants.tokens))}"  # printed this once; the page then keeps it per tab
+    if local_token is not None:
+        page += f"?token={local_token}"  # printed this once; the page then keeps it per tab
         lines.append(f"  auth: a local token (tenant 'local', admin) in {token_file}, read by streamllm ask / "
                      "watch and the client on this machine; --no-auth serves without one")
     elif tenants.auth:
@@ -132,6 +133,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue,
         allowed_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host)),
         replicas=engine if args.ray else None)
+    local_token = next(iter(tenants.tokens)) if tenants.local_token else None  # Tenants.local's one token
     token_file = None
     try:
         registered = await asyncio.to_thread(open_sessions, engine, owner, config) if config is not None else 0
@@ -140,8 +142,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 1
-        if tenants.local_token:  # the port is known now (--port 0 picks one)
-            token_file = write_token(server.port, next(iter(tenants.tokens)))
+        if local_token is not None:  # the port is known now (--port 0 picks one)
+            token_file = write_token(server.port, local_token)
         else:  # a file for this port is a killed server's: clients would send its stale token
             remove_token(server.port)
         if args.ray and groups:  # feeds run inside the replicas, beside their sessions
@@ -150,7 +152,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
             runner = feed_runner(server, owner, group, args.speed, args.seed, ingest_log)
             server.feeds.append(runner)
             feed_tasks.append(asyncio.create_task(runner.run()))
-        print(summary(server, tenants, owner, config, groups, registered, token_file), flush=True)
+        print(summary(server, tenants, owner, config, groups, registered, token_file, local_token), flush=True)
         if recovered is not None:
             print(f"  ingest log {args.log_dir} ({args.log_flush}): {recovered.summary()}", flush=True)
         if args.ray:
@@ -167,7 +169,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         print("streamllm serve: stopping (signal received)", file=sys.stderr, flush=True)
     finally:
         if token_file is not None:
-            remove_token(server.port, next(iter(tenants.tokens)))
+            remove_token(server.port, local_token)
         for task in feed_tasks:
             task.cancel()
         for task in feed_tasks:
