@@ -10,6 +10,8 @@
 
 uvicorn serves it (websockets through the `websockets` package's sans-I/O protocol);
 websocket frames go straight to ws.py's ASGI handler, HTTP through Starlette's router.
+Before either, edge.py checks Host and Origin: a web page on another site, or one reached
+through DNS rebinding, gets 403 and nothing runs.
 Nothing blocking runs on the loop: engine calls that may fsync or do disk I/O go to
 worker threads, and feeds run in their own threads (feeds.py).
 """
