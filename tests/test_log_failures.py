@@ -12,6 +12,8 @@ import asyncio
 import errno
 import json
 import os
+import urllib.error
+import urllib.request
 
 import pytest
 from websockets.asyncio.client import connect
@@ -200,33 +202,54 @@ def test_the_interval_syncer_stops_the_log_on_its_own(tiny_model, tmp_path, faul
     log.close()
 
 
-def test_a_websocket_push_on_a_failing_disk_gets_unavailable_and_is_not_acked(tiny_model, tmp_path, faults):
+def test_a_websocket_push_on_a_failing_disk_gets_unavailable_and_health_says_why(tiny_model, tmp_path, faults):
+    """What a client sees: a push that could not be logged is an `unavailable` error (never an ok); after
+    an abandoned segment the next push is acked; once the log stopped, pushes keep getting `unavailable`
+    and /health answers 503 `failing` with the reason."""
     from streamllm.service.server import ServerConfig, StreamServer
 
     log = IngestLog(tmp_path / "log")
     engine = Engine(tiny_model, CONFIG, ingest_log=log)
 
+    def get_health(port: int) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
     async def scenario():
         async with StreamServer(engine, None, ServerConfig(port=0)) as server, connect(server.url) as ws:
-            replies = []
+            replies, health = [], []
             steps = [{"type": "hello"}, {"type": "open", "session": "s"}, {"type": "push", "session": "s", "lines": batch(1)},
-                     "fail", {"type": "push", "session": "s", "lines": batch(2)},
-                     {"type": "push", "session": "s", "lines": batch(3)}]
-            for i, message in enumerate(steps):
-                if message == "fail":
+                     "fail once", {"type": "push", "session": "s", "lines": batch(2)},
+                     {"type": "push", "session": "s", "lines": batch(3)}, "health",
+                     "fail for good", {"type": "push", "session": "s", "lines": batch(4)},
+                     {"type": "push", "session": "s", "lines": batch(5)}, "health"]
+            for i, step in enumerate(steps):
+                if step == "fail once":
                     faults.writes = 1
-                    continue
-                await ws.send(json.dumps({**message, "id": i}))
-                replies.append(json.loads(await ws.recv()))
-            return replies
+                elif step == "fail for good":  # the write fails and so does the cut of its bytes
+                    faults.writes, faults.truncates = 1, 1
+                elif step == "health":
+                    health.append(await asyncio.to_thread(get_health, server.port))
+                else:
+                    await ws.send(json.dumps({**step, "id": i}))
+                    replies.append(json.loads(await ws.recv()))
+            return replies, health
 
     try:
-        replies = asyncio.run(asyncio.wait_for(scenario(), 20))
+        replies, health = asyncio.run(asyncio.wait_for(scenario(), 20))
     finally:
         engine.shutdown()
         log.close()
-    assert [r["type"] for r in replies] == ["welcome", "ok", "ok", "error", "ok"], replies
-    assert replies[3]["code"] == "unavailable" and "not acknowledged" in replies[3]["message"]
+    assert [r["type"] for r in replies] == ["welcome", "ok", "ok", "error", "ok", "error", "error"], replies
+    assert all(r["code"] == "unavailable" and "not acknowledged" in r["message"] for r in replies if r["type"] == "error")
+    assert "stopped" in replies[5]["message"] and "stopped" in replies[6]["message"]
     assert [replies[2]["data_version"], replies[4]["data_version"]] == [1, 2]
+    (code, first), (code_after, after) = health
+    assert code == 200 and first["status"] == "ok"
+    assert code_after == 503 and after["status"] == "failing"
+    assert any("ingest log stopped writing" in r for r in after["reasons"])
     (folder,) = session_folders(tmp_path / "log")
     assert [r.lines for r in read_session(folder).records if r.kind == "push"] == [batch(1), batch(3)]

@@ -221,6 +221,10 @@ class StreamServer:
         elif engine.failed_steps:
             reasons.append(f"{engine.failed_steps} engine step(s) failed (their questions got errors)")
         out["failed_steps"] = engine.failed_steps
+        if engine.log_failure is not None:  # the disk failed: every push is refused until a restart
+            out["status"] = "failing"
+            reasons.append("the ingest log stopped writing: pushes are refused until a restart"
+                           + (f" ({engine.log_failure})" if private else ""))  # its text names a session
         feeds: list[tuple[dict[str, Any], list[str]]] = []  # (entry, reasons) of each feed
         if self.replicas is not None:  # serve --ray: the replicas behind this front door
             out["replicas"] = self.replicas.replica_health()
