@@ -17,6 +17,9 @@ and adds a point at `--auto-fraction` of it. A system's backlog diverging marks 
 saturation speed. The JSON report is rewritten after every system, so a run that dies
 keeps what it measured.
 Then the context sweep (bench/sweep.py) on recorded lines only.
+
+Without `--out` the report goes to ./bench-replay-report/ in the working directory, named so
+that it is not mistaken for anything else there.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from bench.live import (
 from bench.replay_metrics import SYSTEMS, Run, metrics_of, per_question, speed_tag
 from bench.sweep import sweep_phase
 from streamllm.config import QueryConfig, load_config
+
+DEFAULT_OUT = "bench-replay-report"  # the report folder without --out: named for what it holds
 
 QUICK = {"duration": 15.0, "warmup": 75.0, "speeds": "1,10", "asks": 24, "adhoc_rate": 0.3, "drain_s": 10.0,
          "sweep": "256,512", "sweep_reps": 1, "stateless_every": 6, "stateless_reps": 1}
@@ -335,13 +340,16 @@ def parser() -> argparse.ArgumentParser:
     add_read_args(p)
     p.add_argument("--json", help="write the flat metrics here (rewritten as the run goes)")
     p.add_argument("--asks-out", help="append every ask of every system run here, one JSON line each")
-    p.add_argument("--out", default="report", help="folder for report.md and the PNG plots")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"folder for report.md and the PNG plots (default: ./{DEFAULT_OUT}/ in the working "
+                        "directory, made if absent; a rerun overwrites its files)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars (a run logged to a file: the per-system summary lines stay)")
     return p
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The flags, `--quick` filled in; `args.out` the report folder (DEFAULT_OUT unless given)."""
     p = parser()
     args = p.parse_args(argv)
     if args.quick:  # quick values, unless given on the command line

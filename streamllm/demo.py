@@ -1,5 +1,9 @@
 """`streamllm demo`: the whole loop on the embedded default, no network, no recorded data.
 
+`--config FILE` runs that config's sessions on their own feeds: the synthetic market, or
+recorded files (`replay:`/`csv:` feeds, paced at --speed); a feed that needs the network
+(a venue, cryptofeed) is refused before the model loads: `streamllm serve` runs those.
+
 synthetic feed -> 5 s bars -> sessions (one per instrument) -> standing questions,
 pre-positioned after every bar -> standing answers shown live as they change, plus a
 question asked now and then on each path (fast, entry, cold) with its latency. Every answer
@@ -16,17 +20,19 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
-from streamllm.config import QueryConfig, load_config
+from streamllm.config import LIVE_VENUES, QueryConfig, load_config
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.calibration import calibration_cells, percent
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.render import fixed
+from streamllm.feeding.wiring import FeedGroup, attach_mode, feed_events, group_feeds
 from streamllm.model.adapter import pick_adapter
 from streamllm.model.loader import load_model
 
@@ -62,7 +68,7 @@ class Witness(Attachment):
 
     def _saw_bar(self, bar: Bar) -> None:
         super()._saw_bar(bar)
-        if bar.trades > 0:  # an empty interval's bar repeats the last close
+        if bar.trades != 0:  # an empty interval's bar repeats the last close (-1: a table's bar, count unknown)
             self._last, self._high, self._dp = bar.close, max(self._high, bar.close), max(self._dp, bar.px_dp)
 
     def flush(self):
@@ -92,9 +98,37 @@ def names_number(text: str, truth: str) -> bool:
     return False
 
 
-async def _feed(attachments: list[Witness], speed: float, duration_s: float, seed: int) -> list[Witness]:
-    feed = SyntheticFeed(seed=seed)
-    await attach(feed.aevents(duration_s=duration_s * speed, speed=speed), attachments)
+def offline_groups(config: QueryConfig) -> list[FeedGroup]:
+    """The config's feeds, each one the demo can run without the network; ValueError names any other."""
+    groups = group_feeds(config, None)
+    for g in groups:
+        if g.feed.kind in LIVE_VENUES or g.feed.kind == "cryptofeed":
+            names = ", ".join(s.name for s in g.sessions)
+            raise ValueError(f"{config.source}: session(s) {names} take feed {g.feed}, which needs the network; the "
+                             "demo runs offline: run that config with `streamllm serve --config FILE`, or give the "
+                             "sessions feed = \"synthetic\" or a recorded file (replay:FILE, csv:FILE)")
+        missing = [p for p in str(g.feed.path).split(",") if not Path(p).is_file()] if g.feed.path is not None else []
+        if missing:
+            raise ValueError(f"{config.source}: feed {g.feed}: no file {', '.join(missing)}")
+    return groups
+
+
+async def _until(events: AsyncIterator[Any], duration_s: float) -> AsyncIterator[Any]:
+    """A recorded feed's events for `duration_s` wall seconds at most (or until the file ends)."""
+    stop = time.monotonic() + duration_s
+    async for ev in events:
+        if time.monotonic() >= stop:
+            break
+        yield ev
+
+
+async def _feed(group: FeedGroup, attachments: list[Witness], speed: float, duration_s: float,
+                seed: int) -> list[Witness]:
+    if group.feed.kind == "synthetic":
+        events: AsyncIterator[Any] = SyntheticFeed(seed=seed).aevents(duration_s=duration_s * speed, speed=speed)
+    else:
+        events = _until(feed_events(group, speed, seed), duration_s)
+    await attach(events, attachments)
     return attachments
 
 
@@ -173,14 +207,17 @@ async def _run(engine: Engine, config: QueryConfig, args: argparse.Namespace) ->
         engine.subscribe(s.name, display.on_change)
     if display.live is not None:
         display.live.start()
-    witnesses = {s.name: Witness(engine, AttachSpec.of(s), questions=s.questions) for s in config.sessions}
+    groups = offline_groups(config)
+    witnesses = {s.name: Witness(engine, AttachSpec.of(s, mode=attach_mode(g.feed, s)), questions=s.questions)
+                 for g in groups for s in g.sessions}
     asker = asyncio.create_task(_asker(engine, config, display, args.ask_every, witnesses))
     try:
-        feed = asyncio.create_task(_feed(list(witnesses.values()), args.speed, args.duration, args.seed))
+        feed = asyncio.gather(*(_feed(g, [witnesses[s.name] for s in g.sessions], args.speed, args.duration, args.seed)
+                                for g in groups))
         while not feed.done():
             display.refresh()
             await asyncio.sleep(0.5)
-        attachments = feed.result()
+        attachments = [a for fed in feed.result() for a in fed]
         await asyncio.to_thread(engine.wait_idle, 60)
         display.refresh()
     finally:
@@ -227,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
     """The demo with the flags of `streamllm demo` (streamllm/cli/demo.py); returns the exit code."""
     try:
         config = load_config(args.config)
+        groups = offline_groups(config)  # a feed the demo cannot run is refused before the model loads
+        print("feeds: " + ", ".join(f"{g.feed} ({', '.join(s.name for s in g.sessions)})" for g in groups))
         print(f"loading {args.model} ...", flush=True)
         t0 = time.monotonic()
         loaded = load_model(args.model, progress=True)

@@ -372,3 +372,12 @@ def test_the_base_rate_is_each_questions_constant_answer_on_the_same_asks() -> N
             + [NS(session="btc", spec=spike, truth=t) for t in ("no",) * 9 + ("yes",)])  # 9 of 10
     assert base_rate(asks) == (2 + 1 + 9) / 14
     assert math.isnan(base_rate([]))
+
+
+def test_report_folder_without_out_is_named_and_said_in_help(capsys) -> None:
+    from bench.replay import DEFAULT_OUT, parse_args, parser
+
+    assert parse_args([]).out == DEFAULT_OUT == "bench-replay-report"
+    help_text = " ".join(parser().format_help().split())
+    assert "(default: ./bench-replay-report/ in the working directory" in help_text
+    assert parse_args(["--out", "elsewhere"]).out == "elsewhere"

@@ -65,3 +65,27 @@ def test_the_demo_runs_end_to_end_and_judges_its_free_text_asks(capsys) -> None:
     summary = re.search(r"free-text number asks: right (\d+) of (\d+)", out)
     assert summary and int(summary[2]) == len(judged) and int(summary[1]) == judged.count("right")
     assert "every event accounted: True" in out
+
+
+def test_demo_runs_the_configs_own_feed_and_refuses_one_needing_the_network(tmp_path, capsys) -> None:
+    bars = tmp_path / "bars.csv"
+    bars.write_text("timestamp,open,high,low,close,volume\n" + "".join(
+        f"2024-01-02 10:{i:02d}:00,{100 + i},{101 + i},{99 + i},{100.5 + i},{10 + i}\n" for i in range(30)))
+    config = tmp_path / "recorded.toml"
+    config.write_text('[[sessions]]\nname = "rec"\ninstrument = "TEST"\nfeed = "csv:bars.csv"\n'
+                      '[sessions.render]\nmode = "bars"\nbar_seconds = 60\n'
+                      '[[sessions.questions]]\nid = "trend"\ntext = "Up or down?"\nchoices = ["up", "down"]\n'
+                      'label = "trend_up(n=5)"\n')
+    argv = ["--config", str(config), "--model", "tiny", "--duration", "6", "--speed", "3000", "--ask-every", "100",
+            "--no-live"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "feeds: csv:" in out and "bars.csv (rec)" in out
+    # The file's 30 bars, one line each: not the synthetic market's trades.
+    assert "rec: 30 events in, 30 lines pushed" in out and "every event accounted: True" in out
+    live = tmp_path / "live.toml"
+    live.write_text('[[sessions]]\nname = "btc"\ninstrument = "BTCUSDT"\nfeed = "binance"\n')
+    assert cli_main(["--config", str(live), "--model", "tiny", "--no-live"]) == 2
+    captured = capsys.readouterr()
+    assert "session(s) btc take feed binance, which needs the network" in captured.err
+    assert "streamllm serve --config FILE" in captured.err and "loading" not in captured.out

@@ -116,15 +116,20 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
     return apaced(merge(*sources), speed)
 
 
+def attach_mode(feed: FeedSpec, spec: SessionSpec) -> str:
+    """How a session takes its feed: files of ready-made bars are already bars, rendered one line each
+    ("events"); anything else as the session's render mode says."""
+    is_bar_file = feed.kind in ("replay", "csv") and not str(feed.path).endswith(".gz") and \
+        not any(k in str(feed.path).lower() for k in ("trade", "quote"))
+    return "events" if is_bar_file else spec.render.mode
+
+
 def build_attachments(sink: Any, owner: Owner, group: FeedGroup, log: IngestLog | None = None) -> list[Any]:
     """One attachment per session of the group; `sink` is the engine, or a TapSink in front of it.
     log: the engine's ingest log, where a recorded feed's batches carry their position (resume after it)."""
     out = []
     for spec in group.sessions:
-        # Files of ready-made bars are already bars: render them one line each.
-        is_bar_file = group.feed.kind in ("replay", "csv") and not str(group.feed.path).endswith(".gz") and \
-            not any(k in str(group.feed.path).lower() for k in ("trade", "quote"))
-        mode = "events" if is_bar_file else spec.render.mode
+        mode = attach_mode(group.feed, spec)
         name = owner.engine_name(spec.name)
         # Recorded feeds are replayable: batches carry their position, a restart resumes after the log's.
         feed_id = str(group.feed) if group.feed.kind in ("replay", "csv") else None
