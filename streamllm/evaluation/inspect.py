@@ -89,7 +89,7 @@ def inspect_file(path: str | Path, opts: ReadOptions) -> dict[str, Any]:
         rep.book = _book_state(book)
         if book.snapshot_id is None:
             notes.append(f"{inst}: no depth snapshot, so its order book cannot be rebuilt "
-                         f"({rep.events} book updates only)")
+                         f"({rep.events} book updates only; a file that continues another capture needs that one's)")
     stats = src.stats
     for where, n in stats.gap_keys.items():  # "BTCUSDT@depth" -> the stream "BTCUSDT book"
         symbol, _, channel = where.partition("@")
