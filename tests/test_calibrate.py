@@ -422,7 +422,9 @@ def test_reads_volume_names_every_label_whose_answer_depends_on_volume():
             if label.evaluate(window) != label.evaluate(flat):
                 depends.add(name)
                 break
-    assert depends == READS_VOLUME
+    assert depends == READS_VOLUME == {"above_vwap", "volume_spike"}
+    unknown = [{"open": 1.0, "high": 2.0, "low": 0.5, "close": 1.5, "volume": math.nan}] * 21
+    assert [parse_label(n).evaluate(unknown) for n in sorted(READS_VOLUME)] == [None, None]  # no truth, no guess
 
 
 def test_clear_errors(setup, capsys):

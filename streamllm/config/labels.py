@@ -4,7 +4,8 @@ A label is written like a call, `trend_up(n=10)`, in a question's `label` key. E
 label is a yes/no predicate on the last bars; a labelled question has exactly two
 choices and **`choices[0]` is the answer when the predicate holds, `choices[1]` when
 it does not** (so `trend_up` pairs with `["up", "down"]` or `["yes", "no"]`).
-With too few bars a label answers None (unknown), never a guess.
+With too few bars a label answers None (unknown), never a guess; so does a label that reads
+volume (`reads_volume`) on bars whose volume is unknown (NaN: a bar table without volume).
 
 Bars are duck-typed: objects with `open, high, low, close, volume` (and optionally
 `vwap`), dicts with those keys, or a polars DataFrame with those columns; oldest
@@ -74,6 +75,7 @@ class LabelDef:
     params: tuple[ParamDef, ...]
     bars_needed: Callable[..., int]  # (**params) -> minimum number of bars
     predicate: Callable[..., bool | None]  # (Bars, **params) -> truth; None when undefined
+    reads_volume: bool = False  # bars without volume (NaN: a table with no volume column) leave it unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,8 @@ class LabelSpec:
         columns = to_columns(bars, last=needed)
         if len(columns) < needed:
             return None
+        if self.definition.reads_volume and any(v != v for v in columns.volume):
+            return None  # volume unknown (NaN): no truth to give, never a guess
         return self.definition.predicate(columns, **dict(self.params))
 
     def answer(self, bars: Any, choices: Sequence[str]) -> str | None:
@@ -230,6 +234,7 @@ LABELS: dict[str, LabelDef] = {
             (ParamDef("n", int, 20, 1),),
             lambda n: n,
             _above_vwap,
+            reads_volume=True,
         ),
         LabelDef(
             "volatility_rising",
@@ -244,6 +249,7 @@ LABELS: dict[str, LabelDef] = {
             (ParamDef("k", float, 3.0, 0.0), ParamDef("n", int, 20, 1)),
             lambda k, n: n + 1,
             _volume_spike,
+            reads_volume=True,
         ),
     )
 }

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from feeds.sources import read_options
 from streamllm.config import QuestionSpec, SessionSpec, load_config
+from streamllm.config.labels import LABELS
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.prompt import PromptLayout
@@ -214,9 +215,9 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
 
 
-# Labels whose predicate reads bar volume (config/labels.py); tests/test_calibrate.py checks that every
-# other label answers alike whatever the volume is.
-READS_VOLUME = frozenset({"above_vwap", "volume_spike"})
+# Labels whose predicate reads bar volume (config/labels.py marks them); tests/test_calibrate.py checks
+# that every other label answers alike whatever the volume is.
+READS_VOLUME = frozenset(name for name, d in LABELS.items() if d.reads_volume)
 
 
 def _without_volume_questions(spec: SessionSpec, bars: Sequence[Any], path: Path) -> tuple[SessionSpec, list[str]]:
