@@ -1,8 +1,13 @@
-"""Shared frozen prefixes: sessions whose system prompts are identical share those cells.
+"""Shared frozen prefixes: sessions of one tenant whose system prompts are identical share those cells.
 
 Once a session's frozen prefix is computed, its full blocks are remembered (one
-reference held here) by their token ids; a later session with the same prefix starts
-on them instead of prefilling it again. A prefix nobody holds any more is forgotten.
+reference held here) by its tenant and token ids; a later session of the same tenant
+with the same prefix starts on them instead of prefilling it again. A prefix nobody
+holds any more is forgotten.
+
+Sharing stops at the tenant: a session starting on cached cells shows it (`num_computed`
+at open, how fast its prefix is in), so sharing across tenants would tell one tenant
+which system prompts another uses.
 """
 
 from __future__ import annotations
@@ -13,16 +18,17 @@ from streamllm.engine.kv import BlockTable, KVStore
 class SharedPrefixes:
     def __init__(self, store: KVStore) -> None:
         self.store = store
-        self.blocks: dict[tuple[int, ...], list[int]] = {}
+        self.blocks: dict[tuple[str, tuple[int, ...]], list[int]] = {}  # (tenant, full blocks' ids) -> blocks
         self.hits = 0
 
-    def _key(self, prefix: list[int]) -> tuple[int, ...]:
+    def _key(self, tenant: str, prefix: list[int]) -> tuple[str, tuple[int, ...]] | None:
         full = len(prefix) // self.store.block_size * self.store.block_size
-        return tuple(prefix[:full])
+        return (tenant, tuple(prefix[:full])) if full else None
 
-    def start(self, table: BlockTable, prefix: list[int]) -> int:
-        """Put a computed copy of `prefix`'s full blocks at the start of an empty table; returns tokens covered."""
-        key = self._key(prefix)
+    def start(self, table: BlockTable, prefix: list[int], tenant: str) -> int:
+        """Put a computed copy of `prefix`'s full blocks, as `tenant` cached them, at the start of an
+        empty table; returns tokens covered."""
+        key = self._key(tenant, prefix)
         shared = self.blocks.get(key) if key else None
         if not shared:
             return 0
@@ -31,11 +37,11 @@ class SharedPrefixes:
         self.hits += 1
         return table.num_tokens
 
-    def remember(self, token_ids: list[int], prefix_len: int, table: BlockTable) -> None:
-        key = self._key(token_ids[:prefix_len])
-        if not key or key in self.blocks:
+    def remember(self, token_ids: list[int], prefix_len: int, table: BlockTable, tenant: str) -> None:
+        key = self._key(tenant, token_ids[:prefix_len])
+        if key is None or key in self.blocks:
             return
-        blocks = table.blocks[: len(key) // self.store.block_size]
+        blocks = table.blocks[: len(key[1]) // self.store.block_size]
         self.store.manager.share(blocks)
         self.blocks[key] = blocks
 

@@ -18,6 +18,8 @@ DEFAULT_SYSTEM = (
 )
 DATA_HEADER = "Market data:\n"
 _SENTINEL = "\x00STREAMLLM_CONTENT\x00"
+MAX_CACHED_QUESTIONS = 4096  # questions whose token ids are kept...
+MAX_CACHED_QUESTION_CHARS = 256  # ...each this short: the cache stays under ~1 MiB of text and its ids
 
 
 class PromptLayout:
@@ -84,9 +86,17 @@ class PromptLayout:
         ids = self._question_cache.get(question)
         if ids is None:
             ids = self._encode(f"Question: {question.strip()}", data=True) + self._encode(self._tail, data=False)
-            if len(self._question_cache) < 4096:  # the same questions come back: tokenize them once
+            # The same short questions come back: tokenize them once. Long ones are rare and would let
+            # a caller grow the cache to 4,096 x its longest question: they are tokenized every time.
+            if len(question) <= MAX_CACHED_QUESTION_CHARS and len(self._question_cache) < MAX_CACHED_QUESTIONS:
                 self._question_cache[question] = ids
         return list(ids)
+
+    @property
+    def cached_questions(self) -> int:
+        """Questions whose token ids are cached (at most MAX_CACHED_QUESTIONS, each of at most
+        MAX_CACHED_QUESTION_CHARS characters)."""
+        return len(self._question_cache)
 
 
 def validate_lines(lines: object) -> list[str]:
