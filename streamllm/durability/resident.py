@@ -200,12 +200,13 @@ class ResidentEngine(EngineClient):
     # -- asks ---------------------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None,
                    stop: list[str] | None = None, min_version: int | None = None,
-                   return_logits: bool = False, on_text: Callable[[str], None] | None = None) -> Future:
+                   return_logits: bool = False, on_text: Callable[[str], None] | None = None,
+                   deadline_s: float | None = None) -> Future:
         """A resident session is asked at once (no lock: the engine refuses an ask once an eviction has
         started, and that refusal sends it the slow way); a session on disk returns its future at once
         and is restored and asked in a worker thread."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version,
-                              "return_logits": return_logits, "on_text": on_text}
+                              "return_logits": return_logits, "on_text": on_text, "deadline_s": deadline_s}
         if self._evicted_entry(name) is None:
             try:
                 future = self.engine.submit_ask(name, question, **kw)

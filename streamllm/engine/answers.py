@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamllm.config.limits import MAX_ASK_TOKENS
 from streamllm.engine.commands import Ask, settle
 from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
-from streamllm.engine.outputs import Answer, AnswerPath, FinishReason, StalePolicy
+from streamllm.engine.outputs import Answer, AnswerPath, AskTimeout, FinishReason, StalePolicy
 from streamllm.engine.prepos import Prepositioner, Standing, is_final
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.scheduler import SchedulerConfig
@@ -34,6 +35,9 @@ from streamllm.engine.sequence import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+DEFAULT_ASK_TOKENS = 16  # an ask that names no max_tokens and inherits none
 
 
 def _path(fired: bool) -> AnswerPath:
@@ -56,6 +60,7 @@ class Answerer:
         self.running: list[AskBranch] = []  # asks being prefilled or decoded
         self.waiting: list[AskBranch] = []  # asks waiting for their data version or for cells
         self.questions_answered = self.fast_answers = self.entry_answers = 0
+        self.preemptions = self.timed_out = 0
 
     # -- asks in ------------------------------------------------------------------
     def ask(self, cmd: Ask, session: Session) -> None:
@@ -63,11 +68,14 @@ class Answerer:
         if cmd.standing_id and st is None:  # unregistered since the facade looked: ask it cold
             cmd.standing_id = None
         spec = st.spec if st is not None else None
+        # One cap wherever max_tokens comes from: the ask, or a standing question's spec it inherits.
+        max_tokens = min(cmd.max_tokens or (spec.max_tokens if spec else DEFAULT_ASK_TOKENS), MAX_ASK_TOKENS)
         br = AskBranch(session, cmd.question, st.prompt_ids if st else cmd.prompt_ids,
-                       max_tokens=cmd.max_tokens or (spec.max_tokens if spec else 16), stop=list(cmd.stop),
+                       max_tokens=max_tokens, stop=list(cmd.stop),
                        future=cmd.future, min_version=cmd.min_version,
                        choices=(st.gate if st and spec.choices else cmd.choices), standing=st, on_text=cmd.on_text,
-                       t_start=cmd.t_start or time.perf_counter(), keep_logits=cmd.keep_logits, ask_id=cmd.ask_id)
+                       t_start=cmd.t_start or time.perf_counter(), keep_logits=cmd.keep_logits, ask_id=cmd.ask_id,
+                       deadline_s=cmd.deadline_s)
         if st is None:
             self.waiting.append(br)
             return
@@ -138,19 +146,31 @@ class Answerer:
         return [b.table for b in self.running + self.waiting if b.table is not None]
 
     def start_waiting(self) -> None:
+        """Fork waiting asks whose data version is in. A preempted ask goes first, and nothing starts
+        ahead of it: it restarts once nothing else runs, or once the pool holds all it still needs."""
         for br in [b for b in self.waiting if self.can_start(b)]:
+            if br.preempted and self.running and not self._fits_whole(br):
+                return
             s = br.session
+            # A preempted ask resumes at the data version its tokens came from, while the session holds it.
+            version = br.data_version if br.preempted and br.data_version >= s.version_base else s.data_version
             try:
-                br.table = self._fork_evicting(s, s.version_length(s.data_version))
+                br.table = self._fork_evicting(s, s.version_length(version))
             except KVCapacityError as exc:
                 if not self.running:  # nothing will free cells: fail instead of waiting forever
                     self.waiting.remove(br)
                     settle(br.future, error=exc)
                 continue
-            br.base_len = s.version_length(s.data_version)
-            br.data_version = s.data_version
+            br.base_len = s.version_length(version)
+            br.data_version = version
             self.waiting.remove(br)
             self.running.append(br)
+
+    def _fits_whole(self, br: AskBranch) -> bool:
+        """Whether the free cells hold everything `br` still needs: its fork's tail, its tokens, its decode."""
+        manager = self.store.manager
+        tokens = manager.block_size + len(br.ids) + br.max_tokens - len(br.generated)
+        return manager.blocks_for(tokens) <= manager.num_free_blocks
 
     def _fork_evicting(self, session: Session, length: int) -> BlockTable:
         """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
@@ -164,23 +184,106 @@ class Answerer:
             return self.store.fork(session.table, length)
 
     def make_room(self) -> None:
-        """A question whose next chunk does not fit evicts idle entries; if even that cannot make
-        room, it fails with a clear error instead of waiting forever."""
-        manager, chunk = self.store.manager, self.scheduler_config.chunk_tokens
-        for br in list(self.running):
-            need = min(len(br.pending_ids), chunk)
-            if need == 0 or manager.can_append(br.table, need):
-                continue
-            self.prepos.evict_idle_entries({b.session.name for b in self.running})
-            if not manager.can_append(br.table, need):
-                self.prepos.evict_idle_entries(set())
-            self.publisher.drop_evicted()
-            if manager.can_append(br.table, need) or len(self.running) > 1:
-                continue  # room made, or another question will finish and free its cells
+        """Running questions whose next chunk does not fit evict idle entries first. Then, so that the
+        pool never deadlocks:
+
+          one question running, still blocked  -> it fails (KVCapacityError): nothing else will free cells
+          every running question blocked, and
+          no other work able to give cells back -> the newest is preempted (vLLM v1): its cells are
+                                                   freed, it waits first in line and is recomputed later
+
+        The oldest running question is never preempted, so it finishes or, alone, fails: no livelock."""
+        blocked = [br for br in self.running if not self._can_step(br)]
+        if not blocked:
+            return
+        self.prepos.evict_idle_entries({b.session.name for b in self.running})
+        if any(not self._can_step(br) for br in blocked):
+            self.prepos.evict_idle_entries(set())
+        self.publisher.drop_evicted()
+        blocked = [br for br in blocked if not self._can_step(br)]
+        if not blocked:
+            return
+        if len(self.running) == 1:
+            br = blocked[0]
             self.drop(br, KVCapacityError(
-                f"question on {br.session.name!r} needs {need} more cells and the pool has "
-                f"{manager.num_free_blocks * manager.block_size} free after evicting idle entries; "
-                "raise max_cells or ask a shorter question"))
+                f"question on {br.session.name!r} needs {self._next_chunk(br)} more cells and the pool has "
+                f"{self._free_cells()} free after evicting idle entries, with no other question running; "
+                "raise max_cells (or branch_cells) or ask a shorter question"))
+            return
+        if len(blocked) < len(self.running) or self._others_can_step():
+            return  # a question or a standing entry/decode still moves: it will finish and free cells
+        if self.prepos.evict_idle_entries(set(), computing=True):  # entries nobody waits for: recomputable
+            self.publisher.drop_evicted()
+            if any(self._can_step(br) for br in self.running):
+                return
+        self._preempt(max(self.running, key=lambda b: b.ask_id))
+
+    def _next_chunk(self, br: AskBranch) -> int:
+        return min(len(br.pending_ids), self.scheduler_config.chunk_tokens)
+
+    def _can_step(self, seq: Branch) -> bool:
+        need = min(len(seq.pending_ids), self.scheduler_config.chunk_tokens)
+        return need == 0 or seq.table is None or self.store.manager.can_append(seq.table, need)
+
+    def _others_can_step(self) -> bool:
+        """Whether an entry someone waits for or a standing decode can still move (and so will give its
+        cells back); entries nobody waits for are background work, evicted before a question is preempted."""
+        return any(job.table is not None and job.pending_ids and self._can_step(job)
+                   and (isinstance(job, DecodeBranch) or job.standing.waiters) for job in self.prepos.jobs())
+
+    def _free_cells(self) -> int:
+        return self.store.manager.num_free_blocks * self.store.manager.block_size
+
+    def _preempt(self, br: AskBranch) -> None:
+        """Free `br`'s cells and put it first in line; it keeps what it generated and recomputes its
+        prompt and those tokens on top of the session when it starts again (vLLM v1's preemption)."""
+        self.running.remove(br)
+        self._free(br)
+        br.num_computed = br.prepaid = 0
+        br.standing = None  # off the entry it may have come from: recomputed on the session itself
+        br.preempted += 1
+        self.preemptions += 1
+        self.waiting.insert(0, br)
+        self.waiting.sort(key=lambda b: b.ask_id if b.preempted else 0)  # stable: preempted first, oldest first
+
+    def expire(self, now: float) -> None:
+        """Drop every ask past its deadline (AskTimeout, saying how long it waited and where it was)."""
+        for br in self._in_flight():
+            deadline = br.deadline
+            if deadline is not None and now >= deadline:
+                self.timed_out += 1
+                self.drop(br, AskTimeout(
+                    f"question on {br.session.name!r} ran past its deadline of {br.deadline_s:g} s "
+                    f"(waited {now - br.t_start:.1f} s) while {self._where(br)}; it was dropped"))
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of any ask in flight (an idle core wakes for it), or None."""
+        return min((d for br in self._in_flight() if (d := br.deadline) is not None), default=None)
+
+    def _in_flight(self) -> list[AskBranch]:
+        """Every ask not answered yet: waiting for an entry, for its data or cells, or running."""
+        return [br for st in self.prepos.all() for br in st.waiters] + self.waiting + self.running
+
+    def _where(self, br: AskBranch) -> str:
+        s, free = br.session, self._free_cells()
+        if br in self.running:
+            if br.preempted and br.num_computed < len(br.ids):
+                where = f"recomputing after preemption ({br.num_computed} of {len(br.ids)} tokens)"
+            elif br.num_computed < len(br.prompt_ids):
+                where = f"prefilling ({br.num_computed} of {len(br.prompt_ids)} prompt tokens)"
+            else:
+                where = f"decoding ({len(br.generated)} of {br.max_tokens} tokens)"
+            return where + ("" if self._can_step(br) else f", blocked on cells ({free} free)")
+        if br not in self.waiting:
+            return f"waiting for its standing question's entry (the session is at data version {s.data_version})"
+        if not s.ready:
+            return "waiting for the session's system prompt to be computed"
+        if s.data_version < br.min_version:
+            return (f"waiting for data version {br.min_version} (the session is at {s.data_version}, "
+                    f"{s.pending_tokens} tokens still to ingest)")
+        if br.preempted:
+            return f"waiting for cells after preemption ({free} free, preempted {br.preempted} times)"
+        return f"waiting to start ({free} cells free)"
 
     def reroute_orphaned_waiters(self) -> None:
         """Asks waiting on an entry that cannot be computed (no cells) go the cold way."""
@@ -235,7 +338,7 @@ class Answerer:
             self._standing_changed(st, rec.text, _path(rec.fired), rec.confidence, rec.data_version, rec.choices)
         elif st.spec.push:
             self.prepos.release(st.decoding)  # an older decode is superseded by this fresher entry
-            dec = DecodeBranch(st.session, st.spec.text, st.prompt_ids, max_tokens=st.spec.max_tokens,
+            dec = DecodeBranch(st.session, st.spec.text, st.prompt_ids, max_tokens=min(st.spec.max_tokens, MAX_ASK_TOKENS),
                                standing=st, confidence=rec.confidence, path=_path(rec.fired))
             try:
                 self.prepos.fork_from_entry(st, dec)

@@ -55,6 +55,7 @@ from streamllm.engine.kv import BlockManager, KVPool, KVStore
 from streamllm.engine.outputs import (
     AdmissionError,
     Answer,
+    AskTimeout,
     EngineIdentity,
     EngineStopped,
     PushAck,
@@ -74,7 +75,7 @@ from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 from streamllm.model.lora import merged_state_dict
 
-__all__ = ["AdmissionError", "Answer", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
+__all__ = ["AdmissionError", "Answer", "AskTimeout", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
 LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
@@ -287,13 +288,20 @@ class Engine(Intake, Subscribable, EngineClient):
 
     # -- questions --------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
-                   min_version: int | None = None, return_logits: bool = False, on_text=None) -> Future:
-        """Ask a question; a standing question (by id or text) takes the fast or entry path."""
+                   min_version: int | None = None, return_logits: bool = False, on_text=None,
+                   deadline_s: float | None = None) -> Future:
+        """Ask a question; a standing question (by id or text) takes the fast or entry path.
+        max_tokens is capped at MAX_ASK_TOKENS; deadline_s (default `EngineConfig.ask_timeout_s`)
+        bounds how long it may take before it is dropped with `AskTimeout`."""
         t0 = time.perf_counter()
         if not isinstance(question, str) or not question.strip():
             raise ValueError("question must be a non-empty string")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
+        if deadline_s is None:
+            deadline_s = self.config.ask_timeout_s
+        elif isinstance(deadline_s, bool) or not isinstance(deadline_s, int | float) or not deadline_s > 0:
+            raise ValueError(f"deadline_s must be a number of seconds > 0 (or None for the engine's), got {deadline_s!r}")
         with self._lock:
             pushed = self._handle(name).pushed_version
         if min_version is not None and min_version > pushed:
@@ -315,7 +323,8 @@ class Engine(Intake, Subscribable, EngineClient):
                 return future
         prompt = [] if spec is not None else self.layout.question_ids(question)
         cmd = Ask(next(self._ask_ids), name, question, prompt, max_tokens, list(stop or []), min_version or 0,
-                  return_logits, spec.id if spec is not None else None, on_text=on_text, t_start=t0)
+                  return_logits, spec.id if spec is not None else None, on_text=on_text, t_start=t0,
+                  deadline_s=deadline_s)
         future = self._submit(name, cmd)
         future.add_done_callback(lambda f, ask_id=cmd.ask_id: f.cancelled() and self.core.submit(Cancel(ask_id)))
         return future

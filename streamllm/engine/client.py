@@ -125,9 +125,13 @@ class EngineClient(abc.ABC):
     @abc.abstractmethod
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None,
                    stop: list[str] | None = None, min_version: int | None = None,
-                   return_logits: bool = False, on_text: TextCallback | None = None) -> Future:
+                   return_logits: bool = False, on_text: TextCallback | None = None,
+                   deadline_s: float | None = None) -> Future:
         """Ask a question; the future resolves to an `Answer`. A standing question (by id or text)
         takes the fast or entry path. on_text(piece) receives the answer's text as it is decoded.
+        max_tokens: at most `MAX_ASK_TOKENS` are decoded (a standing question's own is capped too).
+        deadline_s: seconds after which an unanswered question is dropped, its cells freed and its
+        future failed with `AskTimeout`; None takes the engine's default (`EngineConfig.ask_timeout_s`).
         Cancelling the future cancels the question. A refused ask (unknown session, bad argument)
         raises here or fails the future (a remote engine knows only later); `ask` raises either way."""
 

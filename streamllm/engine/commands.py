@@ -86,6 +86,7 @@ class Ask(Command):
     choices: Gate | None = None  # the gate of a choice question asked cold
     on_text: Callable[[str], None] | None = None
     t_start: float = 0.0
+    deadline_s: float | None = None  # seconds from t_start after which it is dropped (AskTimeout)
 
 
 @dataclass(slots=True, eq=False)

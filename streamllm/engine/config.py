@@ -28,6 +28,9 @@ class EngineConfig:
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)  # safety=0: cuts by token counts alone
     stale_policy: StalePolicy = StalePolicy.WAIT  # a standing question asked while its entry lags
     head_entries: bool = True  # series heads decide entries without a prefill
+    # An ask still unanswered this long after it was submitted is dropped (AskTimeout) and its cells
+    # freed; an ask's own deadline_s overrides it. None (or 0): asks have no deadline.
+    ask_timeout_s: float | None = 120.0
     check_integrity_every_step: bool = False  # tests: the KV store's invariants after every step
 
     def __post_init__(self) -> None:
@@ -47,6 +50,12 @@ class EngineConfig:
             choices = ", ".join(repr(p.value) for p in StalePolicy)
             raise ValueError(f"EngineConfig.stale_policy must be a StalePolicy ({choices}), "
                              f"got {self.stale_policy!r}") from None
+        timeout = self.ask_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                    or not timeout >= 0):
+            raise ValueError(f"EngineConfig.ask_timeout_s must be None or a number of seconds >= 0, got {timeout!r}")
+        if timeout == 0:
+            object.__setattr__(self, "ask_timeout_s", None)
         if not isinstance(self.scheduler, SchedulerConfig):
             raise TypeError(f"EngineConfig.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         if not isinstance(self.compaction, CompactionPolicy):

@@ -177,7 +177,7 @@ class EngineCore:
 
     def _loop(self) -> None:
         while True:
-            self._drain(block=not self.has_work())
+            self._drain(block=not self.has_work(), timeout=self._until_deadline())
             if self._stop:
                 return
             self._prepare()
@@ -186,7 +186,12 @@ class EngineCore:
                 self._step(plan)
             self._publish()
             if not plan and self.has_work():  # blocked on cells: wait for a command or a retry
-                self._drain(block=True, timeout=0.05)
+                self._drain(block=True, timeout=min(0.05, self._until_deadline() or 0.05))
+
+    def _until_deadline(self) -> float | None:
+        """Seconds until the earliest ask deadline (an idle core wakes to drop it), or None."""
+        deadline = self.answerer.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
         cmd, self._held = self._held, None
@@ -272,7 +277,7 @@ class EngineCore:
             raise SessionError(f"session {name!r} is already open")
         self.admit(name, max_context)
         table = BlockTable()
-        computed = self.prefixes.start(table, prefix)  # an identical frozen prefix is shared, not recomputed
+        computed = self.prefixes.start(table, prefix, tenant)  # the tenant's identical prefix is shared, not recomputed
         self.store.manager.reserve(table, max_context)
         session = Session(name, system, prefix, max_context, table, tenant)
         session.taps = self.taps.new_taps()
@@ -349,6 +354,7 @@ class EngineCore:
                            for st in self.prepos.all()))
 
     def _prepare(self) -> None:
+        self.answerer.expire(time.perf_counter())
         self.compactor.swap_caught_up()  # a copy may have nothing to compute (its cut is past the session's data)
         self.compactor.keep_moving()
         self.answerer.start_waiting()
@@ -389,7 +395,7 @@ class EngineCore:
                 if seq.advance(n):
                     self.publisher.data(seq)
                 if seq.ready and not had_prefix:
-                    self.prefixes.remember(seq.token_ids, seq.prefix_len, seq.table)
+                    self.prefixes.remember(seq.token_ids, seq.prefix_len, seq.table, seq.tenant)
             elif isinstance(seq, CompactionCopy):
                 seq.num_computed += n
             else:

@@ -58,6 +58,11 @@ class ReplicaUnavailable(RuntimeError):
         self.replica = replica
 
 
+class AskTimeout(TimeoutError):
+    """A question ran past its deadline (`EngineConfig.ask_timeout_s`, or the ask's `deadline_s`); it
+    was dropped and its cells freed. The message says how long it waited and where it was."""
+
+
 class EngineStopped(RuntimeError):
     """The engine was shut down (or its core died); nothing more is accepted."""
 

@@ -335,7 +335,13 @@ class AskBranch(DecodingBranch):
     keep_logits: bool = False
     choice_probs: dict[str, float] | None = None
     stale: bool = False
-    ask_id: int = 0
+    ask_id: int = 0  # the facade's, in submission order: the newest is preempted first
+    deadline_s: float | None = None  # dropped with AskTimeout this long after t_start; None: never
+    preempted: int = 0  # times its cells were taken back (it is recomputed from its data version)
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.deadline_s is None else self.t_start + self.deadline_s
 
     @property
     def sched_class(self) -> SchedClass:  # type: ignore[override]

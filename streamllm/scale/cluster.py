@@ -288,11 +288,13 @@ class ClusterEngine(Subscribable, EngineClient, ReplicaControl):
 
     # -- questions ----------------------------------------------------------
     def submit_ask(self, name: str, question: str, *, max_tokens: int | None = None, stop: list[str] | None = None,
-                   min_version: int | None = None, return_logits: bool = False, on_text=None) -> Future:
+                   min_version: int | None = None, return_logits: bool = False, on_text=None,
+                   deadline_s: float | None = None) -> Future:
         """The question runs on the session's replica; the Future resolves from Ray's ObjectRef.
         on_text(piece): the answer's text as it is decoded (a Ray streaming generator, read by a thread)."""
         h = self.replica_of(name)
-        kw = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version, "return_logits": return_logits}
+        kw = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version, "return_logits": return_logits,
+              "deadline_s": deadline_s}
         out: Future = Future()
         if on_text is None:
             ref = h.actor.ask.remote(name, question, kw)
