@@ -59,6 +59,7 @@ def test_two_pool_filling_questions_both_finish_and_a_third_then_completes(tiny_
         third = eng.submit_ask("s", "Trend?", max_tokens=4)
         assert _settled(third).tokens == expected_short
         assert eng.wait_idle(WAIT_S)
+        assert eng.stats()["questions_running"] == eng.stats()["questions_waiting"] == 0
         eng.check_integrity()
         assert eng.store.manager.num_free_blocks + eng.store.manager.blocks_for(128) == free  # only the session holds cells
 
@@ -75,4 +76,18 @@ def test_a_preempted_question_that_cannot_fit_alone_fails_clearly(tiny_model):
             assert "'s'" in str(outcome) and "more cells" in str(outcome) and "free" in str(outcome)
         assert _settled(eng.submit_ask("s", "Trend?", max_tokens=4)).text is not None
         assert eng.wait_idle(WAIT_S)
+        eng.check_integrity()
+
+
+def test_three_pool_filling_questions_all_finish_as_on_a_roomy_pool(tiny_model):
+    questions = [LONG, LONG + "beta", LONG + "gamma"]
+    with Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=128)) as ref:
+        _open(ref)
+        expected = [ref.ask("s", q, max_tokens=6).tokens for q in questions]
+    with Engine(tiny_model, _config()) as eng:
+        _open(eng)
+        futures = [eng.submit_ask("s", q, max_tokens=6) for q in questions]
+        # Preempted ones wait first in line, oldest first, and restart only beside room for all: none is lost.
+        assert [_settled(f).tokens for f in futures] == expected
+        assert eng.stats()["questions_preempted"] >= 1
         eng.check_integrity()

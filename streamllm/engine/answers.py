@@ -152,7 +152,8 @@ class Answerer:
             if br.preempted and self.running and not self._fits_whole(br):
                 return
             s = br.session
-            # A preempted ask resumes at the data version its tokens came from, while the session holds it.
+            # A preempted ask resumes at the data version its tokens came from while the session holds it
+            # (a compaction may have cut it away meanwhile: then at the newest, which its answer reports).
             version = br.data_version if br.preempted and br.data_version >= s.version_base else s.data_version
             try:
                 br.table = self._fork_evicting(s, s.version_length(version))
@@ -167,10 +168,13 @@ class Answerer:
             self.running.append(br)
 
     def _fits_whole(self, br: AskBranch) -> bool:
-        """Whether the free cells hold everything `br` still needs: its fork's tail, its tokens, its decode."""
+        """Whether the free cells hold everything `br` still needs (its fork's tail, its tokens, its
+        decode) beside all the running asks still need: restarted, it cannot block them or be blocked."""
         manager = self.store.manager
-        tokens = manager.block_size + len(br.ids) + br.max_tokens - len(br.generated)
-        return manager.blocks_for(tokens) <= manager.num_free_blocks
+        running = sum(manager.blocks_needed(r.table, len(r.pending_ids) + r.max_tokens - len(r.generated))
+                      for r in self.running)
+        mine = manager.blocks_for(manager.block_size + len(br.ids) + br.max_tokens - len(br.generated))
+        return running + mine <= manager.num_free_blocks
 
     def _fork_evicting(self, session: Session, length: int) -> BlockTable:
         """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
@@ -244,7 +248,7 @@ class Answerer:
         br.preempted += 1
         self.preemptions += 1
         self.waiting.insert(0, br)
-        self.waiting.sort(key=lambda b: b.ask_id if b.preempted else 0)  # stable: preempted first, oldest first
+        self.waiting.sort(key=lambda b: (0, b.ask_id) if b.preempted else (1, 0))  # preempted first, oldest first
 
     def expire(self, now: float) -> None:
         """Drop every ask past its deadline (AskTimeout, saying how long it waited and where it was)."""
