@@ -19,7 +19,14 @@ from streamllm.config import parse_question
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.client import EngineClient, EngineHealth
-from streamllm.engine.outputs import Answer, PushAck, SessionError, SessionInfo, StandingAnswer
+from streamllm.engine.outputs import (
+    Answer,
+    AskTimeout,
+    PushAck,
+    SessionError,
+    SessionInfo,
+    StandingAnswer,
+)
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 
 CONFIG = EngineConfig(max_cells=32768, block_size=8, max_context=2048, scheduler=SchedulerConfig(chunk_tokens=64))
@@ -185,6 +192,16 @@ def test_ask_async_and_cancel(engine, name):
     assert cancelled
     assert engine.wait_idle(TIMEOUT)  # the cancelled question holds nothing
     assert engine.health().alive
+
+
+def test_an_ask_has_a_deadline(engine, name):
+    engine.push(name, lines(7))
+    answer = engine.ask(name, "Is volume rising?", max_tokens=2, min_version=1, deadline_s=TIMEOUT, timeout=TIMEOUT)
+    assert answer.data_version == 1
+    late = engine.submit_ask(name, "Is volume falling?", max_tokens=2, deadline_s=1e-6)  # past it on arrival
+    with pytest.raises(AskTimeout, match="deadline"):
+        late.result(TIMEOUT)
+    assert engine.wait_idle(TIMEOUT)  # the dropped question holds nothing
 
 
 def test_subscriptions_hear_data_and_standing_changes(engine, name):
