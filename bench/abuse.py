@@ -51,6 +51,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.common import percentile, print_table, write_json
+from streamllm.config.limits import MAX_QUESTION_CHARS
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTION = {"id": "trend", "text": "Is the price going up or down? Answer up or down.", "choices": ["up", "down"]}
@@ -129,6 +130,7 @@ class Raw:
 
     @classmethod
     async def connect(cls, url: str, **kw: Any) -> Raw:
+        """kw: the websockets client's (origin, host/port to reach a URL naming another host...)."""
         return cls(await connect(url, max_size=None, compression=None, open_timeout=TIMEOUT_S, **kw))
 
     async def call(self, message: dict[str, Any] | bytes | str, timeout: float = TIMEOUT_S) -> dict[str, Any]:
@@ -173,11 +175,12 @@ def judge(tally: Tally, what: str, reply: dict[str, Any], ok_codes: tuple[str, .
 
 async def cross_origin(url: str, tally: Tally, session: str) -> None:
     port = url.rsplit(":", 1)[1]
-    attempts = [("ws origin", {"origin": EVIL}), ("ws rebinding host",
-                {"additional_headers": {"Host": f"evil.example:{port}"}})]
-    for what, kw in attempts:
+    host = url.removeprefix("ws://").rsplit(":", 1)[0]
+    attempts = [("ws origin", url, {"origin": EVIL}),  # a page on another site
+                ("ws rebinding host", f"ws://evil.example:{port}/", {"host": host, "port": int(port)})]
+    for what, target, kw in attempts:
         try:
-            raw = await Raw.connect(url, **kw)
+            raw = await Raw.connect(target, **kw)
         except (InvalidStatus, OSError, TimeoutError):
             tally.counts["cross_origin_refused"] += 1
             continue
@@ -280,19 +283,37 @@ async def stop_flood(url: str, tally: Tally, session: str) -> None:
 
 
 async def pool_fill(url: str, tally: Tally) -> None:
-    """Two questions that each fit the free cells alone, but not both: one must finish or fail clearly."""
+    """Two questions that each fit the free cells alone, but not both (the pool is first filled to
+    1.5x one question with a ballast session's reservation), then a third: all must end, with an
+    answer or a clear error (before #44 both blocked for good, and every later cold ask with them)."""
     raw = await Raw.connect(url)
-    for name in ("hog1", "hog2"):
-        await raw.call({"type": "open", "session": name, "max_context": 1024})
-        await raw.call({"type": "push", "session": name, "lines": [bar_line(i) for i in range(16)]})
-    stats = await raw.call({"type": "stats"})
-    free = int(stats.get("engine", {}).get("cells_free", 0))
-    await raw.close()
-    # Each needs ~60% of what is free: prompt (~2 characters a token with the tiny model) + decode.
+    filler = "Describe every bar in detail, with its open, high, low and close. " * 80
     decode = 512
-    prompt_chars = max(64, min(3000, int((free * 0.6 - decode) * 2)))
-    question = ("Describe every bar in detail. " * 200)[:prompt_chars]
-    tally.counts["pool_free_cells"] = free
+    for name in ("hog1", "hog2", "measure"):
+        await raw.call({"type": "open", "session": name, "max_context": 2048 if name == "measure" else 512})
+    for name in ("hog1", "hog2"):
+        await raw.call({"type": "push", "session": name, "lines": [bar_line(i) for i in range(8)]})
+    # Characters per token of this text: 300 of them pushed as a line into a scratch session.
+    before = await _session(raw, "measure")
+    ack = await raw.call({"type": "push", "session": "measure", "lines": [filler[:300]]})
+    after = before
+    while after.get("data_version", 0) < ack.get("data_version", 1):
+        await asyncio.sleep(0.05)
+        after = await _session(raw, "measure")
+    await raw.call({"type": "close", "session": "measure"})
+    chars_per_token = 300 / max(1, after["num_tokens"] - before["num_tokens"])
+    # Each question needs `need` cells (prompt + decode); the pool keeps 1.5x that free: either fits
+    # alone, not both. The longest question allowed sets `need`; a ballast reservation trims the pool.
+    free = int((await raw.call({"type": "stats"}))["engine"]["cells_free"])
+    longest = int(MAX_QUESTION_CHARS / chars_per_token) + 16 + decode
+    need = min(longest, int(free / 1.5))
+    question = filler[: int((need - 16 - decode) * chars_per_token)]
+    ballast = free - int(1.5 * need)
+    if ballast > 0:
+        await raw.call({"type": "open", "session": "ballast", "max_context": ballast})
+    tally.counts["pool_fill_need_cells"] = need
+    tally.counts["pool_fill_free_cells"] = int((await raw.call({"type": "stats"}))["engine"]["cells_free"])
+    await raw.close()
 
     async def ask(session: str) -> dict[str, Any]:
         r = await Raw.connect(url)
@@ -310,36 +331,47 @@ async def pool_fill(url: str, tally: Tally) -> None:
             tally.bad("internal_errors", f"pool_fill: {reply.get('message')}")
         else:
             tally.counts[f"pool_fill_{reply.get('type')}"] += 1
-    after = await ask("hog1")  # the pool is usable again
-    if after.get("type") != "answer":
-        tally.bad("hung_callers" if after.get("type") == "closed" else "pool_fill_after_failed", str(after)[:160])
+    after_fill = await ask("hog1")  # the pool is usable again
+    if after_fill.get("type") != "answer":
+        tally.bad("hung_callers" if after_fill.get("type") == "closed" else "pool_fill_after_failed",
+                  str(after_fill)[:160])
     raw = await Raw.connect(url)
-    for name in ("hog1", "hog2"):
+    for name in ("hog1", "hog2", "ballast"):
         await raw.call({"type": "close", "session": name})
     await raw.close()
 
 
-async def slow_sse(url: str, tally: Tally, seconds: float) -> None:
-    """SSE readers that never read, on a session pushed fast: the server must end their streams."""
+async def _session(raw: Raw, name: str) -> dict[str, Any]:
+    return next((s for s in (await raw.call({"type": "stats"})).get("sessions", []) if s.get("name") == name), {})
+
+
+async def slow_sse(url: str, tally: Tally, seconds: float, rate: float = 500.0) -> None:
+    """SSE readers that never read, on a session pushed at `rate` pushes/s (a fast feed): the server
+    must end their streams (queue overflow, then `close_timeout_s` for a reader that takes nothing).
+    The readers advertise an internet-sized MSS (536 bytes): over loopback's 64 KiB segments the
+    kernel would buffer megabytes for them before the server ever saw one waiting."""
     raw = await Raw.connect(url)
-    await raw.call({"type": "open", "session": "firehose", "max_context": 1024})
+    await raw.call({"type": "open", "session": "firehose", "max_context": 512})
     host, port = url.removeprefix("ws://").rsplit(":", 1)
     socks = []
     for _ in range(4):
         s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
         s.connect((host, int(port)))
         s.sendall(f"GET /v1/sessions/firehose/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
         socks.append(s)
-    deadline = time.monotonic() + seconds
+    t0 = time.monotonic()
     i = 0
-    while time.monotonic() < deadline:
+    while (now := time.monotonic()) < t0 + seconds:
         await raw.call({"type": "push", "session": "firehose", "lines": [bar_line(i)]})
         i += 1
+        await asyncio.sleep(max(0.0, t0 + i / rate - now))
     tally.counts["slow_sse_pushes"] = i
+    await asyncio.sleep(6.0)  # the server's close_timeout_s (5 s) for a reader that takes nothing
     cut = 0
-    for s in socks:  # read what is buffered: a cut stream ends (EOF or reset)
-        s.settimeout(2.0)
+    for s in socks:  # a cut stream ends in EOF (or a reset) once what was buffered is read
+        s.settimeout(1.0)
         try:
             while s.recv(1 << 16):
                 pass
@@ -372,33 +404,27 @@ async def conn_storm(url: str, tally: Tally, session: str, n: int) -> None:
 
     for start in range(0, n, 20):
         await asyncio.gather(*(one(i) for i in range(start, min(n, start + 20))))
-    await asyncio.sleep(3.0)  # cancellations land on the next steps
-    raw = await Raw.connect(url)
-    engine = (await raw.call({"type": "stats"})).get("engine", {})
-    await raw.close()
-    # The bystander has at most one cold ask running at any time.
-    orphans = max(0, int(engine.get("questions_running", 0)) + int(engine.get("questions_waiting", 0)) - 1)
-    tally.counts["storm_orphaned_asks"] = orphans
 
 
 async def bad_pushes(url: str, tally: Tally) -> None:
     """Impossible values: each push is refused before it is committed, or committed and acked."""
     raw = await Raw.connect(url)
-    await raw.call({"type": "open", "session": "junk"})
+    await raw.call({"type": "open", "session": "junk", "max_context": 512})
     bad = [["99:99 -5 +0 v0 n0"], ["00:00 1 -9999 v0"], ["12:00:00 nan +1 vinf n-1"], ["\x00\x01\x02"],
            ["2026-13-45T99:99:99 64000 +1 v1 n1"], ["12:00:01 1e308 +1e308 v1e308 n1"], [""], ["x" * 5000]]
+    acked = 0  # the session's version: what was acked so far
     for lines in bad:
-        before = await _version(raw, "junk")
         reply = await raw.call({"type": "push", "session": "junk", "lines": lines})
-        after = await _version(raw, "junk")
-        if reply.get("type") == "error":
+        if reply.get("type") == "ok":
+            acked = reply["data_version"]
+            tally.counts["bad_push_accepted"] += 1
+        elif reply.get("type") == "error":
             if reply.get("code") == "internal":
                 tally.bad("internal_errors", f"push {lines[0][:20]!r}: {reply.get('message')}")
-            if after != before:
+            await asyncio.sleep(0.2)  # a committed batch would show in the session's versions by now
+            if (await _version(raw, "junk") or 0) > acked:
                 tally.bad("acked_then_error", f"push {lines[0][:20]!r} committed, then {reply.get('code')}")
             tally.counts["bad_push_refused"] += 1
-        elif reply.get("type") == "ok":
-            tally.counts["bad_push_accepted"] += 1
         else:
             tally.bad("hung_callers", f"push {lines[0][:20]!r}: {reply}")
     await raw.call({"type": "close", "session": "junk"})
@@ -409,21 +435,21 @@ async def _version(raw: Raw, session: str) -> int | None:
     stats = await raw.call({"type": "stats"})
     for s in stats.get("sessions", []):
         if s.get("name") == session:
-            return int(s.get("pushed_version", s.get("data_version", 0)))
+            return int(s["pushed_version"])  # the core's view: a push shows once the core has taken it
     return None
 
 
 # -- the well-behaved client (its own process) -----------------------------------------------
 
 
-def bystander_main(url: str, storm: Any, stop: Any, out: Any) -> None:
-    out.put(asyncio.run(_bystander(url, storm, stop)))
+def bystander_main(url: str, phase: Any, stop: Any, out: Any) -> None:
+    out.put(asyncio.run(_bystander(url, phase, stop)))
 
 
-async def _bystander(url: str, storm: Any, stop: Any) -> dict[str, Any]:
+async def _bystander(url: str, phase: Any, stop: Any) -> dict[str, Any]:
     from streamllm.client.client import AsyncClient, ServiceError
 
-    lat: dict[str, list[tuple[bool, float]]] = {"standing": [], "cold": []}
+    lat: dict[str, list[tuple[int, float]]] = {"standing": [], "cold": []}  # (phase, ms)
     errors: list[str] = []
     hung = acked_lines = 0
     last_version = 0
@@ -439,7 +465,7 @@ async def _bystander(url: str, storm: Any, stop: Any) -> dict[str, Any]:
 
         async def timed(kind: str, coro: Any) -> None:
             nonlocal hung
-            t0 = time.perf_counter()
+            t0, during = time.perf_counter(), phase.value
             try:
                 async with asyncio.timeout(TIMEOUT_S):
                     await coro
@@ -449,7 +475,7 @@ async def _bystander(url: str, storm: Any, stop: Any) -> dict[str, Any]:
             except ServiceError as exc:
                 errors.append(f"{kind}: {exc}")
                 return
-            lat[kind].append((storm.is_set(), (time.perf_counter() - t0) * 1000))
+            lat[kind].append((during, (time.perf_counter() - t0) * 1000))
 
         i, cold = 32, None
         next_cold = time.monotonic()
@@ -563,41 +589,58 @@ def failing_disk(model: str, pushes: int = 60) -> dict[str, int]:
 # -- the run ---------------------------------------------------------------------------------
 
 
-async def storm(url: str, seconds: float, tally: Tally) -> None:
+SCENARIOS = ("cross_origin", "oversized", "stop_flood", "bad_pushes", "conn_storm", "slow_sse", "pool_fill")
+
+
+async def storm(url: str, seconds: float, tally: Tally, phase: Any) -> None:
+    """Each scenario in turn (`phase` tells the bystander which one it is living through), then the
+    check that nothing of the hostile clients is left running in the engine."""
     raw = await Raw.connect(url)
     await raw.call({"type": "open", "session": "target", "max_context": 1024})
     await raw.call({"type": "push", "session": "target", "lines": [bar_line(i) for i in range(16)]})
     await raw.close()
-    scenarios = {
-        "cross_origin": cross_origin(url, tally, "target"),
-        "oversized": oversized(url, tally, "target"),
-        "stop_flood": stop_flood(url, tally, "target"),
-        "pool_fill": pool_fill(url, tally),
-        "slow_sse": slow_sse(url, tally, max(3.0, seconds / 2)),
-        "conn_storm": conn_storm(url, tally, "target", 60 if seconds < 20 else 200),
-        "bad_pushes": bad_pushes(url, tally),
+    runs = {
+        "cross_origin": lambda: cross_origin(url, tally, "target"),
+        "oversized": lambda: oversized(url, tally, "target"),
+        "stop_flood": lambda: stop_flood(url, tally, "target"),
+        "bad_pushes": lambda: bad_pushes(url, tally),
+        "conn_storm": lambda: conn_storm(url, tally, "target", 60 if seconds < 20 else 200),
+        "slow_sse": lambda: slow_sse(url, tally, max(4.0, seconds / 3)),
+        "pool_fill": lambda: pool_fill(url, tally),
     }
-    results = await asyncio.gather(*scenarios.values(), return_exceptions=True)
-    for name, result in zip(scenarios, results, strict=True):
-        if isinstance(result, BaseException):
-            tally.bad("scenario_errors", f"{name}: {type(result).__name__}: {result}")
+    for index, name in enumerate(SCENARIOS, 1):
+        phase.value = index
+        try:
+            await runs[name]()
+        except Exception as exc:
+            tally.bad("scenario_errors", f"{name}: {type(exc).__name__}: {exc}")
+        await asyncio.sleep(0.5)
+    phase.value = len(SCENARIOS) + 1  # after: the engine must be back to the bystander alone
+    orphans = 0
+    for _ in range(50):  # the bystander has at most one cold ask in flight
+        raw = await Raw.connect(url)
+        engine = (await raw.call({"type": "stats"})).get("engine", {})
+        await raw.close()
+        orphans = max(0, int(engine.get("questions_running", 0)) + int(engine.get("questions_waiting", 0)) - 1)
+        if not orphans:
+            break
+        await asyncio.sleep(0.1)
+    tally.counts["storm_orphaned_asks"] = orphans
 
 
-def run_abuse(model: str = "tiny", *, alone_s: float = 5.0, storm_s: float = 15.0, max_cells: int = 4096,
+def run_abuse(model: str = "tiny", *, alone_s: float = 5.0, storm_s: float = 15.0, max_cells: int = 8192,
               max_queue: int = 64, disk: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Returns (the report's keys, notes on everything counted against the server)."""
     proc, url = start_server(model, max_cells, max_queue)
     tally = Tally()
     ctx = mp.get_context("spawn")
-    storm_on, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    by = ctx.Process(target=bystander_main, args=(url, storm_on, stop, out), daemon=True)
+    phase, stop, out = ctx.Value("i", 0), ctx.Event(), ctx.Queue()
+    by = ctx.Process(target=bystander_main, args=(url, phase, stop, out), daemon=True)
     try:
         by.start()
         time.sleep(alone_s)
-        storm_on.set()
-        t0 = time.monotonic()
-        asyncio.run(storm(url, storm_s, tally))
-        time.sleep(max(0.0, storm_s - (time.monotonic() - t0)))
+        asyncio.run(storm(url, storm_s, tally, phase))
+        time.sleep(1.0)
         stop.set()
         result = out.get(timeout=TIMEOUT_S * 3)
         by.join(10)
@@ -613,8 +656,10 @@ def run_abuse(model: str = "tiny", *, alone_s: float = 5.0, storm_s: float = 15.
             proc.wait(20)
         if proc.poll() is None:
             proc.kill()
-    calm = [ms for kind in ("standing", "cold") for s, ms in result["lat"][kind] if not s]
-    busy = [ms for kind in ("standing", "cold") for s, ms in result["lat"][kind] if s]
+    lat = result["lat"]
+    during = range(1, len(SCENARIOS) + 1)
+    calm = [ms for kind in lat for p, ms in lat[kind] if p == 0]
+    busy = [ms for kind in lat for p, ms in lat[kind] if p in during]
     session = result["session"]
     lost = max(0, result["acked_lines"] - int(session.get("lines_ingested", result["acked_lines"])))
     c = tally.counts
@@ -633,8 +678,12 @@ def run_abuse(model: str = "tiny", *, alone_s: float = 5.0, storm_s: float = 15.
         "bystander_asks": len(calm) + len(busy),
         "bystander_p99_alone_ms": percentile(calm, 99),
         "bystander_p99_storm_ms": percentile(busy, 99),
-        "bystander_standing_p99_storm_ms": percentile([ms for s, ms in result["lat"]["standing"] if s], 99),
-        "bystander_cold_p99_storm_ms": percentile([ms for s, ms in result["lat"]["cold"] if s], 99),
+        "bystander_standing_p99_alone_ms": percentile([ms for p, ms in lat["standing"] if p == 0], 99),
+        "bystander_standing_p99_storm_ms": percentile([ms for p, ms in lat["standing"] if p in during], 99),
+        "bystander_cold_p99_alone_ms": percentile([ms for p, ms in lat["cold"] if p == 0], 99),
+        "bystander_cold_p99_storm_ms": percentile([ms for p, ms in lat["cold"] if p in during], 99),
+        **{f"bystander_{kind}_max_{name}_ms": max([ms for p, ms in lat[kind] if p == i], default=float("nan"))
+           for i, name in enumerate(SCENARIOS, 1) for kind in lat},
         **{k: v for k, v in c.items() if k.startswith(("cross_origin_refused", "slow_sse", "storm_", "pool_",
                                                         "bad_push", "refused", "closed"))},
     }
@@ -654,14 +703,14 @@ MUST_BE_ZERO = ("cross_origin_accepted", "engine_deaths", "hung_callers", "inter
                 "acked_then_error", "recovery_holes", "recovery_failed", "accepted_unbounded", "scenario_errors")
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="streamllm bench abuse", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--quick", action="store_true", help="shorter phases (about 40 s in all)")
     parser.add_argument("--alone-s", type=float, default=10.0)
     parser.add_argument("--storm-s", type=float, default=30.0)
-    parser.add_argument("--max-cells", type=int, default=4096, help="the server's KV pool (small on purpose)")
+    parser.add_argument("--max-cells", type=int, default=8192, help="the server's KV pool (small on purpose)")
     args = parser.parse_args(argv)
     alone, storm_s = (4.0, 12.0) if args.quick else (args.alone_s, args.storm_s)
     print(f"bench abuse: {args.model}, {alone:.0f} s alone, {storm_s:.0f} s under attack, then a failing disk",
@@ -679,4 +728,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli_main())
