@@ -27,6 +27,8 @@ from websockets.exceptions import InvalidStatus
 
 from streamllm.config import ConfigError, limits, load_config, parse_question
 from streamllm.config.limits import LimitError
+from streamllm.durability.ingest_log import IngestLog
+from streamllm.durability.recovery import recover
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.service.quotas import DEFAULT_QUOTA, NO_AUTH_QUOTA, Quota, QuotaBook
 from streamllm.service.server import ServerConfig, StreamServer
@@ -153,6 +155,30 @@ def test_parse_question_and_config_files_refuse_what_is_over_a_limit(tmp_path):
         load_config(path)
     assert str(path) in str(err.value) and "sessions[0].questions[0].text" in str(err.value)
     assert "over the limit of 4096" in str(err.value)
+
+
+def test_questions_accepted_before_the_limits_recover_capped_not_refused(tiny_model, tmp_path):
+    """An ingest log (or snapshot) may hold a question registered before the limits: recovery keeps it,
+    its max_tokens capped at the limit, rather than refusing the session."""
+    long_text = {"id": "long", "text": "w" * 5000}
+    assert parse_question(long_text, source="ingest log", stored=True).text == long_text["text"]
+    old = {"id": "long", "text": "Up or down?", "max_tokens": 10**6}
+    assert parse_question(old, source="ingest log", stored=True).max_tokens == limits.MAX_ASK_TOKENS
+    config = EngineConfig(max_cells=4096, block_size=8, max_context=1024)
+    first = Engine(tiny_model, config)
+    try:
+        recover(first, IngestLog(tmp_path))
+        first.open_session("s", "You watch bars.")
+        first.ingest_log.record_register("s", old)  # as an older server logged it
+    finally:
+        first.shutdown()
+    again = Engine(tiny_model, config)
+    try:
+        report = recover(again, IngestLog(tmp_path))
+        assert not report.failed
+        assert [(q.id, q.max_tokens) for q in again.standing_questions("s")] == [("long", limits.MAX_ASK_TOKENS)]
+    finally:
+        again.shutdown()
 
 
 def test_websocket_and_http_refuse_the_same_values_the_same_way(engine):

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from streamllm.config.labels import LabelError, LabelSpec, parse_label
-from streamllm.config.limits import LimitError, max_tokens_problem, text_problem
+from streamllm.config.limits import MAX_ASK_TOKENS, LimitError, max_tokens_problem, text_problem
 from streamllm.config.specs import (
     CHANGE_UNITS,
     DEFAULT_AUTO_CONFIDENCE,
@@ -89,9 +89,14 @@ def parse_config(
     return QueryConfig(source, tuple(sessions), adapter)
 
 
-def parse_question(data: Mapping[str, Any], source: str = "<question>", key_path: str = "question") -> QuestionSpec:
-    """Validate one question table (also used for questions registered at run time)."""
-    return _Reader(source, None).question(data, key_path)
+def parse_question(data: Mapping[str, Any], source: str = "<question>", key_path: str = "question", *,
+                   stored: bool = False) -> QuestionSpec:
+    """Validate one question table (also used for questions registered at run time).
+
+    stored: a question read back from an ingest log or a snapshot. It was accepted before
+    config/limits.py's bounds existed, so it is kept, never refused: its `max_tokens` is capped at
+    MAX_ASK_TOKENS and its text is taken as it is."""
+    return _Reader(source, None, stored).question(data, key_path)
 
 
 _MISSING: Any = object()
@@ -107,6 +112,7 @@ class _Reader:
 
     source: str
     base_dir: Path | None
+    stored: bool = False  # parse_question(stored=True): read back, capped rather than refused
 
     def fail(self, path: str, problem: str) -> ConfigError:
         return ConfigError(self.source, path, problem)
@@ -261,12 +267,16 @@ class _Reader:
                                 "push"))
         question_id = self.name(table, path, "id")
         text = self.text(table, path, "text")
-        self.within(path, "text", text_problem(text))
+        if not self.stored:
+            self.within(path, "text", text_problem(text))
         choices = self.choices(table, path)
         threshold, target = self.threshold(table, path)
         default_tokens = DEFAULT_MAX_TOKENS_CHOICES if choices else DEFAULT_MAX_TOKENS_FREE
         max_tokens = self.integer(table, path, "max_tokens", default_tokens, 1)
-        self.within(path, "max_tokens", max_tokens_problem(max_tokens))
+        if self.stored:
+            max_tokens = min(max_tokens, MAX_ASK_TOKENS)
+        else:
+            self.within(path, "max_tokens", max_tokens_problem(max_tokens))
         label = self.label(table, path, choices)
         push = self.get(table, path, "push", (bool,), "true or false", True)
         if target is not None and label is None:

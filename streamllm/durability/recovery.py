@@ -161,7 +161,7 @@ def _apply(engine: Engine | ResidentEngine, name: str, rec: Record, report: Reco
         restore_loaded(engine, load_snapshot(engine, rec.meta["path"]), rec.meta["path"], name)
         report.questions += len(engine.standing_questions(name))
     elif rec.kind == "register":
-        spec = parse_question(rec.meta, source=f"ingest log {name}")
+        spec = parse_question(rec.meta, source=f"ingest log {name}", stored=True)  # accepted once: kept
         have = {q.id: q for q in engine.standing_questions(name)}
         if spec.id in have:  # the checkpoint already holds it
             if have[spec.id] == spec:

@@ -203,7 +203,7 @@ def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
     if not base <= version < base + len(ends) or ends[version - base] > n:
         raise bad(f"data_version {version} is not computed ({n} computed tokens)")
     try:
-        questions = [parse_question(q, source=str(path), key_path=f"questions[{i}]")
+        questions = [parse_question(q, source=str(path), key_path=f"questions[{i}]", stored=True)
                      for i, q in enumerate(meta.get("questions", []))]
     except ConfigError as exc:
         raise bad(f"standing question does not parse: {exc}") from None
