@@ -300,6 +300,35 @@ def test_a_cold_ask_is_tokenized_off_the_loop_and_a_standing_id_answers_inline(e
     run(scenario, engine)
 
 
+def test_a_question_past_the_engines_deadline_is_timeout_on_both_faces(tiny_model):
+    """The engine drops an ask past its deadline (AskTimeout): the websocket says `timeout`, HTTP 504."""
+    deadline = 0.2
+    eng = Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=512, ask_timeout_s=deadline))
+
+    async def scenario(server):
+        w = await Wire.connect(server)
+        await w.ok("open", session="late")
+        with core_held(eng):  # nothing runs: the ask can only wait past its deadline
+            asked = await w.send("ask", session="late", question="Where next?", max_tokens=2)
+            await asyncio.sleep(deadline * 2)
+        reply = await w.reply(asked)
+        assert reply["code"] == "timeout" and "'late'" in reply["message"] and "local/" not in reply["message"]
+        body = {"model": "tiny", "prompt": "Where next?", "session": "late", "max_tokens": 2}
+        with core_held(eng):
+            pending = asyncio.ensure_future(asyncio.to_thread(http, server, "/v1/completions", body))
+            await until(lambda: server.quotas.asks.get("local"), "the completion is in flight")
+            await asyncio.sleep(deadline * 2)
+        status, got = await pending
+        assert (status, got["error"]["code"]) == (504, "timeout"), got
+        assert eng.stats()["questions_timed_out"] == 2
+        await w.ok("close", session="late")
+
+    try:
+        run(scenario, eng)
+    finally:
+        eng.shutdown()
+
+
 # -- quotas ----------------------------------------------------------------------------------------
 def test_default_quota_with_tokens_and_a_tenants_own_table_wins(engine):
     assert QuotaBook({}, engine, auth=True).quota("bob") == DEFAULT_QUOTA

@@ -10,7 +10,7 @@ from streamllm.config.limits import LimitError
 from streamllm.durability.ingest_log import IngestLogError
 from streamllm.engine import AdmissionError, SessionError
 from streamllm.engine.kv import KVCapacityError
-from streamllm.engine.outputs import ReplicaUnavailable
+from streamllm.engine.outputs import AskTimeout, ReplicaUnavailable
 from streamllm.service import protocol as p
 from streamllm.service.quotas import QuotaExceeded
 
@@ -22,6 +22,8 @@ def engine_error(exc: BaseException, kind: str) -> tuple[str, str]:
     """(code, message) for an exception raised by the engine or by validation."""
     if isinstance(exc, QuotaExceeded):
         return p.QUOTA, str(exc)
+    if isinstance(exc, AskTimeout):  # past the engine's ask deadline: dropped, its cells freed (HTTP 504)
+        return p.TIMEOUT, client_text(str(exc))
     if isinstance(exc, ReplicaUnavailable):  # serve --ray: the session's replica is recovering
         return p.UNAVAILABLE, client_text(str(exc))
     if isinstance(exc, IngestLogError):  # the disk failed: not acked, nothing kept (durability/ingest_log.py)
