@@ -4,6 +4,7 @@ that cannot fit even alone fails. Each wait has a timeout: before preemption the
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -90,4 +91,27 @@ def test_three_pool_filling_questions_all_finish_as_on_a_roomy_pool(tiny_model):
         # Preempted ones wait first in line, oldest first, and restart only beside room for all: none is lost.
         assert [_settled(f).tokens for f in futures] == expected
         assert eng.stats()["questions_preempted"] >= 1
+        eng.check_integrity()
+
+
+def test_a_short_question_is_not_held_behind_a_preempted_long_one(tiny_model):
+    """Backfilling: while a preempted question waits for the pool, a short one whose whole need fits
+    beside the running question starts at once, and everyone answers as on a roomy pool."""
+    long_q, long_r, short = "alpha " * 28, "alpha " * 28 + "beta", "Trend?"
+    with Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=128)) as ref:
+        _open(ref)
+        expected = [ref.ask("s", q, max_tokens=n).tokens for q, n in ((long_q, 60), (long_r, 60), (short, 4))]
+    with Engine(tiny_model, _config(branch_cells=400)) as eng:
+        _open(eng)
+        first, second = (eng.submit_ask("s", q, max_tokens=60) for q in (long_q, long_r))
+        for _ in range(WAIT_S * 100):  # until the newer long question has been preempted
+            if eng.stats()["questions_preempted"] or first.done():
+                break
+            time.sleep(0.01)
+        assert eng.stats()["questions_preempted"] >= 1, "the two long questions must not fit together"
+        quick = eng.submit_ask("s", short, max_tokens=4)
+        assert _settled(quick).tokens == expected[2]
+        assert len(expected[0]) == 60  # the running long question decodes all 60: it is still at it
+        assert not first.done(), "the short question waited for the long ones instead of starting beside them"
+        assert [_settled(first).tokens, _settled(second).tokens] == expected[:2]
         eng.check_integrity()

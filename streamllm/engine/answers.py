@@ -146,11 +146,18 @@ class Answerer:
         return [b.table for b in self.running + self.waiting if b.table is not None]
 
     def start_waiting(self) -> None:
-        """Fork waiting asks whose data version is in. A preempted ask goes first, and nothing starts
-        ahead of it: it restarts once nothing else runs, or once the pool holds all it still needs."""
+        """Fork waiting asks whose data version is in. A preempted ask goes first: it restarts once
+        nothing else runs, or once the pool holds all it still needs. While it waits, only asks whose
+        whole need fits beside the running ones start (backfilling, as batch schedulers do): they can
+        neither block nor be blocked, and give their cells back before the preempted ask could use
+        them, so a short question is not held behind a long one that filled the pool."""
+        head_waits = False
         for br in [b for b in self.waiting if self.can_start(b)]:
             if br.preempted and self.running and not self._fits_whole(br):
-                return
+                head_waits = True
+                continue
+            if head_waits and not self._fits_whole(br):
+                continue
             s = br.session
             # A preempted ask resumes at the data version its tokens came from while the session holds it
             # (a compaction may have cut it away meanwhile: then at the newest, which its answer reports).
