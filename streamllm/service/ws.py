@@ -5,9 +5,10 @@
                                                        (call_soon_threadsafe, never await)
 
 Each connection owns a bounded outgoing queue drained by one writer task (connection.py).
-Questions run as tasks, so one connection can have many in flight. Engine calls that may
-block (push, which may fsync the ingest log; open, close, register and unregister, which
-log too) run in a worker thread, never on the loop. `Authorization: Bearer` at connect
+Questions run as tasks, so one connection can have many in flight; closing the connection
+cancels them in the engine. Engine calls that may block (push, which may fsync the ingest
+log; open, close, register and unregister, which log too; an ask of a question's text, which
+tokenizes it) run in a worker thread, never on the loop. `Authorization: Bearer` at connect
 authenticates like a `hello` with that token.
 """
 
