@@ -375,7 +375,9 @@ class Answerer:
             self.fast_answers += rec.fired
             self.entry_answers += not rec.fired
             self.questions_answered += 1
-            settle(br.future, result=self._answer(br, rec.text, 0))
+            answer = self._answer(br, rec.text, 0)
+            answer.warming_up, answer.warming_up_reason = rec.warming_up is not None, rec.warming_up
+            settle(br.future, result=answer)
             return
         try:
             self.prepos.fork_from_entry(st, br)

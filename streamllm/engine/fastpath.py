@@ -26,4 +26,5 @@ def fast_answer(ready: ReadyRecord | None, spec: QuestionSpec, session_version: 
         return None
     return Answer(ready.session, spec.text, ready.text, [], ready.data_version, 0, (time.perf_counter() - t0) * 1000,
                   path=AnswerPath.FAST if ready.fired else AnswerPath.ENTRY, confidence=ready.confidence, stale=stale,
-                  finish_reason=FinishReason.STOP, logits=ready.logits if keep_logits else None, choices=ready.choices)
+                  finish_reason=FinishReason.STOP, logits=ready.logits if keep_logits else None, choices=ready.choices,
+                  warming_up=ready.warming_up is not None, warming_up_reason=ready.warming_up)

@@ -119,6 +119,9 @@ class Answer:
     finish_reason: FinishReason = FinishReason.LENGTH
     logits: torch.Tensor | None = None  # the distribution at the decision point, when asked for
     choices: dict[str, float] | None = None  # each choice's probability (softmax over the choices)
+    # Made before the question could be answered for real (`ReadyRecord.warming_up`): a guess, not an answer.
+    warming_up: bool = False
+    warming_up_reason: str | None = None
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__ if k != "logits"}
@@ -135,6 +138,12 @@ class StandingAnswer:
     updated_at: float = field(default_factory=time.time)
     choices: dict[str, float] | None = None
     calibration: dict | None = None  # live figures of a labelled question (engine/calibration.py)
+    warming_up: bool = False  # a guess made before the question can be answered (`ReadyRecord.warming_up`)
+    warming_up_reason: str | None = None  # why: no data yet, a head's window or a label's history not in
+    # The gap the gate fired at for this answer (None: closed, it fires on nothing) and whose it is:
+    # "config" (the question's threshold), "head" (its adapter head's calibrated one), "auto" (live).
+    threshold: float | None = None
+    threshold_source: str = "config"
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -159,6 +168,11 @@ class ReadyRecord:
     confidence: float
     choices: dict[str, float] | None
     logits: torch.Tensor | None  # [vocab], never mutated after publication
+    # Why this view is only a guess (None: it is an answer): the session has no data yet, the question's
+    # series head has fewer lines than it reads (the LM decided alone), or its label's history is not in.
+    warming_up: str | None = None
+    threshold: float | None = None  # the gap the gate decided at (None: closed), and whose (StandingAnswer)
+    threshold_source: str = "config"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ time an entry completes, its `ReadyRecord` is published for callers to read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -253,8 +254,10 @@ class Prepositioner:
     def _record(self, st: Standing) -> ReadyRecord:
         d = self.decide(st)
         final = answers_alone(st.spec, d.fired, d.token_id, st.spec.max_tokens, self.eos_ids)
+        threshold, source = threshold_in_force(st.gate, d.answer or "", head_read=st.ready_hidden is not None)
         return ReadyRecord(st.session.name, st.spec.id, st.ready.data_version, d.fired, final,
-                           d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits)
+                           d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits,
+                           warming_up(st), threshold, source)
 
     def evict_idle_entries(self, busy_sessions: set[str], computing: bool = False) -> int:
         """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed.
@@ -304,8 +307,46 @@ class Prepositioner:
         """Record the standing answer; returns it when it changed (what subscribers hear)."""
         previous = st.answer
         summary = st.calibration.summary
+        rec = st.record if st.record is not None and st.record.data_version == version else None
+        warming = None if rec is None else rec.warming_up
         st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version, choices=choices,
-                                   calibration=None if summary is None else summary.to_dict())
-        if previous is not None and previous.text == text:
-            return None
+                                   calibration=None if summary is None else summary.to_dict(),
+                                   warming_up=warming is not None, warming_up_reason=warming,
+                                   threshold=None if rec is None else rec.threshold,
+                                   threshold_source="config" if rec is None else rec.threshold_source)
+        if previous is not None and previous.text == text and previous.warming_up == st.answer.warming_up:
+            return None  # told again only when it changed, or stopped being a guess
         return st.answer
+
+
+def warming_up(st: Standing) -> str | None:
+    """Why `st`'s ready answer is a guess rather than an answer (None: it is one): the session had no data
+    yet, the question's head could not read (a series head holds fewer lines than it reads: the LM decided
+    alone, at the config's threshold), or its label looks back over more bars than the session holds."""
+    entry, s, head = st.ready, st.session, st.gate.head
+    if entry.data_version == 0:
+        return "no data yet (data_version 0)"
+    lines = s.lines_upto(entry.base_len)
+    if head is not None and st.ready_hidden is None:
+        if head.kind == HeadKind.SERIES and lines < head.reads(lines):
+            return f"its head reads the last {head.reads(lines)} lines; the session has {lines} so far"
+        return "its head's inputs are not computed yet"
+    label = st.spec.label
+    if label is not None and lines < label.bars_needed:
+        return f"its label {label.text} looks back {label.bars_needed} bars; the session has {lines} so far"
+    return None
+
+
+def threshold_in_force(gate: Gate, answer: str, *, head_read: bool) -> tuple[float | None, str]:
+    """The gap the gate decided `answer` at (None: closed, infinite) and whose it is, as `Gate.decide` picks
+    it: "auto" (live, per answer), "head" (an adapter head's calibrated threshold, when the head could read),
+    or "config" (the question's own `threshold`, also for a head that could not read yet)."""
+    if gate.auto:
+        live = gate.choice_thresholds
+        value = live.get(answer.casefold(), math.inf) if gate.choices and live is not None else gate.threshold
+        source = "auto"
+    elif gate.head is not None and head_read:
+        value, source = gate.head.threshold, "head"
+    else:
+        value, source = gate.threshold, "config"
+    return (float(value) if math.isfinite(value) else None), source
