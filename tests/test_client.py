@@ -105,23 +105,39 @@ def test_watch_state_table():
     state = WatchState("btc")
     state.snapshot({"data_version": 3, "standing": [
         {"question_id": "trend", "text": "up", "path": "fast", "confidence": 2.5, "data_version": 3,
-         "updated_at": 100.0}]})
+         "updated_at": 100.0, "threshold": 2.0, "threshold_source": "config"}]})
     state.apply({"type": "data", "session": "btc", "data_version": 4})
     state.apply({"type": "standing", "question_id": "vol", "text": "no", "path": "entry", "confidence": 0.4,
-                 "data_version": 4, "updated_at": 101.0, "calibration": {
+                 "data_version": 4, "updated_at": 101.0, "threshold": None, "threshold_source": "head",
+                 "calibration": {
                      "samples": 31, "scored": 40, "precision": 0.97, "coverage": 1.0, "accuracy": 0.968,
                      "threshold": None, "target": 0.9, "confidence": 0.5, "base_rate": 0.62}})
     state.apply({"type": "standing", "question_id": "zz", "text": "The", "path": "gate", "confidence": 0.7,
                  "data_version": 4, "updated_at": 101.0, "calibration": {
                      "samples": 20, "scored": 20, "precision": 1.0, "coverage": 0.9, "accuracy": 0.95,
                      "threshold": 0.5, "target": None, "confidence": None}})
+    state.apply({"type": "standing", "question_id": "early", "text": "down", "path": "entry", "confidence": 0.0,
+                 "data_version": 4, "updated_at": 101.0, "warming_up": True, "threshold": 0.41,
+                 "threshold_source": "auto", "warming_up_reason": "its head reads the last 24 lines; the session has 4 so far"})
     table = state.table(now=102.0)
     cells = {col.header: list(col._cells) for col in table.columns}
-    assert cells["question"] == ["trend", "vol", "zz"] and cells["answer"] == ["up", "no", "The…"]
-    assert cells["path"] == ["fast", "entry", "gate"] and cells["confidence"] == ["2.50", "0.40", "0.70"]
-    assert cells["right (live)"] == ["-", "97% of 31, base 62%", "95% of 20"] and cells["gate"] == ["-", "closed", "90% at 100%"]
-    assert cells["data_version"] == ["3 (behind)", "4", "4"] and cells["age"] == ["2.0s", "1.0s", "1.0s"]
-    assert "data_version 4" in str(table.title)
+    assert cells["question"] == ["early", "trend", "vol", "zz"]
+    # a guess before its history is in says so; a push = false free-text question's first token is no answer
+    assert cells["answer"] == ["warming up", "up", "no", "ask to decode"]
+    assert cells["path"] == ["entry", "fast", "entry", "not pushed"]
+    assert cells["confidence"] == ["-", "2.50", "0.40", "-"]
+    assert cells["threshold"] == ["0.41 auto", "2.00 config", "closed head", "-"]  # which one, and whose
+    assert cells["right (live)"] == ["-", "-", "97% of 31, base 62%", "95% of 20"]
+    assert cells["gate"] == ["-", "-", "closed", "90% at 100%"]
+    assert "early is warming up: its head reads the last 24 lines; the session has 4 so far" in str(table.caption)
+    # "trend" stayed "up" at data_version 4 (events carry changed texts only): not behind until a snapshot says so
+    assert cells["data_version"] == ["4", "3", "4", "4"] and cells["age"] == ["1.0s", "2.0s", "1.0s", "1.0s"]
+    assert "data_version 4" in str(table.title) and state.stale
+    state.snapshot({"data_version": 5, "standing": [
+        {"question_id": "trend", "text": "up", "path": "fast", "confidence": 2.5, "data_version": 5, "updated_at": 100.0},
+        {"question_id": "vol", "text": "no", "path": "entry", "confidence": 0.4, "data_version": 4, "updated_at": 101.0}]})
+    cells = {col.header: list(col._cells) for col in state.table(now=102.0).columns}
+    assert cells["data_version"][1:3] == ["5", "4 (behind)"] and not state.stale  # vol's entry lags the data
 
 
 def test_serve_starts_from_config_and_stops_on_sigterm(tmp_path, monkeypatch):
@@ -188,3 +204,19 @@ def test_watch_keeps_running_through_a_quiet_market(served):
     t0 = time.monotonic()
     code = asyncio.run(watch(served.url, "tok-a", "quiet", duration_s=1.5))
     assert code == 0 and time.monotonic() - t0 >= 1.4
+
+
+def test_ask_stream_prints_the_answer_once(served, capsys):
+    """`streamllm ask --stream` printed the streamed text on stderr and the answer again on stdout:
+    a terminal showed it twice. The stream is the answer's text, on stdout, once."""
+    with Client(served.url, token="tok-a") as c:
+        c.open("streamed")
+        c.push("streamed", LINES[:4])
+        whole = c.ask("streamed", "What next?", max_tokens=4, min_version=1)["text"]
+    args = ["streamed", "What next?", "--url", served.url, "--token", "tok-a", "--max-tokens", "4", "--min-version", "1"]
+    assert client_cli.main([*args, "--stream"]) == 0
+    out = capsys.readouterr()
+    assert whole and out.out == whole + "\n" and whole not in out.err and "cold path" in out.err
+    assert client_cli.main([*args, "--stream", "--json"]) == 0  # stdout is the JSON alone; the stream went to stderr
+    out = capsys.readouterr()
+    assert out.out.startswith("{") and out.err.startswith(whole)

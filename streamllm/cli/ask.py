@@ -48,6 +48,11 @@ def main(argv: list[str]) -> int:
     add_connection_args(parser)
     args = parser.parse_args(argv)
 
+    # --stream prints the text as it comes, on stdout (on stderr with --json, whose stdout is the JSON alone),
+    # and then not again: only what the final answer adds to it (a stop string's cut aside, nothing).
+    streamed: list[str] = []
+    stream_to = sys.stderr if args.json else sys.stdout
+
     async def run() -> dict:
         async with await AsyncClient.connect(args.url, args.token) as client:
             if not args.stream:
@@ -56,21 +61,33 @@ def main(argv: list[str]) -> int:
             async for message in client.ask_stream(args.session, args.question, max_tokens=args.max_tokens,
                                                    min_version=args.min_version):
                 if message["type"] == "token":
-                    print(message["text"], end="", file=sys.stderr, flush=True)
-            print(file=sys.stderr)
+                    streamed.append(message["text"])
+                    print(message["text"], end="", file=stream_to, flush=True)
             return message
 
     ok, answer = run_command("streamllm ask", args.url, run())
+    if streamed and not ok:
+        print(file=stream_to)
     if not ok:
         return 1
     if args.json:
+        if args.stream:
+            print(file=stream_to)
         print(orjson.dumps(answer, option=orjson.OPT_INDENT_2).decode())
     else:
+        text, shown = answer["text"], "".join(streamed)
+        if not args.stream:
+            print(text)
+        elif text.startswith(shown):  # the streamed text was the answer's start (or all of it)
+            print(text[len(shown):])
+        else:  # the final text differs from what streamed (e.g. cut at a stop string): the answer, once more
+            print(f"\n{text}")
         confidence = answer.get("confidence")
         gap = f" confidence {confidence:.2f}" if isinstance(confidence, int | float) else ""
-        print(answer["text"])
+        warming = f", warming up: {answer.get('warming_up_reason') or 'not enough data yet'}" \
+            if answer.get("warming_up") else ""
         print(f"[{answer['path']} path{gap}, data_version {answer['data_version']}, "
-              f"{answer['latency_ms']:.1f} ms in the engine]", file=sys.stderr)
+              f"{answer['latency_ms']:.1f} ms in the engine{warming}]", file=sys.stderr)
     if answer.get("path") == "cold" and _ID_LIKE.match(args.question):
         # A mistyped id, or one of another session's questions, is read as free text: say so.
         print(f"streamllm ask: note: {args.question!r} is no standing question of session {args.session!r}, "
