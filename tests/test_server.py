@@ -220,7 +220,8 @@ def test_bad_inputs_get_errors_and_the_connection_keeps_working(engine):
         # over the soft limit: an error reply, and the connection lives on
         big = json.dumps({"type": "push", "id": 30, "session": "bad", "lines": ["x" * 300]})
         await w.send(big)
-        assert error_code(await w.reply()) == "too_large"
+        reply = await w.reply()
+        assert error_code(reply) == "too_large" and reply["id"] == 30  # the id read from the message's head
         assert (await w.ok("push", session="bad", lines=LINES[:2]))["data_version"] == 1
         await w.ok("close", session="bad")
         # over the hard limit websockets itself closes with 1009 (message too big)

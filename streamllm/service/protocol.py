@@ -127,7 +127,7 @@ def decode(raw: str | bytes, max_bytes: int) -> Request:
     """Parse one incoming frame; ProtocolError for anything but a typed JSON object."""
     size = len(raw.encode() if isinstance(raw, str) else raw)
     if size > max_bytes:
-        raise ProtocolError(TOO_LARGE, f"message is {size} bytes, over the limit of {max_bytes}")
+        raise ProtocolError(TOO_LARGE, f"message is {size} bytes, over the limit of {max_bytes}", peek_id(raw))
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -145,6 +145,41 @@ def decode(raw: str | bytes, max_bytes: int) -> Request:
         raise ProtocolError(UNKNOWN_TYPE, f"unknown message type {kind!r}; use one of " + ", ".join(CLIENT_TYPES),
                             req_id)
     return Request(kind, req_id, data)
+
+
+PEEK_BYTES = 4096  # how far into a message too large to parse `peek_id` looks for its id
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_COLON = re.compile(r"\s*:\s*")
+_ID_VALUE = re.compile(r'-?\d{1,19}(?![\d.eE])|"(?:[^"\\]|\\.)*"')
+
+
+def peek_id(raw: str | bytes, head: int = PEEK_BYTES) -> str | int | None:
+    """The top-level `"id"` of a message refused unparsed (too large), when its first `head` bytes hold
+    one that `decode` would accept; None otherwise. Reads only that head, so the refusal stays cheap: a
+    key inside a nested object or a string is not the message's id."""
+    text = raw[:head] if isinstance(raw, str) else raw[:head].decode("utf-8", "replace")
+    depth, i = 0, 0
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            string = _JSON_STRING.match(text, i)
+            if string is None:
+                return None  # cut inside a string: the id is not in the head
+            i = string.end()
+            colon = _COLON.match(text, i)
+            if depth == 1 and colon is not None and string.group() == '"id"':
+                value = _ID_VALUE.match(text, colon.end())
+                if value is None:
+                    return None
+                req_id = orjson.loads(value.group())
+                return req_id if not isinstance(req_id, str) or len(req_id) <= MAX_ID_CHARS else None
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+        i += 1
+    return None
 
 
 def encode(message: dict[str, Any]) -> bytes:
