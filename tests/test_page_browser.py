@@ -3,6 +3,10 @@ feed, Debian's headless Chromium driven by Playwright. The page must show each s
 price chart and standing answers, follow them live, and answer through its ask box, opened
 the way `serve` says: the URL it prints, with its generated local token (`?token=`), which
 the page keeps for the tab and takes out of the address bar. Without the token it asks for one.
+What a user sees (#47): an answer made before its question can be answered says "warming up" (with
+why), a `push = false` free-text question says "ask to decode" rather than its first token, each row
+says which threshold is in force and whose it is, and a session whose lines carry no date is drawn
+by bar number, not on 1970-01-01.
 
 Skips (saying why) when Playwright or a Chromium binary is missing; CI installs both
 (.ci/run installs Debian's `chromium`; Playwright comes with the dev extra).
@@ -73,6 +77,19 @@ def served(tmp_path):
             proc.wait()
 
 
+def plain_session(base: str, token: str) -> None:
+    """A session opened and fed by a client with bar lines that carry a time of day but no date."""
+    from streamllm.client.client import Client
+
+    with Client("ws" + base[4:], token=token) as client:
+        client.open("plain")
+        client.register("plain", {"id": "slow", "text": "Up or down?", "choices": ["up", "down"], "threshold": 0.0,
+                                  "label": "trend_up(n=50)"})
+        client.register("plain", {"id": "note", "text": "What happened?", "push": False, "max_tokens": 4})
+        ack = client.push("plain", [f"12:00:{i:02d} 6400{i}.5 +1.5 v{i}.2" for i in range(5)])
+        client.ask("plain", "slow", min_version=ack["data_version"])  # ingested, its entry ready
+
+
 def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_path):
     errors: list[str] = []
     with sync_api.sync_playwright() as pw:
@@ -82,10 +99,11 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
             base, printed = served
+            token = printed.split("?token=", 1)[1]
+            plain_session(base, token)
             page.goto(printed)
             page.wait_for_selector("#status.live", timeout=30_000)
             assert page.url == base + "/"  # the token left the address bar...
-            token = printed.split("?token=", 1)[1]
             assert page.evaluate("sessionStorage.getItem('streamllm_token')") == token  # ...for this tab's storage
             assert "tenant local" in page.inner_text("#model")
             card = page.locator('section.card[data-session="btc"]')
@@ -98,6 +116,7 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
                      + 'tr[data-question="trend"]').dataset.version) > {first}""", timeout=60_000)
             assert row.locator("td.answer").inner_text() in ("up", "down")
             assert row.locator("td.path").inner_text() in ("fast", "entry")
+            assert row.locator("td.threshold").inner_text() == "0.00 config"  # the threshold in force, and whose
             assert card.locator('tr[data-question="calm"] td.answer').inner_text() in ("calm", "wild")
             # a labelled question shows its answers scored live; an unlabelled one has nothing to show
             page.wait_for_function("""() => /^\\d+% of \\d+, base \\d+%$/.test(document.querySelector('section.card[data-session="btc"] '
@@ -109,6 +128,22 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             page.wait_for_function("""() => Number(document.querySelector('section.card[data-session="btc"]')
                                        .dataset.bars || 0) > 3""", timeout=30_000)
             assert card.locator("canvas").count() >= 1
+            assert card.get_attribute("data-axis") == "time"
+            # a session pushed lines without dates: drawn by bar number; its labelled question's history is
+            # not in (a guess, said so); its push = false free-text question has no pushed answer to show
+            plain = page.locator('section.card[data-session="plain"]')
+            page.wait_for_function("""() => document.querySelector('section.card[data-session="plain"]')
+                                       ?.dataset.axis === "bar" """, timeout=30_000)
+            assert plain.get_attribute("data-bars") == "5"
+            slow = plain.locator('tr[data-question="slow"]')
+            slow.wait_for(timeout=30_000)
+            assert slow.locator("td.answer").inner_text() == "warming up"
+            assert "trend_up(n=50) looks back 50 bars; the session has 5 so far" in slow.locator("td.answer").get_attribute("title")
+            assert slow.locator("td.confidence").inner_text() == "-"
+            note = plain.locator('tr[data-question="note"]')
+            note.wait_for(timeout=30_000)
+            assert (note.locator("td.answer").inner_text(), note.locator("td.path").inner_text()) == ("ask to decode", "not pushed")
+            assert plain.locator("td.dv.behind").count() == 0  # every answer is at the session's data_version
             # ask through the box: streamed, then the final answer with its path
             page.fill("#ask-question", "trend")
             page.click("#ask-button")

@@ -101,8 +101,8 @@
         select.append(el("option", { value: name }, name));
       }
       const snap = await request("subscribe", { session: name });
+      setVersion(name, snap.data_version, true);
       for (const a of snap.standing) showAnswer(name, a);
-      setVersion(name, snap.data_version);
       fetchBars(name);
     }
   }
@@ -114,19 +114,23 @@
     const chart = el("div", { class: "chart" });
     const table = el("table");
     table.innerHTML = "<thead><tr><th>question</th><th>answer</th><th>path</th><th>confidence</th>" +
+      "<th title=\"the gap the gate decided at, and whose: config (the question's threshold), head (its adapter head's own), auto (live)\">threshold</th>" +
       "<th title=\"labelled questions: standing answers scored against the label, over the last 500; base: what always giving the most common truth would score\">right (live)</th>" +
       "<th title=\"the gate over the same window: share answered fast, and right among those\">gate</th>" +
       "<th>data_version</th><th>age</th></tr></thead><tbody></tbody>";
     card.append(h2, chart, table);
     $("#sessions").append(card);
-    const s = { card, chart: null, chartEl: chart, version: 0, answers: new Map(), refreshAt: 0, timer: null };
+    // confirmed: the session's data_version at the last snapshot. Events carry only answers whose text
+    // changed, so an answer is "behind" only if a snapshot showed it older than the session's data.
+    const s = { card, chart: null, chartEl: chart, version: 0, confirmed: 0, answers: new Map(), refreshAt: 0, timer: null };
     state.sessions.set(name, s);
   }
 
-  function setVersion(name, version) {
+  function setVersion(name, version, snapshot = false) {
     const s = state.sessions.get(name);
     if (!s) return;
     s.version = Math.max(s.version, version);
+    if (snapshot) s.confirmed = Math.max(s.confirmed, version);
     $(".version", s.card).textContent = `data_version ${s.version}`;
   }
 
@@ -137,21 +141,30 @@
     const old = s.answers.get(a.question_id);
     if (!row) {
       row = el("tr", { "data-question": a.question_id });
-      for (const cls of ["question", "answer", "path", "confidence num", "right num", "gate num", "dv num", "age num"]) {
+      for (const cls of ["question", "answer", "path", "confidence num", "threshold num", "right num", "gate num", "dv num", "age num"]) {
         row.append(el("td", { class: cls }));
       }
       $("tbody", s.card).append(row);
     }
     s.answers.set(a.question_id, a);
     $(".question", row).textContent = a.question_id;
-    // path "gate": a push = false free-text question's first token only (nobody is sent its whole answer)
-    const partial = a.path === "gate";
-    $(".answer", row).textContent = partial ? `${a.text}…` : a.text;
-    $(".answer", row).title = partial ? "first token only (push = false): ask it for the whole answer" : "";
+    // path "gate": a push = false free-text question. Nobody is sent its answer; what the engine keeps is
+    // the gate's view (the first token), no answer: ask decodes one.
+    const notPushed = a.path === "gate";
+    const answer = $(".answer", row);
+    answer.textContent = notPushed ? "ask to decode" : a.warming_up ? "warming up" : a.text;
+    answer.title = notPushed ? `push = false: nobody is sent this answer; ask "${a.question_id}" to decode it`
+      : a.warming_up ? `a guess (${a.text}), not an answer yet: ${a.warming_up_reason || "not enough data yet"}` : "";
+    answer.classList.toggle("pending", notPushed || !!a.warming_up);
     const path = $(".path", row);
-    path.textContent = a.path;
+    path.textContent = notPushed ? "not pushed" : a.path;
     path.className = "path path-" + a.path;
-    $(".confidence", row).textContent = typeof a.confidence === "number" ? a.confidence.toFixed(2) : "-";
+    const guess = notPushed || a.warming_up;
+    $(".confidence", row).textContent = !guess && typeof a.confidence === "number" ? a.confidence.toFixed(2) : "-";
+    const threshold = $(".threshold", row);
+    threshold.textContent = !a.threshold_source ? "-"
+      : `${typeof a.threshold === "number" ? a.threshold.toFixed(2) : "closed"} ${a.threshold_source}`;
+    row.dataset.warming = a.warming_up ? "1" : "";
     showCalibration(row, a.calibration);
     $(".dv", row).textContent = a.data_version;
     row.dataset.version = a.data_version;
@@ -162,6 +175,7 @@
     ages();
   }
 
+  const UNDATED_BEFORE = 365 * 86400;  // bar times before 1971: lines without a date
   const pct = (x) => (typeof x === "number" ? `${Math.round(100 * x)}%` : "-");
 
   // Live calibration (docs/calibration.md): only labelled questions carry it; the rest show "-".
@@ -198,6 +212,7 @@
       fetchBars(name);
       try {
         const snap = await request("subscribe", { session: name, data: true });
+        setVersion(name, snap.data_version, true);
         for (const a of snap.standing) showAnswer(name, a);
       } catch (_) { /* reconnecting */ }
     }, wait);
@@ -210,13 +225,25 @@
     const body = await res.json();
     s.card.dataset.bars = body.t.length;
     if (!body.t.length) return;
-    const data = [body.t, body.close];
+    // Lines with a time of day but no date (bars.py counts them from 1970-01-01): no date to draw them
+    // at, so the x axis is the bar's number in the session instead (bars_seen counts them all).
+    const dated = body.t[0] >= UNDATED_BEFORE;
+    const first = (body.bars_seen || body.t.length) - body.t.length + 1;
+    const data = [dated ? body.t : body.t.map((_, i) => first + i), body.close];
+    if (s.chart && s.card.dataset.axis !== (dated ? "time" : "bar")) {
+      s.chart.destroy();
+      s.chart = null;
+    }
     if (!s.chart) {
       const width = Math.max(300, s.chartEl.clientWidth || 480);
+      s.card.dataset.axis = dated ? "time" : "bar";
+      const grid = { stroke: "#8b949e", grid: { stroke: "#30363d" } };
       s.chart = new uPlot({
         width, height: 220, legend: { show: false },
+        scales: { x: { time: dated } },
         tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
-        axes: [{ stroke: "#8b949e", grid: { stroke: "#30363d" } }, { stroke: "#8b949e", grid: { stroke: "#30363d" }, size: 70 }],
+        axes: [dated ? grid : { ...grid, label: "bar (lines carry no date)", labelSize: 18 },
+          { ...grid, size: 70 }],
         series: [{}, { label: "close", stroke: "#4fa3ff", width: 1.5 }],
       }, data, s.chartEl);
     } else {
@@ -231,7 +258,7 @@
         const row = $(`tr[data-question="${CSS.escape(qid)}"]`, s.card);
         if (!row) continue;
         $(".age", row).textContent = a.updated_at ? `${Math.max(0, now - a.updated_at).toFixed(1)}s` : "-";
-        $(".dv", row).classList.toggle("behind", a.data_version < s.version);
+        $(".dv", row).classList.toggle("behind", a.data_version < s.confirmed);
       }
     }
   }
@@ -252,7 +279,8 @@
         (delta) => { text.textContent += delta; });
       text.textContent = answer.text;
       const conf = typeof answer.confidence === "number" ? `, confidence ${answer.confidence.toFixed(2)}` : "";
-      meta.textContent = `[${answer.path} path${conf}, data_version ${answer.data_version}, ${answer.latency_ms.toFixed(1)} ms]`;
+      const warming = answer.warming_up ? `, warming up: ${answer.warming_up_reason || "not enough data yet"}` : "";
+      meta.textContent = `[${answer.path} path${conf}, data_version ${answer.data_version}, ${answer.latency_ms.toFixed(1)} ms${warming}]`;
       out.dataset.state = "answered";
     } catch (err) {
       meta.textContent = String(err.message || err);
