@@ -30,12 +30,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+# answer_variants and candidate_first_tokens: re-exported, the gate's spellings of a choice
+from streamllm.config.choices import ChoiceClash, first_token_owners
+from streamllm.config.choices import answer_variants as answer_variants
+from streamllm.config.choices import candidate_first_tokens as candidate_first_tokens
+
 if TYPE_CHECKING:
     from streamllm.model.adapter import Head
 
 
 class GateError(ValueError):
-    """A question whose choices the tokenizer cannot tell apart by their first token."""
+    """A question whose choices the tokenizer cannot tell apart by their first token (a config mistake:
+    the service answers it as `config_error`)."""
 
 
 class QuestionLike(Protocol):
@@ -51,31 +57,6 @@ class GateDecision:
     token_id: int  # the winning token (for choices: the best-scoring candidate of the best choice)
     gap: float  # best minus second-best logit
     probs: dict[str, float] | None = None  # choice questions: softmax over the choices' best logits
-
-
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    encoded = tokenizer.encode(text, add_special_tokens=False)
-    return list(getattr(encoded, "ids", encoded))  # tokenizers.Tokenizer returns an Encoding
-
-
-def answer_variants(choice: str) -> list[str]:
-    """Spellings the model may start its answer with: as written, lower, Capitalised, each +/- a leading space."""
-    cased = dict.fromkeys([choice, choice.lower(), choice[:1].upper() + choice[1:]])
-    return [prefix + word for word in cased for prefix in ("", " ")]
-
-
-def candidate_first_tokens(tokenizer: Any, choice: str) -> tuple[int, ...]:
-    """Distinct first-token ids over the answer variants of `choice`.
-
-    A first token that decodes to whitespace alone is skipped: tokenizers that split
-    " 42" into " " + "42" would otherwise give every choice the same candidate.
-    """
-    ids: dict[int, None] = {}
-    for variant in answer_variants(choice):
-        tokens = _encode(tokenizer, variant)
-        if tokens and tokenizer.decode([tokens[0]]).strip():
-            ids[tokens[0]] = None
-    return tuple(ids)
 
 
 @dataclass(slots=True)
@@ -98,20 +79,10 @@ class Gate:
         auto = getattr(spec, "target_precision", None) is not None
         if not choices:
             return cls(spec.id, float(spec.threshold), (), None, (), (), tokenizer, auto=auto)
-        owner_of: dict[int, int] = {}
-        for index, choice in enumerate(choices):
-            candidates = candidate_first_tokens(tokenizer, choice)
-            if not candidates:
-                raise GateError(f"question {spec.id!r}: choice {choice!r} encodes to no usable token")
-            for token_id in candidates:
-                if token_id in owner_of and owner_of[token_id] != index:
-                    other = choices[owner_of[token_id]]
-                    raise GateError(
-                        f"question {spec.id!r}: choices {other!r} and {choice!r} can both start "
-                        f"with token {tokenizer.decode([token_id])!r} (id {token_id}), so the "
-                        "first token cannot tell them apart; use choices whose first tokens differ"
-                    )
-                owner_of[token_id] = index
+        try:  # the config layer checks the same before a model loads (config/choices.py)
+            owner_of = first_token_owners(tokenizer, spec.id, choices)
+        except ChoiceClash as exc:
+            raise GateError(str(exc)) from None
         ids = tuple(owner_of)
         return cls(
             spec.id,
