@@ -2,7 +2,8 @@
 
 `BarBook.record` runs after the engine logged and acked the batch (service/ws.py `_push`, the
 feeds' `TapSink`); an exception there used to reach the client as an error reply for a batch
-the engine already held, and the client's retry then pushed it twice.
+the engine already held, and the client's retry then pushed it twice. A client's push is now
+checked before the ack (feeding/barlines.py), so an impossible bar is refused whole instead.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def test_unchartable_lines_are_skipped_and_counted_not_raised():
 
 
 @pytest.mark.parametrize("line", UNCHARTABLE[:2])
-def test_a_push_with_an_impossible_date_is_acked_ok(tiny_model, line):
+def test_a_push_with_an_impossible_date_is_refused_before_the_ack(tiny_model, line):
+    """A client's line that claims to be a bar is checked before the ack (feeding/barlines.py): an impossible
+    date is a `bad_field` naming the line, nothing of the push is taken, and the book never sees it."""
     engine = Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=512))
 
     async def scenario():
@@ -57,6 +60,7 @@ def test_a_push_with_an_impossible_date_is_acked_ok(tiny_model, line):
         replies, (closes, seen), skipped = asyncio.run(asyncio.wait_for(scenario(), 20))
     finally:
         engine.shutdown()
-    assert [r["type"] for r in replies] == ["welcome", "ok", "ok", "ok"], replies
-    assert [r.get("data_version") for r in replies[2:]] == [1, 2]  # one version each: nothing pushed twice
-    assert seen == 1 and len(closes) == 1 and skipped == 1
+    assert [r["type"] for r in replies] == ["welcome", "ok", "error", "ok"], replies
+    assert replies[2]["code"] == "bad_field" and replies[2]["message"].startswith(f"push: lines[0] {line!r}: bad_time")
+    assert replies[3]["data_version"] == 1  # the refused push took nothing
+    assert seen == 1 and len(closes) == 1 and skipped == 0

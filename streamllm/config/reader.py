@@ -183,7 +183,7 @@ class _Reader:
     def session(self, data: Any, path: str) -> SessionSpec:
         table = self.table(data, path)
         self.keys(table, path, ("name", "instrument", "feed", "symbols", "render", "system_prompt",
-                                "max_context_tokens", "questions"))
+                                "max_context_tokens", "questions", "client_pushes"))
         name = self.name(table, path, "name")
         instrument = self.text(table, path, "instrument")
         feed = self.feed(table, path, instrument)
@@ -202,9 +202,10 @@ class _Reader:
                     raise self.fail(f"{question_path}.text",
                                     f"same text as question {other.id!r} (up to case and spaces)")
             questions.append(question)
+        client_pushes = self.get(table, path, "client_pushes", (bool,), "true or false", False)
         return SessionSpec(name, instrument, feed, render,
                            system_prompt.replace("{instrument}", instrument), max_context,
-                           tuple(questions))
+                           tuple(questions), client_pushes)
 
     def feed(self, table: Mapping[str, Any], path: str, instrument: str) -> FeedSpec:
         text = self.text(table, path, "feed", "synthetic")

@@ -127,6 +127,9 @@ class SessionSpec:
     system_prompt: str = ""
     max_context_tokens: int = DEFAULT_MAX_CONTEXT_TOKENS
     questions: tuple[QuestionSpec, ...] = ()
+    # Whether clients may push lines into the session beside its feed (websocket `push`); refused by default,
+    # so a stray push cannot draw into a feed's chart or its questions' data (docs/protocol.md, `forbidden`).
+    client_pushes: bool = False
 
     def find_question(self, query: str) -> QuestionSpec | None:
         """The standing question with this id, or with this text up to whitespace and case."""

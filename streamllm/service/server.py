@@ -41,7 +41,7 @@ from streamllm.service.edge import EdgeRules, is_loopback
 from streamllm.service.httpauth import EXCEPTION_HANDLERS, ApiError, sees_everything
 from streamllm.service.metrics import ServerMetrics
 from streamllm.service.quotas import QuotaBook
-from streamllm.service.tenants import Tenants, client_name
+from streamllm.service.tenants import LOCAL_TENANT, Tenants
 from streamllm.service.ws import CLOSE_GOING_AWAY, WebSocketApp
 
 BEHIND_LINES = 256  # a session with more lines waiting to be ingested counts as behind (attach's max_backlog)
@@ -97,6 +97,7 @@ class StreamServer:
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
+        self.feed_owners: dict[str, Any] = {}  # engine session -> feeding.owners.FeedOwner (serve --config)
         if replicas is not None:  # per-replica series
             self.metrics.registry.register(replicas.metrics_collector())
         self.started_at = time.time()
@@ -234,7 +235,12 @@ class StreamServer:
         feeds += [feed.health(lambda name: backlog.get(name, 0), BEHIND_LINES) for feed in self.feeds]
         if feeds:
             for entry, why in feeds:
-                if not private:  # health is public: no tenant's names, no URL, path or error text
+                if private:  # each session by one name (feeds know them by the engine's key)
+                    engine_names = [*entry.get("sessions", []), *backlog]
+                    entry["sessions"] = [health_name(n) for n in entry.get("sessions", [])]
+                    entry["ingest_backlog_lines"] = {health_name(k): v for k, v in entry["ingest_backlog_lines"].items()}
+                    why = [_renamed(w, engine_names) for w in why]
+                else:  # health is public: no tenant's names, no URL, path or error text
                     entry.pop("sessions", None)
                     entry["ingest_backlog_lines"] = sum(entry["ingest_backlog_lines"].values())
                     why = _public_feed(entry, [w.split(" (", 1)[0] if "behind" in w else w for w in why])
@@ -256,8 +262,22 @@ class StreamServer:
             out["status"] = "degraded" if out["status"] == "ok" else out["status"]
             out["reasons"] = reasons
         if private:  # names of sessions: never to the public
-            out["queue_depths"] = {client_name(s): s.backlog_lines for s in sessions}
+            out["queue_depths"] = {health_name(s.name): s.backlog_lines for s in sessions}
         return out
+
+
+def health_name(engine_name: str) -> str:
+    """A session's one name in /health: the local user's sessions by the name they were opened with
+    (`btc`), another tenant's by the engine's key (`alice/btc`), so two tenants' `btc` stay apart."""
+    return engine_name.removeprefix(f"{LOCAL_TENANT}/")
+
+
+def _renamed(reason: str, engine_names: Any) -> str:
+    """A feed's reason with each session's engine key replaced by its /health name."""
+    for name in sorted(engine_names, key=len, reverse=True):
+        if name != health_name(name):
+            reason = reason.replace(name, health_name(name))
+    return reason
 
 
 def _public_feed(entry: dict[str, Any], reasons: list[str]) -> list[str]:

@@ -24,6 +24,8 @@ import orjson
 
 from streamllm.config import parse_question
 from streamllm.engine import SessionError
+from streamllm.engine.gate import GateError
+from streamllm.feeding.barlines import BadBarLine, check_bar_lines
 from streamllm.service import protocol as p
 from streamllm.service.connection import (
     CapExceeded,
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 PROTOCOL_VERSION = 1
 CLOSE_POLICY = 1008  # bad token, no hello in time
 CLOSE_GOING_AWAY = 1001  # the server is stopping
+_CHECK_ON_LOOP = 256  # a push with more lines has its bar lines checked in a worker thread
 
 
 class WebSocketApp:
@@ -216,6 +219,15 @@ class WebSocketApp:
         if len(lines) > p.MAX_LINES_PER_PUSH:
             raise ProtocolError(p.TOO_LARGE, f"push: {len(lines)} lines, over the limit of {p.MAX_LINES_PER_PUSH}")
         name = _ename(conn, session)
+        owner = self.server.feed_owners.get(name)
+        if owner is not None and not owner.client_pushes:  # a feed's session: its chart and data are the feed's
+            raise ProtocolError(p.FORBIDDEN, owner.refusal())
+        # Lines that claim to be bars are read back and checked before anything is taken (feeding/barlines.py).
+        changes = owner.changes if owner is not None else None
+        if len(lines) > _CHECK_ON_LOOP:
+            await asyncio.to_thread(self._check_bars, name, lines, changes)
+        else:
+            self._check_bars(name, lines, changes)
         quotas, tenant = self.server.quotas, conn.tenant.name  # type: ignore[union-attr]
         if quotas.quota(tenant).push_lines_per_s is not None:
             self.engine.session_info(name)  # unknown session: its own error, and no quota spent
@@ -229,6 +241,15 @@ class WebSocketApp:
         return {"type": "ok", "session": session, "data_version": ack.data_version,
                 "queue_depth": ack.queue_depth, "lines": ack.lines}
 
+    def _check_bars(self, name: str, lines: list[Any], changes: str | None) -> None:
+        """ProtocolError `bad_field` naming the first line that claims to be a bar and is not one: a bad time
+        or date, one before the session's last bar, a price not finite and > 0 (nothing of the batch is taken)."""
+        closes, _ = self.server.bars.bars(name)
+        try:
+            check_bar_lines(lines, closes[-1][0] if closes else None, changes)
+        except BadBarLine as exc:
+            raise ProtocolError(p.BAD_FIELD, f"push: {exc}") from None
+
     async def _register(self, conn: Conn, req: Request) -> dict:
         session = req.session()
         spec = parse_question(req.field("question", dict, "a question object (id, text, choices, ...)"),
@@ -237,7 +258,10 @@ class WebSocketApp:
         quotas = self.server.quotas
         async with quotas.lock(conn.tenant.name):
             quotas.check_register(conn.tenant.name, _ename(conn, session), spec.id)
-            await asyncio.to_thread(self.engine.register, _ename(conn, session), spec)
+            try:
+                await asyncio.to_thread(self.engine.register, _ename(conn, session), spec)
+            except GateError as exc:  # choices the tokenizer cannot tell apart: the question's mistake, not a field's
+                raise ProtocolError(p.CONFIG_ERROR, f"register: question.choices: {exc}") from None
         return {"type": "ok", "session": session, "question_id": spec.id}
 
     async def _unregister(self, conn: Conn, req: Request) -> dict:
