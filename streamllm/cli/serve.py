@@ -21,8 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,25 +35,29 @@ from streamllm.client.local_token import new_token, remove_token, write_token
 from streamllm.config import (
     LIVE_VENUES,
     ConfigError,
+    FeedSpec,
     QueryConfig,
     load_config,
 )
+from streamllm.config.choices import check_choices
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine, EngineConfig
+from streamllm.feeding.owners import feed_owners
 from streamllm.feeding.supervise import FeedRunner
 from streamllm.feeding.wiring import (
     FeedGroup,
     build_attachments,
     feed_events,
+    feed_file_problems,
     group_feeds,
     open_sessions,
     parse_feed_override,
     venue_credentials,
 )
 from streamllm.model.adapter import AdapterError, pick_adapter
-from streamllm.model.loader import load_model
+from streamllm.model.loader import ensure_cached, load_model, load_tokenizer
 from streamllm.service.bars import TapSink
 from streamllm.service.edge import EdgeRules
 from streamllm.service.server import ServerConfig, StreamServer, is_loopback
@@ -133,6 +139,8 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         host=args.host, port=args.port, max_message_bytes=args.max_message_bytes, max_queue=args.max_queue,
         allowed_origins=tuple(args.allow_origin), allowed_hosts=tuple(args.allow_host)),
         replicas=engine if args.ray else None)
+    if config is not None:  # a feed's sessions take client pushes only where the config allows them
+        server.feed_owners.update(feed_owners(config, groups, owner))
     local_token = next(iter(tenants.tokens)) if tenants.local_token else None  # Tenants.local's one token
     token_file = None
     try:
@@ -141,7 +149,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
             await server.start()
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-            return 1
+            return 2
         if local_token is not None:  # the port is known now (--port 0 picks one)
             token_file = write_token(server.port, local_token)
         else:  # a file for this port is a killed server's: clients would send its stale token
@@ -181,6 +189,40 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         if engine.ingest_log is not None:
             engine.ingest_log.close()
     return 0
+
+
+def preflight(args: argparse.Namespace, config: QueryConfig | None, groups: list[FeedGroup],
+              override: FeedSpec | None) -> list[str]:
+    """What would fail after the model loads, found before: every feed file readable, the port free.
+    The config's choices are checked with the model's tokenizer alone (ConfigError naming the key)."""
+    if config is not None and any(q.choices for s in config.sessions for q in s.questions):
+        try:
+            ensure_cached(args.model)  # the default model is fetched once, with its progress, as load_model would
+            tokenizer = load_tokenizer(args.model)
+        except (OSError, ValueError, RuntimeError):  # a model that cannot load: load_model says so, as before
+            tokenizer = None
+        if tokenizer is not None:
+            check_choices(config, tokenizer)
+    problems = feed_file_problems(groups, config, override) if config is not None else []
+    port = port_problem(args.host, args.port)
+    return problems + ([port] if port else [])
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Bind the address as the server will (SO_REUSEADDR) and let it go: a port in use, or a host this
+    machine does not have, is a one-line error now rather than after the model has loaded."""
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as exc:
+        why = "the port is in use (another streamllm serve? pick one with --port, 0 for any free one)" \
+            if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        return f"cannot listen on {host}:{port}: {why}"
+    return None
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -280,7 +322,12 @@ def main(argv: list[str]) -> int:
         for group in groups:
             group.read = read_options(args)
             venue_credentials(group.feed.kind)  # missing keys are a start-up error, not a reconnect loop
+        problems = preflight(args, config, groups, override)
     except (TokenConfigError, ConfigError, ValueError) as exc:
         print(f"streamllm serve: {exc}", file=sys.stderr)
+        return 2
+    if problems:  # seconds before the model would have loaded: one line each
+        for problem in problems:
+            print(f"streamllm serve: {problem}", file=sys.stderr)
         return 2
     return asyncio.run(serve_forever(args, tenants, config, groups))

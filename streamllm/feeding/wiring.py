@@ -88,6 +88,29 @@ def group_feeds(config: QueryConfig, override: FeedSpec | None) -> list[FeedGrou
     return list(groups.values())
 
 
+def feed_file_problems(groups: list[FeedGroup], config: QueryConfig, override: FeedSpec | None = None) -> list[str]:
+    """One line per replay/csv file a feed names that cannot be read (missing, a folder, no permission),
+    naming the config key (or `--feed`) and the file: `serve` checks them before it loads a model."""
+    problems = []
+    for group in groups:
+        if group.feed.kind not in ("replay", "csv") or group.feed.path is None:
+            continue
+        where = "--feed" if override is not None else \
+            f"{config.source}: sessions[{config.sessions.index(group.sessions[0])}].feed"
+        for name in str(group.feed.path).split(","):
+            path = Path(name.strip()).expanduser()
+            try:
+                with path.open("rb") as file:
+                    file.read(1)
+            except IsADirectoryError:
+                problems.append(f"{where}: {group.feed.kind} file {path}: is a folder, not a file")
+            except FileNotFoundError:
+                problems.append(f"{where}: {group.feed.kind} file {path}: no such file")
+            except OSError as exc:
+                problems.append(f"{where}: {group.feed.kind} file {path}: cannot read it ({exc.strerror or exc})")
+    return problems
+
+
 def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterator[Any]:
     """The group's events as an async stream, in receive order and paced."""
     feed = group.feed
