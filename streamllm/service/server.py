@@ -97,6 +97,7 @@ class StreamServer:
         self.conns: set[Conn] = set()
         self.bars = BarBook()
         self.feeds: list[Any] = []  # feeds.FeedRunner, shown in /health
+        self.feed_owners: dict[str, Any] = {}  # engine session -> feeding.owners.FeedOwner (serve --config)
         if replicas is not None:  # per-replica series
             self.metrics.registry.register(replicas.metrics_collector())
         self.started_at = time.time()
