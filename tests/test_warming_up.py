@@ -77,3 +77,49 @@ def test_threshold_in_force_names_whose_it_is():
     gate.auto, gate.choice_thresholds = True, {"up": 1.5}
     assert threshold_in_force(gate, "Up", head_read=True) == (1.5, "auto")
     assert threshold_in_force(gate, "down", head_read=True) == (None, "auto")  # no evidence for it yet
+
+
+def test_stats_say_which_threshold_is_in_force(engine, serve_in_thread):
+    from streamllm.client.client import Client
+    from streamllm.service.server import ServerConfig, StreamServer
+
+    with serve_in_thread(StreamServer(engine, config=ServerConfig(port=0))) as server, Client(server.url) as client:
+        client.open("s")
+        client.register("s", {"id": "trend", "text": "Up or down?", "choices": ["up", "down"], "threshold": 2.0})
+        client.register("s", {"id": "next", "text": "What next?", "threshold": 1e9, "max_tokens": 2})
+        ack = client.push("s", LINES[:3])
+        reply = client.ask("s", "trend", min_version=ack["data_version"])
+        assert reply["warming_up"] is False and reply["warming_up_reason"] is None
+        engine.wait_idle()
+        (mine,) = client.stats()["sessions"]
+        assert mine["thresholds"] == {"trend": {"threshold": 2.0, "source": "config"},
+                                      "next": {"threshold": 1e9, "source": "config"}}
+
+
+def test_a_series_head_warms_up_until_it_has_lines_to_read_and_then_its_threshold_is_in_force(
+        tiny_model, spec, bars, tmp_path):
+    """Before a series head holds the lines it reads, the LM alone decides, at the config's threshold:
+    a guess, said so. Then the head's own threshold replaces the config's, and the answer says whose."""
+    from streamllm.model.adapter import save_heads
+    from streamllm.tuning.extract import render_window
+    from tests.test_tune import LINES as HEAD_LINES
+    from tests.test_tune import engine_with, random_series
+
+    heads = random_series(spec, tiny_model.config.hidden_size, threshold=0.25)
+    save_heads(tmp_path / "ad", heads, model=tiny_model.name)
+    trend = spec.questions[0]  # label trend_up(n=5), a head of 6 lines
+    eng = engine_with(tiny_model, tmp_path / "ad")
+    try:
+        eng.open_session("test", system=spec.system_prompt)
+        eng.register("test", trend)
+        seen = []
+        for line in render_window(bars[:8]):
+            eng.push("test", [line])
+            assert eng.wait_idle()
+            (answer,) = eng.standing("test")
+            seen.append((answer.warming_up_reason, answer.threshold, answer.threshold_source))
+    finally:
+        eng.shutdown()
+    early = [(f"its head needs {HEAD_LINES} lines; the session has {n} so far", trend.threshold, "config")
+             for n in range(1, HEAD_LINES)]
+    assert seen == [*early, *[(None, 0.25, "head")] * (8 - HEAD_LINES + 1)]

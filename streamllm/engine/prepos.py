@@ -328,8 +328,9 @@ def warming_up(st: Standing) -> str | None:
         return "no data yet (data_version 0)"
     lines = s.lines_upto(entry.base_len)
     if head is not None and st.ready_hidden is None:
-        if head.kind == HeadKind.SERIES and lines < head.reads(lines):
-            return f"its head reads the last {head.reads(lines)} lines; the session has {lines} so far"
+        first = (head.min_lines or head.lines) if head.kind == HeadKind.SERIES else 0
+        if lines < first:
+            return f"its head needs {first} lines; the session has {lines} so far"
         return "its head's inputs are not computed yet"
     label = st.spec.label
     if label is not None and lines < label.bars_needed:

@@ -393,6 +393,7 @@ class WebSocketApp:
                 data = info_dict(info, local)
                 data["standing_questions"] = [q.id for q in self._questions(info.name)]
                 data["calibration"] = calibration.get(info.name, {})
+                data["thresholds"] = self._thresholds(info.name)
                 mine.append(data)
         if not self.server.tenants.auth or conn.tenant.admin:  # the operator (or the one local user) sees the engine
             return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine, "engine": self.engine.stats(),
@@ -403,6 +404,15 @@ class WebSocketApp:
         return {"type": "stats", "tenant": conn.tenant.name, "sessions": mine,
                 "standing_questions": quota["use"]["standing_questions"], "quota": quota,
                 "server": {"connections": own, "outgoing_queued": conn.out.qsize()}}
+
+    def _thresholds(self, name: str) -> dict[str, dict[str, Any]]:
+        """Each standing question's threshold in force at its latest answer and whose it is (config, head:
+        an adapter head's own calibrated one, which replaces the config's; auto: live); null: closed."""
+        try:
+            answers = self.engine.standing(name)
+        except KeyError:  # closed since it was listed
+            return {}
+        return {a.question_id: {"threshold": a.threshold, "source": a.threshold_source} for a in answers}
 
     def _questions(self, name: str) -> list[Any]:
         try:
