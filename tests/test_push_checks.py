@@ -246,3 +246,23 @@ def test_serve_refuses_colliding_choices_before_loading_the_model(no_model, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"streamllm serve: {config}: sessions[0].questions[1].choices: "
                                                "question 'size': choices 'big' and 'bigger'"), err
+
+
+def test_serve_gives_the_server_its_feed_owners(monkeypatch, tmp_path, capsys):
+    """serve hands ws.py the map of feed-owned sessions (the start is cut short once it is built)."""
+    built = []
+
+    async def no_listen(self):
+        built.append(self)
+        raise OSError("test: not listening")
+
+    monkeypatch.setattr(StreamServer, "start", no_listen)
+    monkeypatch.delenv("STREAMLLM_TOKENS", raising=False)
+    config = tmp_path / "x.toml"
+    config.write_text(CONFIG)
+    assert serve_cli.main(["--model", "tiny", "--no-auth", "--port", "0", "--config", str(config)]) == 2
+    owners = built[0].feed_owners
+    assert {name: (o.feed, o.client_pushes, o.changes) for name, o in owners.items()} == {
+        "local/eth": ("synthetic", False, "price"), "local/sol": ("synthetic", True, "price")}
+    assert owners["local/eth"].where == f"{config}: sessions[0]"
+    assert "cannot listen" in capsys.readouterr().err
