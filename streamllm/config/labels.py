@@ -80,10 +80,14 @@ class LabelDef:
 
 @dataclass(frozen=True, slots=True)
 class LabelSpec:
-    """A parsed label: a definition plus its parameter values (in definition order)."""
+    """A parsed label: a definition plus its parameter values (in definition order).
+
+    `bars_needed` is fixed when the label is parsed: the engine reads it to say an answer is
+    warming up, and answering must never call into a label's functions."""
 
     name: str
     params: tuple[tuple[str, int | float], ...]
+    bars_needed: int  # the fewest bars the label can judge (the definition's bars_needed(**params))
 
     @property
     def definition(self) -> LabelDef:
@@ -93,10 +97,6 @@ class LabelSpec:
     def text(self) -> str:
         """Canonical text, every parameter spelled out: `trend_up(n=10)`."""
         return f"{self.name}({', '.join(f'{k}={v}' for k, v in self.params)})"
-
-    @property
-    def bars_needed(self) -> int:
-        return self.definition.bars_needed(**dict(self.params))
 
     def evaluate(self, bars: Any) -> bool | None:
         """The predicate on the last bars; None when there are too few bars."""
@@ -321,4 +321,4 @@ def parse_label(text: str) -> LabelSpec:
             ) from None
         values[keyword.arg] = param.coerce(value, text)
     params = tuple((p.name, values.get(p.name, p.default)) for p in definition.params)
-    return LabelSpec(name, params)
+    return LabelSpec(name, params, definition.bars_needed(**dict(params)))
