@@ -408,7 +408,7 @@ class Engine(Intake, Subscribable, EngineClient):
         failure = self.core.failure
         log_failure = self.ingest_log.failure if self.ingest_log is not None else None  # durability/ingest_log.py
         return EngineHealth(not self.core.stopped, None if failure is None else repr(failure), self.core.failed_steps,
-                            log_failure)
+                            log_failure, self.core.failing_in_a_row, self.core.last_step_error)
 
     def stats(self) -> dict:
         """Counters and gauges for /health, /metrics and benchmarks (all numbers but model/device/dtype)."""

@@ -50,6 +50,8 @@ class EngineHealth:
     failure: str | None  # why a core stopped, when one did
     failed_steps: int  # steps that raised and were failed back to their callers
     log_failure: str | None = None  # why the ingest log stopped writing (pushes are refused), when it did
+    failing_in_a_row: int = 0  # the latest steps that all failed (0 once a step succeeds): a broken forward
+    last_step_error: str | None = None  # what the latest failed step raised
 
 
 class EngineClient(abc.ABC):

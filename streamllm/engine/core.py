@@ -111,6 +111,8 @@ class EngineCore:
         self.stopped = False
         self.failure: BaseException | None = None
         self.commands = self.failed_steps = self.admissions_refused = 0
+        self.failing_in_a_row = 0  # failed steps since the last one that succeeded
+        self.last_step_error: str | None = None
         self._thread = threading.Thread(target=self._main, name="streamllm-core", daemon=True)
 
     # -- what other threads read (published, replaced, never mutated by readers) ----
@@ -376,9 +378,12 @@ class EngineCore:
         except Exception as exc:  # a failed forward fails its questions, never the engine
             log.exception("forward failed")
             self.failed_steps += 1
+            self.failing_in_a_row += 1
+            self.last_step_error = repr(exc)
             self._fail_plan(plan, exc)
             return
         step_s = time.perf_counter() - t0
+        self.failing_in_a_row = 0
         self._update(plan, logits, works)
         self.compactor.swap_caught_up()
         self.step_times.record(step_s, plan.num_tokens)

@@ -44,6 +44,7 @@ def core_counters(core: EngineCore) -> dict[str, float]:
         "sessions_at_budget": sum(s.at_budget for s in sessions),
         "steps": times.steps,
         "failed_steps": core.failed_steps,
+        "steps_failing_in_a_row": core.failing_in_a_row,
         "commands": core.commands,
         "step_ms_avg": times.ms_total / times.steps if times.steps else 0.0,
         "step_ms_last": times.ms_last,

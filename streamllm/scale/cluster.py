@@ -409,7 +409,8 @@ class ClusterEngine(Subscribable, EngineClient, ReplicaControl):
         down = [h for h in self.replicas if h.state != ReplicaState.UP]
         why = "; ".join(f"replica {h.index} is {h.state}: {h.last_down_reason}" for h in down) or None
         failed = sum(int(h.stats.get("failed_steps", 0)) for h in self.replicas)
-        return EngineHealth(not down, why, failed)
+        in_a_row = max((int(h.stats.get("steps_failing_in_a_row", 0)) for h in self.replicas), default=0)
+        return EngineHealth(not down, why, failed, failing_in_a_row=in_a_row)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         return all(self.call_replica(h, "wait_idle", timeout, timeout=(timeout or 600) + 5) for h in self.replicas)

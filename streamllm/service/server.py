@@ -44,6 +44,7 @@ from streamllm.service.quotas import QuotaBook
 from streamllm.service.tenants import LOCAL_TENANT, Tenants
 from streamllm.service.ws import CLOSE_GOING_AWAY, WebSocketApp
 
+FAILING_STEPS = 3  # this many failed engine steps in a row, none succeeding between: /health is 503 failing
 BEHIND_LINES = 256  # a session with more lines waiting to be ingested counts as behind (attach's max_backlog)
 
 
@@ -219,6 +220,10 @@ class StreamServer:
         if not engine.alive:  # nothing will be ingested or answered until a restart
             out["status"] = "failing"
             reasons.append(f"the engine stopped: {engine.failure or 'shut down'}")
+        elif engine.failing_in_a_row >= FAILING_STEPS:  # not a bad question: every step fails
+            out["status"] = "failing"
+            reasons.append(f"the last {engine.failing_in_a_row} engine steps all failed"
+                           + (f" ({engine.last_step_error})" if private else ""))
         elif engine.failed_steps:
             reasons.append(f"{engine.failed_steps} engine step(s) failed (their questions got errors)")
         out["failed_steps"] = engine.failed_steps
