@@ -32,7 +32,9 @@ def _wait(predicate, what: str, timeout: float = 20.0) -> None:
 
 
 def test_health_is_failing_while_every_step_fails_and_recovers_after(tiny_model, serve_in_thread, monkeypatch):
-    engine = Engine(tiny_model, EngineConfig(max_cells=2048, block_size=8, max_context=256))
+    # A budget far above what the test pushes: no compaction copy may swap the pushed lines away
+    # without a forward (with a 141-token system prompt at max_context 256 one cut them all).
+    engine = Engine(tiny_model, EngineConfig(max_cells=4096, block_size=8, max_context=1024))
     try:
         with serve_in_thread(StreamServer(engine, config=ServerConfig(port=0))) as server:
             engine.open_session("s")
