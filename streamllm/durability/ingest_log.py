@@ -280,7 +280,8 @@ class IngestLog:
         self.append(Record("restore", session, data_version, meta={"path": str(Path(snapshot).absolute())}))
 
     def record_push(self, session: str, data_version: int, lines: list[str],
-                    source: tuple[str, int] | None = None, truths: dict[str, str] | None = None) -> None:
+                    source: tuple[str, int] | None = None, truths: dict[str, str] | None = None,
+                    late_truths: dict[str, dict[int, str]] | None = None) -> None:
         """`source` = (feed id, position after this batch): kept with the batch; an older one is a duplicate.
         `truths` (labelled questions' right choices as of this batch) are accepted input too: a recovery
         pushes them again, so the versions it replays are scored as they were the first time."""
@@ -296,6 +297,8 @@ class IngestLog:
                 meta = {"feed": feed, "pos": int(pos)}
         if truths:
             meta["truths"] = dict(truths)
+        if late_truths:  # JSON keys are strings: read_late_truths turns them back into versions
+            meta["late_truths"] = {q: {str(v): c for v, c in by.items()} for q, by in late_truths.items()}
         self.append(Record("push", session, data_version, list(lines), time.time_ns(), meta))
         if source is not None:
             self.positions.setdefault(session, {})[source[0]] = int(source[1])

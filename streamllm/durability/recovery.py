@@ -175,11 +175,15 @@ def _apply(engine: Engine | ResidentEngine, name: str, rec: Record, report: Reco
             engine.unregister(name, rec.meta["id"])
             report.questions -= 1
     elif rec.kind == "push":
-        truths = rec.meta.get("truths")
+        kw = {}
+        if truths := rec.meta.get("truths"):
+            kw["truths"] = truths
+        if late := rec.meta.get("late_truths"):
+            kw["late_truths"] = {q: {int(v): c for v, c in by.items()} for q, by in late.items()}
         try:  # the truths were checked when first pushed; should one no longer fit, the lines still go in
-            ack = engine.push(name, rec.lines, **({"truths": truths} if truths else {}))
+            ack = engine.push(name, rec.lines, **kw)
         except ValueError as exc:
-            if not truths:
+            if not kw:
                 raise
             log.warning("recovery: session %r: v%s truths not applied (%s); its lines are", name, rec.data_version, exc)
             ack = engine.push(name, rec.lines)

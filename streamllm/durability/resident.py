@@ -165,10 +165,10 @@ class ResidentEngine(EngineClient):
 
     # -- data ---------------------------------------------------------------------
     def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> PushAck:
+             truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> PushAck:
         with self._session(name):
             self._resident(name)
-            return self.engine.push(name, lines, source=source, truths=truths)
+            return self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
 
     # -- standing questions -------------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:

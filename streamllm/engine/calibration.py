@@ -30,6 +30,13 @@ trend turns. Runs are only
 counted as distinct if a different truth came between them, so meeting MIN_RUNS means the
 window saw the label change MIN_RUNS - 1 times or more.
 
+A forecast's truth (a label that reads bars after its own, `close[+5] > close`) is known only
+some bars later: the feeder sends it with the push that completes those bars, for the earlier
+version (`push(..., late_truths={question_id: {version: choice}})`). So truths and answers meet
+in either order: an answer waits (bounded) for its truth, a truth for its answer, and the pair
+is scored when the second arrives. A truth sent for a version whose answer was never made
+(entries skipped it under lag) scores nothing.
+
 The truth is the judge, never the answer: nothing on an answer path reads it.
 """
 
@@ -46,7 +53,7 @@ WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
-MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet
+MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet; answers kept for their truth
 # One scored answer: (gap, correct, fired, answer, truth run, truth; None where a window saved
 # before truths were kept does not say).
 Sample = tuple[float, bool, bool, str, int, str | None]
@@ -83,6 +90,9 @@ class LiveCalibration:
     scored: int = 0
     samples: deque[Sample] = field(default_factory=deque)
     truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
+    # data version -> (answer, gap, fired) made there, waiting for its (forecast's) truth
+    answers: dict[int, tuple[str, float, bool]] = field(default_factory=dict)
+    last_answered: int = -1  # the newest version answered (a truth for an older one without an answer: skipped)
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
     last_truth: str | None = None
@@ -92,19 +102,37 @@ class LiveCalibration:
     fired_correct: int = 0
     truth_counts: Counter[str] = field(default_factory=Counter)  # the window's truths (where known)
 
-    def expect(self, version: int, choice: str) -> None:
-        """The truth at `version` (sent with the push that makes it)."""
+    def expect(self, version: int, choice: str, threshold: float = math.inf) -> bool:
+        """The truth at `version`: sent with the push that makes it, or later (a forecast's). Scores
+        the answer made there if it is waiting (True; `threshold`: the gate's fixed one now, for the
+        summary), else keeps the truth for it."""
+        waiting = self.answers.pop(version, None)
+        if waiting is not None:
+            self._add(choice, *waiting, threshold)
+            return True
+        if version <= self.last_answered:
+            return False  # answered versions are past it and none was made there: nothing to judge
         self.truths[version] = choice
         if len(self.truths) > MAX_PENDING:  # entries skipped these versions (lag): forget the oldest
             del self.truths[min(self.truths)]
+        return False
 
     def score(self, version: int, answer: str, gap: float, fired: bool, threshold: float) -> bool:
-        """Score the answer made at `version`; False when no truth was sent for it."""
+        """Score the answer made at `version`; False when its truth has not come (the answer then
+        waits for it: a forecast's truth comes with a later push)."""
+        self.last_answered = max(self.last_answered, version)
         truth = self.truths.pop(version, None)
         for stale in [v for v in self.truths if v < version]:  # older versions will get no answer now
             del self.truths[stale]
         if truth is None:
+            self.answers[version] = (answer, gap, fired)
+            if len(self.answers) > MAX_PENDING:  # truths that never come (a label still warming up)
+                del self.answers[min(self.answers)]
             return False
+        self._add(truth, answer, gap, fired, threshold)
+        return True
+
+    def _add(self, truth: str, answer: str, gap: float, fired: bool, threshold: float) -> None:
         truth = truth.casefold()
         if truth != self.last_truth:
             self.run, self.last_truth = self.run + 1, truth
@@ -118,7 +146,6 @@ class LiveCalibration:
                                         or (math.isinf(self.threshold) and self._could_open())):
             self.thresholds = self.fit()
         self.summary = self._summary(threshold)
-        return True
 
     def export(self) -> dict:
         """The window as JSON-able data (snapshots, evictions, moves): an auto gate restored from it

@@ -96,11 +96,13 @@ class EngineClient(abc.ABC):
     # -- data ---------------------------------------------------------------------
     @abc.abstractmethod
     def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> PushAck:
+             truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> PushAck:
         """Accept a batch of lines; returns at once with the data_version it will become.
 
         source: (feed id, feed position after this batch), for exactly-once feeds with an ingest log.
-        truths: question id -> the right choice as of this batch, scoring labelled questions."""
+        truths: question id -> the right choice as of this batch, scoring labelled questions.
+        late_truths: question id -> {earlier data version: the right choice there}: a forecast's truths,
+        known once this batch's bars are in (engine/calibration.py)."""
 
     # -- standing questions -------------------------------------------------------
     @abc.abstractmethod

@@ -56,6 +56,7 @@ class Push(Command):
     ids_per_line: list[list[int]]
     version: int  # the version the facade acked; the core checks it agrees
     truths: dict[str, str] | None = None  # question id -> right choice at this version (live calibration)
+    late_truths: dict[str, dict[int, str]] | None = None  # question id -> {earlier version: choice} (forecasts)
 
 
 @dataclass(slots=True, eq=False)

@@ -333,6 +333,9 @@ class EngineCore:
             raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
         if cmd.truths:
             self.prepos.expect(cmd.name, version, cmd.truths)
+        for question_id, by_version in (cmd.late_truths or {}).items():
+            for earlier, choice in sorted(by_version.items()):
+                self.prepos.expect(cmd.name, earlier, {question_id: choice})
         self.compactor.maybe_start(session)
         self.publisher.mark(cmd.name)
         return version

@@ -38,25 +38,29 @@ class _Batch:
     new_tokens: int
     source: tuple[str, int] | None
     truths: dict[str, str] | None
+    late_truths: dict[str, dict[int, str]] | None
 
 
 class Intake:
     """Mixed into `Engine` (api.py), whose registry (`_handles`, `_lock`, `core`, ...) it uses."""
 
     def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> PushAck:
+             truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> PushAck:
         """Accept a batch of lines; returns at once with the data_version it will become.
 
         source: (feed id, feed position after this batch), logged with it; with an ingest log a
         batch behind its feed's logged position raises `DuplicateBatch` (exactly-once feeds).
         truths: question id -> the right choice on the data as of this batch, for labelled standing
-        questions: their answers at this version are scored (live calibration), never answered from."""
+        questions: their answers at this version are scored (live calibration), never answered from.
+        late_truths: question id -> {earlier data version: right choice}: truths that this batch's data
+        settles for versions already pushed (a forecast's), scored against the answers made there."""
         lines = validate_lines(lines)
         if not lines:
             raise ValueError("push at least one line")
         truths = (self._check_truths(name, truths) or None) if truths else None
+        late_truths = (self._check_late_truths(name, late_truths) or None) if late_truths else None
         ids_per_line = self.layout.lines_ids(lines)  # tokenized in the caller's thread
-        batch = _Batch(lines, ids_per_line, sum(len(ids) for ids in ids_per_line), source, truths)
+        batch = _Batch(lines, ids_per_line, sum(len(ids) for ids in ids_per_line), source, truths, late_truths)
         with self._log_lock(name):  # with a log: version order == log order == inbox order
             if self.ingest_log is None:  # one critical section: assign, enqueue, ack
                 with self._lock:
@@ -65,7 +69,7 @@ class Intake:
                 version = self._next_version(name, batch.new_tokens)
             # On disk before the ack. When it raises (IngestLogError) nothing is acked and the version stays
             # free: the log cut the failed record off (or stopped writing), so no record holds it twice.
-            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths)
+            self.ingest_log.record_push(name, version, batch.lines, batch.source, batch.truths, batch.late_truths)
             with self._lock:
                 return self._enqueue(name, batch, version)
 
@@ -85,6 +89,23 @@ class Intake:
                 kept[question_id] = choice
         return kept
 
+    def _check_late_truths(self, name: str, late: dict[str, dict[int, str]]) -> dict[str, dict[int, str]]:
+        """As `_check_truths`, per earlier version; a version must be one already pushed (>= 1)."""
+        if not isinstance(late, dict) or not all(isinstance(v, dict) for v in late.values()):
+            raise ValueError("late_truths must map question ids to {data version: choice}")
+        with self._lock:
+            pushed = self._handle(name).pushed_version
+        kept: dict[str, dict[int, str]] = {}
+        for question_id, by_version in late.items():
+            for version in by_version:
+                if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= pushed:
+                    raise ValueError(f"late_truths[{question_id!r}]: version {version!r} is not one already "
+                                     f"pushed (1..{pushed})")
+            checked = {v: self._check_truths(name, {question_id: c}) for v, c in by_version.items()}
+            if any(checked.values()):
+                kept[question_id] = {v: c[question_id] for v, c in checked.items()}
+        return kept
+
     def _next_version(self, name: str, new_tokens: int) -> int:
         """Under self._lock: the version the batch will get, or a clear refusal."""
         h = self._handle(name)
@@ -99,7 +120,8 @@ class Intake:
         version = version if version is not None else self._next_version(name, batch.new_tokens)
         h = self._handle(name)
         h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(batch.lines)
-        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths)).add_done_callback(_log_failure)
+        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths, batch.late_truths)
+                         ).add_done_callback(_log_failure)
         return PushAck(name, version, max(self._backlog(name, h), len(batch.lines)), len(batch.lines))
 
     def backlog(self, name: str) -> int:

@@ -229,13 +229,19 @@ class Prepositioner:
         self._score(st)
         return st
 
-    def expect(self, session: str, version: int, truths: dict[str, str]) -> None:
-        """Truths sent with the push that makes `version` (question id -> the right choice there)."""
+    def expect(self, session: str, version: int, truths: dict[str, str]) -> list[Standing]:
+        """Truths at `version` (question id -> the right choice there): sent with the push that makes
+        it, or later for a forecast. Returns the questions whose waiting answer this scored."""
         questions = self.by_session.get(session, {})
+        scored = []
         for question_id, choice in truths.items():
             st = questions.get(question_id)
-            if st is not None and st.spec.choices:  # unregistered meanwhile: nothing to score
-                st.calibration.expect(version, choice)
+            if st is None or not st.spec.choices:  # unregistered meanwhile: nothing to score
+                continue
+            if st.calibration.expect(version, choice, st.gate.effective_threshold):
+                self.sync_gate(st)
+                scored.append(st)
+        return scored
 
     def _score(self, st: Standing) -> None:
         """Score the new ready answer against its version's truth; a live threshold follows the evidence."""

@@ -224,9 +224,9 @@ class ClusterEngine(Subscribable, EngineClient, ReplicaControl):
             self.hub.drop_session(name)
 
     def push(self, name: str, lines: list[str], *, source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> Any:
+             truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> Any:
         with self._writing(name):
-            return self._route(name, "push", lines, source, truths)
+            return self._route(name, "push", lines, source, truths, late_truths)
 
     def register(self, name: str, spec: Any) -> None:
         with self._writing(name):

@@ -154,8 +154,8 @@ class Replica:
         self.bars.forget(name)
 
     def push(self, name: str, lines: list[str], source: tuple[str, int] | None = None,
-             truths: dict[str, str] | None = None) -> Any:
-        ack = self.engine.push(name, lines, source=source, truths=truths)
+             truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> Any:
+        ack = self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
         self.bars.record(name, lines)
         return ack
 

@@ -234,7 +234,11 @@ class WebSocketApp:
             quotas.take_push(tenant, len(lines))
         # Labelled questions' right choices on this batch's data: scored against the answers (live calibration).
         truths = req.field("truths", dict, "an object of question id -> right choice", None)
-        kw = {"truths": truths} if truths else {}
+        kw: dict[str, Any] = {"truths": truths} if truths else {}
+        # A forecast's truths, settled by this batch's bars for versions already pushed.
+        late = req.field("late_truths", dict, "an object of question id -> {data version: right choice}", None)
+        if late:
+            kw["late_truths"] = _late_truths(late)
         ack = await asyncio.to_thread(self.engine.push, name, lines, **kw)  # may fsync the ingest log
         self.server.bars.record(name, lines)
         self.metrics.lines_pushed.inc(ack.lines)
@@ -453,3 +457,18 @@ async def _refuse(scope: dict[str, Any], send: Any, status: int, message: str, c
 def _ename(conn: Conn, session: str) -> str:
     assert conn.tenant is not None
     return conn.tenant.engine_name(session)
+
+
+def _late_truths(late: dict) -> dict[str, dict[int, str]]:
+    """`late_truths` off the wire: JSON object keys are strings, the engine's versions integers."""
+    out: dict[str, dict[int, str]] = {}
+    for question_id, by_version in late.items():
+        if not isinstance(by_version, dict):
+            raise ProtocolError(p.BAD_FIELD, f"late_truths[{question_id!r}]: expected an object of data version "
+                                             f"-> right choice, got {type(by_version).__name__}")
+        try:
+            out[question_id] = {int(v): c for v, c in by_version.items()}
+        except ValueError:
+            raise ProtocolError(p.BAD_FIELD, f"late_truths[{question_id!r}]: data versions are integers, "
+                                             f"got {list(by_version)}") from None
+    return out
