@@ -25,8 +25,8 @@ from streamllm.engine.taps import LineTaps
 from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
 from streamllm.model.llama import LlamaForward
 from streamllm.model.lora import hf_model
+from streamllm.model.seriesfit import _Model, feature_sets, fit_series, samples
 from streamllm.tuning.extract import StateExtractor, render_window, session_ids
-from streamllm.tuning.seriesfit import _Model, feature_sets, fit_series, samples
 from tests.test_tune import CONFIG, LAYER, LINES, engine_with, random_series, write_bars
 
 
@@ -464,7 +464,7 @@ def test_a_restored_session_keeps_its_line_features(tiny_model, spec, bars, tmp_
 def test_fits_over_several_orders_serve_their_mean_in_the_heads_own_format():
     """orders=3: three fits of the chosen candidate, each its own minibatch order; the served head (rank 3R,
     one SeriesHead) gives the mean of the three fits' logits, and the dev loss reported is its own."""
-    from streamllm.tuning.seriesfit import _stack
+    from streamllm.model.seriesfit import _stack
 
     g = torch.Generator().manual_seed(2)
     train = samples([rule_window(g, 40, 10) for _ in range(8)], 6)
@@ -502,7 +502,7 @@ def _fitted_logits(state, s):
 def test_the_simplest_candidate_within_one_standard_error_is_served():
     """choose="simplest" (the one-standard-error rule): a candidate reading fewer columns, then one with
     more weight decay, wins whenever its mean development loss is within the best's standard error."""
-    from streamllm.tuning.seriesfit import choose_candidate
+    from streamllm.model.seriesfit import choose_candidate
 
     widths = {"all": 4, "words": 2}
     spread = {("all", 1e-3): (0.300, 0.010), ("all", 1e-1): (0.305, 0.004),
@@ -516,7 +516,7 @@ def test_the_simplest_candidate_within_one_standard_error_is_served():
 
 
 def test_fit_series_reports_every_candidate_and_serves_the_rules_choice():
-    from streamllm.tuning.seriesfit import choose_candidate
+    from streamllm.model.seriesfit import choose_candidate
 
     g = torch.Generator().manual_seed(1)  # the label sums the word's first number; [mean, last] are noise
     train = samples([rule_window(g, 40, 12, column=8, scale=3.0) for _ in range(6)], 6)
@@ -538,7 +538,7 @@ def test_a_fit_is_the_same_in_every_process():
     script = """
 import hashlib, torch
 torch.set_num_threads(2)
-from streamllm.tuning.seriesfit import fit_series, samples
+from streamllm.model.seriesfit import fit_series, samples
 from tests.test_series import rule_window
 g = torch.Generator().manual_seed(0)
 train = samples([rule_window(g, 250, 64) for _ in range(40)], 24)

@@ -3,6 +3,7 @@
     snapshot file (safetensors):  k, v          [layers, kv_heads, num_computed, head_dim]
                                   token_ids     [num_tokens] int64
                                   line_features [n, (2 + W) H], line_index [n]  (series heads only, engine/taps.py)
+                                  learned/<question>/...  (live learning: a head, its samples and lines)
                                   __metadata__  {"streamllm": JSON}  versions, prefix, questions,
                                                 dtype, config hash, sha256 of the tensors
 
@@ -27,7 +28,7 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -115,6 +116,7 @@ def write_state(engine: StateEngine, state: SessionState, path: Path, t0: float 
     if state.line_features is not None:  # series heads' line features (optional: older files have none)
         tensors["line_features"] = state.line_features.contiguous()
         tensors["line_index"] = state.line_index.contiguous()
+    tensors.update({k: t.contiguous() for k, t in state.learned.items()})  # "learned/<question>/<name>"
     meta["sha256"] = _tensor_digest(tensors)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
@@ -139,6 +141,7 @@ class LoadedSnapshot:
     questions: list[QuestionSpec]
     line_features: torch.Tensor | None = None
     line_index: torch.Tensor | None = None
+    learned: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
@@ -176,8 +179,9 @@ def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
     if meta.get("adapter") != ident.adapter_id:
         raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
                   f"{ident.adapter_id!r} (its standing answers would not be the same)")
-    if set(tensors) not in ({"k", "v", "token_ids"}, {"k", "v", "token_ids", "line_features", "line_index"}):
-        raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids (and line_features, line_index)")
+    learned = {k: t for k, t in tensors.items() if k.startswith("learned/")}  # live learning's (engine/learning.py)
+    if set(tensors) - set(learned) not in ({"k", "v", "token_ids"}, {"k", "v", "token_ids", "line_features", "line_index"}):
+        raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids (and line_features, line_index, learned/...)")
     if _tensor_digest(tensors) != meta.get("sha256"):
         raise bad("checksum mismatch: the cells or token ids are corrupted")
     k, v, ids = tensors["k"], tensors["v"], tensors["token_ids"]
@@ -222,7 +226,7 @@ def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
         raise bad(f"line features shaped {tuple(features.shape)} / {tuple(index.shape)}, expected [n, {width}] / [n]")
     if "tenant" not in meta:  # written before snapshots carried the tenant
         meta["tenant"] = legacy_tenant(str(meta.get("session", "")))
-    return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index)
+    return LoadedSnapshot(meta, k, v, ids.tolist(), questions, features, index, learned)
 
 
 def restore_session(engine: StateEngine, path: str | Path, name: str | None = None) -> SnapshotInfo:
@@ -252,4 +256,4 @@ def restore_loaded(engine: StateEngine, snap: LoadedSnapshot, path: str | Path, 
 
 def snapshot_state(snap: LoadedSnapshot) -> SessionState:
     return SessionState(snap.meta, snap.k, snap.v, snap.token_ids, snap.questions, snap.line_features,
-                        snap.line_index)
+                        snap.line_index, snap.learned)

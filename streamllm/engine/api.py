@@ -52,6 +52,7 @@ from streamllm.engine.fastpath import fast_answer, find_standing
 from streamllm.engine.gate import Gate
 from streamllm.engine.intake import Intake, _Handle
 from streamllm.engine.kv import BlockManager, KVPool, KVStore
+from streamllm.engine.learning import Learning
 from streamllm.engine.outputs import (
     AdmissionError,
     Answer,
@@ -122,15 +123,25 @@ class Engine(Intake, Subscribable, EngineClient):
         self.hub = SubscriptionHub()
         # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
         # and ingest may have computed a few updates past it by the time the entry is ready.
+        # Live learning (engine/learning.py) reads the same features: the adapter's layer and words when it
+        # has series heads, else the learning config's, kept only by sessions with a learning question.
         lines = self.adapter.tap_lines if self.adapter is not None else 0
-        taps = TapConfig.for_heads(self.tokenizer, lines + LINE_SLACK if lines else 0,
-                                   self.adapter.tap_words if lines else ())
+        learn = config.learning
+        tap_layer = self.adapter.tap_layer if self.adapter is not None else None
+        words = self.adapter.tap_words if lines else learn.words
+        learning = None
+        if learn.enabled:
+            tap_layer = learn.layer_for(self.model.num_layers, tap_layer)
+            learning = Learning(learn, layer=tap_layer, words=tuple(words), device=self.device)
+        kept = max(lines, learn.lines if learn.enabled else 0)
+        taps = TapConfig.for_heads(self.tokenizer, kept + LINE_SLACK if kept else 0, words if kept else ())
         self.core = EngineCore(
             model_name=self._model_name, tokenizer=self.tokenizer, layout=self.layout, store=store,
-            runner=Runner(self.model, store, tap_layer=self.adapter.tap_layer if self.adapter else None), scheduler=Scheduler(store.manager, config.scheduler),
-            prepos=Prepositioner(store, self.layout.eos_ids, head_entries=config.head_entries), hub=self.hub,
-            policy=config.compaction, branch_cells=config.reserved_branch_cells, stale_policy=config.stale_policy,
-            taps=taps, check_every_step=config.check_integrity_every_step)
+            runner=Runner(self.model, store, tap_layer=tap_layer), scheduler=Scheduler(store.manager, config.scheduler),
+            prepos=Prepositioner(store, self.layout.eos_ids, head_entries=config.head_entries, learning=learning),
+            hub=self.hub, policy=config.compaction, branch_cells=config.reserved_branch_cells,
+            stale_policy=config.stale_policy, taps=taps, taps_on_open=bool(lines),
+            check_every_step=config.check_integrity_every_step)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self._ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state

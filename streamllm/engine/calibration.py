@@ -93,6 +93,7 @@ class LiveCalibration:
     # data version -> (answer, gap, fired) made there, waiting for its (forecast's) truth
     answers: dict[int, tuple[str, float, bool]] = field(default_factory=dict)
     last_answered: int = -1  # the newest version answered (a truth for an older one without an answer: skipped)
+    last_scored: tuple[int, str] | None = None  # (version, truth) of the newest scored answer (live learning)
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
     last_truth: str | None = None
@@ -108,7 +109,7 @@ class LiveCalibration:
         summary), else keeps the truth for it."""
         waiting = self.answers.pop(version, None)
         if waiting is not None:
-            self._add(choice, *waiting, threshold)
+            self._add(version, choice, *waiting, threshold)
             return True
         if version <= self.last_answered:
             return False  # answered versions are past it and none was made there: nothing to judge
@@ -129,11 +130,12 @@ class LiveCalibration:
             if len(self.answers) > MAX_PENDING:  # truths that never come (a label still warming up)
                 del self.answers[min(self.answers)]
             return False
-        self._add(truth, answer, gap, fired, threshold)
+        self._add(version, truth, answer, gap, fired, threshold)
         return True
 
-    def _add(self, truth: str, answer: str, gap: float, fired: bool, threshold: float) -> None:
+    def _add(self, version: int, truth: str, answer: str, gap: float, fired: bool, threshold: float) -> None:
         truth = truth.casefold()
+        self.last_scored = (version, truth)
         if truth != self.last_truth:
             self.run, self.last_truth = self.run + 1, truth
         sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run, truth)

@@ -140,5 +140,10 @@ class WaitIdle(Command):
 
 
 @dataclass(slots=True, eq=False)
+class SwapLearned(Command):
+    """A live fit finished on the learning worker (engine/learning.py): its head takes over now."""
+
+
+@dataclass(slots=True, eq=False)
 class Stop(Command):
     pass

@@ -1,8 +1,9 @@
 """EngineConfig: every setting of one engine core in one immutable object.
 
-Three groups: the cells (pool size, block size, default context budget, cells kept for
+Four groups: the cells (pool size, block size, default context budget, cells kept for
 branches), the scheduler (`SchedulerConfig`: step budget, chunk size, floors) and the
-compaction policy (`CompactionPolicy`: when a copy starts and what it keeps). `Engine`
+compaction policy (`CompactionPolicy`: when a copy starts and what it keeps), and live learning
+(`LearnConfig`: what a labelled question without a head learns from, and how often). `Engine`
 takes one; `ClusterEngine` pickles the same object to each replica. The composition root
 (`cli/serve.py`) builds it from its flags; `dataclasses.replace` derives a variant.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamllm.engine.compaction import CompactionPolicy
+from streamllm.engine.learning import LearnConfig
 from streamllm.engine.outputs import StalePolicy
 from streamllm.engine.scheduler import SchedulerConfig
 
-__all__ = ["CompactionPolicy", "EngineConfig", "SchedulerConfig"]
+__all__ = ["CompactionPolicy", "EngineConfig", "LearnConfig", "SchedulerConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,7 @@ class EngineConfig:
     # freed; an ask's own deadline_s overrides it. None (or 0): asks have no deadline.
     ask_timeout_s: float | None = 120.0
     check_integrity_every_step: bool = False  # tests: the KV store's invariants after every step
+    learning: LearnConfig = field(default_factory=LearnConfig)  # live learning (engine/learning.py)
 
     def __post_init__(self) -> None:
         for name in ("max_cells", "block_size", "max_context"):
@@ -60,6 +63,8 @@ class EngineConfig:
             raise TypeError(f"EngineConfig.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         if not isinstance(self.compaction, CompactionPolicy):
             raise TypeError(f"EngineConfig.compaction must be a CompactionPolicy, got {type(self.compaction).__name__}")
+        if not isinstance(self.learning, LearnConfig):
+            raise TypeError(f"EngineConfig.learning must be a LearnConfig, got {type(self.learning).__name__}")
         for name in ("step_tokens", "chunk_tokens", "busy_step_tokens"):
             value = getattr(self.scheduler, name)
             if not isinstance(value, int) or value <= 0:

@@ -43,6 +43,7 @@ from streamllm.engine.commands import (
     Push,
     Register,
     Stop,
+    SwapLearned,
     Unregister,
     WaitIdle,
     settle,
@@ -90,10 +91,15 @@ class EngineCore:
     def __init__(self, *, model_name: str, tokenizer: PreTrainedTokenizerBase, layout: PromptLayout,
                  store: KVStore, runner: Runner, scheduler: Scheduler, prepos: Prepositioner, hub: SubscriptionHub,
                  policy: CompactionPolicy, branch_cells: int, stale_policy: StalePolicy,
-                 taps: TapConfig | None = None, check_every_step: bool = False) -> None:
+                 taps: TapConfig | None = None, taps_on_open: bool = True, check_every_step: bool = False) -> None:
         self.model_name, self.tokenizer, self.layout = model_name, tokenizer, layout
         self.store, self.runner, self.scheduler, self.prepos, self.hub = store, runner, scheduler, prepos, hub
-        self.taps = taps or TapConfig()  # the line features every session keeps for series heads
+        self.taps = taps or TapConfig()  # the line features sessions keep for series heads (served or learning)
+        # An adapter's series heads read every session's lines from its start; without them only a session
+        # with a learning question keeps lines, from when the question is registered.
+        self.taps_on_open = taps_on_open
+        if prepos.learning is not None:  # a finished fit wakes the core to swap its head in between steps
+            prepos.learning.wake = lambda: self.submit(SwapLearned())
         self.check_every_step = check_every_step
         self.sessions: dict[str, Session] = {}  # the one registry of open sessions; only the core writes it
         self.prefixes = SharedPrefixes(store)
@@ -173,6 +179,8 @@ class EngineCore:
             self.failure = exc
         finally:
             self.stopped = True
+            if self.prepos.learning is not None:
+                self.prepos.learning.shutdown()
             self._fail_everything(self.stopped_error())
             self._fail_inbox()
             self._publish()
@@ -257,6 +265,10 @@ class EngineCore:
                     result = session_state.import_session(self, cmd.state, cmd.name, cmd.gates)
                 case CanAdmit():
                     result = self.can_admit(cmd.cells)
+                case SwapLearned():
+                    for st in self.prepos.swap_learned():
+                        self.publisher.mark(st.session.name)
+                    result = None
                 case Call():
                     result = cmd.fn(self)
                 case _:
@@ -282,7 +294,7 @@ class EngineCore:
         computed = self.prefixes.start(table, prefix, tenant)  # the tenant's identical prefix is shared, not recomputed
         self.store.manager.reserve(table, max_context)
         session = Session(name, system, prefix, max_context, table, tenant)
-        session.taps = self.taps.new_taps()
+        session.taps = self.taps.new_taps() if self.taps_on_open else None
         session.num_computed = computed
         return self.adopt(session)
 
@@ -341,7 +353,10 @@ class EngineCore:
         return version
 
     def _register(self, cmd: Register) -> None:
-        self.prepos.register(self.session(cmd.name), cmd.spec, cmd.gate, cmd.prompt_ids)
+        session = self.session(cmd.name)
+        st = self.prepos.register(session, cmd.spec, cmd.gate, cmd.prompt_ids)
+        if st.learner is not None and session.taps is None:
+            session.taps = self.taps.new_taps()  # its lines from now on (a line met mid-way is skipped)
         self.publisher.mark(cmd.name)
 
     def _unregister(self, cmd: Unregister) -> None:

@@ -26,6 +26,7 @@ from streamllm.config import QuestionSpec, normalize_question
 from streamllm.engine.calibration import LiveCalibration
 from streamllm.engine.gate import Gate, GateDecision
 from streamllm.engine.kv import KVCapacityError, KVStore
+from streamllm.engine.learning import Learner, Learning
 from streamllm.engine.outputs import AnswerPath, ReadyRecord, StandingAnswer
 from streamllm.engine.sequence import (
     AskBranch,
@@ -81,6 +82,7 @@ class Standing:
     waiters: list[AskBranch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
     calibration: LiveCalibration = field(default_factory=LiveCalibration)  # answers scored against labels
+    learner: Learner | None = None  # a labelled question without a head of its own learns one (engine/learning.py)
 
     @property
     def ready_logits(self) -> torch.Tensor | None:
@@ -96,8 +98,10 @@ class Standing:
 class Prepositioner:
     """Standing questions per session, their entries and standing answers (core-owned bookkeeping)."""
 
-    def __init__(self, store: KVStore, eos_ids: set[int], *, head_entries: bool = True) -> None:
+    def __init__(self, store: KVStore, eos_ids: set[int], *, head_entries: bool = True,
+                 learning: Learning | None = None) -> None:
         self.store = store
+        self.learning = learning
         self.eos_ids = eos_ids
         # A choice question a series head decides reads the session's line features, not the entry's
         # forward pass: its entry is made from them alone, with no prefill (and no LM logits).
@@ -114,6 +118,8 @@ class Prepositioner:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
         st = Standing(session, spec, gate, list(prompt_ids),
                       calibration=LiveCalibration(spec.target_precision, spec.auto_confidence))
+        if self.learning is not None and self.learning.wants(st):
+            st.learner = Learner(self.learning.config, tuple(spec.choices))
         questions[spec.id] = st
         return st
 
@@ -137,6 +143,8 @@ class Prepositioner:
             branch.table = None
 
     def _drop(self, st: Standing) -> None:
+        if self.learning is not None:
+            self.learning.drop(st)
         for br in st.branches():
             self.release(br)
         st.computing = st.ready = st.decoding = None
@@ -224,6 +232,8 @@ class Prepositioner:
             # The lines the entry saw: those ending at or before its fork point (None until enough are held).
             upto = st.session.lines_upto(entry.base_len)
             st.ready_hidden = st.session.taps.window(upto, head.reads(upto))
+        if st.learner is not None and st.session.taps is not None:  # what this answer read, for its sample
+            st.learner.saw(entry.data_version, st.session.lines_upto(entry.base_len), st.session.taps)
         st.entries_computed += 1
         st.record = self._record(st)
         self._score(st)
@@ -240,6 +250,7 @@ class Prepositioner:
                 continue
             if st.calibration.expect(version, choice, st.gate.effective_threshold):
                 self.sync_gate(st)
+                self._learn(st)
                 scored.append(st)
         return scored
 
@@ -250,6 +261,18 @@ class Prepositioner:
                                                 st.gate.effective_threshold):
             return
         self.sync_gate(st)
+        self._learn(st)
+
+    def _learn(self, st: Standing) -> None:
+        """After its score, never before: the answer's own sample joins what its question learns from."""
+        if st.learner is not None and self.learning is not None and st.calibration.last_scored is not None:
+            self.learning.scored(st, *st.calibration.last_scored)
+
+    def swap_learned(self) -> list[Standing]:
+        """Between steps: learned heads whose fits finished take over their questions' gates."""
+        if self.learning is None:
+            return []
+        return self.learning.swap_finished({id(st) for st in self.all()})
 
     @staticmethod
     def sync_gate(st: Standing) -> None:
@@ -315,8 +338,11 @@ class Prepositioner:
         summary = st.calibration.summary
         rec = st.record if st.record is not None and st.record.data_version == version else None
         warming = None if rec is None else rec.warming_up
+        figures = None if summary is None else summary.to_dict()
+        if figures is not None and st.learner is not None:
+            figures["learning"] = st.learner.figures()
         st.answer = StandingAnswer(st.session.name, st.spec.id, text, path, confidence, version, choices=choices,
-                                   calibration=None if summary is None else summary.to_dict(),
+                                   calibration=figures,
                                    warming_up=warming is not None, warming_up_reason=warming,
                                    threshold=None if rec is None else rec.threshold,
                                    threshold_source="config" if rec is None else rec.threshold_source)

@@ -8,6 +8,7 @@ caller's business (`streamllm.durability.snapshot`), off the core thread.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +19,12 @@ from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockTable, KVCapacityError
 from streamllm.engine.outputs import SessionError, SessionInfo
 from streamllm.engine.sequence import Session
+from streamllm.model.adapter import series_width
 
 if TYPE_CHECKING:
     from streamllm.engine.core import EngineCore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -33,6 +37,8 @@ class SessionState:
     # Series heads' line features (engine/taps.py): [n, (2 + W) H] and each line's number; None without them.
     line_features: torch.Tensor | None = None
     line_index: torch.Tensor | None = None
+    # Live learning (engine/learning.py): "learned/<question id>/<name>" -> tensor; meta["learned"] the rest.
+    learned: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def busy_reasons(core: EngineCore, name: str) -> list[str]:
@@ -68,6 +74,13 @@ def export_session(core: EngineCore, name: str) -> SessionState:
                            if st.calibration.samples}
     state = SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
                          list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
+    # What each learning question has learned travels too: its head, samples and the lines they read.
+    meta["learned"] = {}
+    for st in core.prepos.standing(name):
+        if st.learner is not None:
+            learned, tensors = st.learner.export(st.gate.head)
+            meta["learned"][st.spec.id] = learned
+            state.learned.update({f"learned/{st.spec.id}/{k}": t for k, t in tensors.items()})
     if s.taps is not None and s.taps.lines:
         state.line_index = torch.tensor([i for i, _ in s.taps.lines], dtype=torch.int64)
         state.line_features = torch.stack([f for _, f in s.taps.lines]).to("cpu", torch.float32)
@@ -122,7 +135,7 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     s.version_ends, s.version_lines = list(meta["version_ends"]), list(meta["version_lines"])
     s.line_ends.extend(meta["line_ends"])
     s.lines_cut = int(meta.get("lines_cut", 0))
-    s.taps = core.taps.new_taps()
+    s.taps = core.taps.new_taps() if core.taps_on_open or state.line_features is not None else None
     if s.taps is not None and state.line_features is not None:  # series heads answer at once, not K lines later
         device = core.runner.model.device
         for i, f in zip(state.line_index.tolist(), state.line_features, strict=True):
@@ -131,11 +144,26 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     s.compactions, s.tokens_dropped = int(meta["compactions"]), int(meta["tokens_dropped"])
     core.adopt(s)
     saved = meta.get("calibration") or {}
+    learned = meta.get("learned") or {}
     for spec, gate, prompt_ids in gates:
         st = core.prepos.register(s, spec, gate, prompt_ids)
         if spec.id in saved:  # checked by the snapshot's reader; a window from memory is our own
             st.calibration.restore(saved[spec.id], gate.effective_threshold)
             core.prepos.sync_gate(st)
+        if st.learner is not None and s.taps is None:
+            s.taps = core.taps.new_taps()
+        if st.learner is not None and spec.id in learned:
+            prefix = f"learned/{spec.id}/"
+            width = series_width(core.runner.model.config.hidden_size, len(core.taps.words))
+            try:
+                head = st.learner.restore(learned[spec.id], {k.removeprefix(prefix): t for k, t in state.learned.items()
+                                                             if k.startswith(prefix)},
+                                          question_id=spec.id, text=spec.text, width=width)
+            except ValueError as exc:  # derived state: the question learns again from its next truths
+                log.warning("session %r: %s; it learns again from scratch", name, exc)
+                head = None
+            if head is not None:
+                st.gate.head = head.to(core.runner.model.device, torch.float32)
     core.publisher.mark(name)
     core.compactor.maybe_start(s)  # restored with more pending than its budget: compaction makes the room
     return s.info()

@@ -1,7 +1,7 @@
 """Fitting the heads on a tuning run's extracted states, judging them, and writing the adapter and its card.
 
 One head per labelled question (grouped across sessions by text, choices and label): an entry
-head (tuning/headfit.py) or a series head (tuning/seriesfit.py), its gate threshold calibrated
+head (tuning/headfit.py) or a series head (model/seriesfit.py), its gate threshold calibrated
 on the development range, then judged on every set through the served head itself.
 """
 
@@ -17,12 +17,13 @@ import torch
 from tqdm.auto import tqdm
 
 from streamllm.config import QuestionSpec, normalize_question
+from streamllm.evaluation.intervals import block_ids
 from streamllm.model.adapter import CARD_FILE, ChoiceHead, SeriesHead, save_heads
+from streamllm.model.seriesfit import feature_sets, fit_series, samples
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import SPLIT, Task, WindowPlan
 from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
 from streamllm.tuning.lora import ChoiceScorer
-from streamllm.tuning.seriesfit import feature_sets, fit_series, samples
 
 
 def groups(tasks: list[Task]) -> list[tuple[str, QuestionSpec, list[tuple[str, str]]]]:
@@ -78,7 +79,7 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
 
 
 def _fit_series(args, head_id, q, members, got, sets, hidden):
-    """A series head: every bar of every window, read over its last --lines lines (tuning/seriesfit.py),
+    """A series head: every bar of every window, read over its last --lines lines (model/seriesfit.py),
     or over all of a window's first lines once its label is known (a session's start, as served)."""
     def gather(set_name, least=1):
         return samples([(st.lines, st.line_labels[qid]) for (session, p), st in got.items() if in_set(p, set_name)
@@ -98,7 +99,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
     def scores(set_name, first_lines=False):  # judged through the served head itself: the engine's numbers
         got_set = judged(set_name)
         got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
-        return got_set.logits(head), got_set.labels, got_set.blocks(q.label.bars_needed)
+        return got_set.logits(head), got_set.labels, block_ids(got_set.window.numpy(), got_set.index[:, -1].numpy(), q.label.bars_needed)
 
     return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
                   "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4),

@@ -2,7 +2,7 @@
 
 `--method series` (the default, minutes on a CPU) learns one series head per labelled
 question: a readout over the session's last K lines, each line read as the residual
-stream at one layer over its tokens (engine/taps.py, tuning/seriesfit.py). The model
+stream at one layer over its tokens (engine/taps.py, model/seriesfit.py). The model
 reads the numbers; the head weighs them across lines, which a 135M model's single
 decision-point state does not do well. `--method head` learns a readout W h + b over
 the final normed hidden state h at the question's decision point (the LM head's rows

@@ -1,4 +1,5 @@
-"""Fitting series heads on extracted line features (streamllm/model/adapter.py, engine/taps.py).
+"""Fitting series heads on line features (streamllm/model/adapter.py, engine/taps.py): offline by
+`streamllm tune` on extracted windows, live by the engine's learner (engine/learning.py) on a session's own.
 
 A sample is one bar i of a window with a known label: its features are the window's
 lines i-K+1 .. i (oldest first), exactly what the engine's LineTaps.window gives an
@@ -28,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from streamllm.evaluation.intervals import block_ids
 from streamllm.model.adapter import SeriesHead, series_width
 
 LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 bars)
@@ -56,11 +56,6 @@ class Samples:
 
     def subset(self, keep: torch.Tensor) -> Samples:
         return Samples(self.lines, self.index[keep], self.labels[keep], self.reads[keep], self.window[keep])
-
-    def blocks(self, length: int) -> np.ndarray:
-        """Each sample's block for a judged figure's interval (evaluation/intervals.py): `length` consecutive
-        bars of one window."""
-        return block_ids(self.window.numpy(), self.index[:, -1].numpy(), length)
 
     def logits(self, head: SeriesHead) -> torch.Tensor:
         """[N, C]: the served head's logits for each sample, on exactly the lines the engine would give it."""

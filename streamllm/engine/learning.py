@@ -1,0 +1,310 @@
+"""Live learning: a labelled choice question with no head of its own learns a series head
+(streamllm/model/adapter.py) from its session's line features (engine/taps.py) as truths arrive.
+
+The order of events is the promise (prequential evaluation):
+1. an entry becomes ready at data version v: the question's current head (or the LM, before the
+   first head) answers, and the learner notes which lines that answer read;
+2. v's truth arrives (with v's push, or later: a forecast's) and the answer is scored
+   (engine/calibration.py): the live accuracy and the `auto:P` gate rest on that score;
+3. only then does (v's lines, v's truth) join the training set.
+A head is fitted on a copy of scored samples, off the core thread (one worker), and swapped in
+by the core between steps. So no scored answer came from a head trained on its own sample:
+`trained_upto` (the newest version a head was trained on) is always older than the answers it
+makes, which `tests/test_live_learning.py` checks.
+
+Only the core thread calls `Learner` and `Learning`; the worker sees copies and returns a head.
+Memory: a learner keeps at most `max_samples` samples and only the lines they read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamllm.model.adapter import SeriesHead
+from streamllm.model.seriesfit import Samples, fit_series
+
+if TYPE_CHECKING:
+    from streamllm.engine.prepos import Standing
+    from streamllm.engine.taps import LineTaps, Word
+
+log = logging.getLogger(__name__)
+
+MAX_WAITING = 256  # answered versions whose lines are kept until their truth comes
+
+
+@dataclass(frozen=True, slots=True)
+class LearnConfig:
+    """How standing questions learn (EngineConfig.learning)."""
+
+    enabled: bool = True  # a labelled choice question without a head learns one live
+    lines: int = 16  # K: lines a learned head reads
+    layer: int | None = None  # the residual layer it reads; None: the adapter's, else 2/5 of the model's depth
+    words: tuple[Word, ...] = (2,)  # words whose last token a line adds (without an adapter's series heads)
+    every: int = 32  # scored samples between refits
+    min_samples: int = 64  # scored samples before the first fit
+    max_samples: int = 2000  # newest samples kept for fitting
+    steps: int = 240  # optimizer steps per fit
+    rank: int = 4  # numbers a head takes from each line
+
+    def __post_init__(self) -> None:
+        for name in ("lines", "every", "min_samples", "max_samples", "steps", "rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.learning.{name} must be a positive int, got {value!r}")
+        if self.min_samples < 8:
+            raise ValueError(f"EngineConfig.learning.min_samples must be >= 8 (a fit keeps a fifth for "
+                             f"development), got {self.min_samples}")
+
+    def layer_for(self, num_layers: int, adapter_layer: int | None) -> int:
+        if adapter_layer is not None:
+            return adapter_layer
+        if self.layer is not None:
+            if not 0 <= self.layer <= num_layers:
+                raise ValueError(f"EngineConfig.learning.layer {self.layer} is outside 0..{num_layers}")
+            return self.layer
+        return max(1, num_layers * 2 // 5)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingSet:
+    """A copy of a learner's samples, what the worker fits on (oldest first)."""
+
+    lines: torch.Tensor  # [M, F] every line some sample reads
+    index: torch.Tensor  # [N, K] rows of `lines` each sample reads, oldest first, left-filled
+    reads: torch.Tensor  # [N] lines each sample has (K, or fewer at a session's start)
+    labels: torch.Tensor  # [N] choice index
+    newest_version: int  # the newest version among the samples
+
+
+class Learner:
+    """One learning question's samples and the head it has learned so far."""
+
+    def __init__(self, config: LearnConfig, choices: tuple[str, ...]) -> None:
+        self.config = config
+        self.choices = tuple(c.casefold() for c in choices)
+        self._lines: dict[int, torch.Tensor] = {}  # line number -> features [F] (fp32, CPU)
+        # answered version -> (upto, reads, trained_upto of the head that answered)
+        self._waiting: OrderedDict[int, tuple[int, int, int]] = OrderedDict()
+        # (version, upto, reads, label, trained_upto of the head that answered): that head never saw this sample
+        self.samples: deque[tuple[int, int, int, int, int]] = deque()
+        self.since_fit = 0  # samples added since the last fit started
+        self.fitting = False
+        self.fits = 0  # heads swapped in
+        self.trained_upto = 0  # newest version the head in force was trained on (0: no head yet)
+        self.last_fit_s = 0.0
+
+    def saw(self, version: int, upto: int, taps: LineTaps) -> None:
+        """The answer at `version` was made after the session's first `upto` lines: keep what it read."""
+        reads = min(upto, self.config.lines)
+        window = taps.window(upto, reads) if reads else None
+        if window is None:
+            return  # lines not all held (a restore, a compaction gap): no sample at this version
+        for offset, features in enumerate(window):
+            self._lines.setdefault(upto - reads + offset, features.detach().to("cpu", torch.float32))
+        self._waiting[version] = (upto, reads, self.trained_upto)
+        while len(self._waiting) > MAX_WAITING:
+            self._waiting.popitem(last=False)
+            self._forget_lines()
+
+    def learn(self, version: int, truth: str) -> bool:
+        """`version`'s answer was scored against `truth`: now it may be trained on. False without its lines."""
+        seen = self._waiting.pop(version, None)
+        label = self._label(truth)
+        if seen is None or label is None:
+            return False
+        upto, reads, head_upto = seen
+        self.samples.append((version, upto, reads, label, head_upto))
+        self.since_fit += 1
+        if len(self.samples) > self.config.max_samples:
+            self.samples.popleft()
+            self._forget_lines()
+        return True
+
+    def figures(self) -> dict:
+        """What stats and the page show of it: heads fitted, samples kept, the newest version trained on."""
+        return {"fits": self.fits, "samples": len(self.samples), "trained_upto": self.trained_upto,
+                "fit_s": round(self.last_fit_s, 3)}
+
+    def wants_fit(self) -> bool:
+        cfg = self.config
+        if self.fitting or len(self.samples) < cfg.min_samples:
+            return False
+        if self.fits and self.since_fit < cfg.every:
+            return False
+        return len({s[3] for s in self.samples}) > 1  # one truth only: nothing to tell apart yet
+
+    def training_set(self) -> TrainingSet:
+        k = self.config.lines
+        needed = sorted({u - r + i for _, u, r, *_ in self.samples for i in range(r)})
+        row = {n: i for i, n in enumerate(needed)}
+        lines = torch.stack([self._lines[n] for n in needed])
+        index = torch.empty(len(self.samples), k, dtype=torch.long)
+        for j, (_, u, r, *_) in enumerate(self.samples):
+            rows = [row[n] for n in range(u - r, u)]
+            index[j] = torch.tensor([rows[0]] * (k - r) + rows)
+        reads = torch.tensor([s[2] for s in self.samples])
+        labels = torch.tensor([s[3] for s in self.samples])
+        return TrainingSet(lines, index, reads, labels, self.samples[-1][0])
+
+    def export(self, head: SeriesHead | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What a snapshot, an eviction or a move carries: the samples, the lines they read and the learned
+        head (JSON-able counters and tensors), so a restored question answers and goes on learning as it did."""
+        numbers = sorted(self._lines)
+        meta = {"samples": [list(x) for x in self.samples], "waiting": [[v, *w] for v, w in self._waiting.items()],
+                "fits": self.fits, "trained_upto": self.trained_upto, "fit_s": self.last_fit_s,
+                "since_fit": self.since_fit, "head": None}
+        tensors: dict[str, torch.Tensor] = {"line_numbers": torch.tensor(numbers, dtype=torch.int64)}
+        if numbers:
+            tensors["lines"] = torch.stack([self._lines[n] for n in numbers])
+        if head is not None:
+            meta["head"] = {"layer": head.layer, "words": list(head.words), "threshold": head.threshold,
+                            "min_lines": head.min_lines}
+            for name in ("proj", "proj_bias", "lags", "bias"):
+                tensors[name] = getattr(head, name).to("cpu", torch.float32).contiguous()
+        return meta, tensors
+
+    def restore(self, meta: dict, tensors: dict[str, torch.Tensor], *, question_id: str, text: str,
+                width: int) -> SeriesHead | None:
+        """Read back `export`'s output (ValueError naming what is wrong); returns the learned head, if any."""
+        try:
+            numbers = tensors["line_numbers"].tolist()
+            lines = tensors.get("lines")
+            if (lines is None) != (not numbers) or (lines is not None and tuple(lines.shape) != (len(numbers), width)):
+                raise ValueError(f"lines shaped {None if lines is None else tuple(lines.shape)}, expected "
+                                 f"[{len(numbers)}, {width}]")
+            samples = [tuple(int(x) for x in row) for row in meta["samples"]]
+            waiting = [tuple(int(x) for x in row) for row in meta["waiting"]]
+            held = set(numbers)
+            for _, u, r, label, _ in samples:
+                if not 0 <= label < len(self.choices) or any(n not in held for n in range(u - r, u)):
+                    raise ValueError(f"a sample reads lines {u - r}..{u - 1} or label {label} it does not hold")
+            head = None
+            if meta["head"] is not None:
+                h = meta["head"]
+                head = SeriesHead(question_id, text, self.choices, int(h["layer"]), tensors["proj"],
+                                  tensors["proj_bias"], tensors["lags"], tensors["bias"], float(h["threshold"]),
+                                  tuple(h["words"]), int(h["min_lines"]))
+                if head.proj.shape[1] != width or head.lags.shape[0] != len(self.choices):
+                    raise ValueError(f"head shaped {tuple(head.proj.shape)} / {tuple(head.lags.shape)} for "
+                                     f"{width} features and {len(self.choices)} choices")
+            fits, trained_upto, fit_s = int(meta["fits"]), int(meta["trained_upto"]), float(meta["fit_s"])
+            since_fit = int(meta["since_fit"])
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"learned state of {question_id!r}: {exc}") from None
+        self._lines = {n: f for n, f in zip(numbers, lines, strict=True)} if lines is not None else {}
+        self.samples = deque(samples)
+        self._waiting = OrderedDict((v, (u, r, hu)) for v, u, r, hu in waiting)
+        self.fits, self.trained_upto, self.last_fit_s, self.since_fit = fits, trained_upto, fit_s, since_fit
+        return head
+
+    def _label(self, truth: str) -> int | None:
+        try:
+            return self.choices.index(truth.casefold())
+        except ValueError:
+            return None
+
+    def _forget_lines(self) -> None:
+        """Drop lines no kept sample and no waiting answer reads."""
+        spans = [(u - r, u) for _, u, r, *_ in self.samples] + [(u - r, u) for u, r, _ in self._waiting.values()]
+        if not spans:
+            self._lines.clear()
+            return
+        low = min(a for a, _ in spans)
+        for n in [n for n in self._lines if n < low]:
+            del self._lines[n]
+
+
+def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
+             layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, float]:
+    """Fit a series head on `data` (the worker's job): the newest fifth is the development range that
+    picks the step. Returns the head and the fit's wall time."""
+    t0 = time.perf_counter()
+    n = len(data.labels)
+    split = max(1, n // 5)
+    window = torch.zeros(n, dtype=torch.long)
+    whole = Samples(data.lines, data.index, data.labels, data.reads, window)
+    train = whole.subset(torch.arange(n - split))
+    dev = whole.subset(torch.arange(n - split, n))
+    fit = fit_series(train, dev, len(choices), k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps)
+    head = SeriesHead(question_id, text, choices, layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
+                      threshold, words, min_lines=1)
+    return head, time.perf_counter() - t0
+
+
+class Learning:
+    """The core's learning component: starts fits on one worker thread, swaps finished heads in."""
+
+    def __init__(self, config: LearnConfig, *, layer: int | None, words: tuple[Word, ...],
+                 device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.layer, self.words, self.device = layer, words, device
+        self._worker: ThreadPoolExecutor | None = None
+        self._running: dict[int, tuple[Standing, Future]] = {}  # id(standing) -> its fit
+        self.wake: Callable[[], object] = lambda: None  # the core's: a finished fit asks it to swap the head in
+        self.fits_done = 0
+        self.fits_failed = 0
+
+    @property
+    def active(self) -> bool:
+        return self.config.enabled and self.layer is not None
+
+    def wants(self, st: Standing) -> bool:
+        """Whether a newly registered question learns: labelled, with choices, and no head of its own."""
+        spec = st.spec
+        return self.active and bool(spec.choices) and spec.label is not None and st.gate.head is None
+
+    def scored(self, st: Standing, version: int, truth: str) -> None:
+        """An answer of `st` was scored: its sample may be trained on now; maybe start a fit."""
+        learner = st.learner
+        if learner is None or not learner.learn(version, truth) or not learner.wants_fit():
+            return
+        learner.fitting, learner.since_fit = True, 0
+        data = learner.training_set()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="streamllm-learn")
+        spec = st.spec
+        future = self._worker.submit(fit_head, data, self.config, question_id=spec.id, text=spec.text,
+                                     choices=tuple(spec.choices), layer=self.layer, words=self.words,
+                                     threshold=float(spec.threshold))
+        future.newest_version = data.newest_version  # type: ignore[attr-defined]
+        self._running[id(st)] = (st, future)
+        future.add_done_callback(lambda _: self.wake())
+
+    def swap_finished(self, registered: set[int]) -> list[Standing]:
+        """Between steps: put each finished head in its question's gate (if still registered)."""
+        swapped = []
+        for key, (st, future) in list(self._running.items()):
+            if not future.done():
+                continue
+            del self._running[key]
+            st.learner.fitting = False
+            if key not in registered:
+                continue
+            try:
+                head, seconds = future.result()
+            except Exception:  # a fit that fails keeps the head in force; the next samples try again
+                log.exception("live fit of %s failed", st.spec.id)
+                self.fits_failed += 1
+                continue
+            st.gate.head = head.to(self.device, torch.float32)  # heads read fp32 features
+            st.learner.fits += 1
+            st.learner.trained_upto = future.newest_version  # type: ignore[attr-defined]
+            st.learner.last_fit_s = seconds
+            self.fits_done += 1
+            swapped.append(st)
+        return swapped
+
+    def drop(self, st: Standing) -> None:
+        self._running.pop(id(st), None)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""Live learning (engine/learning.py): a labelled question without a head learns one from its session's
+line features, every answer scored before its own sample is trained on."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from streamllm.config import parse_question
+from streamllm.engine import Engine, EngineConfig
+from streamllm.engine.learning import LearnConfig
+
+QUESTION = {"id": "rising", "text": "Did the last bar rise?", "choices": ["yes", "no"],
+            "label": "trend_up(n=1)", "threshold": "auto:0.9"}
+
+
+def _line(i: int, up: bool) -> str:
+    return f"00:{i % 60:02d} {100 + i % 7}.5 {'+' if up else '-'}{1 + i % 4} v{1 + i % 3}"
+
+
+def _wait_for_fit(engine: Engine, fits: int, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cal = engine.calibration().get("s", {}).get("rising")
+        if cal and cal["learning"]["fits"] >= fits:
+            return cal
+        time.sleep(0.05)
+    raise AssertionError(f"no {fits} fits in {timeout} s: {engine.calibration()}")
+
+
+def test_a_labelled_question_learns_and_is_scored_only_on_answers_its_heads_never_saw(tiny_model) -> None:
+    config = EngineConfig(max_cells=8192, max_context=4096,
+                          learning=LearnConfig(lines=4, min_samples=48, every=24, steps=120))
+    rng = [bool((i * 7919) % 11 % 2) for i in range(200)]  # the truth: whether the line rose
+    with Engine(tiny_model, config) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question(QUESTION))
+        answers = {}
+        for i, up in enumerate(rng[:120]):
+            ack = engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
+            assert engine.wait_idle(timeout=60)
+            answers[ack.data_version] = engine.standing("s")[0].text
+        cal = _wait_for_fit(engine, 1)
+        for i, up in enumerate(rng[120:], start=120):
+            ack = engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
+            assert engine.wait_idle(timeout=60)
+            answers[ack.data_version] = engine.standing("s")[0].text
+        learner = engine.call(lambda core: core.prepos.by_session["s"]["rising"].learner)
+        cal = engine.calibration()["s"]["rising"]
+    assert cal["learning"]["fits"] >= 2 and cal["learning"]["samples"] >= 150
+    # Prequential: each sample was answered by a head trained only on older versions than its own.
+    assert all(head_upto < version for version, _, _, _, head_upto in learner.samples)
+    late = [(answers[v] == ("yes" if rng[v - 1] else "no")) for v in range(161, 201)]
+    assert sum(late) / len(late) >= 0.9, late  # the sign of the change is in the line: a head finds it
+
+
+def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_model, tmp_path) -> None:
+    from streamllm.durability.snapshot import restore_session, save_session
+
+    config = EngineConfig(max_cells=8192, max_context=4096,
+                          learning=LearnConfig(lines=4, min_samples=32, every=1000, steps=60))
+    truth = [bool((i * 7919) % 11 % 2) for i in range(80)]
+    with Engine(tiny_model, config) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question(QUESTION))
+        for i, up in enumerate(truth[:60]):
+            engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
+            assert engine.wait_idle(timeout=60)
+        _wait_for_fit(engine, 1)
+        engine.push("s", [_line(60, True)], truths={"rising": "yes"})  # answered by the learned head
+        assert engine.wait_idle(timeout=60)
+        save_session(engine, "s", tmp_path / "s.snap")
+        live = engine.calibration()["s"]["rising"]
+        head = engine.call(lambda core: core.prepos.by_session["s"]["rising"].gate.head)
+    with Engine(tiny_model, config) as again:
+        restore_session(again, tmp_path / "s.snap", "copy")
+        assert again.wait_idle(timeout=60)
+        assert again.calibration()["copy"]["rising"] == live  # window and learning figures as they were
+        got = again.call(lambda core: core.prepos.by_session["copy"]["rising"].gate.head)
+        assert got is not None and torch.equal(got.proj, head.proj) and torch.equal(got.lags, head.lags)
+        learner = again.call(lambda core: core.prepos.by_session["copy"]["rising"].learner)
+        assert len(learner.samples) == live["learning"]["samples"] and learner.trained_upto == head_upto(live)
+
+
+def head_upto(figures: dict) -> int:
+    return figures["learning"]["trained_upto"]
