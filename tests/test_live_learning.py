@@ -53,6 +53,10 @@ def test_a_labelled_question_learns_and_is_scored_only_on_answers_its_heads_neve
     assert all(head_upto < version for version, _, _, _, head_upto in learner.samples)
     late = [(answers[v] == ("yes" if rng[v - 1] else "no")) for v in range(161, 201)]
     assert sum(late) / len(late) >= 0.9, late  # the sign of the change is in the line: a head finds it
+    # The learning curve shows it: chance before the first head, right after; the gate opens on the way.
+    curve = cal["history"]
+    assert [p[0] for p in curve] == list(range(10, 201, 10))
+    assert curve[3][1] <= 0.7 and curve[-1][1] >= 0.9 and not curve[0][3] and curve[-1][3]
 
 
 def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_model, tmp_path) -> None:

@@ -42,6 +42,7 @@ The truth is the judge, never the answer: nothing on an answer path reads it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
+HISTORY_EVERY = 10  # scored answers between two points of a question's learning curve
+HISTORY_SPAN = 50  # ... each point the accuracy and base rate of this many newest scored answers
+HISTORY_POINTS = 120  # points kept (the newest)
 MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet; answers kept for their truth
 # One scored answer: (gap, correct, fired, answer, truth run, truth; None where a window saved
 # before truths were kept does not say).
@@ -74,9 +78,14 @@ class CalibrationSummary:
     # The share of the window's truths that are its most common one: what always giving that
     # answer would score. accuracy means something only beside it (a volume spike is 1-9% of bars).
     base_rate: float | None = None
+    # The learning curve: every HISTORY_EVERY scored answers, [scored, accuracy and base rate of the
+    # newest HISTORY_SPAN, whether the gate was open for any answer] (oldest first).
+    history: tuple[tuple[int, float, float | None, bool], ...] = ()
 
-    def to_dict(self) -> dict[str, float | int | None]:
-        return {k: getattr(self, k) for k in self.__slots__}
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
+        out["history"] = [list(point) for point in self.history]
+        return out
 
 
 @dataclass(slots=True)
@@ -102,6 +111,7 @@ class LiveCalibration:
     fired: int = 0
     fired_correct: int = 0
     truth_counts: Counter[str] = field(default_factory=Counter)  # the window's truths (where known)
+    history: deque[tuple[int, float, float | None, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
 
     def expect(self, version: int, choice: str, threshold: float = math.inf) -> bool:
         """The truth at `version`: sent with the push that makes it, or later (a forecast's). Scores
@@ -147,18 +157,29 @@ class LiveCalibration:
         if self.target is not None and (self.scored % RETUNE_EVERY == 0
                                         or (math.isinf(self.threshold) and self._could_open())):
             self.thresholds = self.fit()
+        if self.scored % HISTORY_EVERY == 0:
+            self.history.append(self._point())
         self.summary = self._summary(threshold)
+
+    def _point(self) -> tuple[int, float, float | None, bool]:
+        newest = list(itertools.islice(reversed(self.samples), HISTORY_SPAN))
+        truths = Counter(s[5] for s in newest if s[5] is not None)
+        base = max(truths.values()) / truths.total() if truths else None
+        return (self.scored, round(sum(s[1] for s in newest) / len(newest), 4),
+                None if base is None else round(base, 4), math.isfinite(self.threshold) if self.target is not None
+                else any(s[2] for s in newest))
 
     def export(self) -> dict:
         """The window as JSON-able data (snapshots, evictions, moves): an auto gate restored from it
         opens where it was, not closed again until 30 new fired samples over 5 truth runs."""
         return {"samples": [list(s) for s in self.samples], "scored": self.scored, "run": self.run,
-                "last_truth": self.last_truth}
+                "last_truth": self.last_truth, "history": [list(p) for p in self.history]}
 
     def restore(self, saved: dict, fixed_threshold: float) -> None:
         """Take back an `export`ed window (its newest `window` samples); thresholds and figures are
         refitted from it. Raises ValueError naming what is malformed (`read_window`)."""
         samples, scored, run, last_truth = read_window(saved)
+        self.history = deque(read_history(saved), maxlen=HISTORY_POINTS)
         self.samples = deque(samples[-self.window:])
         self.correct = self.fired = self.fired_correct = 0
         self.truth_counts = Counter()
@@ -231,7 +252,7 @@ class LiveCalibration:
             n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
             self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target,
             self.confidence if self.target is not None else None,
-            max(self.truth_counts.values()) / known if known else None)
+            max(self.truth_counts.values()) / known if known else None, tuple(self.history))
 
 
 def read_window(saved: Any) -> tuple[list[Sample], int, int, str | None]:
@@ -248,7 +269,16 @@ def read_window(saved: Any) -> tuple[list[Sample], int, int, str | None]:
         raise ValueError(f"calibration window malformed ({exc!r})") from None
     if last_truth is not None and not isinstance(last_truth, str):
         raise ValueError(f"calibration window malformed (last_truth {last_truth!r})")
+    read_history(saved)  # checked here too: snapshot readers call read_window alone
     return samples, scored, run, last_truth
+
+
+def read_history(saved: Any) -> list[tuple[int, float, float | None, bool]]:
+    """An exported learning curve (absent in windows saved before it was kept: empty)."""
+    try:
+        return [(int(n), float(a), None if b is None else float(b), bool(o)) for n, a, b, o in saved.get("history", [])]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"calibration history malformed ({exc!r})") from None
 
 
 def precision_floor(hits: int, fired: int, z: float) -> float:
