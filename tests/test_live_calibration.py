@@ -500,6 +500,28 @@ def test_metrics_and_stats_carry_the_live_figures(tiny_model, serve_in_thread) -
         assert 'streamllm_question_confidence{question="trend",session="s"} 0.5' in text
 
 
+def test_metrics_carry_the_learning_curve_and_the_learners_figures_where_a_question_has_them() -> None:
+    from streamllm.service.metrics import ServerMetrics
+
+    figures = {"s": {
+        "learns": {"samples": 40, "accuracy": 0.6, "history": [[10, 0.4, 0.5, False], [20, 0.55, 0.5, True]],
+                   "learning": {"fits": 3, "samples": 38, "trained_upto": 17, "fit_s": 0.02}},
+        "fresh": {"samples": 12, "accuracy": 0.5, "history": [[10, 0.5, None, False]]},  # no base rate yet
+        "early": {"samples": 4, "accuracy": 0.25, "history": []},  # under 10 scored: no point yet
+    }}
+    text = ServerMetrics(dict, lambda: figures).render(private=True).decode()
+    assert 'streamllm_question_learned_heads{question="learns",session="s"} 3.0' in text
+    assert 'streamllm_question_learning_samples{question="learns",session="s"} 38.0' in text
+    assert 'streamllm_question_recent_accuracy{question="learns",session="s"} 0.55' in text  # the newest point
+    assert 'streamllm_question_recent_base_rate{question="learns",session="s"} 0.5' in text
+    assert 'streamllm_question_recent_accuracy{question="fresh",session="s"} 0.5' in text
+    assert 'streamllm_question_recent_base_rate{question="fresh"' not in text  # null: no figure
+    for name in ("recent_accuracy", "recent_base_rate", "learned_heads"):  # under 10 scored: nothing recent
+        assert f'streamllm_question_{name}{{question="early"' not in text
+    assert 'streamllm_question_learned_heads{question="fresh"' not in text
+    assert "streamllm_question_learned_heads" not in ServerMetrics(dict, lambda: figures).render().decode()
+
+
 def test_websocket_push_carries_truths_and_stats_report_the_figures(tiny_model, serve_in_thread) -> None:
     import json
 

@@ -29,9 +29,20 @@ class _EngineCollector(Collector):
 
 class _CalibrationCollector(Collector):
     """Live precision / coverage / accuracy / base rate / threshold per labelled standing question, and an auto
-    gate's target and confidence (so an alert reads `precision < on(session, question) target`)."""
+    gate's target and confidence (so an alert reads `precision < on(session, question) target`); the newest point
+    of its learning curve, and for a question that learns live, its heads fitted and samples kept."""
 
     FIGURES = ("precision", "coverage", "accuracy", "base_rate", "threshold", "samples", "target", "confidence")
+    # name -> (help, where it is in the figures): only a question whose figures have it gets a sample
+    EXTRA = {
+        "recent_accuracy": ("learning curve: accuracy of the newest scored answers (the newest history point)",
+                            lambda c: c["history"][-1][1] if c.get("history") else None),
+        "recent_base_rate": ("learning curve: base rate of the newest scored answers (the newest history point)",
+                             lambda c: c["history"][-1][2] if c.get("history") else None),
+        "learned_heads": ("live learning: heads fitted so far", lambda c: (c.get("learning") or {}).get("fits")),
+        "learning_samples": ("live learning: training samples kept",
+                             lambda c: (c.get("learning") or {}).get("samples")),
+    }
 
     def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]]) -> None:
         self._calibration = calibration
@@ -40,12 +51,19 @@ class _CalibrationCollector(Collector):
         families = {f: GaugeMetricFamily(f"streamllm_question_{f}", f"live calibration: {f} over the rolling "
                                          "window of scored standing answers", labels=["session", "question"])
                     for f in self.FIGURES}
+        extra = {f: GaugeMetricFamily(f"streamllm_question_{f}", doc, labels=["session", "question"])
+                 for f, (doc, _) in self.EXTRA.items()}
         for session, questions in self._calibration().items():
             for question_id, figures in questions.items():
                 for f in self.FIGURES:
                     if figures.get(f) is not None:
                         families[f].add_metric([session, question_id], figures[f])
+                for f, (_, read) in self.EXTRA.items():
+                    value = read(figures)
+                    if value is not None:
+                        extra[f].add_metric([session, question_id], value)
         yield from families.values()
+        yield from extra.values()
 
 
 class ServerMetrics:
