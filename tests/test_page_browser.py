@@ -6,7 +6,9 @@ the page keeps for the tab and takes out of the address bar. Without the token i
 What a user sees (#47): an answer made before its question can be answered says "warming up" (with
 why), a `push = false` free-text question says "ask to decode" rather than its first token, each row
 says which threshold is in force and whose it is, and a session whose lines carry no date is drawn
-by bar number, not on 1970-01-01.
+by bar number, not on 1970-01-01. Each labelled question's learning curve (#45) is plotted from its
+calibration's history, shaded where the gate was open, with what live learning has fitted; that test
+serves the page and a scripted websocket from Playwright's routes, no server or model.
 
 Skips (saying why) when Playwright or a Chromium binary is missing; CI installs both
 (.ci/run installs Debian's `chromium`; Playwright comes with the dev extra).
@@ -14,6 +16,7 @@ Skips (saying why) when Playwright or a Chromium binary is missing; CI installs 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
@@ -164,6 +168,76 @@ def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_pa
             stranger.goto(base + "/")
             stranger.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
             assert "needs a token" in stranger.inner_text("#status")
+        finally:
+            browser.close()
+    assert not errors, errors
+
+
+def _standing(question_id: str, calibration: dict | None, version: int = 40) -> dict:
+    return {"session": "btc", "question_id": question_id, "text": "up", "path": "fast", "confidence": 1.2,
+            "data_version": version, "updated_at": time.time(), "warming_up": False, "threshold": 0.5,
+            "threshold_source": "auto", **({"calibration": calibration} if calibration is not None else {})}
+
+
+def _curve(points: int, open_from: int, learning: dict | None = None) -> dict:
+    """A calibration object whose history has `points` points, the gate open from point `open_from` on."""
+    history = [[10 * (i + 1), 0.5 + 0.04 * i, 0.55 if i else None, i >= open_from] for i in range(points)]
+    return {"samples": 10 * points, "scored": 10 * points, "precision": 0.7, "coverage": 0.4, "accuracy": 0.6,
+            "threshold": 0.5, "target": 0.7, "confidence": 0.5, "base_rate": 0.55, "history": history,
+            **({"learning": learning} if learning else {})}
+
+
+def test_page_plots_each_labelled_questions_learning_curve():
+    static = ROOT / "streamllm" / "service" / "static"
+    snapshot = [_standing("learns", _curve(4, 2, {"fits": 2, "samples": 36, "trained_upto": 30, "fit_s": 0.01})),
+                _standing("fixed", _curve(2, 9)),  # labelled, learns nothing: a curve, no caption
+                _standing("early", {**_curve(0, 0), "samples": 5}),  # under 10 scored: no point yet, no plot
+                _standing("calm", None)]  # unlabelled
+    replies = {"hello": {"type": "welcome", "auth": False, "model": "tiny", "tenant": "local", "read_only": False},
+               "stats": {"type": "stats", "tenant": "local", "sessions": [{"name": "btc"}]},
+               "subscribe": {"type": "ok", "data_version": 40, "standing": snapshot}}
+    sockets = []
+
+    def serve_file(route):
+        path = urlparse(route.request.url).path
+        if path.endswith("/bars"):
+            route.fulfill(json={"session": "btc", "data_version": 40, "bars_seen": 0, "t": [], "close": []})
+        else:
+            route.fulfill(path=str(static / "index.html" if path == "/" else static / path.removeprefix("/static/")))
+
+    def serve_socket(ws):
+        sockets.append(ws)
+        ws.on_message(lambda text: ws.send(json.dumps({**replies[json.loads(text)["type"]],
+                                                        "id": json.loads(text)["id"]})))
+
+    errors: list[str] = []
+    curve = 'section.card[data-session="btc"] figure.curve[data-question="{}"]'.format
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+            page.route("http://streamllm.test/**", serve_file)
+            page.route_web_socket("ws://streamllm.test/", serve_socket)
+            page.goto("http://streamllm.test/")
+            page.wait_for_selector('tr[data-question="calm"]', timeout=10_000)
+            learns = page.locator(curve("learns"))
+            assert (learns.get_attribute("data-points"), learns.get_attribute("data-open")) == ("4", "2")
+            assert learns.locator("canvas").count() >= 1  # drawn by uPlot
+            assert learns.locator(".learned").inner_text() == "learning: 2 heads fitted on 36 samples"
+            fixed = page.locator(curve("fixed"))
+            assert (fixed.get_attribute("data-points"), fixed.get_attribute("data-open")) == ("2", "0")
+            assert fixed.locator(".learned").inner_text() == ""
+            assert page.locator(curve("early")).count() == page.locator(curve("calm")).count() == 0
+            # new calibration objects move the curve on; one whose history is gone takes its plot away
+            sockets[0].send(json.dumps({"type": "standing", **_standing(
+                "learns", _curve(5, 2, {"fits": 3, "samples": 46, "trained_upto": 40, "fit_s": 0.01}), 50)}))
+            sockets[0].send(json.dumps({"type": "standing", **_standing("fixed", _curve(0, 0), 50)}))
+            page.wait_for_selector(curve("learns") + '[data-points="5"]', timeout=5_000)
+            assert learns.get_attribute("data-open") == "3"
+            assert learns.locator(".learned").inner_text() == "learning: 3 heads fitted on 46 samples"
+            page.wait_for_selector(curve("fixed"), state="detached", timeout=5_000)
         finally:
             browser.close()
     assert not errors, errors

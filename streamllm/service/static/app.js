@@ -118,11 +118,13 @@
       "<th title=\"labelled questions: standing answers scored against the label, over the last 500; base: what always giving the most common truth would score\">right (live)</th>" +
       "<th title=\"the gate over the same window: share answered fast, and right among those\">gate</th>" +
       "<th>data_version</th><th>age</th></tr></thead><tbody></tbody>";
-    card.append(h2, chart, table);
+    const curves = el("div", { class: "curves" });
+    card.append(h2, chart, table, curves);
     $("#sessions").append(card);
     // confirmed: the session's data_version at the last snapshot. Events carry only answers whose text
     // changed, so an answer is "behind" only if a snapshot showed it older than the session's data.
-    const s = { card, chart: null, chartEl: chart, version: 0, confirmed: 0, answers: new Map(), refreshAt: 0, timer: null };
+    const s = { card, chart: null, chartEl: chart, version: 0, confirmed: 0, answers: new Map(), refreshAt: 0, timer: null,
+      curvesEl: curves, curves: new Map() };
     state.sessions.set(name, s);
   }
 
@@ -166,6 +168,7 @@
       : `${typeof a.threshold === "number" ? a.threshold.toFixed(2) : "closed"} ${a.threshold_source}`;
     row.dataset.warming = a.warming_up ? "1" : "";
     showCalibration(row, a.calibration);
+    showCurve(s, a.question_id, a.calibration);
     $(".dv", row).textContent = a.data_version;
     row.dataset.version = a.data_version;
     if (old && old.text !== a.text) {
@@ -197,6 +200,76 @@
       gate.textContent = `${pct(c.coverage)} at ${pct(c.precision)}`;
       gate.title = `${rule}; threshold ${typeof c.threshold === "number" ? c.threshold.toFixed(2) : "-"}`;
     }
+  }
+
+  // The learning curve (docs/calibration.md): every 10 scored answers, [scored, accuracy and base rate of
+  // the newest 50, whether the gate was open]; drawn from the first point, shaded where the gate was open.
+  function showCurve(s, qid, c) {
+    const history = (c && c.history) || [];
+    let curve = s.curves.get(qid);
+    if (!history.length) {
+      if (curve) {
+        curve.plot.destroy();
+        curve.fig.remove();
+        s.curves.delete(qid);
+      }
+      return;
+    }
+    if (!curve) {
+      const fig = el("figure", { class: "curve", "data-question": qid,
+        title: "accuracy and base rate of the newest 50 scored answers, every 10; shaded: the gate was open" });
+      const caption = el("figcaption");
+      caption.append(el("span", { class: "name" }, qid), el("span", { class: "key acc" }, "accuracy"),
+        el("span", { class: "key base" }, "base rate"), el("span", { class: "key open" }, "gate open"),
+        el("span", { class: "learned" }));
+      fig.append(caption, el("div", { class: "plot" }));
+      s.curvesEl.append(fig);
+      curve = { fig, plot: null, open: [], key: "" };
+      s.curves.set(qid, curve);
+    }
+    const l = c.learning;
+    $(".learned", curve.fig).textContent = l
+      ? `learning: ${l.fits} head${l.fits === 1 ? "" : "s"} fitted on ${l.samples} sample${l.samples === 1 ? "" : "s"}` : "";
+    const last = history[history.length - 1];
+    const key = `${history[0][0]}-${last[0]}:${history.length}`;  // points are only appended (the oldest dropped)
+    if (key === curve.key) return;
+    curve.key = key;
+    curve.open = history.map((p) => !!p[3]);
+    curve.fig.dataset.points = history.length;
+    curve.fig.dataset.open = curve.open.filter(Boolean).length;
+    const data = [history.map((p) => p[0]), history.map((p) => p[1]), history.map((p) => p[2])];
+    if (curve.plot) {
+      curve.plot.setData(data);
+      return;
+    }
+    const axis = { stroke: "#8b949e", grid: { stroke: "#30363d" }, font: "11px system-ui", size: 30 };
+    curve.plot = new uPlot({
+      width: 340, height: 150, legend: { show: false }, cursor: { show: false },
+      scales: { x: { time: false }, y: { range: [0, 1] } },
+      axes: [{ ...axis, label: "scored answers", labelFont: "11px system-ui", labelSize: 14 },
+        { ...axis, size: 46, splits: () => [0, 0.5, 1], values: (u, vals) => vals.map(pct) }],
+      series: [{}, { label: "accuracy", stroke: "#4fa3ff", width: 1.5 },
+        { label: "base rate", stroke: "#8b949e", width: 1, dash: [4, 4] }],
+      hooks: { drawClear: [(u) => shadeOpen(u, curve.open)] },
+    }, data, $(".plot", curve.fig));
+  }
+
+  // Each run of points with the gate open: a band from half a step before its first to half after its last.
+  function shadeOpen(u, open) {
+    const xs = u.data[0], { left, top, width, height } = u.bbox;
+    const half = xs.length > 1 ? (xs[1] - xs[0]) / 2 : 5;
+    u.ctx.save();
+    u.ctx.fillStyle = "rgba(63, 185, 80, 0.18)";
+    for (let i = 0; i < xs.length; i++) {
+      if (!open[i]) continue;
+      let j = i;
+      while (j + 1 < xs.length && open[j + 1]) j++;
+      const x0 = Math.max(left, u.valToPos(xs[i] - half, "x", true));
+      const x1 = Math.min(left + width, u.valToPos(xs[j] + half, "x", true));
+      if (x1 > x0) u.ctx.fillRect(x0, top, x1 - x0, height);
+      i = j;
+    }
+    u.ctx.restore();
   }
 
   function onData(name, version) {
