@@ -408,7 +408,6 @@ def test_bars_without_volume_leave_volume_questions_out_by_name(setup, tiny_mode
 
 def test_reads_volume_names_every_label_whose_answer_depends_on_volume():
     from streamllm.config.labels import LABELS, parse_label
-    from streamllm.evaluation.calibrate import READS_VOLUME
 
     rng = np.random.default_rng(7)
     closes = 100 + np.cumsum(rng.normal(0, 1, 80))
@@ -422,9 +421,10 @@ def test_reads_volume_names_every_label_whose_answer_depends_on_volume():
             if label.evaluate(window) != label.evaluate(flat):
                 depends.add(name)
                 break
-    assert depends == READS_VOLUME == {"above_vwap", "volume_spike"}
+    reads_volume = {name for name in LABELS if parse_label(name).reads_volume}
+    assert depends == reads_volume == {"above_vwap", "volume_spike"}
     unknown = [{"open": 1.0, "high": 2.0, "low": 0.5, "close": 1.5, "volume": math.nan}] * 21
-    assert [parse_label(n).evaluate(unknown) for n in sorted(READS_VOLUME)] == [None, None]  # no truth, no guess
+    assert [parse_label(n).evaluate(unknown) for n in sorted(reads_volume)] == [None, None]  # no truth, no guess
 
 
 def test_clear_errors(setup, capsys):

@@ -77,7 +77,8 @@ def test_parse_errors_are_precise(text, message):
         ("trend_up(n=" + "-" * 100_000 + "1)", f"100013 characters, over the limit of {MAX_LABEL_CHARS}"),
         ("(" * 100_000, f"over the limit of {MAX_LABEL_CHARS}"),  # was MemoryError from ast.parse
         ("trend_up(n=" + "(" * 50 + "1" + ")" * 50 + ")", f"51 deep, over the limit of {MAX_LABEL_DEPTH}"),
-        ("[[[[[{1}]]]]]", f"6 deep, over the limit of {MAX_LABEL_DEPTH}"),
+        ("[" * MAX_LABEL_DEPTH + "{1}" + "]" * MAX_LABEL_DEPTH,
+         f"{MAX_LABEL_DEPTH + 1} deep, over the limit of {MAX_LABEL_DEPTH}"),
     ],
 )
 def test_oversized_or_deeply_nested_labels_are_refused_before_parsing(text, message):

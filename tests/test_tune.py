@@ -175,9 +175,9 @@ def test_no_answer_path_calls_a_label(tiny_model, spec, bars, tmp_path, monkeypa
 
     for name, definition in labels_module.LABELS.items():
         monkeypatch.setitem(labels_module.LABELS, name, definition.__class__(
-            definition.name, definition.doc, definition.params, forbidden, forbidden))
-    monkeypatch.setattr(labels_module.LabelSpec, "evaluate", forbidden)
-    monkeypatch.setattr(labels_module.LabelSpec, "answer", forbidden)
+            definition.name, definition.doc, definition.params, forbidden))
+    for method in ("evaluate", "answer", "evaluate_at", "answer_at", "truths"):
+        monkeypatch.setattr(labels_module.LabelSpec, method, forbidden)
     with pytest.raises(AssertionError):  # the trap is armed
         spec.questions[0].expected_answer(bars)
     for adapter in (None, tmp_path / "ad", tmp_path / "series"):

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from feeds.sources import read_options
 from streamllm.config import QuestionSpec, SessionSpec, load_config
-from streamllm.config.labels import LABELS
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.prompt import PromptLayout
@@ -215,17 +214,14 @@ def calibrate(args: argparse.Namespace, model: Any = None) -> tuple[CalibrationR
     return run, [summarize(r, args.target_precision, args.auto_confidence) for r in run.records], meta
 
 
-# Labels whose predicate reads bar volume (config/labels.py marks them); tests/test_calibrate.py checks
-# that every other label answers alike whatever the volume is.
-READS_VOLUME = frozenset(name for name, d in LABELS.items() if d.reads_volume)
-
-
 def _without_volume_questions(spec: SessionSpec, bars: Sequence[Any], path: Path) -> tuple[SessionSpec, list[str]]:
     """Bars of a table with no volume (NaN: FX brokers' OHLC) cannot answer a label that reads volume: those
     questions are left out, by name, and the rest calibrated; none left is an error."""
     if not all(b.volume != b.volume for b in bars):
         return spec, []
-    out = [q.id for q in labelled_questions(spec) if q.label.name in READS_VOLUME]
+    # A label reads volume when its expression does (LabelSpec.reads_volume, fixed at parse time);
+    # tests/test_calibrate.py checks that every other label answers alike whatever the volume is.
+    out = [q.id for q in labelled_questions(spec) if q.label.reads_volume]
     if not out:
         return spec, []
     print(f"streamllm calibrate: {path} has no volume: {', '.join(out)} cannot be answered (their labels read "
