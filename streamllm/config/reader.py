@@ -342,12 +342,18 @@ class _Reader:
             label = parse_label(self.text(table, path, "label"))
         except LabelError as exc:
             raise self.fail(key, str(exc)) from None
+        if not label.yes_no:
+            if len(choices) != label.choice_count:
+                raise self.fail(key, f"label {label.text!r} buckets into {label.choice_count}: the question "
+                                     f"needs exactly {label.choice_count} choices (one per bucket, lowest "
+                                     f"first), got {len(choices)}")
+            return label
         if len(choices) != 2:
-            raise self.fail(key, f"label {label.name!r} is a yes/no predicate: the question needs "
+            raise self.fail(key, f"label {label.text!r} is a yes/no predicate: the question needs "
                                  f"exactly 2 choices (the answer when true first), got {len(choices)}")
         first, second = (c.casefold() for c in choices)
         if first in _NEGATIVE_WORDS or second in _POSITIVE_WORDS:
-            raise self.fail(key, f"choices {list(choices)} look inverted: label {label.name!r} "
+            raise self.fail(key, f"choices {list(choices)} look inverted: label {label.text!r} "
                                  "answers choices[0] when true, so put the answer for true first")
         return label
 

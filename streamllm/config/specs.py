@@ -83,7 +83,7 @@ class QuestionSpec:
     choices: tuple[str, ...] = ()  # empty: free answer, gate over the whole vocabulary
     threshold: float = DEFAULT_THRESHOLD
     max_tokens: int = DEFAULT_MAX_TOKENS_FREE
-    label: LabelSpec | None = None  # True -> choices[0], False -> choices[1]
+    label: LabelSpec | None = None  # yes/no: True -> choices[0], False -> choices[1]; bucket i -> choices[i]
     push: bool = True
     # threshold = "auto:P": the engine sets the threshold live from labelled answers to reach
     # precision P (engine/calibration.py); `threshold` is then inf (closed) until there is evidence.
@@ -102,7 +102,8 @@ class QuestionSpec:
         return normalize_question(self.text)
 
     def expected_answer(self, bars: Any) -> str | None:
-        """Ground truth from the label on `bars`; None without a label or with too few bars."""
+        """Ground truth at the newest of `bars` (present truth); None without a label, with too few
+        bars, or for a forecast (its future is not in: see LabelSpec.answer_at)."""
         return None if self.label is None else self.label.answer(bars, self.choices)
 
     def to_dict(self) -> dict[str, Any]:
