@@ -80,14 +80,15 @@ def located(text: str, message: str, offset: int) -> LabelError:
 class _Compiler:
     text: str  # the text parsed (stripped): columns count from its start
     line_starts: tuple[int, ...]
+    named: tuple[str, ...]  # the named labels (for did-you-mean; they are no part of an expression)
 
     @classmethod
-    def of(cls, text: str) -> _Compiler:
+    def of(cls, text: str, named: tuple[str, ...]) -> _Compiler:
         starts, at = [0], 0
         for line in text.split("\n")[:-1]:
             at += len(line) + 1
             starts.append(at)
-        return cls(text, tuple(starts))
+        return cls(text, tuple(starts), named)
 
     def fail(self, node: ast.AST, message: str) -> LabelError:
         line = getattr(node, "lineno", 1)
@@ -160,9 +161,7 @@ class _Compiler:
             return Node("col", "num", value=name, reads=frozenset({name}))
         if name in FUNCTIONS:
             raise self.fail(node, f"{name!r} is a function: call it, like {name}(...)")
-        from streamllm.config.labels import LABELS  # the named labels are built on this module
-
-        hint = did_you_mean(name, COLUMNS) or did_you_mean(name, LABELS) or f" (columns: {', '.join(COLUMNS)})"
+        hint = did_you_mean(name, COLUMNS) or did_you_mean(name, self.named) or f" (columns: {', '.join(COLUMNS)})"
         raise self.fail(node, f"unknown column {name!r}{hint}")
 
     def number(self, node: ast.AST, where: str) -> Node:
@@ -212,12 +211,10 @@ class _Compiler:
             raise self.fail(node, f"label {self.text!r} does not parse: only named functions can be called")
         name = node.func.id
         if name not in FUNCTIONS:
-            from streamllm.config.labels import LABELS  # the named labels are built on this module
-
-            if name in LABELS:
+            if name in self.named:
                 raise self.fail(node, f"named label {name!r} cannot be part of an expression; write what it "
                                       "means (docs/questions.md lists each one's expression)")
-            hint = did_you_mean(name, (*FUNCTIONS, *LABELS)) or f" (functions: {', '.join(FUNCTIONS)})"
+            hint = did_you_mean(name, (*FUNCTIONS, *self.named)) or f" (functions: {', '.join(FUNCTIONS)})"
             raise self.fail(node, f"unknown function {name!r}{hint}")
         if node.keywords:
             raise self.fail(node.keywords[0].value, f"{name}() takes no named arguments")
@@ -318,9 +315,10 @@ def _derive(op: str, kind: str, args: tuple[Node, ...]) -> Node:
                 frozenset().union(*(a.reads for a in args)))
 
 
-def compile_expression(text: str, tree: ast.AST | None = None) -> Node:
-    """Compile a label expression (already size-checked); raises LabelError pointing at the bad token."""
-    compiler = _Compiler.of(text)
+def compile_expression(text: str, tree: ast.AST | None = None, named: Sequence[str] = ()) -> Node:
+    """Compile a label expression (already size-checked; `tree`: its parse when at hand); raises
+    LabelError pointing at the bad token. `named`: the named labels, refused inside an expression."""
+    compiler = _Compiler.of(text, tuple(named))
     if tree is None:
         try:
             tree = ast.parse(text, mode="eval").body

@@ -376,7 +376,7 @@ def parse_label(text: str) -> LabelSpec:
     except (RecursionError, MemoryError):  # the bounds above keep these away
         raise LabelError(f"label {text!r} does not parse; write it like 'trend_up(n=10)'") from None
     except SyntaxError:
-        compile_expression(source)  # raises, pointing at the error
+        compile_expression(source, named=LABELS)  # raises, pointing at the error
         raise AssertionError("unreachable") from None
     if isinstance(node, ast.Name) and node.id in LABELS:
         return _named(source, node.id, [])
@@ -390,7 +390,7 @@ def parse_label(text: str) -> LabelSpec:
         if node.keywords and name not in ("bucket",):
             raise located(source, f"unknown label {name!r}{did_you_mean(name, LABELS)}; known: "
                                   f"{', '.join(LABELS)}", node.col_offset)
-    return _expression(source, compile_expression(source, node))
+    return _expression(source, compile_expression(source, node, named=LABELS))
 
 
 def _named(source: str, name: str, keywords: list[ast.keyword]) -> LabelSpec:
