@@ -278,6 +278,15 @@ def test_errors_point_at_the_token(text, message, column):
     assert shown == f"  {text}" and caret == "  " + " " * (column - 1) + "^"
 
 
+def test_a_bucket_has_no_more_buckets_than_a_question_has_choices():
+    from streamllm.config import MAX_CHOICES
+
+    assert expressions_module.MAX_BUCKET_EDGES == MAX_CHOICES - 1
+    edges = ", ".join(str(i) for i in range(MAX_CHOICES))
+    with pytest.raises(LabelError, match=f"at most {MAX_CHOICES - 1} edges"):
+        parse_label(f"bucket(close, [{edges}])")
+
+
 def test_named_label_errors_point_at_the_parameter():
     with pytest.raises(LabelError) as info:
         parse_label("trend_up(n=0)")

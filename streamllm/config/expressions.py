@@ -36,6 +36,8 @@ MAX_WINDOW = 5000  # bars one label may read, past and future together
 _SMALL_RANGE = 8  # rows up to which windows are summed row by row with Python's own sum()
 
 WINDOWS = ("sma", "mean", "sum", "min", "max", "std", "ema")  # f(x, n) over the last n bars (+n: next n)
+WINDOW_OPS = frozenset({"mean", "sum", "min", "max", "std", "ema"})  # sma compiles to mean
+MAX_BUCKET_EDGES = 15  # a question has at most 16 choices (config.specs.MAX_CHOICES)
 FUNCTIONS = (*WINDOWS, "abs", "sqrt", "ret", "bucket")
 _COMPARE = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
 _ARITH = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
@@ -251,6 +253,9 @@ class _Compiler:
         edges_node = node.args[1]
         if not isinstance(edges_node, ast.List) or not edges_node.elts:
             raise self.fail(edges_node, "bucket edges must be a list of numbers, like [-0.001, 0.001]")
+        if len(edges_node.elts) > MAX_BUCKET_EDGES:
+            raise self.fail(edges_node, f"bucket takes at most {MAX_BUCKET_EDGES} edges ({MAX_BUCKET_EDGES + 1} "
+                                        f"choices), got {len(edges_node.elts)}")
         edges = []
         for elt in edges_node.elts:
             try:
@@ -400,64 +405,56 @@ _COMPARATORS: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 def evaluate_rows(node: Node, columns: Mapping[str, np.ndarray], lo: int, hi: int) -> np.ndarray:
     """The node's values at rows lo..hi (inclusive) of `columns` (equal-length float arrays, every
     column of COLUMNS; NaN: unknown). Rows outside the columns read as unknown."""
-    length = len(columns["close"])
-    rows = hi - lo + 1
+    return _Rows(columns).value(node, lo, hi - lo + 1)
 
-    def column(name: str, first: int) -> np.ndarray:
+
+@dataclass(slots=True)
+class _Rows:
+    """Evaluates a node on `rows` consecutive rows from `first`; a child is asked for the rows its
+    parent reads (a window of n: n - 1 more before; an offset: the same count, shifted)."""
+
+    columns: Mapping[str, np.ndarray]
+
+    def column(self, name: str, first: int, rows: int) -> np.ndarray:
+        data = self.columns[name]
         out = np.full(rows, np.nan)
-        a, b = max(first, 0), min(first + rows, length)
+        a, b = max(first, 0), min(first + rows, len(data))
         if a < b:
-            out[a - first: b - first] = columns[name][a:b]
+            out[a - first: b - first] = data[a:b]
         return out
 
-    def at(node: Node, first: int, count: int) -> np.ndarray:
-        nonlocal rows
-        saved, rows = rows, count
-        try:
-            return value(node, first)
-        finally:
-            rows = saved
-
-    def value(node: Node, first: int) -> np.ndarray:
+    def value(self, node: Node, first: int, rows: int) -> np.ndarray:
         op = node.op
         if op == "num":
             return np.full(rows, node.value, dtype=np.float64)
         if op == "col":
-            return column(node.value, first)
+            return self.column(node.value, first, rows)
         if op == "shift":
-            return value(node.args[0], first + node.value)
+            return self.value(node.args[0], first + node.value, rows)
         if op == "ret":
             k = node.value
-            now = column("close", first)
-            other = column("close", first + k)
+            now, other = self.column("close", first, rows), self.column("close", first + k, rows)
             before, after = (other, now) if k < 0 else (now, other)
             with np.errstate(divide="ignore", invalid="ignore"):
                 out = after / before - 1.0
             return np.where((before == 0) | (after == 0), np.nan, out)
-        if op in ("mean", "sum", "min", "max", "std", "ema"):
-            k = node.value  # -n: the last n bars; +n: the next n
-            n = abs(k)
-            span = 4 * n if op == "ema" else n
-            start = first - span + 1 if k < 0 else first + 1
-            x = at(node.args[0], start, rows + span - 1)
-            if op == "ema":
-                return _ema(x, n, rows)
-            if op in ("min", "max"):
-                reduce = np.minimum if op == "min" else np.maximum
-                out = x[:rows].copy()
-                for j in range(1, n):
-                    out = reduce(out, x[j:j + rows])
-                return out
-            total = _window_sums(x, n, rows)
-            if op == "sum":
-                return total
-            mean = total / n
-            if op == "mean":
-                return mean
-            # sample standard deviation (n - 1), two passes: the mean, then squared deviations from it
-            squares = _sequential_sum((x[j:j + rows] - mean) ** 2 for j in range(n))
-            return np.sqrt(squares / (n - 1))
-        args = [value(a, first) for a in node.args]
+        if op in WINDOW_OPS:
+            return self.window(node, first, rows)
+        args = [self.value(a, first, rows) for a in node.args]
+        if op in _COMPARATORS:
+            return _unknown_where(_COMPARATORS[op](args[0], args[1]).astype(np.float64), *args)
+        if op == "not":
+            return 1.0 - args[0]
+        if op == "and":
+            a, b = args
+            return np.where((a == 0) | (b == 0), 0.0, np.where(np.isnan(a) | np.isnan(b), np.nan, 1.0))
+        if op == "or":
+            a, b = args
+            return np.where((a == 1) | (b == 1), 1.0, np.where(np.isnan(a) | np.isnan(b), np.nan, 0.0))
+        if op == "bucket":
+            x = args[0]
+            index = np.searchsorted(np.asarray(node.value), x, side="right").astype(np.float64)
+            return np.where(np.isnan(x), np.nan, index)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             if op == "neg":
                 return -args[0]
@@ -473,20 +470,28 @@ def evaluate_rows(node: Node, columns: Mapping[str, np.ndarray], lo: int, hi: in
                 return args[0] * args[1]
             if op == "/":
                 return np.where(args[1] == 0, np.nan, args[0] / args[1])
-        if op in _COMPARATORS:
-            return _unknown_where(_COMPARATORS[op](args[0], args[1]).astype(np.float64), *args)
-        if op == "not":
-            return 1.0 - args[0]
-        if op == "and":
-            a, b = args
-            return np.where((a == 0) | (b == 0), 0.0, np.where(np.isnan(a) | np.isnan(b), np.nan, 1.0))
-        if op == "or":
-            a, b = args
-            return np.where((a == 1) | (b == 1), 1.0, np.where(np.isnan(a) | np.isnan(b), np.nan, 0.0))
-        if op == "bucket":
-            x = args[0]
-            index = np.searchsorted(np.asarray(node.value), x, side="right").astype(np.float64)
-            return np.where(np.isnan(x), np.nan, index)
         raise AssertionError(f"unknown op {op!r}")  # the compiler makes only the ops above
 
-    return value(node, lo)
+    def window(self, node: Node, first: int, rows: int) -> np.ndarray:
+        op, k = node.op, node.value  # k = -n: the last n bars, the current one included; +n: the next n
+        n = abs(k)
+        span = 4 * n if op == "ema" else n
+        start = first - span + 1 if k < 0 else first + 1
+        x = self.value(node.args[0], start, rows + span - 1)  # row i's window: x[i : i + span]
+        if op == "ema":
+            return _ema(x, n, rows)
+        if op in ("min", "max"):
+            reduce = np.minimum if op == "min" else np.maximum  # NaN in the window: NaN
+            out = x[:rows].copy()
+            for j in range(1, n):
+                out = reduce(out, x[j:j + rows])
+            return out
+        total = _window_sums(x, n, rows)
+        if op == "sum":
+            return total
+        mean = total / n
+        if op == "mean":
+            return mean
+        # std: the sample standard deviation (n - 1), two passes: the mean, then squared deviations
+        squares = _sequential_sum((x[j:j + rows] - mean) ** 2 for j in range(n))
+        return np.sqrt(squares / (n - 1))

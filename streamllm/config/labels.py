@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from streamllm.config.expressions import (
-    COLUMNS,
     VOLUME_COLUMNS,
     LabelError,
     Node,
@@ -252,14 +251,10 @@ def _rows(bars: Any, start: int, stop: int) -> Any:
 
 
 def _tail_columns(bars: Bars, last: int) -> Bars:
-    start = max(len(bars) - last, 0)
-    return Bars(*(None if (col := getattr(bars, name)) is None else col[start:] for name in _ALL_FIELDS))
+    return _rows(bars, max(len(bars) - last, 0), len(bars))
 
 
 def _polars_columns(frame: Any) -> Bars:
-    missing = [name for name in BAR_FIELDS if name not in frame.columns]
-    if missing:
-        raise TypeError(f"bars frame lacks columns {missing}; has {list(frame.columns)}")
     arrays = _frame_arrays(frame)
     cols: dict[str, Any] = {name: arrays[name].tolist() for name in BAR_FIELDS}
     for name in ("vwap", "trades", "buy_share"):
@@ -430,5 +425,3 @@ def _expression(source: str, node: Node) -> LabelSpec:
     return LabelSpec(text, "expr", (), node.past + 1, node.future, choices,
                      bool(node.reads & VOLUME_COLUMNS), text, node)
 
-
-assert set(COLUMNS) >= set(_ALL_FIELDS)
