@@ -96,3 +96,62 @@ def test_late_truths_are_logged_and_a_recovery_pushes_them_again(tiny_model, tmp
         assert not report.failed and report.batches == 4
         assert again.wait_idle(timeout=60)
     assert "truths not applied" not in caplog.text  # versions read back as the numbers they were
+
+
+def _replay_forecasts(bars: list, batches: list[int]) -> list[tuple[dict | None, dict | None]]:
+    """Feed `bars` through an attachment in pushes of `batches[i]` bars; returns (truths, late_truths) per push."""
+    from streamllm.engine.outputs import PushAck
+    from streamllm.feeding.attach import Attachment, AttachSpec
+
+    sent: list[tuple[dict | None, dict | None]] = []
+
+    class Sink:  # what the engine's push returns: the version the batch becomes
+        def push(self, session, lines, truths=None, late_truths=None):
+            sent.append((truths, late_truths))
+            return PushAck(session, len(sent), 0, len(lines))
+
+        def backlog(self, session):
+            return 0
+
+    questions = (parse_question({"id": "forecast_up2", "text": "Higher in 2 bars?", "choices": ["yes", "no"],
+                                 "label": "close[+2] > close"}),
+                 parse_question({"id": "up", "text": "Did it rise?", "choices": ["yes", "no"], "label": "trend_up(n=1)"}))
+    att = Attachment(Sink(), AttachSpec("s", bar_s=60), questions=questions)
+    at = 0
+    for size in batches:
+        for bar in bars[at: at + size]:
+            att.offer(bar)
+        at += size
+        assert att.flush() is not None
+    return sent
+
+
+def test_an_attachment_settles_each_forecast_once_from_bars_it_has_seen() -> None:
+    from feeds.events import Bar
+
+    def bar(i: int, close: float) -> Bar:
+        return Bar("v", "X", (i + 1) * 60 * 10**9, 0, i * 60 * 10**9, 60 * 10**9, close - 0.5, close + 1, close - 1,
+                   close, 1.0, 1, 0.5, 0.5, close)
+
+    closes = [100, 101, 99, 102, 103, 103, 101, 104, 100, 105, 106, 104]
+    bars = [bar(i, c) for i, c in enumerate(closes)]
+    batches = [1, 1, 2, 1, 3, 1, 1, 2]  # pushes of one bar and of several
+    sent = _replay_forecasts(bars, batches)
+    newest = [sum(batches[: n + 1]) - 1 for n in range(len(batches))]  # the newest bar of each push
+    expected: dict[int, str] = {}  # version -> the forecast's truth: bar b's close against bar b + 2's
+    for version, b in enumerate(newest, start=1):
+        if b + 2 < len(closes):
+            expected[version] = "yes" if closes[b + 2] > closes[b] else "no"
+    got: dict[int, str] = {}
+    for n, (truths, late) in enumerate(sent):
+        assert truths is None or "forecast_up2" not in truths  # never judged on the bars of its own push
+        for version, choice in ((late or {}).get("forecast_up2") or {}).items():
+            assert version not in got  # settled once
+            assert newest[version - 1] + 2 <= newest[n]  # by a push holding its bar two bars on
+            got[version] = choice
+    assert got == expected
+    # Bars after a push cannot change what it sent: the same pushes over a different future.
+    changed = bars[:7] + [bar(i, 50.0 + i) for i in range(7, len(closes))]
+    again = _replay_forecasts(changed, batches)
+    upto = next(n for n, b in enumerate(newest) if b >= 6)  # pushes whose bars are all among the first 7
+    assert again[: upto + 1] == sent[: upto + 1]

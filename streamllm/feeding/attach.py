@@ -97,6 +97,14 @@ class AttachStats:
     duplicates: int = 0  # batches the ingest log refused as already delivered
 
 
+FORECAST_SLACK = 512  # bars a forecast's settling push may carry beyond its horizon (kept for judging)
+
+
+def _horizon(question: Any) -> int:
+    """Bars after its own a question's label reads (0: it judges the present)."""
+    return int(getattr(question.label, "horizon", 0) or 0)
+
+
 @dataclass(slots=True)
 class _Item:
     """A pending line's source: one event or bar, or a coalesced group."""
@@ -126,6 +134,9 @@ class Attachment:
     # mode, or bar files replayed one line per bar.
     questions: tuple[Any, ...] = ()
     _recent: deque | None = None  # the last bars the labels need
+    _bars_seen: int = 0  # bars taken so far (the newest bar's number)
+    # (data version, bars taken when it was pushed) of pushes whose forecasts are not settled yet
+    _unsettled: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         if self.renderer is None:
@@ -134,7 +145,10 @@ class Attachment:
             self._agg = BarAggregator(self.spec.bar_s)
         self.questions = tuple(q for q in self.questions if q.label is not None and q.choices)
         if self.questions:
-            self._recent = deque(maxlen=max(q.label.bars_needed for q in self.questions))
+            # Forecasts are judged `back` bars behind the newest, `back` >= their horizon (a push may carry
+            # several bars): keep room for a batch of FORECAST_SLACK bars beyond it.
+            slack = FORECAST_SLACK if any(_horizon(q) for q in self.questions) else 0
+            self._recent = deque(maxlen=max(q.label.bars_needed + _horizon(q) for q in self.questions) + slack)
 
     # --- in ---
     def offer(self, ev: Any) -> None:
@@ -185,6 +199,7 @@ class Attachment:
         """Every bar that becomes a line passes here, built or ready-made (labels read the recent ones)."""
         if self._recent is not None:
             self._recent.append(bar)
+            self._bars_seen += 1
 
     def _take_bars(self, closed: list[Bar]) -> None:
         for bar in closed:
@@ -212,7 +227,9 @@ class Attachment:
                 self._coalesce()
             return None
         lines = [self._line(item) for item in self._pending]
-        kw = {"truths": truths} if (truths := self.truths()) else {}
+        kw: dict[str, Any] = {"truths": truths} if (truths := self.truths()) else {}
+        if late := self.late_truths():
+            kw["late_truths"] = late
         if self.feed_id is None:
             ack = self.sink.push(self.spec.session, lines, **kw)  # raises: pending kept for the next try
         else:
@@ -229,6 +246,10 @@ class Attachment:
         self.stats.pushes += 1
         self._pending.clear()
         self.last_ack = ack
+        version = getattr(ack, "data_version", None)  # a sink's ack (PushAck); forecasts need its version
+        if version is not None and self._recent is not None and any(_horizon(q) for q in self.questions):
+            self._settled()
+            self._unsettled.append((version, self._bars_seen))
         return ack
 
     def truths(self) -> dict[str, str]:
@@ -238,10 +259,45 @@ class Attachment:
         bars = list(self._recent)
         out = {}
         for q in self.questions:
+            if _horizon(q):
+                continue  # a forecast: its bars to come settle it (late_truths)
             truth = q.expected_answer(bars)  # the judge of the engine's answers, never sent as one
             if truth is not None:
                 out[q.id] = truth
         return out
+
+    def late_truths(self) -> dict[str, dict[int, str]]:
+        """Each forecast's right choice at the earlier versions the bars taken so far settle: the version
+        pushed when bar b was the newest is judged once bar b + horizon is in, on bars up to the newest only."""
+        if not self._recent or not self._unsettled:
+            return {}
+        bars = list(self._recent)
+        out: dict[str, dict[int, str]] = {}
+        for q in self.questions:
+            h = _horizon(q)
+            if not h:
+                continue
+            for version, newest in self._unsettled:
+                back = self._bars_seen - newest  # bars taken since that push
+                if back < h or back > len(bars) - 1:
+                    continue  # not settled yet, or older than the bars kept
+                truth = q.label.answer_at(bars, q.choices, back)
+                if truth is not None and back - h < self._settling_batch():
+                    out.setdefault(q.id, {})[version] = truth
+        return out
+
+    def _settling_batch(self) -> int:
+        """Bars taken since the last push: a version is settled by the first push whose bars reach its
+        horizon (later pushes do not send it again)."""
+        return self._bars_seen - (self._unsettled[-1][1] if self._unsettled else 0)
+
+    def _settled(self) -> None:
+        """Forget pushes every forecast has been judged on (or that fell out of the bars kept)."""
+        longest = max(_horizon(q) for q in self.questions)
+        while self._unsettled and self._bars_seen - self._unsettled[0][1] >= longest:
+            self._unsettled.popleft()
+        while len(self._unsettled) > FORECAST_SLACK:
+            self._unsettled.popleft()
 
     def _line(self, item: _Item) -> str:
         if item.line is not None:
