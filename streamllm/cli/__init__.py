@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "stress": ("bench.stress", "threads + asyncio tasks storm one engine: no death, hang, leak or refused push"),
     "wal": ("bench.wal", "the Arrow ingest log vs stdlib sqlite3 (WAL): appends/s per flush policy, read-back"),
     "scale": ("bench.scale", "serve --ray: updates/s at 1..N replicas, routing overhead, a replica killed mid-push"),
+    "learn": ("bench.learn", "questions learned live from recorded bars: prequential accuracy, gate, raw-number control"),
     "abuse": ("bench.abuse", "hostile clients and a failing disk while a well-behaved client works: nothing dies, hangs or leaks"),
     "replay": ("bench.replay", "every system answers the same asks live under the same recorded feed; accuracy, report"),
 }

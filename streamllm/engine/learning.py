@@ -256,6 +256,11 @@ class Learning:
     def active(self) -> bool:
         return self.config.enabled and self.layer is not None
 
+    @property
+    def busy(self) -> bool:
+        """Whether a fit is running or waiting to be swapped in (benches replaying faster than live wait)."""
+        return bool(self._running)
+
     def wants(self, st: Standing) -> bool:
         """Whether a newly registered question learns: labelled, with choices, and no head of its own."""
         spec = st.spec
