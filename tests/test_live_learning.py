@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from streamllm.config import parse_question
@@ -89,3 +90,22 @@ def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_mode
 
 def head_upto(figures: dict) -> int:
     return figures["learning"]["trained_upto"]
+
+
+def test_learn_says_whether_a_question_learns_and_needs_a_label(tiny_model) -> None:
+    from streamllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"learn.*learns from its label"):
+        parse_question({"id": "q", "text": "Up?", "choices": ["yes", "no"], "learn": True})
+    with pytest.raises(ConfigError, match=r"learn.*true or false"):
+        parse_question({**QUESTION, "learn": "yes"})
+    never = parse_question({**QUESTION, "id": "never", "learn": False})
+    assert parse_question(never.to_dict()) == never  # kept through logs and snapshots
+    with Engine(tiny_model, EngineConfig(max_cells=4096, max_context=1024)) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question(QUESTION))
+        engine.register("s", never)
+        engine.register("s", parse_question({"id": "free", "text": "Say something."}))
+        learners = engine.call(lambda core: {q: st.learner is not None
+                                             for q, st in core.prepos.by_session["s"].items()})
+    assert learners == {"rising": True, "never": False, "free": False}

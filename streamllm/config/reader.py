@@ -265,7 +265,7 @@ class _Reader:
     def question(self, data: Any, path: str) -> QuestionSpec:
         table = self.table(data, path)
         self.keys(table, path, ("id", "text", "choices", "threshold", "auto_confidence", "max_tokens", "label",
-                                "push"))
+                                "push", "learn"))
         question_id = self.name(table, path, "id")
         text = self.text(table, path, "text")
         if not self.stored:
@@ -284,7 +284,11 @@ class _Reader:
             raise self.fail(_join(path, "threshold"), "auto thresholds learn from the label: give the question "
                                                       "a `label` (see docs/questions.md) or a number")
         confidence = self.auto_confidence(table, path, target)
-        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push, target, confidence)
+        learn = self.get(table, path, "learn", (bool,), "true or false", None)
+        if learn and label is None:
+            raise self.fail(_join(path, "learn"), "a question learns from its label's truths: give it a `label` "
+                                                  "(see docs/questions.md) and choices")
+        return QuestionSpec(question_id, text, choices, threshold, max_tokens, label, push, target, confidence, learn)
 
     def auto_confidence(self, table: Mapping[str, Any], path: str, target: float | None) -> float:
         """How sure an auto threshold must be of its precision: 0.5 <= C < 1, only beside "auto:P"."""

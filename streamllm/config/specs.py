@@ -91,6 +91,9 @@ class QuestionSpec:
     # auto_confidence = C (with "auto:P"): open only where a lower bound of the precision, at one-sided
     # confidence C, reaches P; 0.5 is the point estimate (engine/calibration.py).
     auto_confidence: float = DEFAULT_AUTO_CONFIDENCE
+    # Live learning (engine/learning.py): None, a labelled choice question learns a head when it has none of
+    # its own; True, it learns even beside an adapter's head (and replaces it once fitted); False, never.
+    learn: bool | None = None
 
     @property
     def threshold_text(self) -> float | str:
@@ -116,6 +119,8 @@ class QuestionSpec:
             out["label"] = self.label.text
         if self.auto_confidence != DEFAULT_AUTO_CONFIDENCE:
             out["auto_confidence"] = self.auto_confidence
+        if self.learn is not None:
+            out["learn"] = self.learn
         return out
 
 

@@ -262,9 +262,12 @@ class Learning:
         return bool(self._running)
 
     def wants(self, st: Standing) -> bool:
-        """Whether a newly registered question learns: labelled, with choices, and no head of its own."""
+        """Whether a newly registered question learns: labelled, with choices, and no head of its own (or
+        `learn = true`: beside an adapter's head too, which the first fit replaces; `learn = false`: never)."""
         spec = st.spec
-        return self.active and bool(spec.choices) and spec.label is not None and st.gate.head is None
+        if not (self.active and spec.choices and spec.label is not None) or spec.learn is False:
+            return False
+        return st.gate.head is None or spec.learn is True
 
     def scored(self, st: Standing, version: int, truth: str) -> None:
         """An answer of `st` was scored: its sample may be trained on now; maybe start a fit."""
