@@ -87,6 +87,19 @@ def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_mode
         learner = again.call(lambda core: core.prepos.by_session["copy"]["rising"].learner)
         assert len(learner.samples) == live["learning"]["samples"] and learner.trained_upto == head_upto(live)
 
+    # `streamllm tune --from-live` makes it an adapter: a new engine answers with it from the start.
+    from streamllm.cli.tune import main as tune_main
+    from streamllm.model.adapter import load_adapter
+
+    assert tune_main(["--from-live", str(tmp_path / "s.snap"), "--out", str(tmp_path / "adapter")]) == 0
+    (shipped,) = load_adapter(tmp_path / "adapter").heads
+    assert shipped.question_id == "rising" and torch.equal(shipped.proj, head.proj)
+    with Engine(tiny_model, config, adapter=tmp_path / "adapter") as served:
+        served.open_session("s")
+        served.register("s", parse_question(QUESTION))
+        st = served.call(lambda core: core.prepos.by_session["s"]["rising"])
+        assert st.learner is None and torch.equal(st.gate.head.lags, head.lags)  # its own head: nothing to learn
+
 
 def head_upto(figures: dict) -> int:
     return figures["learning"]["trained_upto"]

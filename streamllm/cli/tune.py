@@ -13,6 +13,7 @@ from streamllm.model.words import check_words
 from streamllm.tuning import tune
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import TuneError, Variant
+from streamllm.tuning.from_live import export_live
 from streamllm.tuning.tune import run
 
 
@@ -34,8 +35,13 @@ def _variant(text: str) -> Variant:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="streamllm tune", description=tune.__doc__.split("\n")[0])
-    p.add_argument("--questions", required=True, help="config with labelled questions (queries/*.toml)")
-    p.add_argument("--data", nargs="+", required=True,
+    p.add_argument("--from-live", nargs="+", type=Path, metavar="SNAPSHOT",
+                   help="write the heads questions learned live (docs/calibration.md) from these session snapshots "
+                        "into --out as an adapter, instead of tuning; with --changes as the sessions render")
+    p.add_argument("--changes", choices=("price", "bp"), default="price",
+                   help="with --from-live: the bar lines the sessions wrote ([sessions.render] changes)")
+    p.add_argument("--questions", help="config with labelled questions (queries/*.toml); required unless --from-live")
+    p.add_argument("--data", nargs="+",
                    help="files to train and validate on (bar or trade tables, Databento DBN, captures: read as inspect "
                         "reads them), or synthetic:SEED (feeds/synthetic.py); "
                         "PATH@FROM..TO keeps the bars opening in that range (ISO dates, UTC; either end optional)")
@@ -110,7 +116,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.from_live:
+        try:
+            card = export_live(args.from_live, args.out, args.changes)
+        except TuneError as exc:
+            print(f"streamllm tune: error: {exc}", file=sys.stderr)
+            return 2
+        for qid, info in card["questions"].items():
+            print(f"{qid}: {info['fits']} fits on {info['samples']} samples ({info['snapshot']})")
+        print(f"wrote {args.out}/head.safetensors, card.json")
+        return 0
+    if not args.questions or not args.data:
+        p.error("--questions and --data are required (or --from-live SNAPSHOT...)")
     try:
         card = run(args)
     except (TuneError, ConfigError) as exc:
