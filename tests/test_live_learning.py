@@ -122,3 +122,17 @@ def test_learn_says_whether_a_question_learns_and_needs_a_label(tiny_model) -> N
         learners = engine.call(lambda core: {q: st.learner is not None
                                              for q, st in core.prepos.by_session["s"].items()})
     assert learners == {"rising": True, "never": False, "free": False}
+
+
+def test_a_fit_keeps_to_its_time_budget() -> None:
+    from streamllm.model.seriesfit import EVAL_EVERY, Samples, fit_series
+
+    gen = torch.Generator().manual_seed(0)
+    lines, labels = torch.randn(200, 8, generator=gen), torch.randint(0, 2, (200,), generator=gen)
+    index = torch.stack([torch.arange(i - 3, i + 1).clamp_min(0) for i in range(200)])
+    whole = Samples(lines, index, labels, torch.full((200,), 4), torch.zeros(200, dtype=torch.long))
+    train, dev = whole.subset(torch.arange(160)), whole.subset(torch.arange(160, 200))
+    assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200).steps == 200
+    assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200, budget_s=1e-9).steps == EVAL_EVERY
+    with pytest.raises(ValueError, match="budget_s must be > 0"):
+        LearnConfig(budget_s=0)

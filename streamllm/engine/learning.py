@@ -52,6 +52,7 @@ class LearnConfig:
     min_samples: int = 64  # scored samples before the first fit
     max_samples: int = 2000  # newest samples kept for fitting
     steps: int = 240  # optimizer steps per fit
+    budget_s: float = 10.0  # wall seconds a fit may take (it keeps its best step so far)
     rank: int = 4  # numbers a head takes from each line
 
     def __post_init__(self) -> None:
@@ -59,6 +60,8 @@ class LearnConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.learning.{name} must be a positive int, got {value!r}")
+        if not self.budget_s > 0:
+            raise ValueError(f"EngineConfig.learning.budget_s must be > 0 seconds, got {self.budget_s!r}")
         if self.min_samples < 8:
             raise ValueError(f"EngineConfig.learning.min_samples must be >= 8 (a fit keeps a fifth for "
                              f"development), got {self.min_samples}")
@@ -233,7 +236,8 @@ def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: 
     whole = Samples(data.lines, data.index, data.labels, data.reads, window)
     train = whole.subset(torch.arange(n - split))
     dev = whole.subset(torch.arange(n - split, n))
-    fit = fit_series(train, dev, len(choices), k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps)
+    fit = fit_series(train, dev, len(choices), k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps,
+                     budget_s=config.budget_s)
     head = SeriesHead(question_id, text, choices, layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       threshold, words, min_lines=1)
     return head, time.perf_counter() - t0

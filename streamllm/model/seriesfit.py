@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -175,8 +176,12 @@ def _mean_se(losses: list[float]) -> tuple[float, float]:
 
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
-               sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best") -> SeriesFit:
+               sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best",
+               budget_s: float | None = None) -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
+
+    budget_s: wall seconds for all the fits together (live learning): once spent, a fit ends at its
+    next evaluation with the best step so far (the fit is then no longer reproducible to the bit).
 
     choose: "best" serves the candidate of the lowest mean development loss; "simplest" the one with the
     fewest features (then the largest weight decay) whose mean is within one standard error (over the
@@ -204,6 +209,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     train_mask, dev_mask = train.mask, dev.mask
     fits: dict[tuple[str, float], list[tuple[float, dict]]] = {}
     total = 0
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     with torch.enable_grad(), _deterministic():
         for (name, cols), wd in itertools.product(sets.items(), grid):
             lines, dev_lines = all_lines[:, cols], all_dev[:, cols]
@@ -225,6 +231,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
                             dev_loss = float(ce(model(dev_lines, dev.index, dev_mask), dev.labels))
                         if best is None or dev_loss < best[0]:
                             best = (dev_loss, {n: p.detach().clone() for n, p in model.state_dict().items()})
+                        if deadline is not None and time.perf_counter() > deadline:
+                            break
                 assert best is not None
                 fits.setdefault((name, wd), []).append(best)
     spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
