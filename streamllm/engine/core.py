@@ -61,7 +61,7 @@ from streamllm.engine.outputs import (
     StalePolicy,
 )
 from streamllm.engine.prefixes import SharedPrefixes
-from streamllm.engine.prepos import Prepositioner
+from streamllm.engine.prepos import Prepositioner, Standing
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.runner import Runner, Work
@@ -81,6 +81,9 @@ from streamllm.engine.taps import TapConfig, Word
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from streamllm.config import QuestionSpec
+    from streamllm.engine.gate import Gate
 
 log = logging.getLogger("streamllm.engine")
 
@@ -353,11 +356,16 @@ class EngineCore:
         return version
 
     def _register(self, cmd: Register) -> None:
-        session = self.session(cmd.name)
-        st = self.prepos.register(session, cmd.spec, cmd.gate, cmd.prompt_ids)
-        if st.learner is not None and session.taps is None:
-            session.taps = self.taps.new_taps()  # its lines from now on (a line met mid-way is skipped)
+        self.register_standing(self.session(cmd.name), cmd.spec, cmd.gate, cmd.prompt_ids)
         self.publisher.mark(cmd.name)
+
+    def register_standing(self, session: Session, spec: QuestionSpec, gate: Gate, prompt_ids: list[int]) -> Standing:
+        """A standing question on `session` (a register, or a restore); a learning one makes the session
+        keep line features if it did not (its lines from now on: a line met mid-way is skipped)."""
+        st = self.prepos.register(session, spec, gate, prompt_ids)
+        if st.learner is not None and session.taps is None:
+            session.taps = self.taps.new_taps()
+        return st
 
     def _unregister(self, cmd: Unregister) -> None:
         self.session(cmd.name)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamllm.model.adapter import SeriesHead
-from streamllm.model.seriesfit import Samples, fit_series
+from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
 
 if TYPE_CHECKING:
     from streamllm.engine.prepos import Standing
@@ -225,19 +225,21 @@ class Learner:
             del self._lines[n]
 
 
-def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
-             layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, float]:
-    """Fit a series head on `data` (the worker's job): the newest fifth is the development range that
-    picks the step. Returns the head and the fit's wall time."""
-    t0 = time.perf_counter()
+def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> SeriesFit:
+    """The live fit: `config`'s series head on `data`, its newest fifth the development range that picks
+    the step (also what `bench learn`'s raw-number control fits, on other line features)."""
     n = len(data.labels)
     split = max(1, n // 5)
-    window = torch.zeros(n, dtype=torch.long)
-    whole = Samples(data.lines, data.index, data.labels, data.reads, window)
-    train = whole.subset(torch.arange(n - split))
-    dev = whole.subset(torch.arange(n - split, n))
-    fit = fit_series(train, dev, len(choices), k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps,
-                     budget_s=config.budget_s)
+    whole = Samples(data.lines, data.index, data.labels, data.reads, torch.zeros(n, dtype=torch.long))
+    return fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
+                      k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s)
+
+
+def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
+             layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, float]:
+    """The worker's job: a series head fitted on `data` (`fit_training_set`), and the fit's wall time."""
+    t0 = time.perf_counter()
+    fit = fit_training_set(data, config, len(choices))
     head = SeriesHead(question_id, text, choices, layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       threshold, words, min_lines=1)
     return head, time.perf_counter() - t0
@@ -246,19 +248,17 @@ def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: 
 class Learning:
     """The core's learning component: starts fits on one worker thread, swaps finished heads in."""
 
-    def __init__(self, config: LearnConfig, *, layer: int | None, words: tuple[Word, ...],
+    def __init__(self, config: LearnConfig, *, layer: int, words: tuple[Word, ...],
                  device: torch.device | str = "cpu") -> None:
         self.config = config
         self.layer, self.words, self.device = layer, words, device
         self._worker: ThreadPoolExecutor | None = None
-        self._running: dict[int, tuple[Standing, Future]] = {}  # id(standing) -> its fit
+        # id(standing) -> (it, its fit, the newest version the fit trains on); a question dropped meanwhile
+        # leaves (`drop`), so whatever is here when its fit finishes is still registered
+        self._running: dict[int, tuple[Standing, Future, int]] = {}
         self.wake: Callable[[], object] = lambda: None  # the core's: a finished fit asks it to swap the head in
         self.fits_done = 0
         self.fits_failed = 0
-
-    @property
-    def active(self) -> bool:
-        return self.config.enabled and self.layer is not None
 
     @property
     def busy(self) -> bool:
@@ -269,7 +269,7 @@ class Learning:
         """Whether a newly registered question learns: labelled, with choices, and no head of its own (or
         `learn = true`: beside an adapter's head too, which the first fit replaces; `learn = false`: never)."""
         spec = st.spec
-        if not (self.active and spec.choices and spec.label is not None) or spec.learn is False:
+        if not (spec.choices and spec.label is not None) or spec.learn is False:
             return False
         return st.gate.head is None or spec.learn is True
 
@@ -286,20 +286,17 @@ class Learning:
         future = self._worker.submit(fit_head, data, self.config, question_id=spec.id, text=spec.text,
                                      choices=tuple(spec.choices), layer=self.layer, words=self.words,
                                      threshold=float(spec.threshold))
-        future.newest_version = data.newest_version  # type: ignore[attr-defined]
-        self._running[id(st)] = (st, future)
+        self._running[id(st)] = (st, future, data.newest_version)
         future.add_done_callback(lambda _: self.wake())
 
-    def swap_finished(self, registered: set[int]) -> list[Standing]:
-        """Between steps: put each finished head in its question's gate (if still registered)."""
+    def swap_finished(self) -> list[Standing]:
+        """Between steps: put each finished head in its question's gate."""
         swapped = []
-        for key, (st, future) in list(self._running.items()):
+        for key, (st, future, newest_version) in list(self._running.items()):
             if not future.done():
                 continue
             del self._running[key]
             st.learner.fitting = False
-            if key not in registered:
-                continue
             try:
                 head, seconds = future.result()
             except Exception:  # a fit that fails keeps the head in force; the next samples try again
@@ -308,7 +305,7 @@ class Learning:
                 continue
             st.gate.head = head.to(self.device, torch.float32)  # heads read fp32 features
             st.learner.fits += 1
-            st.learner.trained_upto = future.newest_version  # type: ignore[attr-defined]
+            st.learner.trained_upto = newest_version
             st.learner.last_fit_s = seconds
             self.fits_done += 1
             swapped.append(st)

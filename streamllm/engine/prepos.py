@@ -227,13 +227,13 @@ class Prepositioner:
         self.release(st.ready)
         st.ready, st.computing = entry, None
         st.ready_hidden = None if hidden is None else hidden.clone()
-        head = st.gate.head
-        if head is not None and head.kind == HeadKind.SERIES and st.session.taps is not None:
-            # The lines the entry saw: those ending at or before its fork point (None until enough are held).
-            upto = st.session.lines_upto(entry.base_len)
-            st.ready_hidden = st.session.taps.window(upto, head.reads(upto))
-        if st.learner is not None and st.session.taps is not None:  # what this answer read, for its sample
-            st.learner.saw(entry.data_version, st.session.lines_upto(entry.base_len), st.session.taps)
+        head, taps = st.gate.head, st.session.taps
+        if taps is not None:
+            upto = st.session.lines_upto(entry.base_len)  # the lines the entry saw: those ending at its fork point
+            if head is not None and head.kind == HeadKind.SERIES:
+                st.ready_hidden = taps.window(upto, head.reads(upto))  # None until enough are held
+            if st.learner is not None:  # what this answer read, for its sample
+                st.learner.saw(entry.data_version, upto, taps)
         st.entries_computed += 1
         st.record = self._record(st)
         self._score(st)
@@ -272,7 +272,7 @@ class Prepositioner:
         """Between steps: learned heads whose fits finished take over their questions' gates."""
         if self.learning is None:
             return []
-        return self.learning.swap_finished({id(st) for st in self.all()})
+        return self.learning.swap_finished()
 
     @staticmethod
     def sync_gate(st: Standing) -> None:

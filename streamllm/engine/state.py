@@ -146,12 +146,10 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     saved = meta.get("calibration") or {}
     learned = meta.get("learned") or {}
     for spec, gate, prompt_ids in gates:
-        st = core.prepos.register(s, spec, gate, prompt_ids)
+        st = core.register_standing(s, spec, gate, prompt_ids)
         if spec.id in saved:  # checked by the snapshot's reader; a window from memory is our own
             st.calibration.restore(saved[spec.id], gate.effective_threshold)
             core.prepos.sync_gate(st)
-        if st.learner is not None and s.taps is None:
-            s.taps = core.taps.new_taps()
         if st.learner is not None and spec.id in learned:
             prefix = f"learned/{spec.id}/"
             width = series_width(core.runner.model.config.hidden_size, len(core.taps.words))
