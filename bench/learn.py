@@ -34,11 +34,10 @@ from bench.common import median, percentile, print_table, write_json
 from feeds.tables import TableSource
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.learning import LearnConfig
+from streamllm.engine.learning import LearnConfig, TrainingSet, fit_training_set
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
 from streamllm.model.adapter import series_logits
-from streamllm.model.seriesfit import Samples, fit_series
 
 ROOT = Path(__file__).resolve().parent.parent
 BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
@@ -122,11 +121,7 @@ def _fit_raw(lines: torch.Tensor, known: list[int], truth: list[int | None], cla
     index = torch.stack([torch.cat([torch.full((k - r,), s - r + 1), torch.arange(s - r + 1, s + 1)])
                          for s, r in zip(known, reads.tolist(), strict=True)])
     labels = torch.tensor([truth[s] for s in known])
-    n = len(known)
-    split = max(1, n // 5)
-    whole = Samples(lines, index, labels, reads, torch.zeros(n, dtype=torch.long))
-    fit = fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
-                     k=k, rank=cfg.rank, grid=(1e-2,), steps=cfg.steps)
+    fit = fit_training_set(TrainingSet(lines, index, reads, labels, known[-1]), cfg, classes)  # as the learner fits
     return lambda window: series_logits(window, fit.proj, fit.proj_bias, fit.lags, fit.bias)
 
 
