@@ -16,6 +16,7 @@ Skips (saying why) when Playwright or a Chromium binary is missing; CI installs 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -81,6 +82,22 @@ def served(tmp_path):
             proc.wait()
 
 
+@contextlib.contextmanager
+def chromium_page():
+    """Headless Chromium and a 1280x800 page; a script or console error there fails the test at the end."""
+    errors: list[str] = []
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 800})
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
+            yield browser, page
+        finally:
+            browser.close()
+    assert not errors, errors
+
+
 def plain_session(base: str, token: str) -> None:
     """A session opened and fed by a client with bar lines that carry a time of day but no date."""
     from streamllm.client.client import Client
@@ -95,82 +112,73 @@ def plain_session(base: str, token: str) -> None:
 
 
 def test_page_shows_live_standing_answers_and_answers_the_ask_box(served, tmp_path):
-    errors: list[str] = []
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
-            base, printed = served
-            token = printed.split("?token=", 1)[1]
-            plain_session(base, token)
-            page.goto(printed)
-            page.wait_for_selector("#status.live", timeout=30_000)
-            assert page.url == base + "/"  # the token left the address bar...
-            assert page.evaluate("sessionStorage.getItem('streamllm_token')") == token  # ...for this tab's storage
-            assert "tenant local" in page.inner_text("#model")
-            card = page.locator('section.card[data-session="btc"]')
-            row = card.locator('tr[data-question="trend"]')
-            row.wait_for(timeout=30_000)
-            first = int(row.get_attribute("data-version"))
-            # a standing answer changes: the feed moves on and the row follows (a newer data_version)
-            page.wait_for_function(
-                f"""() => Number(document.querySelector('section.card[data-session="btc"] '
-                     + 'tr[data-question="trend"]').dataset.version) > {first}""", timeout=60_000)
-            assert row.locator("td.answer").inner_text() in ("up", "down")
-            assert row.locator("td.path").inner_text() in ("fast", "entry")
-            assert row.locator("td.threshold").inner_text() == "0.00 config"  # the threshold in force, and whose
-            assert card.locator('tr[data-question="calm"] td.answer').inner_text() in ("calm", "wild")
-            # a labelled question shows its answers scored live; an unlabelled one has nothing to show
-            page.wait_for_function("""() => /^\\d+% of \\d+, base \\d+%$/.test(document.querySelector('section.card[data-session="btc"] '
-                                       + 'tr[data-question="trend"] td.right').textContent)""", timeout=60_000)
-            assert re.fullmatch(r"\d+% at (\d+%|-)", row.locator("td.gate").inner_text())
-            assert "fixed threshold" in row.locator("td.gate").get_attribute("title")
-            assert card.locator('tr[data-question="calm"] td.right').inner_text() == "-"
-            # the chart is drawn from the bars the session ingested
-            page.wait_for_function("""() => Number(document.querySelector('section.card[data-session="btc"]')
-                                       .dataset.bars || 0) > 3""", timeout=30_000)
-            assert card.locator("canvas").count() >= 1
-            assert card.get_attribute("data-axis") == "time"
-            # a session pushed lines without dates: drawn by bar number; its labelled question's history is
-            # not in (a guess, said so); its push = false free-text question has no pushed answer to show
-            plain = page.locator('section.card[data-session="plain"]')
-            page.wait_for_function("""() => document.querySelector('section.card[data-session="plain"]')
-                                       ?.dataset.axis === "bar" """, timeout=30_000)
-            assert plain.get_attribute("data-bars") == "5"
-            slow = plain.locator('tr[data-question="slow"]')
-            slow.wait_for(timeout=30_000)
-            assert slow.locator("td.answer").inner_text() == "warming up"
-            assert "trend_up(n=50) looks back 50 bars; the session has 5 so far" in slow.locator("td.answer").get_attribute("title")
-            assert slow.locator("td.confidence").inner_text() == "-"
-            note = plain.locator('tr[data-question="note"]')
-            note.wait_for(timeout=30_000)
-            assert (note.locator("td.answer").inner_text(), note.locator("td.path").inner_text()) == ("ask to decode", "not pushed")
-            assert plain.locator("td.dv.behind").count() == 0  # every answer is at the session's data_version
-            # ask through the box: streamed, then the final answer with its path
-            page.fill("#ask-question", "trend")
-            page.click("#ask-button")
-            page.wait_for_selector('#ask-output[data-state="answered"]', timeout=30_000)
-            assert page.inner_text("#ask-output .text") in ("up", "down")
-            assert "fast path" in page.inner_text("#ask-output .meta")
-            page.fill("#ask-question", "What happened in the last bar?")
-            page.click("#ask-button")
-            page.wait_for_selector('#ask-output[data-state="answered"]:has(.meta:text("cold path"))',
-                                   timeout=60_000)
-            time.sleep(0.3)  # let the chart settle for the picture
-            shot = tmp_path / "page.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 10_000
-            page.reload()  # the tab keeps its token: a reload needs no ?token=
-            page.wait_for_selector("#status.live", timeout=30_000)
-            stranger = browser.new_page()  # another tab (its own sessionStorage), no token: asked for one
-            stranger.goto(base + "/")
-            stranger.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
-            assert "needs a token" in stranger.inner_text("#status")
-        finally:
-            browser.close()
-    assert not errors, errors
+    with chromium_page() as (browser, page):
+        base, printed = served
+        token = printed.split("?token=", 1)[1]
+        plain_session(base, token)
+        page.goto(printed)
+        page.wait_for_selector("#status.live", timeout=30_000)
+        assert page.url == base + "/"  # the token left the address bar...
+        assert page.evaluate("sessionStorage.getItem('streamllm_token')") == token  # ...for this tab's storage
+        assert "tenant local" in page.inner_text("#model")
+        card = page.locator('section.card[data-session="btc"]')
+        row = card.locator('tr[data-question="trend"]')
+        row.wait_for(timeout=30_000)
+        first = int(row.get_attribute("data-version"))
+        # a standing answer changes: the feed moves on and the row follows (a newer data_version)
+        page.wait_for_function(
+            f"""() => Number(document.querySelector('section.card[data-session="btc"] '
+                 + 'tr[data-question="trend"]').dataset.version) > {first}""", timeout=60_000)
+        assert row.locator("td.answer").inner_text() in ("up", "down")
+        assert row.locator("td.path").inner_text() in ("fast", "entry")
+        assert row.locator("td.threshold").inner_text() == "0.00 config"  # the threshold in force, and whose
+        assert card.locator('tr[data-question="calm"] td.answer').inner_text() in ("calm", "wild")
+        # a labelled question shows its answers scored live; an unlabelled one has nothing to show
+        page.wait_for_function("""() => /^\\d+% of \\d+, base \\d+%$/.test(document.querySelector('section.card[data-session="btc"] '
+                                   + 'tr[data-question="trend"] td.right').textContent)""", timeout=60_000)
+        assert re.fullmatch(r"\d+% at (\d+%|-)", row.locator("td.gate").inner_text())
+        assert "fixed threshold" in row.locator("td.gate").get_attribute("title")
+        assert card.locator('tr[data-question="calm"] td.right').inner_text() == "-"
+        # the chart is drawn from the bars the session ingested
+        page.wait_for_function("""() => Number(document.querySelector('section.card[data-session="btc"]')
+                                   .dataset.bars || 0) > 3""", timeout=30_000)
+        assert card.locator("canvas").count() >= 1
+        assert card.get_attribute("data-axis") == "time"
+        # a session pushed lines without dates: drawn by bar number; its labelled question's history is
+        # not in (a guess, said so); its push = false free-text question has no pushed answer to show
+        plain = page.locator('section.card[data-session="plain"]')
+        page.wait_for_function("""() => document.querySelector('section.card[data-session="plain"]')
+                                   ?.dataset.axis === "bar" """, timeout=30_000)
+        assert plain.get_attribute("data-bars") == "5"
+        slow = plain.locator('tr[data-question="slow"]')
+        slow.wait_for(timeout=30_000)
+        assert slow.locator("td.answer").inner_text() == "warming up"
+        assert "trend_up(n=50) looks back 50 bars; the session has 5 so far" in slow.locator("td.answer").get_attribute("title")
+        assert slow.locator("td.confidence").inner_text() == "-"
+        note = plain.locator('tr[data-question="note"]')
+        note.wait_for(timeout=30_000)
+        assert (note.locator("td.answer").inner_text(), note.locator("td.path").inner_text()) == ("ask to decode", "not pushed")
+        assert plain.locator("td.dv.behind").count() == 0  # every answer is at the session's data_version
+        # ask through the box: streamed, then the final answer with its path
+        page.fill("#ask-question", "trend")
+        page.click("#ask-button")
+        page.wait_for_selector('#ask-output[data-state="answered"]', timeout=30_000)
+        assert page.inner_text("#ask-output .text") in ("up", "down")
+        assert "fast path" in page.inner_text("#ask-output .meta")
+        page.fill("#ask-question", "What happened in the last bar?")
+        page.click("#ask-button")
+        page.wait_for_selector('#ask-output[data-state="answered"]:has(.meta:text("cold path"))',
+                               timeout=60_000)
+        time.sleep(0.3)  # let the chart settle for the picture
+        shot = tmp_path / "page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        page.reload()  # the tab keeps its token: a reload needs no ?token=
+        page.wait_for_selector("#status.live", timeout=30_000)
+        stranger = browser.new_page()  # another tab (its own sessionStorage), no token: asked for one
+        stranger.goto(base + "/")
+        stranger.wait_for_selector("#token-form:not([hidden])", timeout=30_000)
+        assert "needs a token" in stranger.inner_text("#status")
 
 
 def _standing(question_id: str, calibration: dict | None, version: int = 40) -> dict:
@@ -210,34 +218,25 @@ def test_page_plots_each_labelled_questions_learning_curve():
         ws.on_message(lambda text: ws.send(json.dumps({**replies[json.loads(text)["type"]],
                                                         "id": json.loads(text)["id"]})))
 
-    errors: list[str] = []
     curve = 'section.card[data-session="btc"] figure.curve[data-question="{}"]'.format
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 800})
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.on("console", lambda msg: msg.type == "error" and errors.append(msg.text))
-            page.route("http://streamllm.test/**", serve_file)
-            page.route_web_socket("ws://streamllm.test/", serve_socket)
-            page.goto("http://streamllm.test/")
-            page.wait_for_selector('tr[data-question="calm"]', timeout=10_000)
-            learns = page.locator(curve("learns"))
-            assert (learns.get_attribute("data-points"), learns.get_attribute("data-open")) == ("4", "2")
-            assert learns.locator("canvas").count() >= 1  # drawn by uPlot
-            assert learns.locator(".learned").inner_text() == "learning: 2 heads fitted on 36 samples"
-            fixed = page.locator(curve("fixed"))
-            assert (fixed.get_attribute("data-points"), fixed.get_attribute("data-open")) == ("2", "0")
-            assert fixed.locator(".learned").inner_text() == ""
-            assert page.locator(curve("early")).count() == page.locator(curve("calm")).count() == 0
-            # new calibration objects move the curve on; one whose history is gone takes its plot away
-            sockets[0].send(json.dumps({"type": "standing", **_standing(
-                "learns", _curve(5, 2, {"fits": 3, "samples": 46, "trained_upto": 40, "fit_s": 0.01}), 50)}))
-            sockets[0].send(json.dumps({"type": "standing", **_standing("fixed", _curve(0, 0), 50)}))
-            page.wait_for_selector(curve("learns") + '[data-points="5"]', timeout=5_000)
-            assert learns.get_attribute("data-open") == "3"
-            assert learns.locator(".learned").inner_text() == "learning: 3 heads fitted on 46 samples"
-            page.wait_for_selector(curve("fixed"), state="detached", timeout=5_000)
-        finally:
-            browser.close()
-    assert not errors, errors
+    with chromium_page() as (_, page):
+        page.route("http://streamllm.test/**", serve_file)
+        page.route_web_socket("ws://streamllm.test/", serve_socket)
+        page.goto("http://streamllm.test/")
+        page.wait_for_selector('tr[data-question="calm"]', timeout=10_000)
+        learns = page.locator(curve("learns"))
+        assert (learns.get_attribute("data-points"), learns.get_attribute("data-open")) == ("4", "2")
+        assert learns.locator("canvas").count() >= 1  # drawn by uPlot
+        assert learns.locator(".learned").inner_text() == "learning: 2 heads fitted on 36 samples"
+        fixed = page.locator(curve("fixed"))
+        assert (fixed.get_attribute("data-points"), fixed.get_attribute("data-open")) == ("2", "0")
+        assert fixed.locator(".learned").inner_text() == ""
+        assert page.locator(curve("early")).count() == page.locator(curve("calm")).count() == 0
+        # new calibration objects move the curve on; one whose history is gone takes its plot away
+        sockets[0].send(json.dumps({"type": "standing", **_standing(
+            "learns", _curve(5, 2, {"fits": 3, "samples": 46, "trained_upto": 40, "fit_s": 0.01}), 50)}))
+        sockets[0].send(json.dumps({"type": "standing", **_standing("fixed", _curve(0, 0), 50)}))
+        page.wait_for_selector(curve("learns") + '[data-points="5"]', timeout=5_000)
+        assert learns.get_attribute("data-open") == "3"
+        assert learns.locator(".learned").inner_text() == "learning: 3 heads fitted on 46 samples"
+        page.wait_for_selector(curve("fixed"), state="detached", timeout=5_000)
