@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.runner import Work
+from streamllm.engine.standing.gate import Gate
 from streamllm.evaluation.scoring import match_choice
 
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from streamllm.config import QuestionSpec, load_config
-from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.runner import Runner, Work
+from streamllm.engine.standing.gate import Gate
 from streamllm.model.llama import LlamaForward
 
 QUERIES = Path(__file__).resolve().parents[1] / "queries"

@@ -2,7 +2,7 @@
 
 Recorded bars are replayed one bar per push through a feed attachment into the engine
 (the default model, no adapter), with standing questions whose labels are expressions
-(docs/questions.md): each learns a series head live (engine/learning.py). Every answer is
+(docs/questions.md): each learns a series head live (engine/standing/learning.py). Every answer is
 made before its truth exists, so the accuracy below is out of sample by construction; a
 forecast's truth arrives `horizon` bars later (late_truths). Between bars the replay waits
 until ingest, entries and any running fit are done: a live feed of one-minute bars gives
@@ -34,7 +34,7 @@ from bench.common import median, percentile, print_table, write_json
 from feeds.tables import TableSource
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.learning import LearnConfig, TrainingSet, fit_training_set
+from streamllm.engine.standing.learning import LearnConfig, TrainingSet, fit_training_set
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
 from streamllm.model.adapter import series_logits

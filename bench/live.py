@@ -32,8 +32,8 @@ from bench.baselines import Peer, PrefixCache, Stateless
 from bench.common import median
 from bench.loadgen import AskEvent, poisson_schedule, run_schedule
 from streamllm.config import QueryConfig, QuestionSpec
-from streamllm.engine.gate import Gate
 from streamllm.engine.outputs import PushAck
+from streamllm.engine.standing.gate import Gate
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 
 BETWEEN_ASKS = {

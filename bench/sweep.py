@@ -26,7 +26,7 @@ from bench.baselines import Peer, PrefixCache, Stateless
 from bench.common import budget_for, fill_session
 from bench.loadgen import AD_HOC_QUESTIONS
 from streamllm.config import QueryConfig
-from streamllm.engine.gate import Gate
+from streamllm.engine.standing.gate import Gate
 
 SWEEP_SERIES = ("ours_from_push", "ours", "ours_cold", "prefixcache", "stateless", "peer")
 

@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
+from streamllm.client.cells import calibration_cells, percent
 from streamllm.config import LIVE_VENUES, QueryConfig, load_config
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.calibration import calibration_cells, percent
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.render import fixed
 from streamllm.feeding.wiring import FeedGroup, attach_mode, feed_events, group_feeds

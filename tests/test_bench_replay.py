@@ -21,7 +21,7 @@ from bench.replay import cli_main, matches
 from bench.replay_metrics import base_rate
 from streamllm.config import QuestionSpec, load_config
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.gate import Gate
+from streamllm.engine.standing.gate import Gate
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot"
 ROOT = Path(__file__).resolve().parents[1]

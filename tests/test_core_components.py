@@ -11,10 +11,10 @@ from streamllm.engine.compacting import Compactor
 from streamllm.engine.compaction import CompactionPolicy
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.outputs import Answer, AnswerPath, ReadyRecord, StalePolicy
-from streamllm.engine.prepos import Prepositioner, answers_alone, find_standing, is_final
 from streamllm.engine.publishing import EventKind, Publisher
 from streamllm.engine.scheduler import SchedulerConfig
 from streamllm.engine.sequence import Session
+from streamllm.engine.standing.prepos import Prepositioner, answers_alone, find_standing, is_final
 from streamllm.engine.stats import StepTimes
 from streamllm.engine.subscriptions import SubscriptionHub
 from streamllm.engine.taps import TapConfig

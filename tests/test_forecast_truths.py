@@ -7,7 +7,7 @@ import pytest
 
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.calibration import MAX_PENDING, LiveCalibration
+from streamllm.engine.standing.calibration import MAX_PENDING, LiveCalibration
 
 QUESTION = {"id": "forecast_up", "text": "Will it be higher in 2 bars?", "choices": ["up", "down"],
             "threshold": 2.0}

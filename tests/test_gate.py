@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.gate import Gate, GateError, answer_variants, candidate_first_tokens, top_two
+from streamllm.engine.standing.gate import (
+    Gate,
+    GateError,
+    answer_variants,
+    candidate_first_tokens,
+    top_two,
+)
 from streamllm.evaluation.scoring import (
     RiskCoveragePoint,
     margin_ranking,

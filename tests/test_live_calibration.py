@@ -1,6 +1,6 @@
 """Live calibration: answers scored against labels as they are made, `threshold = "auto:P"`.
 
-The references: the offline risk-coverage curve (engine/gate.py) for the auto threshold;
+The references: the offline risk-coverage curve (engine/standing/gate.py) for the auto threshold;
 a first run of the same pushes for which answer each version gets; an independent bar
 aggregation for the truths a feed attachment sends.
 """
@@ -24,8 +24,8 @@ from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.calibration import LiveCalibration, precision_floor
-from streamllm.engine.gate import Gate
+from streamllm.engine.standing.calibration import LiveCalibration, precision_floor
+from streamllm.engine.standing.gate import Gate
 from streamllm.evaluation.scoring import risk_coverage, threshold_for_precision
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.service.server import StreamServer

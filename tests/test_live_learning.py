@@ -1,4 +1,4 @@
-"""Live learning (engine/learning.py): a labelled question without a head learns one from its session's
+"""Live learning (engine/standing/learning.py): a labelled question without a head learns one from its session's
 line features, every answer scored before its own sample is trained on."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.learning import LearnConfig
+from streamllm.engine.standing.learning import LearnConfig
 
 QUESTION = {"id": "rising", "text": "Did the last bar rise?", "choices": ["yes", "no"],
             "label": "trend_up(n=1)", "threshold": "auto:0.9"}

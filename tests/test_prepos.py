@@ -9,7 +9,7 @@ import torch
 
 from streamllm.config import QuestionSpec
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
-from streamllm.engine.gate import GateError
+from streamllm.engine.standing.gate import GateError
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
 ALWAYS, NEVER = 0.0, 1e9  # gate thresholds

@@ -10,8 +10,8 @@ import pytest
 from streamllm.config import QuestionSpec
 from streamllm.config.labels import parse_label
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
-from streamllm.engine.gate import Gate
-from streamllm.engine.prepos import threshold_in_force
+from streamllm.engine.standing.gate import Gate
+from streamllm.engine.standing.prepos import threshold_in_force
 from tests.test_prepos import LINES
 
 

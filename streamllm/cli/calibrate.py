@@ -10,7 +10,7 @@ from pathlib import Path
 
 from streamllm.cli.common import add_read_args
 from streamllm.config import ConfigError
-from streamllm.engine.gate import GateError
+from streamllm.engine.standing.gate import GateError
 from streamllm.evaluation import calibrate as calibrate_lib
 from streamllm.evaluation.calibrate import DEFAULT_BARS, CalibrationError, calibrate
 from streamllm.evaluation.report import plot, table, to_json

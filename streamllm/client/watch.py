@@ -24,8 +24,8 @@ from typing import Any
 from rich.live import Live
 from rich.table import Table
 
+from streamllm.client.cells import calibration_cells
 from streamllm.client.client import AsyncClient
-from streamllm.engine.calibration import calibration_cells
 
 REFRESH_S = 1.0  # a snapshot at most this often, this long after a data event
 

@@ -1,6 +1,6 @@
 """Choices a gate can tell apart by their first token, checked with the tokenizer alone.
 
-The gate (engine/gate.py) decides a choice question from the logits of the answer's first
+The gate (engine/standing/gate.py) decides a choice question from the logits of the answer's first
 token: each choice owns the first tokens of its spellings (`up`, ` up`, `Up`, ` Up`). Two
 choices that can start with the same token (`big` / `bigger` on a tokenizer that splits
 `bigger` as `big` + `ger`) cannot be told apart. A tokenizer loads without the model's

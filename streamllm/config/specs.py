@@ -86,12 +86,12 @@ class QuestionSpec:
     label: LabelSpec | None = None  # yes/no: True -> choices[0], False -> choices[1]; bucket i -> choices[i]
     push: bool = True
     # threshold = "auto:P": the engine sets the threshold live from labelled answers to reach
-    # precision P (engine/calibration.py); `threshold` is then inf (closed) until there is evidence.
+    # precision P (engine/standing/calibration.py); `threshold` is then inf (closed) until there is evidence.
     target_precision: float | None = None
     # auto_confidence = C (with "auto:P"): open only where a lower bound of the precision, at one-sided
-    # confidence C, reaches P; 0.5 is the point estimate (engine/calibration.py).
+    # confidence C, reaches P; 0.5 is the point estimate (engine/standing/calibration.py).
     auto_confidence: float = DEFAULT_AUTO_CONFIDENCE
-    # Live learning (engine/learning.py): None, a labelled choice question learns a head when it has none of
+    # Live learning (engine/standing/learning.py): None, a labelled choice question learns a head when it has none of
     # its own; True, it learns even beside an adapter's head (and replaces it once fitted); False, never.
     learn: bool | None = None
 

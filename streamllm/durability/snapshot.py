@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 from streamllm.config import ConfigError, QuestionSpec, parse_question
 from streamllm.durability.files import durable_rename, make_dirs
 from streamllm.durability.ingest_log import legacy_tenant, session_dir_name
-from streamllm.engine.calibration import read_window
 from streamllm.engine.outputs import EngineIdentity, SessionError, SessionInfo
+from streamllm.engine.standing.calibration import read_window
 from streamllm.engine.state import SessionState
 
 FORMAT = "streamllm-session-snapshot"
@@ -179,7 +179,7 @@ def load_snapshot(engine: StateEngine, path: str | Path) -> LoadedSnapshot:
     if meta.get("adapter") != ident.adapter_id:
         raise bad(f"written under adapter {meta.get('adapter')!r}; this engine runs adapter "
                   f"{ident.adapter_id!r} (its standing answers would not be the same)")
-    learned = {k: t for k, t in tensors.items() if k.startswith("learned/")}  # live learning's (engine/learning.py)
+    learned = {k: t for k, t in tensors.items() if k.startswith("learned/")}  # live learning's (engine/standing/learning.py)
     if set(tensors) - set(learned) not in ({"k", "v", "token_ids"}, {"k", "v", "token_ids", "line_features", "line_index"}):
         raise bad(f"tensors {sorted(tensors)}, expected k, v, token_ids (and line_features, line_index, learned/...)")
     if _tensor_digest(tensors) != meta.get("sha256"):

@@ -21,7 +21,6 @@ from streamllm.config.limits import MAX_ASK_TOKENS
 from streamllm.engine.commands import Ask, settle
 from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
 from streamllm.engine.outputs import Answer, AnswerPath, AskTimeout, FinishReason, StalePolicy
-from streamllm.engine.prepos import Prepositioner, Standing, is_final
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.scheduler import SchedulerConfig
 from streamllm.engine.sequence import (
@@ -32,6 +31,7 @@ from streamllm.engine.sequence import (
     EntryBranch,
     Session,
 )
+from streamllm.engine.standing.prepos import Prepositioner, Standing, is_final
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -49,10 +49,8 @@ from streamllm.engine.commands import (
 from streamllm.engine.config import EngineConfig
 from streamllm.engine.core import EngineCore
 from streamllm.engine.fastpath import fast_answer, find_standing
-from streamllm.engine.gate import Gate
 from streamllm.engine.intake import Intake, _Handle
 from streamllm.engine.kv import BlockManager, KVPool, KVStore
-from streamllm.engine.learning import Learning
 from streamllm.engine.outputs import (
     AdmissionError,
     Answer,
@@ -64,10 +62,12 @@ from streamllm.engine.outputs import (
     SessionInfo,
     StandingAnswer,
 )
-from streamllm.engine.prepos import Prepositioner
 from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler
+from streamllm.engine.standing.gate import Gate
+from streamllm.engine.standing.learning import Learning
+from streamllm.engine.standing.prepos import Prepositioner
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
 from streamllm.engine.taps import TapConfig
@@ -123,7 +123,7 @@ class Engine(Intake, Subscribable, EngineClient):
         self.hub = SubscriptionHub()
         # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
         # and ingest may have computed a few updates past it by the time the entry is ready.
-        # Live learning (engine/learning.py) reads the same features: the adapter's layer and words when it
+        # Live learning (engine/standing/learning.py) reads the same features: the adapter's layer and words when it
         # has series heads, else the learning config's, kept only by sessions with a learning question.
         lines = self.adapter.tap_lines if self.adapter is not None else 0
         learn = config.learning
@@ -284,7 +284,7 @@ class Engine(Intake, Subscribable, EngineClient):
 
     def calibration(self) -> dict[str, dict[str, dict]]:
         """Live figures of labelled standing questions, {session: {question_id: summary}}
-        (engine/calibration.py), as of their latest answers."""
+        (engine/standing/calibration.py), as of their latest answers."""
         out: dict[str, dict[str, dict]] = {}
         for name, record in list(self.core.records.items()):
             scored = {a.question_id: a.calibration for a in record.standing if a.calibration}

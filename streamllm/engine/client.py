@@ -102,7 +102,7 @@ class EngineClient(abc.ABC):
         source: (feed id, feed position after this batch), for exactly-once feeds with an ingest log.
         truths: question id -> the right choice as of this batch, scoring labelled questions.
         late_truths: question id -> {earlier data version: the right choice there}: a forecast's truths,
-        known once this batch's bars are in (engine/calibration.py)."""
+        known once this batch's bars are in (engine/standing/calibration.py)."""
 
     # -- standing questions -------------------------------------------------------
     @abc.abstractmethod

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from streamllm.config import QuestionSpec
     from streamllm.engine.core import EngineCore
-    from streamllm.engine.gate import Gate
+    from streamllm.engine.standing.gate import Gate
     from streamllm.engine.state import SessionState
 
 
@@ -141,7 +141,7 @@ class WaitIdle(Command):
 
 @dataclass(slots=True, eq=False)
 class SwapLearned(Command):
-    """A live fit finished on the learning worker (engine/learning.py): its head takes over now."""
+    """A live fit finished on the learning worker (engine/standing/learning.py): its head takes over now."""
 
 
 @dataclass(slots=True, eq=False)

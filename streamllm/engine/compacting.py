@@ -16,10 +16,10 @@ import logging
 from streamllm.engine.answers import Answerer
 from streamllm.engine.compaction import CompactionCopy, CompactionPolicy, copy_size
 from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
-from streamllm.engine.prepos import Prepositioner
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.scheduler import SchedulerConfig
 from streamllm.engine.sequence import Session
+from streamllm.engine.standing.prepos import Prepositioner
 from streamllm.engine.stats import StepTimes
 
 log = logging.getLogger("streamllm.engine")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamllm.engine.compaction import CompactionPolicy
-from streamllm.engine.learning import LearnConfig
 from streamllm.engine.outputs import StalePolicy
 from streamllm.engine.scheduler import SchedulerConfig
+from streamllm.engine.standing.learning import LearnConfig
 
 __all__ = ["CompactionPolicy", "EngineConfig", "LearnConfig", "SchedulerConfig"]
 
@@ -34,7 +34,7 @@ class EngineConfig:
     # freed; an ask's own deadline_s overrides it. None (or 0): asks have no deadline.
     ask_timeout_s: float | None = 120.0
     check_integrity_every_step: bool = False  # tests: the KV store's invariants after every step
-    learning: LearnConfig = field(default_factory=LearnConfig)  # live learning (engine/learning.py)
+    learning: LearnConfig = field(default_factory=LearnConfig)  # live learning (engine/standing/learning.py)
 
     def __post_init__(self) -> None:
         for name in ("max_cells", "block_size", "max_context"):

@@ -61,7 +61,6 @@ from streamllm.engine.outputs import (
     StalePolicy,
 )
 from streamllm.engine.prefixes import SharedPrefixes
-from streamllm.engine.prepos import Prepositioner, Standing
 from streamllm.engine.prompt import PromptLayout
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.runner import Runner, Work
@@ -75,6 +74,7 @@ from streamllm.engine.sequence import (
     Sequence,
     Session,
 )
+from streamllm.engine.standing.prepos import Prepositioner, Standing
 from streamllm.engine.stats import StepTimes, core_counters
 from streamllm.engine.subscriptions import SubscriptionHub
 from streamllm.engine.taps import TapConfig, Word
@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from streamllm.config import QuestionSpec
-    from streamllm.engine.gate import Gate
+    from streamllm.engine.standing.gate import Gate
 
 log = logging.getLogger("streamllm.engine")
 

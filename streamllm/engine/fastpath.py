@@ -10,7 +10,7 @@ import time
 
 from streamllm.config import QuestionSpec
 from streamllm.engine.outputs import Answer, AnswerPath, FinishReason, ReadyRecord, StalePolicy
-from streamllm.engine.prepos import find_standing, is_final
+from streamllm.engine.standing.prepos import find_standing, is_final
 
 __all__ = ["fast_answer", "find_standing"]
 

@@ -137,7 +137,7 @@ class StandingAnswer:
     data_version: int
     updated_at: float = field(default_factory=time.time)
     choices: dict[str, float] | None = None
-    calibration: dict | None = None  # live figures of a labelled question (engine/calibration.py)
+    calibration: dict | None = None  # live figures of a labelled question (engine/standing/calibration.py)
     warming_up: bool = False  # a guess made before the question can be answered (`ReadyRecord.warming_up`)
     warming_up_reason: str | None = None  # why: no data yet, a head's window or a label's history not in
     # The gap the gate fired at for this answer (None: closed, it fires on nothing) and whose it is:

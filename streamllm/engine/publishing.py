@@ -15,8 +15,8 @@ from enum import StrEnum
 
 from streamllm.engine.commands import settle
 from streamllm.engine.outputs import ReadyRecord, SessionRecord, StandingAnswer
-from streamllm.engine.prepos import Prepositioner, Standing
 from streamllm.engine.sequence import Session
+from streamllm.engine.standing.prepos import Prepositioner, Standing
 from streamllm.engine.subscriptions import SubscriptionHub
 
 

@@ -34,8 +34,8 @@ from streamllm.engine.outputs import AnswerPath, FinishReason, SessionInfo
 from streamllm.engine.taps import LineTaps
 
 if TYPE_CHECKING:
-    from streamllm.engine.gate import Gate
-    from streamllm.engine.prepos import Standing
+    from streamllm.engine.standing.gate import Gate
+    from streamllm.engine.standing.prepos import Standing
 
 
 class SchedClass(StrEnum):

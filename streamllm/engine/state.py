@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.gate import Gate
 from streamllm.engine.kv import BlockTable, KVCapacityError
 from streamllm.engine.outputs import SessionError, SessionInfo
 from streamllm.engine.sequence import Session
+from streamllm.engine.standing.gate import Gate
 from streamllm.model.adapter import series_width
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ class SessionState:
     # Series heads' line features (engine/taps.py): [n, (2 + W) H] and each line's number; None without them.
     line_features: torch.Tensor | None = None
     line_index: torch.Tensor | None = None
-    # Live learning (engine/learning.py): "learned/<question id>/<name>" -> tensor; meta["learned"] the rest.
+    # Live learning (engine/standing/learning.py): "learned/<question id>/<name>" -> tensor; meta["learned"] the rest.
     learned: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

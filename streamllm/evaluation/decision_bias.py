@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from streamllm.engine.calibration import MIN_EVIDENCE, RETUNE_EVERY, WINDOW
+from streamllm.engine.standing.calibration import MIN_EVIDENCE, RETUNE_EVERY, WINDOW
 from streamllm.evaluation.scoring import signed_margins
 
 MIN_GAIN = 3  # right answers a bias must add on its window before it moves off 0 (noise stays at 0)

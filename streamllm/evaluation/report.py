@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.calibration import WINDOW, LiveCalibration
+from streamllm.engine.standing.calibration import WINDOW, LiveCalibration
 from streamllm.evaluation.decision_bias import BiasedReplay, biased_replay
 from streamllm.evaluation.intervals import (
     LEVEL,
@@ -99,7 +99,7 @@ CONFIDENCES = (0.5, 0.7, 0.8, 0.9, 0.95)  # auto_confidence values every report 
 class LiveGate:
     """The live gate on the replay: `threshold`, `coverage` and `precision` above are hindsight (one
     threshold chosen knowing every answer); this is the engine's own auto threshold, which fires on
-    an answer only from the answers scored before it (engine/calibration.py)."""
+    an answer only from the answers scored before it (engine/standing/calibration.py)."""
 
     fired: int
     first: int | None  # samples scored before its first fast answer (None: it never opened)
@@ -165,7 +165,7 @@ def confidence_for_target(report: QuestionReport, target: float) -> float | None
 
 
 def live_gate(record: QuestionRecord, target: float, confidence: float | None = None) -> LiveGate:
-    """Feed the samples in replay order to the engine's LiveCalibration, called as engine/prepos.py calls
+    """Feed the samples in replay order to the engine's LiveCalibration, called as engine/standing/prepos.py calls
     it under `threshold = "auto:<target>"` and `auto_confidence = <confidence>` (default: the question's
     own): each answer fires or not on the thresholds the answers before it set, then is scored. It
     starts closed; pooled ranges share one window, as one session serving that market for longer

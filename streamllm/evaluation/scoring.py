@@ -2,7 +2,7 @@
 balanced accuracy, how well the margins rank the truths, and which choice a decoded answer names.
 
 Offline statistics (`streamllm calibrate`, `streamllm tune`, their reports); the runtime decision
-is streamllm/engine/gate.py.
+is streamllm/engine/standing/gate.py.
 """
 
 from __future__ import annotations

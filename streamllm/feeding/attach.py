@@ -130,7 +130,7 @@ class Attachment:
     resume_from: int | None = None  # lines with a key up to this were delivered before a restart
     _seen: int = 0  # feed events offered so far (the next event's index)
     # Labelled standing questions (config QuestionSpec): each push carries their truths on the bars
-    # it completes, so the engine scores its answers live (engine/calibration.py). Needs bars: bars
+    # it completes, so the engine scores its answers live (engine/standing/calibration.py). Needs bars: bars
     # mode, or bar files replayed one line per bar.
     questions: tuple[Any, ...] = ()
     _recent: deque | None = None  # the last bars the labels need

@@ -1,5 +1,5 @@
 """Fitting series heads on line features (streamllm/model/adapter.py, engine/taps.py): offline by
-`streamllm tune` on extracted windows, live by the engine's learner (engine/learning.py) on a session's own.
+`streamllm tune` on extracted windows, live by the engine's learner (engine/standing/learning.py) on a session's own.
 
 A sample is one bar i of a window with a known label: its features are the window's
 lines i-K+1 .. i (oldest first), exactly what the engine's LineTaps.window gives an

@@ -24,7 +24,7 @@ import orjson
 
 from streamllm.config import parse_question
 from streamllm.engine import SessionError
-from streamllm.engine.gate import GateError
+from streamllm.engine.standing.gate import GateError
 from streamllm.feeding.barlines import BadBarLine, check_bar_lines
 from streamllm.service import protocol as p
 from streamllm.service.connection import (

@@ -1,7 +1,7 @@
 """`streamllm tune --from-live SNAPSHOT... --out DIR`: the heads questions learned live, as an adapter.
 
 A snapshot (`streamllm sessions snapshot`, an eviction, a checkpoint) carries what each learning
-question has learned (engine/learning.py: `learned/<question>/...` tensors, `meta["learned"]`).
+question has learned (engine/standing/learning.py: `learned/<question>/...` tensors, `meta["learned"]`).
 This reads those files alone (no model, no engine) and writes the heads into an adapter folder
 that `serve --adapter DIR`, `[adapter]` in a config, or `Engine(adapter=...)` load like a tuned
 one, so what a server learned outlives the server and can be shipped. One head per question id:

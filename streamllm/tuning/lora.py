@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from streamllm.config import QuestionSpec
 from streamllm.config.labels import parse_label
-from streamllm.engine.gate import Gate
+from streamllm.engine.standing.gate import Gate
 from streamllm.model.dtype import resolve_dtype
 from streamllm.model.lora import attach_lora, hf_model
 from streamllm.tuning.packing import Packed, pack_window

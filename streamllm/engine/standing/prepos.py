@@ -23,10 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamllm.config import QuestionSpec, normalize_question
-from streamllm.engine.calibration import LiveCalibration
-from streamllm.engine.gate import Gate, GateDecision
 from streamllm.engine.kv import KVCapacityError, KVStore
-from streamllm.engine.learning import Learner, Learning
 from streamllm.engine.outputs import AnswerPath, ReadyRecord, StandingAnswer
 from streamllm.engine.sequence import (
     AskBranch,
@@ -36,6 +33,9 @@ from streamllm.engine.sequence import (
     EntryBranch,
     Session,
 )
+from streamllm.engine.standing.calibration import LiveCalibration
+from streamllm.engine.standing.gate import Gate, GateDecision
+from streamllm.engine.standing.learning import Learner, Learning
 from streamllm.model.adapter import HeadKind
 
 
@@ -82,7 +82,7 @@ class Standing:
     waiters: list[AskBranch] = field(default_factory=list)  # asks waiting for a fresh entry
     entries_computed: int = 0
     calibration: LiveCalibration = field(default_factory=LiveCalibration)  # answers scored against labels
-    learner: Learner | None = None  # a labelled question without a head of its own learns one (engine/learning.py)
+    learner: Learner | None = None  # a labelled question without a head of its own learns one (engine/standing/learning.py)
 
     @property
     def ready_logits(self) -> torch.Tensor | None:

@@ -5,7 +5,7 @@ The order of events is the promise (prequential evaluation):
 1. an entry becomes ready at data version v: the question's current head (or the LM, before the
    first head) answers, and the learner notes which lines that answer read;
 2. v's truth arrives (with v's push, or later: a forecast's) and the answer is scored
-   (engine/calibration.py): the live accuracy and the `auto:P` gate rest on that score;
+   (engine/standing/calibration.py): the live accuracy and the `auto:P` gate rest on that score;
 3. only then does (v's lines, v's truth) join the training set.
 A head is fitted on a copy of scored samples, off the core thread (one worker), and swapped in
 by the core between steps. So no scored answer came from a head trained on its own sample:
@@ -32,7 +32,7 @@ from streamllm.model.adapter import SeriesHead
 from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
 
 if TYPE_CHECKING:
-    from streamllm.engine.prepos import Standing
+    from streamllm.engine.standing.prepos import Standing
     from streamllm.engine.taps import LineTaps, Word
 
 log = logging.getLogger(__name__)

@@ -208,7 +208,7 @@ class LiveCalibration:
         it, reach the target precision (its lower bound at `confidence`) on at least min_evidence
         of them from at least min_runs truth runs; answers with no such threshold are absent (closed).
 
-        One pass per answer down its gaps (the risk-coverage curve, engine/gate.py, with each
+        One pass per answer down its gaps (the risk-coverage curve, engine/standing/gate.py, with each
         point's truth runs): coverage grows along the pass, so the last point that qualifies is
         the most-covering one (`threshold_for_precision`'s pick)."""
         by_answer: dict[str, list[tuple[float, bool, int]]] = {}
@@ -293,21 +293,3 @@ def precision_floor(hits: int, fired: int, z: float) -> float:
     centre = p + z2 / (2 * fired)
     spread = z * math.sqrt(p * (1 - p) / fired + z2 / (4 * fired * fired))
     return (centre - spread) / (1 + z2 / fired)
-
-
-def calibration_cells(c: dict | None) -> tuple[str, str]:
-    """A question's live figures (a summary's to_dict) as the two short cells the terminal tables
-    show (demo, watch; the page's app.js mirrors them): right "97% of 31, base 62%", gate "100% at
-    97%" or "closed" (an auto gate without evidence); "-" for both without a scored answer."""
-    if not c or not c.get("samples"):
-        return "-", "-"
-    right = f"{percent(c.get('accuracy'))} of {c['samples']}"
-    if c.get("base_rate") is not None:
-        right += f", base {percent(c['base_rate'])}"
-    if c.get("threshold") is None and c.get("target") is not None:
-        return right, "closed"
-    return right, f"{percent(c.get('coverage'))} at {percent(c.get('precision'))}"
-
-
-def percent(x: float | None) -> str:
-    return "-" if x is None else f"{x:.0%}"

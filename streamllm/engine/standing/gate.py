@@ -18,7 +18,7 @@ from the head instead: choice logits = W h + b over the decision point's final n
 hidden state h, gap = best minus second-best choice logit, threshold = the head's
 calibrated one (the config's threshold is for the LM's own logits), unless the config
 says `threshold = "auto:P"`: then the engine sets it live from scored answers
-(engine/calibration.py), for a head's gaps or the LM's alike.
+(engine/standing/calibration.py), for a head's gaps or the LM's alike.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Gate:
     candidate_list: tuple[int, ...]  # candidate_ids as Python ints
     tokenizer: Any
     head: Head | None = None  # when an adapter trained one for this question
-    auto: bool = False  # threshold = "auto:P": `threshold` is set live (engine/calibration.py), head or not
+    auto: bool = False  # threshold = "auto:P": `threshold` is set live (engine/standing/calibration.py), head or not
     # With auto: the live threshold of each answer (choice), absent = closed for it. Evidence is per answer.
     choice_thresholds: dict[str, float] | None = None
 
