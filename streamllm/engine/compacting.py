@@ -44,6 +44,7 @@ class Compactor:
         self.stuck: set[str] = set()  # sessions at their budget with no room for a copy (logged once)
         self.deferred = 0  # copies not started for want of cells (retried each turn)
         self.preempted = 0
+        self.tokens_computed = 0  # tokens copies computed (swapped in or preempted): what compaction cost
 
     def keep_free(self, max_context: int) -> int:
         """Cells an admission leaves free beside every session's reservation: the cells kept for
@@ -164,6 +165,7 @@ class Compactor:
     def drop(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
         job = self.copies.pop(name)
+        self.tokens_computed += job.num_computed - job.session.prefix_len
         self.store.manager.free(job.table)
         self.preempted += preempted
 
@@ -173,6 +175,7 @@ class Compactor:
                 continue
             session = job.session
             del self.copies[name]
+            self.tokens_computed += job.num_computed - session.prefix_len
             old, version = session.table, session.data_version
             session.apply_compaction(job.cut, job.table, job.num_computed)
             if session.data_version != version:
