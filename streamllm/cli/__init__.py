@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "feeds": ("bench.feeds", "wire-parser throughput and rendering token counts"),
     "prepos": ("bench.prepos", "fast / entry / cold path latency"),
     "tenants": ("bench.tenants", "through the engine: batched vs sequential asks, freshness lag under load, interactive latency"),
+    "capacity": ("bench.capacity", "S sessions on recorded 1-minute bars: sustained bars/s, freshness, ask latency, memory, fastest pace"),
     "server": ("bench.server", "ask round trip over loopback websockets, 1 and 50 clients"),
     "faults": ("bench.faults", "SIGKILL + log recovery, snapshot restore vs replay, fuzzing, websocket load"),
     "stress": ("bench.stress", "threads + asyncio tasks storm one engine: no death, hang, leak or refused push"),

@@ -1,0 +1,412 @@
+"""`streamllm bench capacity`: how many instruments one engine watches, fresh, on this machine.
+
+For each S of `--sessions`, a fresh engine on the default model opens S sessions of
+queries/bars.toml's session (its render settings, system prompt, four labelled questions
+and its adapter's series heads), each fed the shared recorded 1-minute BTC bars from its
+own offset in the table, so no two sessions see the same bars. Bars go through a feed
+`Attachment` each (the public contract: `EngineClient.push`, truths for the labels),
+time-compressed `--speed` times, session i's bars falling i/S of a bar interval after
+session 0's. One session in 16 also has a free-text standing question. Seeded Poisson
+asks (bench/loadgen.py) ask standing questions by id and ad-hoc ones (the cold path)
+while the bars flow; the same ad-hoc asks are asked again on the idle engine.
+
+Sessions that cannot be opened (`AdmissionError`: the pool's cells) are reported, not
+fatal: `opened@S` says how many were, the table the refusal; the rest of S is measured on
+the sessions that opened, each at its context budget `--context` (a user's 2k setting).
+
+Per S (`{metric}@{S}`):
+  opened                          sessions the engine admitted (of S)
+  offered_bars_per_s              bars the feeds offered per second (the pace asked for)
+  sustained_bars_per_s            bars whose push the engine had ingested by the phase's end / its seconds
+  freshness_lag_p50/p99_ms        from a bar's arrival at its attachment to every standing answer of its
+                                  session at a data_version holding it (bars still stale after --drain-s
+                                  count as --drain-s; `stale_bars` says how many)
+  lag_p50/p99_versions            pushed version minus each standing answer's version, sampled every 100 ms
+  standing_ask_p50/p99_ms         a standing question asked by id while the bars flow (submit to answer)
+  cold_ask_p50/p99_ms             an ad-hoc question (1 token) while the bars flow
+  cold_ask_idle_p50/p99_ms        the same ad-hoc asks, one at a time, on the idle engine
+  cold_loaded_over_idle_p99       their ratio
+  rss_gb                          this process's resident memory at the end of the phase
+  spills_per_min, restores_per_min   sessions evicted to disk / restored (`--spill DIR`: a ResidentEngine
+                                  that evicts idle sessions when an open or restore is refused; else 0)
+  compaction_tokens_per_ingest_token  tokens compaction copies computed (swapped in or preempted: the
+                                  engine's `compaction_tokens`) per ingested token; `compactions` how many swapped
+  max_speed_x                     the fastest pace (x real time) held: from 2x --speed, doubling, each step
+                                  at least two bars per session long; a pace is held when a bar's answers are
+                                  fresh (p99) before its session's next bar arrives, no bar is coalesced or
+                                  still stale after the drain, and lag_p99_versions <= 1. The ramp stops at
+                                  the first miss, --max-speed or after --ramp-s (--speed itself counts when
+                                  the main phase held it; 0 when it did not)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import median, parse_ints, percentile, print_table, write_json
+from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
+from feeds.tables import TableSource
+from streamllm.config import load_config, parse_question
+from streamllm.engine import Engine, EngineConfig
+from streamllm.engine.outputs import AdmissionError
+from streamllm.feeding.attach import Attachment, AttachSpec
+from streamllm.model import load_model
+from streamllm.model.adapter import pick_adapter
+
+ROOT = Path(__file__).resolve().parent.parent
+BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
+CONFIG = ROOT / "queries" / "bars.toml"
+FREE = {"id": "last_close", "text": "What is the last close price? Answer with the number only.",
+        "threshold": 4.0, "max_tokens": 8}
+FREE_EVERY = 16  # one session in 16 has the free-text standing question
+
+
+@dataclass
+class Feed:
+    """One session's attachment, its bars, and which data_version holds which bars."""
+
+    name: str
+    att: Attachment
+    bars: list
+    questions: int  # standing questions registered
+    next_bar: int = 0
+    offered_at: list[float] = field(default_factory=list)  # arrival times of bars not yet in a push
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (data_version, bars pushed up to it)
+    fresh: deque = field(default_factory=deque)  # (data_version, arrival time) of bars not yet fresh
+
+    def offer(self, now: float) -> None:
+        if self.next_bar >= len(self.bars):
+            raise RuntimeError(f"bench capacity: session {self.name} ran out of bars ({len(self.bars)}); "
+                               "lower --seconds, --speed or --max-speed, or use fewer sessions")
+        self.att.offer(self.bars[self.next_bar])
+        self.next_bar += 1
+        self.offered_at.append(now)
+
+    def flush(self) -> None:
+        ack = self.att.flush()
+        if ack is None:
+            return
+        pushed = (self.versions[-1][1] if self.versions else 0) + len(self.offered_at)
+        self.versions.append((ack.data_version, pushed))
+        for t in self.offered_at:
+            self.fresh.append((ack.data_version, t))
+        self.offered_at.clear()
+
+    def bars_ingested(self, data_version: int) -> int:
+        return max((n for v, n in self.versions if v <= data_version), default=0)
+
+
+@dataclass
+class Phase:
+    """What one paced phase measured."""
+
+    seconds: float = 0.0
+    offered: int = 0
+    ingested: int = 0
+    summaries: int = 0
+    lags_ms: list[float] = field(default_factory=list)
+    lag_versions: list[int] = field(default_factory=list)
+    stale_bars: int = 0
+    standing_ms: list[float] = field(default_factory=list)
+    cold_ms: list[float] = field(default_factory=list)
+    cold_asks: list[tuple[str, str]] = field(default_factory=list)
+    ask_errors: int = 0
+
+    def held(self, interval_s: float) -> bool:
+        """Kept up: a bar's answers fresh (p99) before its session's next bar arrives, no bar still stale
+        after the drain or coalesced into a summary, and answers within one version of their session."""
+        return (self.offered > 0 and self.stale_bars == 0 and self.summaries == 0
+                and percentile(self.lags_ms, 99) <= interval_s * 1000 and percentile(self.lag_versions, 99) <= 1)
+
+
+def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: float,
+          asks: list | None = None) -> Phase:
+    """Bars at `speed` x real time for `seconds` (asks on their schedule meanwhile), then up to `drain_s`
+    for the last bars to become fresh."""
+    out = Phase()
+    interval = 60.0 / speed  # one bar per session per interval
+    n = len(feeds)
+    for f in feeds:
+        f.versions.clear()
+        f.fresh.clear()
+    pushing = threading.Event()
+    pushing.set()
+    stop_asks = threading.Event()
+    lock = threading.Lock()
+
+    def submit(ev) -> None:
+        t0 = time.perf_counter()
+        try:
+            fut = engine.submit_ask(ev.session, ev.question, **({} if ev.standing else {"max_tokens": 1}))
+        except Exception:  # noqa: BLE001 - a refused ask is counted, the phase goes on
+            out.ask_errors += 1
+            return
+
+        def done(f) -> None:
+            ms = (time.perf_counter() - t0) * 1000
+            with lock:
+                if f.exception() is not None:
+                    out.ask_errors += 1
+                elif ev.standing:
+                    out.standing_ms.append(ms)
+                else:
+                    out.cold_ms.append(ms)
+                    out.cold_asks.append((ev.session, ev.question))
+        fut.add_done_callback(done)
+
+    def watch() -> None:
+        """Lags: each bar's arrival to its session's answers holding it; versions behind, every 100 ms."""
+        next_sample = 0.0
+        while pushing.is_set() or any(f.fresh for f in feeds):
+            now = time.perf_counter()
+            if now > deadline:
+                break
+            for f in feeds:
+                if not f.fresh:
+                    continue
+                answers = engine.standing(f.name)
+                version = min(a.data_version for a in answers) if len(answers) >= f.questions else 0
+                while f.fresh and f.fresh[0][0] <= version:
+                    out.lags_ms.append((now - f.fresh.popleft()[1]) * 1000)
+            if pushing.is_set() and now >= next_sample:
+                next_sample = now + 0.1
+                for f in feeds:
+                    pushed = engine.session_info(f.name).pushed_version
+                    out.lag_versions += [pushed - a.data_version for a in engine.standing(f.name)]
+            time.sleep(0.002)
+
+    summaries0 = sum(f.att.stats.summaries for f in feeds)
+    t0 = time.perf_counter()
+    deadline = t0 + seconds + drain_s
+    watcher = threading.Thread(target=watch, name="capacity-watch", daemon=True)
+    watcher.start()
+    asker = run_schedule(asks, submit, stop_asks) if asks else None
+    waiting: set[int] = set()  # feeds whose lines the attachment held back (ingest lagging)
+    k = 0  # the k-th bar of the phase, across sessions: session k % n, its bar k // n
+    while True:
+        due = t0 + (k // n + (k % n) / n) * interval
+        if due - t0 >= seconds:
+            break
+        now = time.perf_counter()
+        if due > now:
+            for i in list(waiting):  # retry held-back lines while waiting for the next bar
+                feeds[i].flush()
+                if not feeds[i].att.pending_events and not feeds[i].offered_at:
+                    waiting.discard(i)
+            time.sleep(min(due - time.perf_counter(), 0.005) if waiting else max(0.0, due - time.perf_counter()))
+            continue
+        f = feeds[k % n]
+        f.offer(now)
+        f.flush()
+        if f.offered_at:
+            waiting.add(k % n)
+        out.offered += 1
+        k += 1
+    time.sleep(max(0.0, t0 + seconds - time.perf_counter()))
+    out.seconds = time.perf_counter() - t0
+    out.ingested = sum(f.bars_ingested(engine.session_info(f.name).data_version) for f in feeds)
+    pushing.clear()
+    stop_asks.set()
+    if asker is not None:
+        asker.join()
+    for f in feeds:  # the held-back bars go in now; they are late, and their lags say so
+        while f.offered_at and time.perf_counter() < deadline:
+            f.flush()
+            if f.offered_at:
+                time.sleep(0.01)
+    watcher.join()
+    out.stale_bars = sum(len(f.fresh) + len(f.offered_at) for f in feeds)
+    out.lags_ms += [drain_s * 1000] * out.stale_bars
+    out.summaries = sum(f.att.stats.summaries for f in feeds) - summaries0
+    engine.wait_idle(timeout=max(drain_s, 60.0))
+    return out
+
+
+def ask_ms(engine, session: str, text: str) -> float:
+    """An ad-hoc 1-token ask, submit to answer, as the loaded phase times it."""
+    t0 = time.perf_counter()
+    engine.ask(session, text, max_tokens=1, timeout=600)
+    return (time.perf_counter() - t0) * 1000
+
+
+def rss_gb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) -> tuple[list[Feed], str]:
+    """Up to S sessions of `spec`, each with its own stretch of the bars; stops at the first refusal."""
+    free = parse_question(FREE)
+    need = args.warmup_bars + bars_per_session(args)
+    stride = (len(bars) - need) // s
+    if stride < 1:
+        raise SystemExit(f"bench capacity: {len(bars)} bars cannot give {s} sessions {need} bars each")
+    feeds, refused = [], ""
+    for i in range(s):
+        name = f"s{i:03d}"
+        try:
+            engine.open_session(name, spec.system_prompt, max_context=args.context)
+        except AdmissionError as exc:
+            refused = f"session {i + 1} of {s}: {exc}"
+            break
+        questions = [*spec.questions, *([free] if i % FREE_EVERY == 0 else [])]
+        for q in questions:
+            engine.register(name, q)
+        att = Attachment(engine, AttachSpec.of(spec, session=name), questions=tuple(spec.questions))
+        feeds.append(Feed(name, att, bars[i * stride: i * stride + need], len(questions)))
+    return feeds, refused
+
+
+def bars_per_session(args: argparse.Namespace) -> int:
+    """Bars one session can take in the main phase and the ramp (each step at most --ramp-s long)."""
+    main = math.ceil(args.seconds * args.speed / 60) + 1
+    ramp = math.ceil(args.ramp_s * args.max_speed / 60) + 2 * int(math.log2(max(args.max_speed / args.speed, 1)) + 2)
+    return main + ramp
+
+
+def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace) -> tuple[dict[str, float], list]:
+    config = EngineConfig(max_context=args.context, **({"max_cells": args.max_cells} if args.max_cells else {}))
+    engine = Engine(loaded, config, adapter=adapter)
+    if args.spill:
+        from streamllm.durability.resident import ResidentEngine
+
+        engine = ResidentEngine(engine, Path(args.spill) / f"S{s}", auto_evict=True)
+    m: dict[str, float] = {}
+    try:
+        feeds, refused = open_sessions(engine, spec, s, bars, args)
+        m["opened"] = len(feeds)
+        if refused:
+            print(f"  S={s}: opened {len(feeds)}; {refused}", flush=True)
+        if not feeds:
+            return m, [s, 0, *[math.nan] * 9, refused]
+        print(f"  S={s}: {len(feeds)} sessions, {args.warmup_bars} bars of warm-up each ...", flush=True)
+        for f in feeds:
+            for _ in range(args.warmup_bars):
+                f.offer(0.0)
+            f.flush()
+            f.offered_at.clear()
+        engine.wait_idle(timeout=3600)
+        standing = {f.name: [q.id for q in engine.standing_questions(f.name)] for f in feeds}
+        asks = poisson_schedule(args.seed + s, args.ask_rate, args.seconds, standing, standing_share=0.5,
+                                ad_hoc=AD_HOC_QUESTIONS)
+        before = engine.stats()
+        print(f"  S={s}: {args.speed:g}x real time ({len(feeds) * args.speed / 60:.2f} bars/s) for "
+              f"{args.seconds:g} s, {len(asks)} asks ...", flush=True)
+        main = paced(engine, feeds, args.speed, args.seconds, args.drain_s, asks)
+        m["rss_gb"] = rss_gb()
+        after = engine.stats()
+        minutes = main.seconds / 60
+        idle = [ask_ms(engine, session, text) for session, text in main.cold_asks]
+        ingest = after["tokens_ingest"] - before["tokens_ingest"]
+        copies = after.get("compaction_tokens", math.nan) - before.get("compaction_tokens", math.nan)
+        m.update({
+            "offered_bars_per_s": main.offered / main.seconds, "sustained_bars_per_s": main.ingested / main.seconds,
+            "freshness_lag_p50_ms": median(main.lags_ms), "freshness_lag_p99_ms": percentile(main.lags_ms, 99),
+            "stale_bars": main.stale_bars,
+            "lag_p50_versions": median(main.lag_versions), "lag_p99_versions": percentile(main.lag_versions, 99),
+            "standing_ask_p50_ms": median(main.standing_ms), "standing_ask_p99_ms": percentile(main.standing_ms, 99),
+            "cold_ask_p50_ms": median(main.cold_ms), "cold_ask_p99_ms": percentile(main.cold_ms, 99),
+            "cold_ask_idle_p50_ms": median(idle), "cold_ask_idle_p99_ms": percentile(idle, 99),
+            "cold_loaded_over_idle_p99": percentile(main.cold_ms, 99) / percentile(idle, 99) if idle else math.nan,
+            "ask_errors": main.ask_errors,
+            "spills_per_min": (after.get("auto_evictions", 0) - before.get("auto_evictions", 0)) / minutes,
+            "restores_per_min": (after.get("auto_restores", 0) - before.get("auto_restores", 0)) / minutes,
+            "compaction_tokens_per_ingest_token": copies / ingest if ingest else math.nan,
+            "compactions": after["compactions"] - before["compactions"],
+        })
+        m["max_speed_x"] = ramp(engine, feeds, main, args, s)
+        m["failed_steps"] = engine.stats()["failed_steps"]
+    finally:
+        engine.shutdown()
+    row = [s, len(feeds), m["sustained_bars_per_s"], m["freshness_lag_p99_ms"], m["lag_p99_versions"],
+           m["standing_ask_p99_ms"], m["cold_ask_p99_ms"], m["cold_ask_idle_p99_ms"], m["rss_gb"],
+           m["compaction_tokens_per_ingest_token"], m["max_speed_x"], refused or "-"]
+    return m, row
+
+
+def ramp(engine, feeds: list[Feed], main: Phase, args: argparse.Namespace, s: int) -> float:
+    """The fastest pace held, doubling from --speed (held by the main phase) within --ramp-s."""
+    if not main.held(60 / args.speed):
+        return 0.0
+    best, speed = args.speed, args.speed * 2
+    budget_end = time.perf_counter() + args.ramp_s
+    while speed <= args.max_speed:
+        seconds = max(args.step_seconds, 2 * 60 / speed)
+        if time.perf_counter() + seconds > budget_end:
+            break
+        step = paced(engine, feeds, speed, seconds, args.drain_s)
+        print(f"  S={s}: {speed:g}x: offered {step.offered}, ingested {step.ingested}, lag p99 "
+              f"{percentile(step.lag_versions, 99):.1f} versions, fresh p99 {percentile(step.lags_ms, 99):.0f} ms "
+              f"-> {'held' if step.held(60 / speed) else 'missed'}", flush=True)
+        if not step.held(60 / speed):
+            break
+        best, speed = speed, speed * 2
+    return best
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, float], dict]:
+    loaded = load_model(args.model)
+    config = load_config(args.config)
+    spec = config.sessions[0]
+    notes: list[str] = []
+    chosen = pick_adapter(None, config.adapter, loaded.name, warn=notes.append, config=config)
+    adapter = None if chosen is None else str(chosen.path)
+    for note in notes:
+        print(f"note: {note}", flush=True)
+    bars = TableSource(args.data, "bar", instrument=spec.instrument).events()
+    metrics: dict[str, float] = {}
+    rows = []
+    for s in parse_ints(args.sessions):
+        m, row = measure(loaded, adapter, spec, bars, s, args)
+        metrics.update({f"{k}@{s}": v for k, v in m.items()})
+        rows.append(row)
+    print_table(f"bench capacity: {args.model}, {args.context}-token sessions, {args.speed:g}x real time, "
+                f"{args.seconds:g} s per S",
+                ["S", "opened", "bars/s", "fresh p99 ms", "lag p99 v", "standing p99 ms", "cold p99 ms",
+                 "idle cold p99 ms", "rss GB", "compact tok/ingest", "max speed x", "refused"], rows)
+    meta = {"adapter": adapter, "adapter_notes": notes, "config": str(args.config), "data": str(args.data),
+            "session_context": args.context, "max_cells": args.max_cells or EngineConfig().max_cells,
+            "context_note": f"each session opened with max_context={args.context} (a user's setting); the pool "
+                            "is EngineConfig's unless --max-cells", "spill": args.spill}
+    return metrics, meta
+
+
+def cli_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamllm bench capacity", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--sessions", default="64,128,256,512")
+    p.add_argument("--speed", type=float, default=1.0, help="x real time of the 1-minute bars (main phase)")
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the main phase per S")
+    p.add_argument("--context", type=int, default=2048, help="each session's max_context")
+    p.add_argument("--max-cells", type=int, default=0, help="the KV pool (default: EngineConfig's)")
+    p.add_argument("--warmup-bars", type=int, default=32, help="bars each session holds before the phase")
+    p.add_argument("--ask-rate", type=float, default=2.0, help="asks/s in the main phase (half standing)")
+    p.add_argument("--drain-s", type=float, default=30.0, help="after a phase, how long bars may take to be fresh")
+    p.add_argument("--max-speed", type=float, default=64.0, help="the ramp's highest pace (x real time)")
+    p.add_argument("--step-seconds", type=float, default=10.0, help="shortest ramp step")
+    p.add_argument("--ramp-s", type=float, default=120.0, help="the ramp's time budget per S")
+    p.add_argument("--spill", help="a folder: run a ResidentEngine that evicts idle sessions there when full")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--config", default=str(CONFIG), help="the session (render, prompt, questions, adapter) copied")
+    p.add_argument("--data", default=str(BTC), help="a table of 1-minute bars")
+    p.add_argument("--quick", action="store_true", help="a smoke run: short phases, a fast pace")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seconds, args.speed, args.warmup_bars, args.drain_s = 2.0, 120.0, 26, 10.0
+        args.max_speed, args.step_seconds, args.ramp_s, args.ask_rate = 480.0, 0.5, 2.0, 10.0
+    if not Path(args.data).exists():
+        raise SystemExit(f"bench capacity: {args.data} is missing (the shared data folder, ../shared/data)")
+    metrics, meta = run(args)
+    write_json(args.json, metrics, {"bench": "capacity", "model": args.model, "speed": args.speed,
+                                    "seconds": args.seconds, "quick": args.quick, **meta})
+    return 0
