@@ -65,11 +65,16 @@ def first_token_owners(tokenizer: Any, question_id: str, choices: tuple[str, ...
 def check_choices(config: QueryConfig, tokenizer: Any) -> None:
     """Raise ConfigError (`FILE: sessions[i].questions[j].choices: ...`) for the first question whose
     choices the tokenizer's first tokens cannot tell apart."""
+    checked: set[int] = set()  # a template's sessions share one tuple of questions: check it once
     for s, session in enumerate(config.sessions):
+        if id(session.questions) in checked:
+            continue
+        checked.add(id(session.questions))
         for q, question in enumerate(session.questions):
             if not question.choices:
                 continue
             try:
                 first_token_owners(tokenizer, question.id, question.choices)
             except ChoiceClash as exc:
-                raise ConfigError(config.source, f"sessions[{s}].questions[{q}].choices", str(exc)) from None
+                block = session.block or f"sessions[{s}]"
+                raise ConfigError(config.source, f"{block}.questions[{q}].choices", str(exc)) from None

@@ -12,7 +12,7 @@ import os
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,10 @@ from streamllm.config.specs import (
     FEEDS_WITH_PATH,
     LIVE_VENUES,
     MAX_CHOICES,
+    MAX_SESSION_NAME,
     MIN_CONTEXT_TOKENS,
     RENDER_MODES,
+    SYMBOL_PLACEHOLDER,
     ConfigError,
     FeedSpec,
     QueryConfig,
@@ -44,6 +46,9 @@ from streamllm.config.specs import (
 )
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+# A template's symbols as venues spell them: BTCUSDT, BTC-USDT-SWAP, BTC/USD, PI_XBTUSD, BRK.B, ^GSPC.
+_SYMBOL = re.compile(r"[A-Za-z0-9^][A-Za-z0-9_.:/^=+-]{0,63}\Z")
+_SYMBOL_RULE = "1 to 64 letters, digits or _ . : / ^ = + - (no spaces)"
 # Labels yield True -> choices[0]; these words in the wrong slot mean the pair is inverted.
 _POSITIVE_WORDS = {"yes", "true", "up", "above", "rising", "higher", "high", "spike", "y"}
 _NEGATIVE_WORDS = {"no", "false", "down", "below", "falling", "lower", "low", "normal", "n"}
@@ -75,17 +80,31 @@ def parse_config(
     else:
         data = text_or_dict
     table = reader.table(data, "")
-    reader.keys(table, "", ("sessions", "model"))
+    reader.keys(table, "", ("sessions", "templates", "model"))
     adapter = reader.model(table.get("model", {}), "model")
-    sessions_data = reader.array_of_tables(table, "", "sessions", required=True)
-    if not sessions_data:
-        raise ConfigError(source, "sessions", "needs at least one session")
+    if "sessions" not in table and "templates" not in table:
+        raise ConfigError(source, "sessions", "missing (required: an array of tables), or [[templates]] for "
+                                              "one session per symbol")
+    sessions_data = reader.array_of_tables(table, "", "sessions")
+    templates_data = reader.array_of_tables(table, "", "templates")
+    if not sessions_data and not templates_data:
+        raise ConfigError(source, "sessions", "needs at least one session ([[sessions]], or [[templates]] "
+                                              "for one session per symbol)")
     sessions: list[SessionSpec] = []
+    names: dict[str, str] = {}  # session name -> the key that made it, for clashes
     for index, session_data in enumerate(sessions_data):
         session = reader.session(session_data, f"sessions[{index}]")
-        if any(s.name == session.name for s in sessions):
+        if session.name in names:
             raise ConfigError(source, f"sessions[{index}].name", f"duplicate session name {session.name!r}")
+        names[session.name] = f"sessions[{index}].name"
         sessions.append(session)
+    for index, template_data in enumerate(templates_data):
+        for session in reader.template(template_data, f"templates[{index}]"):
+            if session.name in names:
+                raise ConfigError(source, session.key_path, f"makes session name {session.name!r}, which "
+                                                            f"{names[session.name]} already names")
+            names[session.name] = session.key_path
+            sessions.append(session)
     return QueryConfig(source, tuple(sessions), adapter)
 
 
@@ -205,7 +224,100 @@ class _Reader:
         client_pushes = self.get(table, path, "client_pushes", (bool,), "true or false", False)
         return SessionSpec(name, instrument, feed, render,
                            system_prompt.replace("{instrument}", instrument), max_context,
-                           tuple(questions), client_pushes)
+                           tuple(questions), client_pushes, key_path=path)
+
+    def template(self, data: Any, path: str) -> list[SessionSpec]:
+        """A [[templates]] block: one session per symbol, sharing everything else (docs/questions.md).
+
+        The shared keys are validated once, as a session of the first symbol at `path`; each symbol
+        then gets its name and instrument from the patterns, and its own feed subscription."""
+        table = self.table(data, path)
+        self.keys(table, path, ("name", "instrument", "symbols", "symbols_file", "feed", "render",
+                                "system_prompt", "max_context_tokens", "questions", "client_pushes"))
+        symbols = self.template_symbols(table, path)
+        name_pattern = self.pattern(table, path, "name", len(symbols))
+        instrument_pattern = self.pattern(table, path, "instrument", len(symbols))
+        kind = self.text(table, path, "feed", "synthetic").partition(":")[0]
+        shared = {k: v for k, v in table.items() if k not in ("name", "instrument", "symbols", "symbols_file")}
+        raw_prompt = self.text(table, path, "system_prompt", DEFAULT_SYSTEM_PROMPT)
+
+        def instrument_of(symbol: str) -> str:
+            instrument = instrument_pattern.replace(SYMBOL_PLACEHOLDER, symbol)
+            return instrument.upper() if kind == "binance" else instrument  # Binance's trades name it so (`s`)
+
+        first_symbol, first_where = symbols[0]
+        first = self.session({**shared, "name": self.session_name(name_pattern, first_symbol, first_where),
+                              "instrument": instrument_of(first_symbol)}, path)
+        out = []
+        for symbol, where in symbols:
+            instrument = instrument_of(symbol)
+            feed = first.feed if first.feed.kind in FEEDS_WITH_PATH or first.feed.kind == "synthetic" else \
+                self.feed(shared, path, instrument)
+            out.append(replace(first, name=self.session_name(name_pattern, symbol, where), instrument=instrument,
+                               feed=feed, system_prompt=raw_prompt.replace("{instrument}", instrument),
+                               key_path=where, template=path))
+        return out
+
+    def template_symbols(self, table: Mapping[str, Any], path: str) -> list[tuple[str, str]]:
+        """(symbol, the key that gave it) in order: `symbols = [...]` or `symbols_file = "PATH"`, one of them."""
+        if ("symbols" in table) == ("symbols_file" in table):
+            raise self.fail(_join(path, "symbols"), "a template needs either `symbols = [...]` or "
+                                                    "`symbols_file = \"PATH\"` (one of them)")
+        found: list[tuple[str, str, str]] = []  # (symbol, key, what to say about where)
+        if "symbols" in table:
+            key = _join(path, "symbols")
+            values = self.get(table, path, "symbols", (list,), "a list of strings")
+            for index, value in enumerate(values):
+                if not isinstance(value, str) or not _SYMBOL.match(value.strip()):
+                    raise self.fail(f"{key}[{index}]", f"{value!r} is not a symbol: {_SYMBOL_RULE}")
+                found.append((value.strip(), f"{key}[{index}]", f"{key}[{index}]"))
+        else:
+            key = _join(path, "symbols_file")
+            file = Path(self.text(table, path, "symbols_file")).expanduser()
+            if self.base_dir is not None and not file.is_absolute():
+                file = Path(os.path.normpath(self.base_dir.absolute() / file))
+            try:
+                lines = file.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise self.fail(key, f"cannot read {file}: {exc}") from None
+            for number, line in enumerate(lines, 1):
+                text = line.split("#", 1)[0].strip()
+                if not text:
+                    continue
+                if not _SYMBOL.match(text):
+                    raise self.fail(key, f"{file} line {number}: {text!r} is not a symbol: {_SYMBOL_RULE}")
+                found.append((text, f"{key}:{number}", f"{file} line {number}"))
+        if not found:
+            raise self.fail(key, "needs at least one symbol" if "symbols" in table else
+                            f"{file} has no symbols (only blank lines and # comments)")
+        seen: dict[str, str] = {}
+        for symbol, where, said in found:
+            folded = symbol.casefold()  # venues' symbols differ by more than case (binance: btcusdt = BTCUSDT)
+            if folded in seen:
+                if "symbols" in table:
+                    raise self.fail(where, f"symbol {symbol!r} repeats {seen[folded]}")
+                raise self.fail(key, f"{said}: symbol {symbol!r} repeats {seen[folded]}")
+            seen[folded] = said
+        return [(symbol, where) for symbol, where, _ in found]
+
+    def pattern(self, table: Mapping[str, Any], path: str, key: str, count: int) -> str:
+        """A template's name or instrument pattern: text with `{symbol}` (the default: just the symbol)."""
+        value = self.text(table, path, key, SYMBOL_PLACEHOLDER)
+        rest = value.replace(SYMBOL_PLACEHOLDER, "")
+        if "{" in rest or "}" in rest:
+            raise self.fail(_join(path, key), f"{value!r}: the only placeholder is {SYMBOL_PLACEHOLDER}")
+        if count > 1 and SYMBOL_PLACEHOLDER not in value:
+            raise self.fail(_join(path, key), f"{value!r} would be the same for all {count} symbols: "
+                                              f"put {SYMBOL_PLACEHOLDER} in it")
+        return value
+
+    def session_name(self, pattern: str, symbol: str, where: str) -> str:
+        """The pattern with the symbol, lower case, each run of characters a session name cannot hold as '-'."""
+        name = re.sub(r"[^a-z0-9_.-]+", "-", pattern.replace(SYMBOL_PLACEHOLDER, symbol).lower()).strip("-_.")
+        if not _NAME.match(name) or len(name) > MAX_SESSION_NAME:
+            raise self.fail(where, f"symbol {symbol!r} makes session name {name!r}: a name is 1 to "
+                                   f"{MAX_SESSION_NAME} letters, digits, '_', '.' or '-'")
+        return name
 
     def feed(self, table: Mapping[str, Any], path: str, instrument: str) -> FeedSpec:
         text = self.text(table, path, "feed", "synthetic")

@@ -40,6 +40,8 @@ def venue_symbol(venue: str, instrument: str) -> str:
     """What a live venue subscribes for a session that names no symbols: Binance's stream names are
     lower case without separators (btcusdt); other venues take the instrument as they spell it."""
     return re.sub(r"[^a-z0-9]", "", instrument.lower()) if venue == "binance" else instrument
+SYMBOL_PLACEHOLDER = "{symbol}"  # in a template's `name` and `instrument` patterns
+MAX_SESSION_NAME = 64  # what the websocket protocol accepts (service/protocol.py SESSION_NAME)
 RENDER_MODES = ("bars", "events")
 CHANGE_UNITS = ("price", "bp")  # how a bar line writes its change and o/h/l offsets (feeding/render.py)
 MAX_CHOICES = 16
@@ -136,6 +138,16 @@ class SessionSpec:
     # Whether clients may push lines into the session beside its feed (websocket `push`); refused by default,
     # so a stray push cannot draw into a feed's chart or its questions' data (docs/protocol.md, `forbidden`).
     client_pushes: bool = False
+    # Where the config defines it, for messages: "sessions[2]"; for a session a template made, its symbol's key
+    # ("templates[0].symbols[5]", or "templates[0].symbols_file:12" for line 12 of the file); "" when built in code.
+    key_path: str = ""
+    template: str = ""  # the template that made it ("templates[0]"); "" for a session written by hand
+
+    @property
+    def block(self) -> str:
+        """The config block whose keys it has (its `[[sessions]]` or its `[[templates]]`), for messages
+        naming a key such as `feed` or `client_pushes`."""
+        return self.template or self.key_path
 
     def find_question(self, query: str) -> QuestionSpec | None:
         """The standing question with this id, or with this text up to whitespace and case."""

@@ -37,7 +37,7 @@ def feed_owners(config: QueryConfig, groups: Iterable[Any], owner: Any) -> dict[
     out = {}
     for group in groups:
         for spec in group.sessions:
-            where = f"{config.source}: sessions[{index[spec.name]}]"
+            where = f"{config.source}: {spec.block or f'sessions[{index[spec.name]}]'}"
             out[owner.engine_name(spec.name)] = FeedOwner(spec.name, str(group.feed), spec.client_pushes,
                                                           spec.render.changes, where)
     return out
