@@ -80,6 +80,27 @@ MAX_FRAME_BYTES = {
 }
 
 
+# Streams (symbol x channel) one connection may carry, where a venue documents a limit (each venue module
+# cites its page). Elsewhere one connection carries them all, subscribed in requests the venue's own limits
+# allow (Bybit: 10 topics a request; OKX: requests under its length limit).
+MAX_STREAMS_PER_CONNECTION = {"binance": binance.MAX_STREAMS_PER_CONNECTION}
+
+
+def connection_shards(venue: str, symbols: list[str], channels: list[str]) -> list[list[str]]:
+    """`symbols` split over as few connections as `venue` allows, in order; each symbol on exactly one, so
+    its events keep their order and a reconnect touches only its own connection's symbols."""
+    limit = MAX_STREAMS_PER_CONNECTION.get(venue)
+    if limit is None or not symbols:
+        return [list(symbols)] if symbols else []
+    per_connection = max(1, limit // max(1, len(channels)))
+    return [list(symbols[i:i + per_connection]) for i in range(0, len(symbols), per_connection)]
+
+
+def channels_for(venue: str, market: str = "spot") -> list[str]:
+    """The channels an adapter subscribes by default."""
+    return list(binance.FUTURES_CHANNELS if venue == "binance" and market != "spot" else DEFAULT_CHANNELS[venue])
+
+
 @dataclass(slots=True)
 class AdapterStats:
     connects: int = 0
@@ -128,8 +149,7 @@ class FeedAdapter:
         self.symbols = list(symbols)
         if market != "spot" and venue != "binance":
             raise ValueError(f"--market {market} is for binance, not {venue}")
-        futures = market != "spot"
-        self.channels = list(channels or (binance.FUTURES_CHANNELS if futures else DEFAULT_CHANNELS[venue]))
+        self.channels = list(channels or channels_for(venue, market))
         self.url = url or (binance.URLS[market] if venue == "binance" and market in binance.URLS else DEFAULT_URLS[venue])
         self.credentials = credentials or {}
         if venue == "alpaca" and not {"key", "secret"} <= self.credentials.keys():
@@ -214,7 +234,8 @@ class FeedAdapter:
             for msg in kraken_futures.subscribe_messages(syms, chans):
                 await ws.send(_send_text(msg))
         elif v == "okx":
-            await ws.send(_send_text(okx.subscribe_message(syms, chans)))
+            for msg in okx.subscribe_messages(syms, chans):
+                await ws.send(_send_text(msg))
         elif v == "bybit":
             for msg in bybit.subscribe_messages(syms, chans):
                 await ws.send(_send_text(msg))

@@ -198,5 +198,45 @@ def subscribe_message(symbols: list[str], channels: list[str], req_id: int = 1) 
     return {"method": "SUBSCRIBE", "params": stream_names(symbols, channels), "id": req_id}
 
 
+# Binance spot "WebSocket Streams" (developers.binance.com/docs/binance-spot-api-docs/web-socket-streams) and
+# the USDⓈ-M / COIN-M "Websocket Market Streams" pages: "a single connection can listen to a maximum of 1024
+# streams", and a connection may send 5 (spot; futures: 10) messages a second. A connection's streams go in one
+# SUBSCRIBE, so a market of many symbols needs ceil(symbols x channels / 1024) connections
+# (feeds/adapters.py `connection_shards`), each sending one message.
+MAX_STREAMS_PER_CONNECTION = 1024
+
+
+def stream_symbol(instrument: str) -> str:
+    """How a stream name spells an instrument: BTCUSDT -> btcusdt."""
+    return instrument.lower()
+
+
+def _dp(value: float, dp: int) -> str:
+    return f"{value:.{max(dp, 0)}f}"
+
+
+def trade_message(trade: Trade) -> dict[str, Any]:
+    """A Trade in Binance's combined-stream form (what `BinanceParser` reads back to the same Trade)."""
+    ms = trade.ts_event // MS
+    return {"stream": f"{stream_symbol(trade.instrument)}@trade",
+            "data": {"e": "trade", "E": ms, "s": trade.instrument, "t": trade.trade_id,
+                     "p": _dp(trade.price, trade.px_dp), "q": _dp(trade.size, trade.sz_dp), "T": ms,
+                     "m": trade.side == SELL, "M": True}}
+
+
+def kline_message(bar: Bar, interval: str = "1m") -> dict[str, Any]:
+    """A closed Bar as a Binance kline on `<symbol>@kline_<interval>` (buy volume and quote volume from the
+    bar's side split and VWAP where it has them)."""
+    open_ms, close_ms = bar.ts_open // MS, (bar.ts_open + bar.interval_ns) // MS - 1
+    buy = bar.buy_volume if math.isfinite(bar.buy_volume) else 0.0
+    vwap = bar.vwap if math.isfinite(bar.vwap) else bar.close
+    k = {"t": open_ms, "T": close_ms, "s": bar.instrument, "i": interval, "f": 0, "L": 0,
+         "o": _dp(bar.open, bar.px_dp), "c": _dp(bar.close, bar.px_dp), "h": _dp(bar.high, bar.px_dp),
+         "l": _dp(bar.low, bar.px_dp), "v": _dp(bar.volume, bar.sz_dp), "n": max(bar.trades, 0), "x": True,
+         "q": f"{bar.volume * vwap:.8f}", "V": _dp(buy, bar.sz_dp), "Q": f"{buy * vwap:.8f}", "B": "0"}
+    return {"stream": f"{stream_symbol(bar.instrument)}@kline_{interval}",
+            "data": {"e": "kline", "E": close_ms + 1, "s": bar.instrument, "k": k}}
+
+
 DEFAULT_CHANNELS = ["trade", "bookTicker", "depth@100ms"]
 FUTURES_CHANNELS = ["aggTrade", "bookTicker", "depth@100ms", "markPrice@1s", "forceOrder"]

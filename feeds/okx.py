@@ -136,8 +136,33 @@ class OkxParser(CountingParser):
                    float(cl), float(v), -1, NAN, NAN, NAN, dp, decimals(v))
 
 
+# OKX v5 "WebSocket API / Subscribe" (okx.com/docs-v5/en/#overview-websocket-subscribe): "the total length of
+# multiple channels cannot exceed 64 KB" in one request (older pages said 4096 bytes), and a connection may send
+# 480 subscribe/unsubscribe/login requests an hour. The args of one connection go in as few requests as fit
+# under half the documented length: a few requests even for a whole market, far under the hourly limit.
+MAX_SUBSCRIBE_BYTES = 32 * 1024
+
+
 def subscribe_message(symbols: list[str], channels: list[str]) -> dict[str, Any]:
     return {"op": "subscribe", "args": [{"channel": ch, "instId": s} for ch in channels for s in symbols]}
+
+
+def subscribe_messages(symbols: list[str], channels: list[str],
+                       max_bytes: int = MAX_SUBSCRIBE_BYTES) -> list[dict[str, Any]]:
+    """subscribe_message's args split into requests of at most `max_bytes` of JSON each."""
+    out: list[dict[str, Any]] = []
+    args: list[dict[str, str]] = []
+    size = 0
+    for arg in subscribe_message(symbols, channels)["args"]:
+        arg_bytes = len(arg["channel"]) + len(arg["instId"]) + 30  # {"channel":"..","instId":".."},
+        if args and size + arg_bytes > max_bytes - 32:  # room for {"op":"subscribe","args":[]}
+            out.append({"op": "subscribe", "args": args})
+            args, size = [], 0
+        args.append(arg)
+        size += arg_bytes
+    if args:
+        out.append({"op": "subscribe", "args": args})
+    return out
 
 
 PING = "ping"  # a text frame: OKX answers "pong", and closes a connection silent for 30 s

@@ -1,4 +1,4 @@
-"""Replay: merge recorded sources by receive time and pace them.
+"""Replay: merge recorded sources by receive time and pace them; merge live streams as they come.
 
 Pacing: `speed=None` (or 0) runs as fast as possible; `speed=1.0` is real time;
 `speed=X` compresses time X-fold. Sleeps are computed against a start anchor, not
@@ -69,6 +69,41 @@ async def apaced(events: Iterable[Any], speed: float | None = None) -> AsyncIter
         elif i % 256 == 0:
             await asyncio.sleep(0)
         yield ev
+
+
+async def amerge(*streams: AsyncIterator[Any], queue_size: int = 4096) -> AsyncIterator[Any]:
+    """Events of several live streams (one venue's connections) as each delivers them: each stream's own
+    order is kept. A stream that fails fails the merge (the others are cancelled); it ends when all end."""
+    if len(streams) == 1:
+        async for ev in streams[0]:
+            yield ev
+        return
+    queue: asyncio.Queue = asyncio.Queue(queue_size)  # bounded: a slow consumer slows the readers
+
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for ev in stream:
+                await queue.put((False, ev))
+        except Exception as exc:
+            await queue.put((True, exc))
+            return
+        await queue.put((True, None))
+
+    tasks = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            ended, item = await queue.get()
+            if not ended:
+                yield item
+            elif item is not None:
+                raise item
+            else:
+                running -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def replay(*sources: Iterable[Any], speed: float | None = None) -> Iterator[Any]:

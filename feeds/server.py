@@ -8,6 +8,11 @@ REST depth snapshot embedded in the shared captures) go to combined-stream clien
 subscribed to that symbol's depth, exactly where they sit in the capture.
 Generic mode (any other venue) sends every line after the client's first message.
 
+A many-symbol venue for tests: `events` (Trades and Bars of any number of instruments, e.g. from
+recorded tables or the synthetic market) are served in Binance's wire format beside the captures,
+each trade on `<symbol>@trade` and each bar on `<symbol>@kline_<kline_interval>`, so one combined
+connection carries every symbol a client subscribes, as a live Binance connection does.
+
 Each connection replays from the start, paced by receive time (`speed`) or as fast as
 possible. `close_after` drops each connection after that many messages (reconnect tests).
 Binds 127.0.0.1 only.
@@ -21,12 +26,15 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from feeds import binance
+from feeds.events import Bar, Trade
 from feeds.sources import read_capture
 
 HOST = "127.0.0.1"
@@ -69,20 +77,42 @@ def _load(paths: Iterable[str | Path], damage: list[str] | None = None) -> list[
     return lines
 
 
+def _encode(events: Iterable[Any], kline_interval: str) -> list[_Line]:
+    """Trades and Bars as Binance combined-stream lines, at their receive times."""
+    lines = []
+    for ev in events:
+        if isinstance(ev, Trade):
+            msg = binance.trade_message(ev)
+        elif isinstance(ev, Bar):
+            msg = binance.kline_message(ev, kline_interval)
+        else:
+            raise ValueError(f"replay server: events are Trades and Bars, got {type(ev).__name__}")
+        raw = orjson.dumps(msg)
+        lines.append(_Line(ev.ts_recv, msg["stream"], binance.stream_symbol(ev.instrument), raw,
+                           orjson.dumps(msg["data"])))
+    return lines
+
+
 @dataclass
 class ReplayServer:
-    captures: list[Path]
+    captures: list[Path] = field(default_factory=list)
     venue: str = "binance"
     speed: float | None = None
     close_after: int | None = None
     port: int = 0
+    events: list[Any] = field(default_factory=list)  # served in Binance's format (module docstring)
+    kline_interval: str = "1m"  # the stream name bars are served on: <symbol>@kline_1m
     lines: list[_Line] = field(default_factory=list, init=False)
     connections: int = field(default=0, init=False)
     damage: list[str] = field(default_factory=list, init=False)  # what could not be read, per file
     _server: Server | None = field(default=None, init=False)
 
     async def start(self) -> str:
+        if self.events and self.venue != "binance":
+            raise ValueError(f"replay server: events are served in Binance's format, not {self.venue!r}'s")
         self.lines = _load(self.captures, self.damage)
+        if self.events:
+            self.lines = sorted(self.lines + _encode(self.events, self.kline_interval), key=lambda ln: ln.recv_ns)
         self._server = await serve(self._handle, HOST, self.port, max_size=None)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.url

@@ -175,6 +175,20 @@ class Attachment:
         else:
             self._bar_events[ev.instrument] = self._bar_events.get(ev.instrument, 0) + 1
 
+    @property
+    def seen(self) -> int:
+        """Feed events offered so far, its own and others' (the next event's index)."""
+        return self._seen
+
+    def catch_up(self, seen: int) -> None:
+        """Count the feed events before index `seen` that attach() routed past this attachment: each was
+        another instrument's, counted in and ignored as `offer` would have, without a call per event."""
+        skipped = seen - self._seen
+        if skipped > 0:
+            self._seen = seen
+            self.stats.events_in += skipped
+            self.stats.ignored += skipped
+
     def left_out(self, ev: Any) -> None:
         """A trade attach() left out as stamped ahead of the venue's clock: counted, in no line."""
         if self._arrive(ev):
@@ -365,16 +379,27 @@ async def attach(
     clock = VenueClock()  # from trades only: some venues stamp quotes with the receive time
     held: Trade | None = None  # a trade stamped ahead, until the next trade says what it was
     left_out = 0
+    # Demultiplexing: an event goes to the attachments of its instrument (and to those taking every
+    # instrument), not to all, so one connection can feed hundreds of sessions. The others count it as
+    # ignored when they next catch up (`Attachment.catch_up`): their counts stay exact.
+    everyone = [a for a in attachments if a.spec.instruments is None]
+    routes: dict[str, list[Attachment]] = {}
+    for a in attachments:
+        for instrument in a.spec.instruments or ():
+            routes.setdefault(instrument, []).append(a)
+    start = {id(a): a.seen for a in attachments}  # attachments outlive a feed's restart
+    offered = 0  # events offered in this run (taken or left out)
 
     def tick(now: int) -> None:
         nonlocal last_flush
         for a in attachments:
+            a.catch_up(start[id(a)] + offered)
             a.tick(now)
             a.flush()
         last_flush = loop.time()
 
     def step(ev: Any) -> None:
-        nonlocal held, left_out
+        nonlocal held, left_out, offered
         if type(ev) is Trade:
             if held is not None:
                 suspect, held = held, None
@@ -387,19 +412,25 @@ async def attach(
                                     "line: left out (%d so far)", suspect.instrument, suspect.trade_id,
                                     (suspect.ts_event - clock.settled(suspect.ts_recv)) / 1e9, left_out)
                     for a in attachments:
+                        a.catch_up(start[id(a)] + offered)
                         a.left_out(suspect)
+                    offered += 1
             if clock.ahead(ev.ts_event, ev.ts_recv):
                 held = ev
                 return
         take(ev)
 
     def take(ev: Any) -> None:
-        nonlocal n
+        nonlocal n, offered
         n += 1
         if type(ev) is Trade:
             clock.observe(ev.ts_event, ev.ts_recv)
-        for a in attachments:
+        for a in everyone:
             a.offer(ev)
+        for a in routes.get(ev.instrument, ()):
+            a.catch_up(start[id(a)] + offered)
+            a.offer(ev)
+        offered += 1
         if n % flush_every == 0 or loop.time() - last_flush >= flush_s:
             tick(clock.settled(ev.ts_recv))
 
@@ -438,4 +469,5 @@ async def attach(
     if held is not None:  # nothing after it to judge it by: kept
         take(held)
     for a in attachments:
+        a.catch_up(start[id(a)] + offered)
         a.flush()

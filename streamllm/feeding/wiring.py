@@ -4,8 +4,10 @@
                                       recorded files) --feed_events--> paced events
                                                      --build_attachments--> one Attachment per session
 
-A venue connection carries every symbol its sessions need; recorded feeds are replayable, so
-their batches carry their position and a restart resumes after the ingest log's.
+A live venue group carries every symbol its sessions need (a template's hundreds included) on as
+few connections as the venue allows, demultiplexed to each symbol's session by instrument
+(feeding/attach.py); recorded feeds are replayable, so their batches carry their position and a
+restart resumes after the ingest log's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from feeds.adapters import FeedAdapter
+from feeds.adapters import FeedAdapter, channels_for, connection_shards
 from feeds.cryptofeed_adapter import CryptofeedAdapter
-from feeds.replay import apaced, merge
+from feeds.replay import amerge, apaced, merge
 from feeds.sources import ReadOptions, open_recorded
 from feeds.synthetic import SyntheticFeed
 from streamllm.config import (
@@ -95,8 +97,9 @@ def feed_file_problems(groups: list[FeedGroup], config: QueryConfig, override: F
     for group in groups:
         if group.feed.kind not in ("replay", "csv") or group.feed.path is None:
             continue
+        first = group.sessions[0]
         where = "--feed" if override is not None else \
-            f"{config.source}: sessions[{config.sessions.index(group.sessions[0])}].feed"
+            f"{config.source}: {first.block or f'sessions[{config.sessions.index(first)}]'}.feed"
         for name in str(group.feed.path).split(","):
             path = Path(name.strip()).expanduser()
             try:
@@ -117,11 +120,7 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
     if feed.kind == "synthetic":
         return SyntheticFeed(seed=seed).aevents(speed=speed)
     if feed.kind in LIVE_VENUES:
-        symbols: list[str] = []
-        for spec in group.sessions:
-            own = spec.feed.symbols if spec.feed.kind == feed.kind else ()
-            symbols += [s for s in (own or (venue_symbol(feed.kind, spec.instrument),)) if s not in symbols]
-        return FeedAdapter(feed.kind, symbols, url=feed.url or None, credentials=venue_credentials(feed.kind)).events()
+        return amerge(*(adapter.events() for adapter in venue_adapters(group)))
     if feed.kind == "cryptofeed":
         symbols = []
         for spec in group.sessions:
@@ -137,6 +136,31 @@ def feed_events(group: FeedGroup, speed: float | None, seed: int) -> AsyncIterat
         for note in getattr(src, "notes", []):
             log.warning("feed %s: %s", feed, note)
     return apaced(merge(*sources), speed)
+
+
+def venue_symbols(group: FeedGroup) -> list[str]:
+    """What a live venue group subscribes: each session's symbols (default its instrument as the venue spells
+    it), each once, in config order."""
+    symbols: list[str] = []
+    seen: set[str] = set()
+    for spec in group.sessions:
+        own = spec.feed.symbols if spec.feed.kind == group.feed.kind else ()
+        for symbol in own or (venue_symbol(group.feed.kind, spec.instrument),):
+            if symbol not in seen:
+                seen.add(symbol)
+                symbols.append(symbol)
+    return symbols
+
+
+def venue_adapters(group: FeedGroup) -> list[FeedAdapter]:
+    """One adapter per connection a live venue group needs: all its sessions' symbols on as few connections
+    as the venue allows (`feeds.adapters.connection_shards`: Binance's 1024 streams a connection), each
+    symbol on one. Every adapter reconnects on its own, so an outage of one touches only its symbols."""
+    feed = group.feed
+    symbols = venue_symbols(group)
+    credentials = venue_credentials(feed.kind)
+    return [FeedAdapter(feed.kind, shard, url=feed.url or None, credentials=credentials)
+            for shard in connection_shards(feed.kind, symbols, channels_for(feed.kind))]
 
 
 def attach_mode(feed: FeedSpec, spec: SessionSpec) -> str:
