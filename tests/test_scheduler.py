@@ -20,6 +20,7 @@ from streamllm.engine.sequence import (
     SchedClass,
     Session,
 )
+from streamllm.engine.stepcost import StepCost, StepShape
 
 INTERACTIVE, INGEST, BACKGROUND = SchedClass.INTERACTIVE, SchedClass.INGEST, SchedClass.BACKGROUND
 ASK, ENTRY, DECODE = AskBranch, EntryBranch, DecodeBranch
@@ -227,3 +228,113 @@ def test_the_tenant_is_the_sessions_field_not_a_prefix_of_its_name():
             served[item.seq.session_name] += len(item.token_ids)
         run_fake(plan)
     assert served["bob/s"] == sum(v for k, v in served.items() if k != "bob/s")
+
+
+# -- the latency-bound step: a synthetic machine whose step time is known exactly ---------------
+
+def machine(fixed: float, item: float, token: float, kpair: float):
+    """A synthetic step time: what the fake runner 'measures' for a plan (no model, no clock)."""
+    return lambda shape: fixed + item * shape.items + token * shape.tokens + kpair * shape.pairs / 1000
+
+
+def test_step_cost_recovers_a_machine_from_its_steps():
+    truth = machine(6.0, 1.5, 0.4, 0.05)
+    cost = StepCost()
+    rng = random.Random(3)
+    for _ in range(40):
+        chunks = [(rng.randint(0, 4000), rng.randint(1, 128)) for _ in range(rng.randint(1, 4))]
+        assert not cost.ready or cost.steps >= cost.min_steps
+        cost.observe(StepShape.of(chunks), truth(StepShape.of(chunks)))
+    assert cost.ready
+    for got, want in zip(cost.coef, (6.0, 1.5, 0.4, 0.05), strict=True):
+        assert abs(got - want) < 0.02 * want + 1e-3, (cost.coef, want)
+
+
+def heavy_ingest(m: BlockManager, cfg: SchedulerConfig, cost: StepCost, truth):
+    """A session with a long backlog and a standing entry; a question every second. Returns a
+    step() that plans, 'runs' the plan on the synthetic machine, advances the clock and feeds
+    the measured time back, and the scheduler."""
+    now = [0.0]
+    sched = Scheduler(m, cfg, clock=lambda: now[0], cost=cost)
+    s = session(m, "a", 50_000, prefix=600)
+
+    def step(*extra):
+        plan = sched.schedule([*extra, s])
+        ms = truth(plan.shape)
+        run_fake(plan)
+        sched.observe(plan, ms)
+        now[0] += ms / 1000
+        return plan, ms
+
+    return sched, s, step, now
+
+
+def test_a_question_during_heavy_ingest_waits_at_most_one_step_within_the_target():
+    # 48 tokens (the old fixed busy step) cost 62 ms on this machine: over the 40 ms target.
+    truth = machine(8.0, 2.0, 1.0, 0.02)
+    cfg = SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=48, step_latency_ms=40.0,
+                          busy_window_s=2.0, ingest_floor=16, background_floor=16)
+    m = BlockManager(8192, 16)
+    sched, s, step, now = heavy_ingest(m, cfg, StepCost(), truth)
+    step(branch(s, 22))  # a question opens the busy window
+    for _ in range(20):  # the model learns this machine from the steps it sees
+        step(branch(s, 22, ENTRY))
+        now[0] = min(now[0], 1.0)  # questions keep coming: stay in the window
+    assert sched.cost.ready
+    for _ in range(10):
+        in_flight, waited = step()  # heavy ingest runs ...
+        assert in_flight.tokens_of(INGEST) > cfg.ingest_floor
+        assert in_flight.predicted_ms is not None and in_flight.predicted_ms <= cfg.step_latency_ms
+        assert waited <= cfg.step_latency_ms * 1.01, f"a question arriving now waits {waited:.1f} ms"
+        ask = branch(s, 22)  # ... when a question arrives: its whole prompt runs in the next step
+        plan, _ = step(ask)
+        assert plan.items[0].seq is ask and plan.tokens_of(INTERACTIVE) == 22 and not ask.pending_ids
+        assert plan.tokens_of(INGEST) == cfg.ingest_floor  # floors hold beside it, on top of the target
+        floors_ms = sum(sched.cost.item_ms(i.start_pos, len(i.token_ids)) for i in plan.items if i.seq is not ask)
+        assert plan.predicted_ms - floors_ms <= cfg.step_latency_ms
+        m.free(ask.table)
+    now[0] += 5.0  # quiet: steps grow back to the full chunk
+    assert step()[0].tokens_of(INGEST) == 128
+
+
+def test_the_budget_follows_the_cost_model():
+    cfg = SchedulerConfig(step_tokens=256, chunk_tokens=256, step_latency_ms=40.0, busy_window_s=60.0)
+    m = BlockManager(8192, 16)
+    fast, slow = machine(4.0, 1.0, 0.2, 0.0), machine(4.0, 1.0, 0.6, 0.0)
+    current = [fast]
+    sched, s, step, now = heavy_ingest(m, cfg, StepCost(), lambda shape: current[0](shape))
+    step(branch(s, 1))  # busy from here on
+    for _ in range(12):
+        plan, _ = step()
+    assert abs(plan.tokens_of(INGEST) - (40 - 5) / 0.2) <= 2  # 175 tokens fit in 40 ms
+    current[0] = slow  # the machine gets 3x slower per token (a neighbour, a longer context)
+    for _ in range(40):
+        plan, ms = step()
+    assert abs(plan.tokens_of(INGEST) - (40 - 5) / 0.6) <= 2  # 58 tokens
+    assert ms <= 40.5
+
+
+def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_impossible():
+    cost = StepCost(coef=(5.0, 1.0, 0.2, 0.1))  # a fixed model: attention reads cost here
+    cfg = SchedulerConfig(step_tokens=256, chunk_tokens=256, step_latency_ms=40.0, ingest_floor=16,
+                          background_floor=16)
+    m = BlockManager(1 << 14, 16)
+    sched = Scheduler(m, cfg, cost=cost)
+    short, long = session(m, "short", 5000, prefix=0), session(m, "long", 5000, prefix=8000)
+    m.append(long.table, 8000)
+    long.advance(8000)  # its prefix is in the cache: its data reads 8k keys per token
+    sched.schedule([branch(short, 1)])  # a question: busy from here on
+    near = sched.schedule([short]).tokens_of(INGEST)
+    far = sched.schedule([long]).tokens_of(INGEST)
+    assert far < near and cost.predict(StepShape.of([(8000, far)])) <= 40
+
+    impossible = Scheduler(m, SchedulerConfig(step_latency_ms=1.0, ingest_floor=16, background_floor=16), cost=cost)
+    s = session(m, "a", 5000)
+    for _ in range(5):
+        ask, entry = branch(s, 30), branch(s, 30, ENTRY)
+        plan = impossible.schedule([ask, s, entry])
+        assert plan.tokens_of(INTERACTIVE) >= 1, "a question must still move"
+        assert plan.tokens_of(INGEST) == 16 and plan.tokens_of(BACKGROUND) == 16, "floors are owed"
+        run_fake(plan)
+        m.free(ask.table)
+        m.free(entry.table)

@@ -413,6 +413,8 @@ class EngineCore:
         self._update(plan, logits, works)
         self.compactor.swap_caught_up()
         self.step_times.record(step_s, plan.num_tokens)
+        # What a question arriving now waits for: the forward and its update (a GPU's logits are read there).
+        self.scheduler.observe(plan, (time.perf_counter() - t0) * 1000)
         if self.check_every_step:
             self.check_integrity()
 

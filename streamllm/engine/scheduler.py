@@ -14,11 +14,16 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     in *every* step: neither is ever starved, under any load of questions;
   - while questions run, ingest and background get only their floors (on a CPU every
     prefill token lengthens the question's step), and while questions keep coming
-    (one within `busy_window_s`) steps shrink to `busy_step_tokens`, so a new question
-    waits at most one short step;
+    (one within `busy_window_s`) every step is latency-bound: its work is cut so that its
+    predicted cost stays within `step_latency_ms` (the floors beside a question come on top
+    of it), so a new question waits at most one short step. Until the cost model has seen enough steps (or with
+    `step_latency_ms=None`) a busy step holds `busy_step_tokens`;
   - with no questions, background gets at least `background_share` of the step (standing
     answers keep up with a feed that saturates ingest), ingest the rest, and background
     whatever ingest leaves.
+
+A step's cost is predicted by `StepCost` (engine/stepcost.py), fitted online from the
+step times the core measures (`Scheduler.observe`); injected, it makes tests deterministic.
 
 Within a class, service is fair: sequences are interleaved by tenant, then by session,
 and the starting point rotates every step. Slot assignment (`can_append` / `append`)
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field
 
 from streamllm.engine.kv import BlockManager
 from streamllm.engine.sequence import Logits, SchedClass, Sequence
+from streamllm.engine.stepcost import StepCost, StepShape
 
 INTERACTIVE, INGEST, BACKGROUND = SchedClass.INTERACTIVE, SchedClass.INGEST, SchedClass.BACKGROUND
 CLASSES = tuple(SchedClass)
@@ -50,6 +56,11 @@ class PlanItem:
 @dataclass(slots=True)
 class Plan:
     items: list[PlanItem] = field(default_factory=list)
+    predicted_ms: float | None = None  # the cost model's prediction, once it is ready
+
+    @property
+    def shape(self) -> StepShape:
+        return StepShape.of((i.start_pos, len(i.token_ids)) for i in self.items)
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +82,20 @@ class SchedulerConfig:
     # Without questions, background work (standing answers!) gets at least this share of the
     # step, so standing answers keep up with a feed that saturates ingest.
     background_share: float = 0.25
-    busy_step_tokens: int = 48  # step budget while questions keep coming
+    busy_step_tokens: int = 48  # step budget while questions keep coming, until the cost model is ready
     busy_window_s: float = 2.0
+    # While questions keep coming, a step's predicted wall time stays within this (its floors
+    # excepted), so a new question waits at most this long for the step in flight. 40 ms: the
+    # goal is a question under load within 2x its idle latency, ~90 ms for a cold ask on a
+    # 2-core CPU; one step's wait plus the floors beside the question's own step must fit
+    # in the other 90. On a GPU steps are far cheaper and `step_tokens` binds first.
+    # None: fixed budgets (`busy_step_tokens`).
+    step_latency_ms: float | None = 40.0
+
+    def __post_init__(self) -> None:
+        ms = self.step_latency_ms
+        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
+            raise ValueError(f"SchedulerConfig.step_latency_ms must be None or a number of ms > 0, got {ms!r}")
 
 
 @dataclass(slots=True)
@@ -81,6 +104,8 @@ class SchedulerStats:
     tokens: dict[SchedClass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     floor_steps: dict[SchedClass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # steps served at floor
     blocked: int = 0  # sequences skipped for lack of cells
+    latency_bound_steps: int = 0  # steps whose work was cut to the latency target
+    budget_last: int = 0  # the last step's token budget
 
 
 def fair_order(items: list, owner: Callable[[object], tuple[str, str]], turn: int) -> list:
@@ -115,13 +140,19 @@ def _interleave(queues: list[list]) -> list:
 
 class Scheduler:
     def __init__(self, manager: BlockManager, config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, cost: StepCost | None = None) -> None:
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.stats = SchedulerStats()
+        self.cost = cost or StepCost()
         self._turn = 0
         self._clock = clock
         self._last_question = float("-inf")
+        self._ms_left: float | None = None  # the latency-bound step's time not yet planned; None: unbounded
+
+    def observe(self, plan: Plan, ms: float) -> None:
+        """The measured wall time of an executed plan (the core calls this after every step)."""
+        self.cost.observe(plan.shape, ms)
 
     def schedule(self, sequences: list[Sequence]) -> Plan:
         """Plan the next step over every sequence with pending tokens (any class)."""
@@ -135,25 +166,41 @@ class Scheduler:
         if questions:
             self._last_question = now
         busy = questions or now - self._last_question < cfg.busy_window_s
-        budget = cfg.busy_step_tokens if busy else cfg.step_tokens
+        target = cfg.step_latency_ms if busy and cfg.step_latency_ms is not None and self.cost.ready else None
+        if target is None:
+            budget = cfg.busy_step_tokens if busy else cfg.step_tokens
+        else:
+            budget = self._tokens_within(target, by_class)
         floor_ingest = cfg.ingest_floor if by_class[INGEST] else 0
         floor_bg = cfg.background_floor if by_class[BACKGROUND] else 0
         if floor_bg and not questions:
             floor_bg = max(floor_bg, int(cfg.background_share * budget))
         turn, self._turn = self._turn, self._turn + 1
         plan = Plan()
+        # The latency meter: questions take what the target affords and the floors come on top
+        # (cutting a question to make room for floors would make it pay a second step).
+        self._ms_left = None if target is None else target - self.cost.fixed_ms
+        bg_floor_ms = self._floor_ms(by_class[BACKGROUND], floor_bg)
 
         used = self._fill(plan, INTERACTIVE, by_class[INTERACTIVE], max(budget - floor_ingest - floor_bg, 1), turn)
         left = budget - used
         # Ingest: its floor beside questions, else everything but the background floor.
         ingest_budget = floor_ingest if questions else max(left - floor_bg, floor_ingest)
-        used = self._fill(plan, INGEST, by_class[INGEST], min(ingest_budget, max(left, floor_ingest)), turn)
+        self._spend(bg_floor_ms)
+        used = self._fill(plan, INGEST, by_class[INGEST], min(ingest_budget, max(left, floor_ingest)), turn,
+                          floor=floor_ingest)
         left = max(left - used, 0)
         bg_budget = max(left, floor_bg) if not questions else floor_bg
-        self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn)
+        self._spend(-bg_floor_ms)
+        self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn, floor=floor_bg)
+        self._ms_left = None
 
         if plan:
+            if self.cost.ready:
+                plan.predicted_ms = self.cost.predict(plan.shape)
             self.stats.steps += 1
+            self.stats.budget_last = budget
+            self.stats.latency_bound_steps += target is not None
             for c in CLASSES:
                 n = plan.tokens_of(c)
                 self.stats.tokens[c] += n
@@ -161,26 +208,66 @@ class Scheduler:
                     self.stats.floor_steps[c] += 1
         return plan
 
-    def _fill(self, plan: Plan, sched_class: SchedClass, seqs: list[Sequence], budget: int, turn: int) -> int:
+    def _tokens_within(self, target_ms: float, by_class: dict[SchedClass, list[Sequence]]) -> int:
+        """The step's token budget: what the pending work, taken class by class, fits in target_ms
+        (at least 1, at most `step_tokens`); beside questions the floors come on top. The meter in
+        `_take` then holds the plan to the target exactly."""
+        cfg = self.config
+        ms, tokens = target_ms - self.cost.fixed_ms, 0
+        for c in CLASSES:
+            for seq in by_class[c]:
+                want = min(len(seq.pending_ids), cfg.chunk_tokens, cfg.step_tokens - tokens)
+                n = self.cost.affordable(seq.next_pos, want, ms)
+                tokens += n
+                ms -= self.cost.item_ms(seq.next_pos, n)
+                if n < want or tokens >= cfg.step_tokens:
+                    break
+            else:
+                continue
+            break
+        if by_class[INTERACTIVE]:
+            tokens += (cfg.ingest_floor if by_class[INGEST] else 0) + (cfg.background_floor if by_class[BACKGROUND] else 0)
+        return max(tokens, 1)
+
+    def _floor_ms(self, seqs: list[Sequence], floor: int) -> float:
+        """The time a class's floor will take in this step (estimated on its first sequence)."""
+        if not floor or not seqs:
+            return 0.0
+        return self.cost.item_ms(seqs[0].next_pos, min(floor, len(seqs[0].pending_ids), self.config.chunk_tokens))
+
+    def _spend(self, ms: float) -> None:
+        if self._ms_left is not None:
+            self._ms_left -= ms
+
+    def _fill(self, plan: Plan, sched_class: SchedClass, seqs: list[Sequence], budget: int, turn: int,
+              floor: int = 0) -> int:
+        """Plan up to `budget` tokens of one class; its first `floor` tokens are owed, whatever the meter says."""
         used = 0
         for seq in fair_order(seqs, lambda s: (s.tenant, s.session_name), turn):
             if budget - used <= 0:
                 break
-            used += self._take(plan, sched_class, seq, budget - used)
+            used += self._take(plan, sched_class, seq, budget - used, owed=max(floor - used, 0))
         return used
 
-    def _take(self, plan: Plan, sched_class: SchedClass, seq: Sequence, budget: int) -> int:
-        """Plan up to one chunk of `seq`'s pending tokens; returns the tokens planned (0 if no room)."""
+    def _take(self, plan: Plan, sched_class: SchedClass, seq: Sequence, budget: int, owed: int = 0) -> int:
+        """Plan up to one chunk of `seq`'s pending tokens; returns the tokens planned (0 if no room).
+
+        In a latency-bound step the chunk is cut to what the step's time left affords, except
+        the `owed` tokens of a floor, and except the step's first item, which gets at least one."""
         ids, start = seq.pending_ids, seq.next_pos
         if seq.table.num_tokens != start:
             raise AssertionError(f"{sched_class} work starts at {start} but its table holds {seq.table.num_tokens} slots")
         n = min(len(ids), self.config.chunk_tokens, budget)
+        if self._ms_left is not None and n > 0:
+            n = max(min(n, owed), self.cost.affordable(start, n, self._ms_left), 0 if plan.items else 1)
         if n <= 0:
             return 0
         if not self.manager.can_append(seq.table, n):
             self.stats.blocked += 1
             return 0
         self.manager.append(seq.table, n)
+        if self._ms_left is not None:
+            self._ms_left -= self.cost.item_ms(start, n)
         want = seq.want_logits if n == len(ids) else Logits.NONE
         plan.items.append(PlanItem(seq, sched_class, ids[:n], start, want))
         return n
