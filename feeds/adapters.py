@@ -5,7 +5,8 @@
         ...
 
 Per venue (see each venue module's docstring for the documented rules):
-  binance   subscribe by message; the server pings every 20 s and `websockets` pongs.
+  binance   subscribe by message (200 streams each, 4 a second); the server pings every 20 s and
+            `websockets` pongs. At most 1024 streams a connection: `connection_shards`.
   coinbase  one subscribe per channel within 5 s, plus `heartbeats` to keep quiet channels open.
   kraken    subscribe per channel; application ping every `ping_s` (the server heartbeats too).
   kraken-futures  subscribe per feed, and to its heartbeat feed; `websockets`' own pings keep it open.
@@ -223,7 +224,10 @@ class FeedAdapter:
     async def _handshake(self, ws: ClientConnection) -> None:
         v, syms, chans = self.venue, self.symbols, self.channels
         if v == "binance":
-            await ws.send(_send_text(binance.subscribe_message(syms, chans)))
+            for i, msg in enumerate(binance.subscribe_messages(syms, chans)):
+                if i:
+                    await asyncio.sleep(binance.SUBSCRIBE_GAP_S)  # under Binance's 5 messages a second
+                await ws.send(_send_text(msg))
         elif v == "coinbase":
             for msg in coinbase.subscribe_messages(syms, chans, self.credentials.get("jwt")):
                 await ws.send(_send_text(msg))

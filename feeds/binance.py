@@ -198,12 +198,24 @@ def subscribe_message(symbols: list[str], channels: list[str], req_id: int = 1) 
     return {"method": "SUBSCRIBE", "params": stream_names(symbols, channels), "id": req_id}
 
 
+def subscribe_messages(symbols: list[str], channels: list[str], batch: int | None = None) -> list[dict[str, Any]]:
+    """The SUBSCRIBE messages of one connection: `batch` (SUBSCRIBE_BATCH) streams each, ids 1, 2, ... (sent
+    SUBSCRIBE_GAP_S apart)."""
+    names = stream_names(symbols, channels)
+    batch = batch or SUBSCRIBE_BATCH
+    return [{"method": "SUBSCRIBE", "params": names[i:i + batch], "id": i // batch + 1}
+            for i in range(0, len(names), batch)]
+
+
 # Binance spot "WebSocket Streams" (developers.binance.com/docs/binance-spot-api-docs/web-socket-streams) and
 # the USDⓈ-M / COIN-M "Websocket Market Streams" pages: "a single connection can listen to a maximum of 1024
-# streams", and a connection may send 5 (spot; futures: 10) messages a second. A connection's streams go in one
-# SUBSCRIBE, so a market of many symbols needs ceil(symbols x channels / 1024) connections
-# (feeds/adapters.py `connection_shards`), each sending one message.
+# streams", and a connection may send 5 (spot; futures: 10) messages a second, or it is disconnected. A market
+# of many symbols needs ceil(symbols x channels / 1024) connections (feeds/adapters.py `connection_shards`).
+# No limit on the params of one SUBSCRIBE is documented; client libraries batch a few hundred a request, so a
+# connection subscribes SUBSCRIBE_BATCH streams a message, one message every SUBSCRIBE_GAP_S (4 a second).
 MAX_STREAMS_PER_CONNECTION = 1024
+SUBSCRIBE_BATCH = 200
+SUBSCRIBE_GAP_S = 0.25
 
 
 def stream_symbol(instrument: str) -> str:

@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import orjson
 import pytest
 
 import feeds.adapters as adapters
-from feeds import okx
+from feeds import binance, okx
 from feeds.events import BUY, SELL, Trade
 from feeds.server import ReplayServer
 from streamllm.config import ConfigError, load_config, parse_config
+from streamllm.config.choices import check_choices
 from streamllm.engine import Engine, EngineConfig
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.owners import feed_owners
@@ -111,6 +113,10 @@ def test_a_venue_group_uses_as_few_connections_as_the_venue_allows():
     shards = [a.symbols for a in venue_adapters(group)]  # 700 x 3 streams: 341 symbols (1023 streams) a connection
     assert [len(s) for s in shards] == [341, 341, 18]
     assert sum(shards, []) == [s.lower() for s in symbols(700)]
+    requests = binance.subscribe_messages(shards[0], adapters.channels_for("binance"))
+    assert [len(r["params"]) for r in requests] == [200] * 5 + [23]  # 4 a second, under Binance's 5
+    assert sum((r["params"] for r in requests), []) == binance.stream_names(shards[0], ["trade", "bookTicker",
+                                                                                         "depth@100ms"])
     okx_requests = okx.subscribe_messages([f"S{i:03d}-USDT" for i in range(700)], ["trades", "tickers"])
     assert len(okx_requests) == 2 and sum(len(r["args"]) for r in okx_requests) == 1400
     assert all(len(orjson.dumps(r)) <= okx.MAX_SUBSCRIBE_BYTES for r in okx_requests)
@@ -238,3 +244,13 @@ def test_symbols_file_mistakes_name_the_file_and_line(tmp_path):
     (tmp_path / "lists" / "market.txt").unlink()
     with pytest.raises(ConfigError, match=r"templates\[0\].symbols_file: cannot read .*market.txt"):
         load_config(path)
+
+
+def test_the_shipped_market_config_validates(tiny_model):
+    config = load_config(Path(__file__).parent.parent / "queries" / "market.toml")
+    assert len(config.sessions) == 20 and config.sessions[0].name == "btcusdt"
+    assert {s.feed.kind for s in config.sessions} == {"binance"}
+    assert all(len(s.questions) == 3 for s in config.sessions)
+    check_choices(config, tiny_model.tokenizer)  # the tokenizer tells every question's choices apart
+    [group] = group_feeds(config, None)
+    assert len(venue_adapters(group)) == 1

@@ -55,6 +55,8 @@ from streamllm.feeding.wiring import (
     open_sessions,
     parse_feed_override,
     venue_credentials,
+    venue_shards,
+    venue_symbols,
 )
 from streamllm.model.adapter import AdapterError, pick_adapter
 from streamllm.model.loader import ensure_cached, load_model, load_tokenizer
@@ -98,9 +100,22 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
         lines.append("  auth: none (--no-auth): listening on loopback only")
     if config is not None:
         for group in groups:
+            templates: dict[str, list[Any]] = {}
             for spec in group.sessions:
+                if spec.template:  # hundreds of sessions: one line per template
+                    templates.setdefault(spec.template, []).append(spec)
+                    continue
                 lines.append(f"  session {spec.name:<12} {spec.instrument:<10} feed {group.feed}  "
                              f"{len(spec.questions)} standing questions, max_context {spec.max_context_tokens}")
+            for template, specs in templates.items():
+                names = ", ".join(s.name for s in specs[:3]) + (f", ... {specs[-1].name}" if len(specs) > 3 else "")
+                lines.append(f"  {template}: {len(specs)} sessions ({names}) feed {group.feed}  "
+                             f"{len(specs[0].questions)} standing questions each, "
+                             f"max_context {specs[0].max_context_tokens}")
+            if group.feed.kind in LIVE_VENUES:
+                count = len(venue_shards(group))
+                lines.append(f"  feed {group.feed}: {len(venue_symbols(group))} symbols on {count} "
+                             f"connection{'s' if count != 1 else ''}")
         lines.append(f"  {registered} standing questions registered")
     else:
         lines.append("  no --config: clients open their own sessions")

@@ -157,10 +157,14 @@ def venue_adapters(group: FeedGroup) -> list[FeedAdapter]:
     as the venue allows (`feeds.adapters.connection_shards`: Binance's 1024 streams a connection), each
     symbol on one. Every adapter reconnects on its own, so an outage of one touches only its symbols."""
     feed = group.feed
-    symbols = venue_symbols(group)
     credentials = venue_credentials(feed.kind)
     return [FeedAdapter(feed.kind, shard, url=feed.url or None, credentials=credentials)
-            for shard in connection_shards(feed.kind, symbols, channels_for(feed.kind))]
+            for shard in venue_shards(group)]
+
+
+def venue_shards(group: FeedGroup) -> list[list[str]]:
+    """The symbols of each connection a live venue group opens."""
+    return connection_shards(group.feed.kind, venue_symbols(group), channels_for(group.feed.kind))
 
 
 def attach_mode(feed: FeedSpec, spec: SessionSpec) -> str:
