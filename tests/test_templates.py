@@ -31,6 +31,7 @@ from streamllm.feeding.owners import feed_owners
 from streamllm.feeding.wiring import (
     build_attachments,
     feed_events,
+    feed_file_problems,
     group_feeds,
     open_sessions,
     venue_adapters,
@@ -254,3 +255,19 @@ def test_the_shipped_market_config_validates(tiny_model):
     check_choices(config, tiny_model.tokenizer)  # the tokenizer tells every question's choices apart
     [group] = group_feeds(config, None)
     assert len(venue_adapters(group)) == 1
+
+
+def test_other_venues_keep_their_spelling_and_messages_name_the_template(tmp_path):
+    config = parse_config({"templates": [
+        {"symbols": ["BTC/USD", "ETH/USD"], "feed": "kraken", "name": "k.{symbol}", "max_context_tokens": 128},
+        {"symbols": ["BTC-USDT-SWAP"], "feed": "okx:wss://ws.okx.com:8443/ws/v5/business", "max_context_tokens": 128},
+        {"symbols": ["BTCUSDT", "ETHUSDT"], "feed": "csv:bars/missing.csv", "max_context_tokens": 128},
+    ]}, source="m.toml", base_dir=tmp_path)
+    kraken, okx_swap = config.sessions[1], config.sessions[2]
+    assert (kraken.name, kraken.instrument, kraken.feed.symbols) == ("k.eth-usd", "ETH/USD", ("ETH/USD",))
+    assert (okx_swap.name, okx_swap.feed.symbols, okx_swap.feed.url) == (
+        "btc-usdt-swap", ("BTC-USDT-SWAP",), "wss://ws.okx.com:8443/ws/v5/business")
+    groups = group_feeds(config, None)
+    assert [len(g.sessions) for g in groups] == [2, 1, 2]  # one source per venue endpoint or file
+    assert feed_file_problems(groups, config) == [
+        f"m.toml: templates[2].feed: csv file {tmp_path / 'bars' / 'missing.csv'}: no such file"]
