@@ -1,4 +1,5 @@
-"""Live adapters: one websocket connection per venue, parsed into normalized events.
+"""Live adapters: one websocket connection each, parsed into normalized events (a venue group
+opens as many as its symbols need: `connection_shards`).
 
     adapter = FeedAdapter("binance", ["btcusdt", "ethusdt"], url="ws://127.0.0.1:9000/stream")
     async for ev in adapter.events():
