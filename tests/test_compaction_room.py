@@ -92,7 +92,7 @@ def test_four_sessions_filling_at_once_in_a_tight_pool_do_not_deadlock(tiny_mode
             eng.open_session(name)
             eng.register(name, QuestionSpec("q", "Up or down?", choices=("up", "down"), threshold=0.5))
         with pytest.raises(AdmissionError):  # the pool is full: the room for a copy is not for sale
-            eng.open_session("one-more", max_context=256)
+            eng.open_session("one-more", max_context=max_context)
         for _ in range(60):  # ~3 budgets each, all at once, at a pace whose rate starts copies early
             for name, lines in feeds.items():  # (early copies then hold cells others need: preempted)
                 eng.push(name, list(itertools.islice(lines, 2)))
@@ -110,15 +110,18 @@ def test_four_sessions_filling_at_once_in_a_tight_pool_do_not_deadlock(tiny_mode
 
 
 def test_admission_keeps_room_for_the_largest_sessions_compaction_copy(tiny_model):
-    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, branch_cells=1024)) as eng:
+    # working sets as large as the budgets: each session reserves its whole max_context
+    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, branch_cells=1024,
+                                         working_set_tokens=8192)) as eng:
         eng.open_session("big", max_context=8192)
         eng.open_session("a", max_context=2048)
         eng.open_session("b", max_context=2048)  # ~4096 left: one copy of big (retain 0.5 x 8192)
-        with pytest.raises(AdmissionError, match=r"cannot open session 'c': it reserves 2048 cells, the pool has "
-                                                 r"\d+ free and keeps 4096 free for questions and compaction"):
+        with pytest.raises(AdmissionError, match=r"cannot open session 'c': its working set needs 2048 cells, the "
+                                                 r"pool has \d+ free and keeps 4096 free for questions and compaction"):
             eng.open_session("c", max_context=2048)
         assert eng.stats()["admissions_refused"] == 1
-    with Engine(tiny_model, EngineConfig(max_cells=8192, block_size=8, max_context=2048, branch_cells=512)) as eng:
+    with Engine(tiny_model, EngineConfig(max_cells=8192, block_size=8, max_context=2048, branch_cells=512,
+                                         working_set_tokens=8192)) as eng:
         eng.open_session("a")
         eng.open_session("b")
         # 3584 + 512 for questions would fit the 4096 left, but not a copy of it (1792) beside it

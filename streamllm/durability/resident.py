@@ -5,10 +5,16 @@
     push / ask / register / unregister / export / snapshot on an evicted session
                           restore it first (the snapshot read back, ImportSession), then run
     open / restore refused for want of cells (AdmissionError), with auto_evict=True
-                          evict resident sessions, least recently asked first, skipping busy
+                          evict resident sessions, least recently used first, skipping busy
                           ones (work in flight, or their session or log lock held: a push
                           between its version and its enqueue), until the request fits; then
                           retry once
+    the pool short while sessions grow (the engine's `cells_wanted` in stats, engine/admission.py),
+    with auto_evict=True
+                          after a push, a worker spills idle sessions the same way, least
+                          recently used first, until what was wanted is freed: the engine then
+                          need not compact a busy session to make room; each comes back on its
+                          next push (its next bar) or ask
 
 Built only on the engine's public methods. Every call that touches one session runs under
 that session's lock, so an eviction never slips between the residency check and the call:
@@ -90,13 +96,14 @@ class ResidentEngine(EngineClient):
         self._lock = threading.Lock()  # the registry below; never held across an engine call that waits
         self._evicted: dict[str, _Evicted] = {}
         self._session_locks: dict[str, threading.RLock] = {}
-        self._last_asked: dict[str, float] = {}  # session -> monotonic time of its last ask (or open)
+        self._last_used: dict[str, float] = {}  # session -> monotonic time of its last push, ask or open
         self._room = threading.Lock()  # one make_room at a time
+        self._spilling = threading.Event()  # a spill for pool pressure is queued or running
         self._hub = SubscriptionHub()
         self._forwards: dict[str, list[Subscription]] = {}  # the engine's subscriptions relaying to _hub
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="streamllm-restore")
         self._stopped = False
-        self.auto_evictions = self.auto_restores = self.auto_evict_refusals = 0
+        self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
 
     # -- identity -----------------------------------------------------------------
     @property
@@ -125,10 +132,11 @@ class ResidentEngine(EngineClient):
             try:
                 info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
             except AdmissionError:
-                if not self._make_room(max_context or self.engine.default_max_context, {name}):
+                cells = self.engine.working_set(max_context, self.engine.prefix_tokens(system))
+                if not self._make_room(cells, {name}):
                     raise
                 info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
-            self._last_asked[name] = time.monotonic()
+            self._last_used[name] = time.monotonic()
             self._forward(name)
             return info
 
@@ -148,7 +156,7 @@ class ResidentEngine(EngineClient):
             for sub in self._forwards.pop(name, []):
                 sub.close()
             self._hub.drop_session(name)
-            self._last_asked.pop(name, None)
+            self._last_used.pop(name, None)
 
     def session_info(self, name: str) -> SessionInfo:
         return self._peek(name, lambda ev: ev.info, self.engine.session_info)
@@ -168,7 +176,10 @@ class ResidentEngine(EngineClient):
              truths: dict[str, str] | None = None, late_truths: dict[str, dict[int, str]] | None = None) -> PushAck:
         with self._session(name):
             self._resident(name)
-            return self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
+            ack = self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
+            self._last_used[name] = time.monotonic()
+        self._spill_if_short(name)
+        return ack
 
     # -- standing questions -------------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:
@@ -214,7 +225,7 @@ class ResidentEngine(EngineClient):
                 if self._evicted_entry(name) is None:  # not open at all
                     raise
             else:
-                self._last_asked[name] = time.monotonic()
+                self._last_used[name] = time.monotonic()
                 return future
         lock = self._session(name)
         outer: Future = Future()
@@ -228,7 +239,7 @@ class ResidentEngine(EngineClient):
                 with lock:
                     self._resident(name)
                     inner = self.engine.submit_ask(name, question, **kw)
-                self._last_asked[name] = time.monotonic()
+                self._last_used[name] = time.monotonic()
             except BaseException as exc:
                 settle(outer, error=exc)
                 return
@@ -273,7 +284,7 @@ class ResidentEngine(EngineClient):
         with self._lock:
             out["sessions_evicted"] = len(self._evicted)
         out.update({"auto_evictions": self.auto_evictions, "auto_restores": self.auto_restores,
-                    "auto_evict_refusals": self.auto_evict_refusals})
+                    "auto_evict_refusals": self.auto_evict_refusals, "pressure_spills": self.pressure_spills})
         return out
 
     def health(self) -> EngineHealth:
@@ -333,7 +344,7 @@ class ResidentEngine(EngineClient):
             if self._evicted_entry(name) is not None:
                 raise SessionError(f"session {name!r} is already open; close it or restore under another name")
             info = self._import(state, name)
-            self._last_asked[name] = time.monotonic()
+            self._last_used[name] = time.monotonic()
             self._forward(name)
             return info
 
@@ -382,9 +393,64 @@ class ResidentEngine(EngineClient):
         try:
             return self.engine.import_session(state, name)
         except AdmissionError:  # memory pressure: idle sessions make room, then once more
-            if not self._make_room(int(state.meta["max_context"]), {name}):
+            meta = state.meta
+            cells = max(self.engine.working_set(int(meta["max_context"]), int(meta["prefix_len"])),
+                        int(meta["num_computed"]))
+            if not self._make_room(cells, {name}):
                 raise
             return self.engine.import_session(state, name)
+
+    def _spill_if_short(self, pushed: str) -> None:
+        """The pool is short of cells (sessions growing past their working sets): spill idle sessions
+        in a worker, least recently used first, never the one just pushed."""
+        if not self.auto_evict or self._stopped or self._spilling.is_set():
+            return
+        wanted = int(self.engine.stats().get("cells_wanted", 0))
+        if wanted <= 0:
+            return
+        self._spilling.set()
+
+        def spill() -> None:
+            try:
+                short = wanted
+                while short > 0 and self._spill(short, {pushed}) and not self._stopped:
+                    # what was freed lets the growing sessions go on; they may run short again before
+                    # their pushes are in: look once more when the core has had a turn
+                    self.engine.wait_idle(timeout=0.1)
+                    short = int(self.engine.stats().get("cells_wanted", 0))
+            finally:
+                self._spilling.clear()
+
+        self._workers.submit(spill)
+
+    def _spill(self, cells: int, exclude: set[str]) -> int:
+        """Evict idle sessions, least recently used first, until they held `cells`; returns cells freed."""
+        freed = 0
+        with self._room:
+            resident = {i.name: i.num_computed for i in self.engine.list_sessions() if i.name not in exclude}
+            for name in sorted(resident, key=lambda n: self._last_used.get(n, 0.0)):
+                if freed >= cells or self._stopped:
+                    break
+                if self._evict_idle(name):
+                    self.pressure_spills += 1
+                    freed += resident[name]
+        return freed
+
+    def _evict_idle(self, name: str) -> bool:
+        """Evict `name` if nobody is using it right now (its locks free, no work in flight)."""
+        locks = self._try_locks(name)
+        if locks is None:  # in use right now (a call on it, a push writing its log): not idle
+            return False
+        try:
+            if self._evicted_entry(name) is not None:
+                return False
+            self._evict(name)
+            return True
+        except (SnapshotError, SessionError):  # busy (or could not write, or closed): the next one
+            return False
+        finally:
+            for lock in reversed(locks):
+                lock.release()
 
     def _evict(self, name: str) -> str:
         """Under the session's lock: export and drop it, write its snapshot; SnapshotError when busy."""
@@ -429,8 +495,8 @@ class ResidentEngine(EngineClient):
         return taken
 
     def _make_room(self, cells: int, exclude: set[str]) -> bool:
-        """Evict idle sessions, least recently asked first, until `cells` can be reserved; False when it
-        cannot be done (or auto_evict is off)."""
+        """Evict idle sessions, least recently used first, until a working set of `cells` can be reserved;
+        False when it cannot be done (or auto_evict is off)."""
         if not self.auto_evict:
             return False
         with self._room:
@@ -438,19 +504,9 @@ class ResidentEngine(EngineClient):
                 if self.engine.can_admit(cells):
                     return True
                 resident = [i.name for i in self.engine.list_sessions() if i.name not in exclude]
-                for name in sorted(resident, key=lambda n: self._last_asked.get(n, 0.0)):
-                    locks = self._try_locks(name)
-                    if locks is None:  # in use right now (a call on it, a push writing its log): not idle
+                for name in sorted(resident, key=lambda n: self._last_used.get(n, 0.0)):
+                    if not self._evict_idle(name):
                         continue
-                    try:
-                        if self._evicted_entry(name) is not None:
-                            continue
-                        self._evict(name)
-                    except (SnapshotError, SessionError):  # busy (or could not write, or closed): the next one
-                        continue
-                    finally:
-                        for lock in reversed(locks):
-                            lock.release()
                     self.auto_evictions += 1
                     if self.engine.can_admit(cells):
                         return True

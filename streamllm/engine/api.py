@@ -115,7 +115,7 @@ class Engine(Intake, Subscribable, EngineClient):
         self.adapter_id = None if self.adapter is None else self.adapter.id
         num_blocks = max(1, config.max_cells // config.block_size)
         store = KVStore(
-            BlockManager(num_blocks, config.block_size),
+            BlockManager(num_blocks, config.block_size, grow_blocks=max(1, config.growth_cells // config.block_size)),
             KVPool(self.model.num_layers, num_blocks * config.block_size, self.model.num_kv_heads, self.model.head_dim,
                    dtype=self.model.dtype, device=self.device),
         )
@@ -141,7 +141,7 @@ class Engine(Intake, Subscribable, EngineClient):
             prepos=Prepositioner(store, self.layout.eos_ids, head_entries=config.head_entries, learning=learning),
             hub=self.hub, policy=config.compaction, branch_cells=config.reserved_branch_cells,
             stale_policy=config.stale_policy, taps=taps, taps_on_open=bool(lines),
-            check_every_step=config.check_integrity_every_step)
+            check_every_step=config.check_integrity_every_step, working_set_tokens=config.working_set_tokens)
         # streamllm.durability.ingest_log.IngestLog: accepted batches are on disk before their ack.
         self._ingest_log = ingest_log
         self._lock = threading.Lock()  # the facade's own registry (names, acked versions); never core state
@@ -382,8 +382,14 @@ class Engine(Intake, Subscribable, EngineClient):
                                           info.lines_ingested + info.backlog_lines)
         return info
 
+    def working_set(self, max_context: int | None = None, prefix_tokens: int | None = None) -> int:
+        """Cells a session is admitted for (engine/admission.py): its prefix (the default system prompt's
+        unless given) and its newest data, at most max_context (the engine's default unless given)."""
+        prefix = self.prefix_tokens() if prefix_tokens is None else prefix_tokens
+        return self.core.admission.working_set(prefix, max_context or self.default_max_context)
+
     def can_admit(self, cells: int) -> bool:
-        """Whether a session reserving `cells` would be admitted now (the core's own rule)."""
+        """Whether a session whose working set is `cells` would be admitted now (the core's own rule)."""
         return bool(self._wait(CanAdmit(cells)))
 
     # -- the core -----------------------------------------------------------

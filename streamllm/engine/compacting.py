@@ -69,9 +69,16 @@ class Compactor:
         copy_rate = self.scheduler_config.background_floor / max(self.step_times.s_ema, 1e-3)
         if not self.policy.should_start(session, copy_rate):
             return
-        cut = session.compaction_cut(self.policy.keep_tokens(session))
+        self.start(session, self.policy.keep_tokens(session))
+
+    def start(self, session: Session, keep_tokens: int) -> bool:
+        """Start a copy of `session` keeping its newest keep_tokens of data, when the pool holds it
+        (the policy's copies above; admission's under pressure, admission.py)."""
+        if session.name in self.copies or not session.ready:
+            return False
+        cut = session.compaction_cut(keep_tokens)
         if cut is None:
-            return
+            return False
         # A copy takes cells from the free pool until its swap frees the old table: start one only
         # when the pool can hold it beside the copies in flight (else retry each turn). Starting
         # them all at once under pressure left every copy half built and every session stuck.
@@ -80,11 +87,12 @@ class Compactor:
         need += sum(manager.blocks_needed(c.table, c.cells_to_go()) for c in self.copies.values())
         if manager.num_free_blocks < need:
             self.deferred += 1
-            return
+            return False
         # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
         table = self.store.fork(session.table, session.prefix_len)
         self.copies[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
         self.stuck.discard(session.name)
+        return True
 
     def forget(self, name: str) -> None:
         """A session closed: its copy (if any) goes, unpreempted."""
@@ -182,9 +190,10 @@ class Compactor:
                 self.publisher.data(session)
             self.store.manager.free(old)  # asks forked from it hold their own references until they end
             self.prepos.rebase(name)
+            session.table.grows = True  # the copy's table is the session's now: it grows as the session's did
             try:
-                self.store.manager.reserve(session.table, session.max_context)
+                self.store.manager.reserve(session.table, session.working_set)
             except KVCapacityError:
-                log.warning("session %s: compacted, but could not re-reserve its full budget", name)
+                log.warning("session %s: compacted, but could not re-reserve its working set", name)
             self.publisher.mark(name)
             self.maybe_start(session)  # pushes that arrived meanwhile may call for the next one

@@ -26,6 +26,11 @@ class EngineConfig:
     block_size: int = 16  # cells per block
     max_context: int = 8192  # a session's context budget unless its open says otherwise
     branch_cells: int | None = None  # cells sessions cannot reserve (questions, entries); None: max(4 blocks, 1/8)
+    # Data cells a session is admitted for beside its frozen prefix (its working set, engine/admission.py); it
+    # grows past them up to max_context while the pool has room. 1024: ~22 one-minute bars of bp lines, the
+    # window before the last lines series heads read.
+    working_set_tokens: int = 1024
+    growth_cells: int = 256  # a session grows past its working set in runs of this many cells (engine/kv.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)  # safety=0: cuts by token counts alone
     stale_policy: StalePolicy = StalePolicy.WAIT  # a standing question asked while its entry lags
@@ -37,7 +42,7 @@ class EngineConfig:
     learning: LearnConfig = field(default_factory=LearnConfig)  # live learning (engine/standing/learning.py)
 
     def __post_init__(self) -> None:
-        for name in ("max_cells", "block_size", "max_context"):
+        for name in ("max_cells", "block_size", "max_context", "working_set_tokens", "growth_cells"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -15,7 +15,8 @@ thread (mini-sglang's scheduler and its managers are the model):
 
     EngineCore ─┬─ Publisher   what other threads read: records, ready records, counters, events
                 ├─ Answerer    asks waiting and running, entries landing, answers and standing answers
-                └─ Compactor   compaction copies: start, keep moving, preempt, swap; the admission margin
+                ├─ Compactor   compaction copies: start, keep moving, preempt, swap; the admission margin
+                └─ Admission   sessions admitted by working set; room made when the pool is short
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from streamllm.engine import state as session_state
+from streamllm.engine.admission import Admission
 from streamllm.engine.answers import Answerer
 from streamllm.engine.commands import (
     Ask,
@@ -52,7 +54,6 @@ from streamllm.engine.compacting import Compactor
 from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
 from streamllm.engine.kv import BlockTable, KVStore
 from streamllm.engine.outputs import (
-    AdmissionError,
     EngineStopped,
     ReadyRecord,
     SessionError,
@@ -94,7 +95,8 @@ class EngineCore:
     def __init__(self, *, model_name: str, tokenizer: PreTrainedTokenizerBase, layout: PromptLayout,
                  store: KVStore, runner: Runner, scheduler: Scheduler, prepos: Prepositioner, hub: SubscriptionHub,
                  policy: CompactionPolicy, branch_cells: int, stale_policy: StalePolicy,
-                 taps: TapConfig | None = None, taps_on_open: bool = True, check_every_step: bool = False) -> None:
+                 taps: TapConfig | None = None, taps_on_open: bool = True, check_every_step: bool = False,
+                 working_set_tokens: int = 1024) -> None:
         self.model_name, self.tokenizer, self.layout = model_name, tokenizer, layout
         self.store, self.runner, self.scheduler, self.prepos, self.hub = store, runner, scheduler, prepos, hub
         self.taps = taps or TapConfig()  # the line features sessions keep for series heads (served or learning)
@@ -114,12 +116,15 @@ class EngineCore:
         self.compactor = Compactor(store=store, policy=policy, branch_cells=branch_cells, sessions=self.sessions,
                                    prepos=prepos, answerer=self.answerer, publisher=self.publisher,
                                    scheduler_config=scheduler.config, step_times=self.step_times)
+        self.admission = Admission(store=store, compactor=self.compactor, prepos=prepos, publisher=self.publisher,
+                                   sessions=self.sessions, window_tokens=working_set_tokens,
+                                   chunk_tokens=scheduler.config.chunk_tokens)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._held: Command | None = None  # taken from the inbox past a drain's limit; first in the next one
         self._stop = False
         self.stopped = False
         self.failure: BaseException | None = None
-        self.commands = self.failed_steps = self.admissions_refused = 0
+        self.commands = self.failed_steps = 0
         self.failing_in_a_row = 0  # failed steps since the last one that succeeded
         self.last_step_error: str | None = None
         self._thread = threading.Thread(target=self._main, name="streamllm-core", daemon=True)
@@ -292,32 +297,27 @@ class EngineCore:
                      tenant: str = "") -> SessionInfo:
         if name in self.sessions:
             raise SessionError(f"session {name!r} is already open")
-        self.admit(name, max_context)
-        table = BlockTable()
+        cells = self.admission.working_set(len(prefix), max_context)
+        self.admit(name, cells, max_context)
+        table = BlockTable(grows=True)
         computed = self.prefixes.start(table, prefix, tenant)  # the tenant's identical prefix is shared, not recomputed
-        self.store.manager.reserve(table, max_context)
-        session = Session(name, system, prefix, max_context, table, tenant)
+        self.store.manager.reserve(table, cells)
+        session = Session(name, system, prefix, max_context, table, tenant, working_set=cells)
         session.taps = self.taps.new_taps() if self.taps_on_open else None
         session.num_computed = computed
         return self.adopt(session)
 
-    def admission_keep_free(self, max_context: int) -> int:
-        """Cells kept free beside every session's reservation (for questions and compaction copies)."""
-        return self.compactor.keep_free(max_context)
+    @property
+    def admissions_refused(self) -> int:
+        return self.admission.refused
 
-    def can_admit(self, max_context: int) -> bool:
-        """Whether the pool can reserve a session's budget beside the cells kept free."""
-        return self.store.manager.can_reserve(max_context, keep_free_tokens=self.admission_keep_free(max_context))
+    def can_admit(self, cells: int) -> bool:
+        """Whether the pool can reserve a working set of `cells` beside the cells kept free (admission.py)."""
+        return self.admission.can_admit(cells)
 
-    def admit(self, name: str, max_context: int, action: str = "open") -> None:
-        """Refuse (AdmissionError) a session `can_admit` says no to."""
-        if not self.can_admit(max_context):
-            self.admissions_refused += 1
-            manager, keep = self.store.manager, self.admission_keep_free(max_context)
-            raise AdmissionError(
-                f"cannot {action} session {name!r}: it reserves {max_context} cells, the pool has "
-                f"{manager.num_free_blocks * manager.block_size} free and keeps {keep} free for questions "
-                "and compaction copies; close a session, lower max_context or raise max_cells")
+    def admit(self, name: str, cells: int, max_context: int, action: str = "open") -> None:
+        """Refuse (AdmissionError, naming what was needed and free) a working set the pool cannot hold."""
+        self.admission.admit(name, cells, max_context, action)
 
     def adopt(self, session: Session) -> SessionInfo:
         """Register a session whose budget is reserved (opened, or restored: `state.import_session`)."""
@@ -343,7 +343,10 @@ class EngineCore:
 
     def _push(self, cmd: Push) -> int:
         session = self.session(cmd.name)
+        first_line = session.lines_cut + len(session.line_ends)
         version = session.append_batch(cmd.ids_per_line, time.monotonic())
+        if session.taps is not None and cmd.numbers:
+            session.taps.note_numbers(first_line, cmd.numbers)
         if version != cmd.version:  # the facade assigns versions in inbox order: a mismatch is a bug
             raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
         if cmd.truths:
@@ -387,6 +390,7 @@ class EngineCore:
         self.compactor.keep_moving()
         self.answerer.start_waiting()
         self.answerer.make_room()
+        self.admission.relieve()
         for entry in self.prepos.refresh(keep_free_blocks=self.compactor.blocks_to_go()):
             self.answerer.on_entry_ready(entry, None)  # head-only entries: no forward pass
         self.answerer.reroute_orphaned_waiters()

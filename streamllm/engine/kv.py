@@ -4,16 +4,20 @@ Bookkeeping (`BlockManager`) is separate from the tensors (`KVPool`), as in
 nano-vllm's block manager: the scheduler can ask `can_append` without touching a
 tensor, and tests run without a model.
 
-A session reserves its blocks when it opens (admission): its data then lands in
-one contiguous run of the pool whenever first-fit finds one, so attention reads the
-session as a view instead of gathering it. Branches (questions, entries) take
-blocks from the unreserved part of the pool.
+A session reserves its *working set* when it opens (admission, engine/admission.py):
+one contiguous run of the pool whenever first-fit finds one, so attention reads it as a
+view. Past it a session's table *grows*: a block it needs is taken with up to
+`grow_blocks` - 1 more after it (right after its last block when those are free), held as
+its reservation, so a long session is a few long runs, not one run per block. Growth
+never takes the last `keep_free` blocks: those stay for branches (questions, entries)
+and compaction copies, which take blocks from the whole free pool.
 
     session table:  [b7 b8 b9 b10 | b11 b12 (reserved, empty)]
     branch fork:    [b7 b8 b9 | b40 (copy of b10's filled slots) | b41 ...]
 
-Invariant: a block shared by more than one table is always full, so nobody ever
-writes into a shared block (the partial tail is copied at fork time).
+Invariants: a block shared by more than one table is always full, so nobody ever writes
+into a shared block (the partial tail is copied at fork time); the manager never hands
+out a block it does not have (`KVCapacityError`, nothing allocated).
 """
 
 from __future__ import annotations
@@ -33,16 +37,21 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
-    # Blocks set aside at admission, consumed by append before the free pool.
+    # Blocks set aside (admission, growth in runs), consumed by append before the free pool.
     reserved: list[int] = field(default_factory=list)
+    # A session's table: grows in runs of `grow_blocks` and leaves `keep_free` blocks free.
+    grows: bool = False
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+    def __init__(self, num_blocks: int, block_size: int, grow_blocks: int = 1) -> None:
+        if num_blocks <= 0 or block_size <= 0 or grow_blocks <= 0:
+            raise ValueError(f"need num_blocks, block_size and grow_blocks > 0, got {num_blocks}, {block_size}, "
+                             f"{grow_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.grow_blocks = grow_blocks  # blocks a growing table takes at once (one run), when they are free
+        self.keep_free = 0  # blocks a growing table's growth never takes (branches' and copies' room)
         self.refcount = [0] * num_blocks
         self._is_free = [True] * num_blocks
         self._free: set[int] = set(range(num_blocks))
@@ -67,7 +76,11 @@ class BlockManager:
         return max(0, extra - len(table.reserved))
 
     def can_append(self, table: BlockTable, num_new_tokens: int) -> bool:
-        return self.blocks_needed(table, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_needed(table, num_new_tokens) <= self.available_to(table)
+
+    def available_to(self, table: BlockTable) -> int:
+        """Free blocks `table` may take: all of them, but the last `keep_free` for a growing table."""
+        return max(0, self.num_free_blocks - self.keep_free) if table.grows else self.num_free_blocks
 
     def can_reserve(self, num_tokens: int, keep_free_tokens: int = 0) -> bool:
         """Whether reserve(num_tokens) fits and still leaves keep_free_tokens of free cells."""
@@ -166,9 +179,10 @@ class BlockManager:
     def append(self, table: BlockTable, num_new_tokens: int) -> torch.Tensor:
         """Assign slots for num_new_tokens more tokens; returns their flat slot ids."""
         if not self.can_append(table, num_new_tokens):
+            kept = f" ({self.keep_free} kept for branches and copies)" if table.grows else ""
             raise KVCapacityError(
                 f"KV pool exhausted: appending {num_new_tokens} tokens needs "
-                f"{self.blocks_needed(table, num_new_tokens)} blocks, {self.num_free_blocks} free; "
+                f"{self.blocks_needed(table, num_new_tokens)} blocks, {self.num_free_blocks} free{kept}; "
                 "raise max_cells or close sessions"
             )
         start = table.num_tokens
@@ -179,7 +193,11 @@ class BlockManager:
         missing = self.blocks_for(end) - len(table.blocks)
         if missing > 0:
             last = table.blocks[-1] if table.blocks else None
-            table.blocks.extend(self._take(missing, contiguous=True, after=last))
+            take = max(missing, min(self.grow_blocks, self.available_to(table))) if table.grows else missing
+            ids = self._take(take, contiguous=True, after=last)
+            table.blocks.extend(ids[:missing])
+            table.reserved.extend(ids[missing:])  # the rest of the run: this table's next blocks
+            self.num_reserved += take - missing
         table.num_tokens = end
         return self.slots(table, start, end)
 
@@ -225,6 +243,16 @@ class BlockManager:
         table.blocks[-1] = dst
         return src, dst, tail
 
+    def trim(self, table: BlockTable, keep_tokens: int) -> int:
+        """Give back the reserved blocks `table` does not need to hold keep_tokens (its guarantee);
+        returns how many went back to the free pool."""
+        keep = max(0, self.blocks_for(keep_tokens) - len(table.blocks))
+        extra = table.reserved[keep:]
+        del table.reserved[keep:]
+        self.num_reserved -= len(extra)
+        self.release(extra)
+        return len(extra)
+
     def free(self, table: BlockTable) -> None:
         for b in table.blocks:
             self._release(b)
@@ -234,6 +262,7 @@ class BlockManager:
         table.blocks.clear()
         table.reserved.clear()
         table.num_tokens = 0
+        table.grows = False
 
     # -- addressing -------------------------------------------------------
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:

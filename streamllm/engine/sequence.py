@@ -93,18 +93,20 @@ class Sequence:
 class Session(Sequence):
     """One persistent context: frozen prefix + data lines, with its data versions."""
 
-    __slots__ = ("name", "tenant", "system", "max_context", "table", "token_ids", "prefix_len", "num_computed",
+    __slots__ = ("name", "tenant", "system", "max_context", "working_set", "table", "token_ids", "prefix_len", "num_computed",
                  "version_ends", "version_lines", "data_version", "lines_ingested", "line_ends",
                  "compactions", "tokens_dropped", "opened_at", "version_base", "push_times", "lines_cut", "taps")
     want_logits = Logits.NONE
     sched_class = SchedClass.INGEST  # type: ignore[assignment]
 
     def __init__(self, name: str, system: str, prefix_ids: list[int], max_context: int, table: BlockTable,
-                 tenant: str = "") -> None:
+                 tenant: str = "", working_set: int | None = None) -> None:
         self.name = name
         self.tenant = tenant  # who the session belongs to, as told at open; the scheduler is fair across tenants
         self.system = system
         self.max_context = max_context
+        # Cells it was admitted for and always holds (engine/admission.py); it grows past them up to max_context.
+        self.working_set = max_context if working_set is None else working_set
         self.table = table
         self.token_ids: list[int] = list(prefix_ids)
         self.prefix_len = len(prefix_ids)

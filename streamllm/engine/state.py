@@ -106,7 +106,8 @@ def evict_session(core: EngineCore, name: str) -> SessionState:
 
 
 def import_session(core: EngineCore, state: SessionState, name: str, gates: list[tuple[QuestionSpec, Gate, list[int]]]) -> SessionInfo:
-    """Open `name` from `state`: reserve its budget, copy the cells back, register its questions.
+    """Open `name` from `state`: reserve its working set (or its cells, if more), copy the cells back in
+    the runs they had, register its questions.
 
     gates: (spec, gate, prompt_ids) per standing question, built by the caller (tokenizer work)."""
     meta = state.meta
@@ -114,9 +115,11 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
         raise SessionError(f"session {name!r} is already open; close it or restore under another name")
     manager, pool = core.store.manager, core.store.pool
     n, max_context = int(meta["num_computed"]), int(meta["max_context"])
-    core.admit(name, max_context, "restore")
+    working_set = core.admission.working_set(int(meta["prefix_len"]), max_context)
+    cells = max(working_set, n)  # its cells come back at once, in one reserved run when the pool has one
+    core.admit(name, cells, max_context, "restore")
     table = BlockTable()
-    manager.reserve(table, max_context)
+    manager.reserve(table, cells)
     runs = meta.get("runs")  # a layout hint (older snapshots have none): unusable ones are ignored
     if isinstance(runs, list) and all(type(r) is int for r in runs) and sum(runs) == n:
         manager.lay_out(table, runs)
@@ -125,10 +128,11 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     except KVCapacityError:
         manager.free(table)
         raise
+    table.grows = True  # from here on it grows as any session does
     pool.k[:, :, slots] = state.k.to(pool.k.device, pool.k.dtype)
     pool.v[:, :, slots] = state.v.to(pool.v.device, pool.v.dtype)
     s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table,
-                str(meta.get("tenant", "")))
+                str(meta.get("tenant", "")), working_set=working_set)
     s.token_ids = list(state.token_ids)
     s.num_computed = n
     s.version_base = int(meta.get("version_base", 0))

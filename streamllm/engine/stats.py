@@ -73,6 +73,9 @@ def core_counters(core: EngineCore) -> dict[str, float]:
         "prefix_cache_hits": core.prefixes.hits,
         "cells_total": m.num_blocks * m.block_size,
         "cells_free": m.num_free_blocks * m.block_size,
+        "cells_wanted": core.admission.cells_wanted,  # what the pool was short of last turn (admission.py)
+        "cells_past_working_sets": core.admission.cells_past_working_sets(),
+        "pressure_compactions": core.admission.pressure_compactions,
         "kv_bytes_per_token": core.store.pool.bytes_per_token,
         "core_fast_answers": answerer.fast_answers,
         "core_entry_answers": answerer.entry_answers,
