@@ -505,7 +505,8 @@ def test_metrics_carry_the_learning_curve_and_the_learners_figures_where_a_quest
 
     figures = {"s": {
         "learns": {"samples": 40, "accuracy": 0.6, "history": [[10, 0.4, 0.5, False], [20, 0.55, 0.5, True]],
-                   "learning": {"fits": 3, "samples": 38, "trained_upto": 17, "fit_s": 0.02}},
+                   "learning": {"fits": 3, "samples": 38, "trained_upto": 17, "fit_s": 0.02, "compared": 20,
+                                "answer_accuracy": 0.6, "control_accuracy": 0.85}},
         "fresh": {"samples": 12, "accuracy": 0.5, "history": [[10, 0.5, None, False]]},  # no base rate yet
         "early": {"samples": 4, "accuracy": 0.25, "history": []},  # under 10 scored: no point yet
     }}
@@ -514,6 +515,9 @@ def test_metrics_carry_the_learning_curve_and_the_learners_figures_where_a_quest
     assert 'streamllm_question_learning_samples{question="learns",session="s"} 38.0' in text
     assert 'streamllm_question_recent_accuracy{question="learns",session="s"} 0.55' in text  # the newest point
     assert 'streamllm_question_recent_base_rate{question="learns",session="s"} 0.5' in text
+    assert 'streamllm_question_control_accuracy{question="learns",session="s"} 0.85' in text
+    assert 'streamllm_question_answer_accuracy{question="learns",session="s"} 0.6' in text
+    assert 'streamllm_question_control_accuracy{question="fresh"' not in text
     assert 'streamllm_question_recent_accuracy{question="fresh",session="s"} 0.5' in text
     assert 'streamllm_question_recent_base_rate{question="fresh"' not in text  # null: no figure
     for name in ("recent_accuracy", "recent_base_rate", "learned_heads"):  # under 10 scored: nothing recent

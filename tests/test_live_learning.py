@@ -58,6 +58,11 @@ def test_a_labelled_question_learns_and_is_scored_only_on_answers_its_heads_neve
     curve = cal["history"]
     assert [p[0] for p in curve] == list(range(10, 201, 10))
     assert curve[3][1] <= 0.7 and curve[-1][1] >= 0.9 and not curve[0][3] and curve[-1][3]
+    # The control (the same head on the lines' own numbers: the change's sign is one of them) answered the
+    # same versions from the first fit on, scored beside the answers given, prequentially as they were.
+    learning = cal["learning"]
+    assert 40 <= learning["compared"] <= 200 - 48
+    assert learning["control_accuracy"] >= 0.8 and 0 <= learning["answer_accuracy"] <= 1
 
 
 def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_model, tmp_path) -> None:
@@ -86,6 +91,7 @@ def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_mode
         assert got is not None and torch.equal(got.proj, head.proj) and torch.equal(got.lags, head.lags)
         learner = again.call(lambda core: core.prepos.by_session["copy"]["rising"].learner)
         assert len(learner.samples) == live["learning"]["samples"] and learner.trained_upto == head_upto(live)
+        assert learner.control is not None and learner.control.lags.shape == head.lags.shape  # the control too
 
     # `streamllm tune --from-live` makes it an adapter: a new engine answers with it from the start.
     from streamllm.cli.tune import main as tune_main

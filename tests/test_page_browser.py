@@ -234,9 +234,11 @@ def test_page_plots_each_labelled_questions_learning_curve():
         assert page.locator(curve("early")).count() == page.locator(curve("calm")).count() == 0
         # new calibration objects move the curve on; one whose history is gone takes its plot away
         sockets[0].send(json.dumps({"type": "standing", **_standing(
-            "learns", _curve(5, 2, {"fits": 3, "samples": 46, "trained_upto": 40, "fit_s": 0.01}), 50)}))
+            "learns", _curve(5, 2, {"fits": 3, "samples": 46, "trained_upto": 40, "fit_s": 0.01, "compared": 12,
+                                    "answer_accuracy": 0.75, "control_accuracy": 0.9167}), 50)}))
         sockets[0].send(json.dumps({"type": "standing", **_standing("fixed", _curve(0, 0), 50)}))
         page.wait_for_selector(curve("learns") + '[data-points="5"]', timeout=5_000)
         assert learns.get_attribute("data-open") == "3"
-        assert learns.locator(".learned").inner_text() == "learning: 3 heads fitted on 46 samples"
+        assert learns.locator(".learned").inner_text() == ("learning: 3 heads fitted on 46 samples; right 75% vs "
+                                                           "raw-number control 92% (last 12)")
         page.wait_for_selector(curve("fixed"), state="detached", timeout=5_000)

@@ -19,10 +19,16 @@ A word ends where the next one (or the line's newline) starts; a line without a 
 word (too few words, no word with the prefix) gets zeros there. `tune` extracts its
 training features with this same class on the same forward, so training and serving
 read identical numbers (tests/test_series.py).
+
+Beside the model's features a line also has its own numbers (`line_numbers`, from the pushed
+text, no model): what a learned head's control reads (engine/standing/learning.py), to say what
+the model's states add over the raw numbers of the same lines.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
@@ -34,6 +40,36 @@ import torch
 from streamllm.model.words import Word, check_words
 
 WHITESPACE_MARKS = ("Ġ", "Ċ", "ĉ", "▁")  # byte-level BPE's space, newline, tab; SentencePiece's space
+
+
+# A line's numbers: a word that is a number, bare or after a letter prefix (`46411`, `+34`, `h+5`, `v1.5e3`).
+# Bare ones fill the first NUMBER_POSITIONS slots in order (a bar's close, its change), prefixed ones one
+# slot per letter (its first use), so optional fields (o/h/l only when they differ) never shift the others.
+NUMBER_POSITIONS = 4
+NUMBER_WIDTH = NUMBER_POSITIONS + 26
+_NUMBER_WORD = re.compile(r"([A-Za-z]?)([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)%?")
+
+
+def line_numbers(line: str) -> tuple[float, ...]:
+    """The numbers a line writes, NUMBER_WIDTH of them (0 where absent): a head's raw-number control."""
+    out = [0.0] * NUMBER_WIDTH
+    bare = 0
+    for word in line.split():
+        m = _NUMBER_WORD.fullmatch(word)
+        if m is None:
+            continue  # a time (23:02), a symbol, a word
+        value = float(m.group(2))
+        if not math.isfinite(value):
+            continue
+        letter = m.group(1).lower()
+        if letter:
+            slot = NUMBER_POSITIONS + ord(letter) - ord("a")
+            if out[slot] == 0.0:
+                out[slot] = value
+        elif bare < NUMBER_POSITIONS:
+            out[bare] = value
+            bare += 1
+    return tuple(out)
 
 
 def _tokens(tokenizer: Any) -> list[Any]:
@@ -62,8 +98,8 @@ def word_tables(tokenizer: Any, words: Sequence[Word]) -> tuple[frozenset[int], 
 
 
 class LineTaps:
-    __slots__ = ("keep", "words", "word_starts", "texts", "lines", "_line", "_sum", "_count", "_word", "_marks",
-                 "_prev", "_text", "_need")
+    __slots__ = ("keep", "words", "word_starts", "texts", "lines", "numbers", "_line", "_sum", "_count", "_word",
+                 "_marks", "_prev", "_text", "_need")
 
     def __init__(self, keep: int, words: Sequence[Word] = (), word_starts: frozenset[int] = frozenset(),
                  texts: Sequence[str] | None = None) -> None:
@@ -81,6 +117,7 @@ class LineTaps:
         self._need = max(map(len, prefixes), default=0)  # the characters of a word a prefix can look at
         self._text = ""  # the start of the word the line's newest token belongs to (up to _need characters)
         self.lines: deque[tuple[int, torch.Tensor]] = deque(maxlen=keep)  # (line index, [(2 + W) H])
+        self.numbers: dict[int, tuple[float, ...]] = {}  # line index -> its own numbers (`line_numbers`), newest keep
         self._line = -1  # index of the line being summed
         self._sum: torch.Tensor | None = None
         self._count = 0
@@ -145,6 +182,20 @@ class LineTaps:
                         self._marks[w] = ended
                 self._text = texts[tid]
             self._word += 1
+
+    def note_numbers(self, first_line: int, numbers: Sequence[tuple[float, ...]]) -> None:
+        """The pushed lines first_line, first_line + 1, ... write these numbers (kept for the newest `keep`)."""
+        for i, row in enumerate(numbers):
+            self.numbers[first_line + i] = row
+        while len(self.numbers) > self.keep:
+            del self.numbers[next(iter(self.numbers))]
+
+    def numbers_window(self, upto: int, count: int) -> torch.Tensor | None:
+        """[count, NUMBER_WIDTH]: the numbers of lines upto-count .. upto-1; None unless all are held."""
+        rows = [self.numbers.get(n) for n in range(upto - count, upto)]
+        if count < 1 or any(r is None for r in rows):
+            return None
+        return torch.tensor(rows, dtype=torch.float32)
 
     def window(self, upto: int, count: int) -> torch.Tensor | None:
         """Features [count, (2 + W) H] of lines upto-count .. upto-1 (oldest first); None unless all are held."""

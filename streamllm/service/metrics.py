@@ -42,6 +42,10 @@ class _CalibrationCollector(Collector):
         "learned_heads": ("live learning: heads fitted so far", lambda c: (c.get("learning") or {}).get("fits")),
         "learning_samples": ("live learning: training samples kept",
                              lambda c: (c.get("learning") or {}).get("samples")),
+        "answer_accuracy": ("live learning: accuracy of the answers given, on those the control answered too",
+                            lambda c: (c.get("learning") or {}).get("answer_accuracy")),
+        "control_accuracy": ("live learning: accuracy of the control (the same head on the lines' own numbers, "
+                             "no model) on the same answers", lambda c: (c.get("learning") or {}).get("control_accuracy")),
     }
 
     def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]]) -> None:

@@ -102,7 +102,7 @@ class LiveCalibration:
     # data version -> (answer, gap, fired) made there, waiting for its (forecast's) truth
     answers: dict[int, tuple[str, float, bool]] = field(default_factory=dict)
     last_answered: int = -1  # the newest version answered (a truth for an older one without an answer: skipped)
-    last_scored: tuple[int, str] | None = None  # (version, truth) of the newest scored answer (live learning)
+    last_scored: tuple[int, str, bool] | None = None  # (version, truth, right) of the newest scored answer (learning)
     summary: CalibrationSummary | None = None
     run: int = 0  # the truth run the last scored sample belongs to
     last_truth: str | None = None
@@ -145,7 +145,7 @@ class LiveCalibration:
 
     def _add(self, version: int, truth: str, answer: str, gap: float, fired: bool, threshold: float) -> None:
         truth = truth.casefold()
-        self.last_scored = (version, truth)
+        self.last_scored = (version, truth, answer.casefold() == truth)
         if truth != self.last_truth:
             self.run, self.last_truth = self.run + 1, truth
         sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run, truth)

@@ -14,11 +14,18 @@ makes, which `tests/test_live_learning.py` checks.
 
 Only the core thread calls `Learner` and `Learning`; the worker sees copies and returns a head.
 Memory: a learner keeps at most `max_samples` samples and only the lines they read.
+
+**The control.** Beside the head on the model's states, every fit also fits the same head on the
+lines' own numbers (engine/taps.py `line_numbers`: the close, the change, h/l/v... as the line
+writes them, no model). Its answers are made and scored the same way (prequential, at the same
+versions) but never given: they only say, in the question's figures, whether the model's states
+add anything over the raw numbers of the same K lines (`control_accuracy` beside `answer_accuracy`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -28,7 +35,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamllm.model.adapter import SeriesHead
+from streamllm.engine.taps import NUMBER_WIDTH
+from streamllm.model.adapter import SeriesHead, series_logits
 from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
 
 if TYPE_CHECKING:
@@ -38,6 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_WAITING = 256  # answered versions whose lines are kept until their truth comes
+COMPARED = 500  # newest scored answers the control is compared on (calibration's window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +94,22 @@ class TrainingSet:
     reads: torch.Tensor  # [N] lines each sample has (K, or fewer at a session's start)
     labels: torch.Tensor  # [N] choice index
     newest_version: int  # the newest version among the samples
+    numbers: torch.Tensor | None = None  # [M, NUMBER_WIDTH] the same lines' own numbers (the control's features)
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """The control head: the same series head fitted on the lines' own numbers."""
+
+    proj: torch.Tensor
+    proj_bias: torch.Tensor
+    lags: torch.Tensor
+    bias: torch.Tensor
+
+    def choose(self, numbers: torch.Tensor) -> int:
+        """Its answer (a choice index) on the numbers of the newest lines [n, NUMBER_WIDTH]."""
+        k = self.lags.shape[1]
+        return int(series_logits(numbers[-k:], self.proj, self.proj_bias, self.lags, self.bias).argmax())
 
 
 class Learner:
@@ -94,8 +119,12 @@ class Learner:
         self.config = config
         self.choices = tuple(c.casefold() for c in choices)
         self._lines: dict[int, torch.Tensor] = {}  # line number -> features [F] (fp32, CPU)
-        # answered version -> (upto, reads, trained_upto of the head that answered)
-        self._waiting: OrderedDict[int, tuple[int, int, int]] = OrderedDict()
+        self._numbers: dict[int, torch.Tensor] = {}  # line number -> its own numbers [NUMBER_WIDTH] (the control's)
+        # answered version -> (upto, reads, trained_upto of the head that answered, the control's answer or -1)
+        self._waiting: OrderedDict[int, tuple[int, int, int, int]] = OrderedDict()
+        self.control: Control | None = None
+        # (the answer given was right, the control's was right) per scored answer the control answered too
+        self.compared: deque[tuple[bool, bool]] = deque(maxlen=COMPARED)
         # (version, upto, reads, label, trained_upto of the head that answered): that head never saw this sample
         self.samples: deque[tuple[int, int, int, int, int]] = deque()
         self.since_fit = 0  # samples added since the last fit started
@@ -112,18 +141,26 @@ class Learner:
             return  # lines not all held (a restore, a compaction gap): no sample at this version
         for offset, features in enumerate(window):
             self._lines.setdefault(upto - reads + offset, features.detach().to("cpu", torch.float32))
-        self._waiting[version] = (upto, reads, self.trained_upto)
+        numbers = taps.numbers_window(upto, reads)
+        if numbers is not None:  # None for lines pushed before the question (or before a restore)
+            for offset, row in enumerate(numbers):
+                self._numbers.setdefault(upto - reads + offset, row)
+        control = -1 if self.control is None or numbers is None else self.control.choose(numbers)
+        self._waiting[version] = (upto, reads, self.trained_upto, control)
         while len(self._waiting) > MAX_WAITING:
             self._waiting.popitem(last=False)
             self._forget_lines()
 
-    def learn(self, version: int, truth: str) -> bool:
-        """`version`'s answer was scored against `truth`: now it may be trained on. False without its lines."""
+    def learn(self, version: int, truth: str, correct: bool) -> bool:
+        """`version`'s answer was scored against `truth` (`correct`: the answer given was right): now it may be
+        trained on, and the control's answer there is scored too. False without its lines."""
         seen = self._waiting.pop(version, None)
         label = self._label(truth)
         if seen is None or label is None:
             return False
-        upto, reads, head_upto = seen
+        upto, reads, head_upto, control = seen
+        if control >= 0:
+            self.compared.append((correct, control == label))
         self.samples.append((version, upto, reads, label, head_upto))
         self.since_fit += 1
         if len(self.samples) > self.config.max_samples:
@@ -133,8 +170,13 @@ class Learner:
 
     def figures(self) -> dict:
         """What stats and the page show of it: heads fitted, samples kept, the newest version trained on."""
-        return {"fits": self.fits, "samples": len(self.samples), "trained_upto": self.trained_upto,
-                "fit_s": round(self.last_fit_s, 3)}
+        out = {"fits": self.fits, "samples": len(self.samples), "trained_upto": self.trained_upto,
+               "fit_s": round(self.last_fit_s, 3)}
+        if self.compared:  # the same answers, given and the control's: what the model's states add
+            n = len(self.compared)
+            out.update(compared=n, answer_accuracy=round(sum(a for a, _ in self.compared) / n, 4),
+                       control_accuracy=round(sum(c for _, c in self.compared) / n, 4))
+        return out
 
     def wants_fit(self) -> bool:
         cfg = self.config
@@ -155,7 +197,9 @@ class Learner:
             index[j] = torch.tensor([rows[0]] * (k - r) + rows)
         reads = torch.tensor([s[2] for s in self.samples])
         labels = torch.tensor([s[3] for s in self.samples])
-        return TrainingSet(lines, index, reads, labels, self.samples[-1][0])
+        zero = torch.zeros(NUMBER_WIDTH)  # a line pushed before the question has no numbers kept: zeros
+        numbers = torch.stack([self._numbers.get(n, zero) for n in needed])
+        return TrainingSet(lines, index, reads, labels, self.samples[-1][0], numbers)
 
     def export(self, head: SeriesHead | None) -> tuple[dict, dict[str, torch.Tensor]]:
         """What a snapshot, an eviction or a move carries: the samples, the lines they read and the learned
@@ -163,10 +207,15 @@ class Learner:
         numbers = sorted(self._lines)
         meta = {"samples": [list(x) for x in self.samples], "waiting": [[v, *w] for v, w in self._waiting.items()],
                 "fits": self.fits, "trained_upto": self.trained_upto, "fit_s": self.last_fit_s,
-                "since_fit": self.since_fit, "head": None}
+                "since_fit": self.since_fit, "head": None, "compared": [[int(a), int(c)] for a, c in self.compared]}
         tensors: dict[str, torch.Tensor] = {"line_numbers": torch.tensor(numbers, dtype=torch.int64)}
         if numbers:
             tensors["lines"] = torch.stack([self._lines[n] for n in numbers])
+            nan = torch.full((NUMBER_WIDTH,), math.nan)  # NaN: the line's numbers were not kept
+            tensors["numbers"] = torch.stack([self._numbers.get(n, nan) for n in numbers])
+        if self.control is not None:
+            for name in ("proj", "proj_bias", "lags", "bias"):
+                tensors[f"control_{name}"] = getattr(self.control, name).contiguous()
         if head is not None:
             meta["head"] = {"layer": head.layer, "words": list(head.words), "threshold": head.threshold,
                             "min_lines": head.min_lines}
@@ -184,7 +233,17 @@ class Learner:
                 raise ValueError(f"lines shaped {None if lines is None else tuple(lines.shape)}, expected "
                                  f"[{len(numbers)}, {width}]")
             samples = [tuple(int(x) for x in row) for row in meta["samples"]]
-            waiting = [tuple(int(x) for x in row) for row in meta["waiting"]]
+            # a waiting answer saved before the control was kept has no control answer: -1
+            waiting = [tuple(int(x) for x in row) + (-1,) * (6 - len(row)) for row in meta["waiting"]]
+            compared = [(bool(a), bool(c)) for a, c in meta.get("compared", [])]
+            kept = tensors.get("numbers")
+            if kept is not None and tuple(kept.shape) != (len(numbers), NUMBER_WIDTH):
+                raise ValueError(f"numbers shaped {tuple(kept.shape)}, expected [{len(numbers)}, {NUMBER_WIDTH}]")
+            control = None
+            if "control_proj" in tensors:
+                control = Control(*(tensors[f"control_{n}"].float() for n in ("proj", "proj_bias", "lags", "bias")))
+                if control.proj.shape[1] != NUMBER_WIDTH or control.lags.shape[0] != len(self.choices):
+                    raise ValueError(f"control head shaped {tuple(control.proj.shape)} / {tuple(control.lags.shape)}")
             held = set(numbers)
             for _, u, r, label, _ in samples:
                 if not 0 <= label < len(self.choices) or any(n not in held for n in range(u - r, u)):
@@ -203,8 +262,11 @@ class Learner:
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ValueError(f"learned state of {question_id!r}: {exc}") from None
         self._lines = {n: f for n, f in zip(numbers, lines, strict=True)} if lines is not None else {}
+        self._numbers = ({} if kept is None else
+                         {n: row for n, row in zip(numbers, kept, strict=True) if not torch.isnan(row).any()})
         self.samples = deque(samples)
-        self._waiting = OrderedDict((v, (u, r, hu)) for v, u, r, hu in waiting)
+        self._waiting = OrderedDict((v, (u, r, hu, c)) for v, u, r, hu, c in waiting)
+        self.control, self.compared = control, deque(compared, maxlen=COMPARED)
         self.fits, self.trained_upto, self.last_fit_s, self.since_fit = fits, trained_upto, fit_s, since_fit
         return head
 
@@ -216,13 +278,16 @@ class Learner:
 
     def _forget_lines(self) -> None:
         """Drop lines no kept sample and no waiting answer reads."""
-        spans = [(u - r, u) for _, u, r, *_ in self.samples] + [(u - r, u) for u, r, _ in self._waiting.values()]
+        spans = [(u - r, u) for _, u, r, *_ in self.samples] + [(u - r, u) for u, r, *_ in self._waiting.values()]
         if not spans:
             self._lines.clear()
+            self._numbers.clear()
             return
         low = min(a for a, _ in spans)
         for n in [n for n in self._lines if n < low]:
             del self._lines[n]
+        for n in [n for n in self._numbers if n < low]:
+            del self._numbers[n]
 
 
 def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> SeriesFit:
@@ -236,13 +301,19 @@ def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> Se
 
 
 def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
-             layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, float]:
-    """The worker's job: a series head fitted on `data` (`fit_training_set`), and the fit's wall time."""
+             layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, Control | None, float]:
+    """The worker's job: a series head fitted on `data` (`fit_training_set`), its control on the same
+    samples' numbers (a few features: a small share of the fit), and the wall time of both."""
     t0 = time.perf_counter()
     fit = fit_training_set(data, config, len(choices))
     head = SeriesHead(question_id, text, choices, layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       threshold, words, min_lines=1)
-    return head, time.perf_counter() - t0
+    control = None
+    if data.numbers is not None:
+        raw = fit_training_set(TrainingSet(data.numbers, data.index, data.reads, data.labels, data.newest_version),
+                               config, len(choices))
+        control = Control(raw.proj, raw.proj_bias, raw.lags, raw.bias)
+    return head, control, time.perf_counter() - t0
 
 
 class Learning:
@@ -273,10 +344,11 @@ class Learning:
             return False
         return st.gate.head is None or spec.learn is True
 
-    def scored(self, st: Standing, version: int, truth: str) -> None:
-        """An answer of `st` was scored: its sample may be trained on now; maybe start a fit."""
+    def scored(self, st: Standing, version: int, truth: str, correct: bool) -> None:
+        """An answer of `st` was scored (`correct`: it was right): its sample may be trained on now; maybe
+        start a fit."""
         learner = st.learner
-        if learner is None or not learner.learn(version, truth) or not learner.wants_fit():
+        if learner is None or not learner.learn(version, truth, correct) or not learner.wants_fit():
             return
         learner.fitting, learner.since_fit = True, 0
         data = learner.training_set()
@@ -298,12 +370,13 @@ class Learning:
             del self._running[key]
             st.learner.fitting = False
             try:
-                head, seconds = future.result()
+                head, control, seconds = future.result()
             except Exception:  # a fit that fails keeps the head in force; the next samples try again
                 log.exception("live fit of %s failed", st.spec.id)
                 self.fits_failed += 1
                 continue
             st.gate.head = head.to(self.device, torch.float32)  # heads read fp32 features
+            st.learner.control = control
             st.learner.fits += 1
             st.learner.trained_upto = newest_version
             st.learner.last_fit_s = seconds

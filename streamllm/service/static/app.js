@@ -228,8 +228,11 @@
       s.curves.set(qid, curve);
     }
     const l = c.learning;
+    // The control: the same head on the lines' own numbers, scored on the same answers (docs/calibration.md).
+    const control = l && l.compared
+      ? `; right ${pct(l.answer_accuracy)} vs raw-number control ${pct(l.control_accuracy)} (last ${l.compared})` : "";
     $(".learned", curve.fig).textContent = l
-      ? `learning: ${l.fits} head${l.fits === 1 ? "" : "s"} fitted on ${l.samples} sample${l.samples === 1 ? "" : "s"}` : "";
+      ? `learning: ${l.fits} head${l.fits === 1 ? "" : "s"} fitted on ${l.samples} sample${l.samples === 1 ? "" : "s"}${control}` : "";
     const last = history[history.length - 1];
     const key = `${history[0][0]}-${last[0]}:${history.length}`;  // points are only appended (the oldest dropped)
     if (key === curve.key) return;
