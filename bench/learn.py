@@ -14,6 +14,9 @@ Per question and market (`{metric}.{question}@{market}`), over bars [--from, --t
   live_gate_coverage/precision/fired   answers the gate fired on (path fast) at threshold auto:0.9
   raw_head_accuracy            the control: the same series head, fitted prequentially on the same
                                cadence, on the raw numbers of the same K bars (no model states)
+  live_answer_accuracy, live_control_accuracy   the engine's own control (the same head on the lines'
+                               own numbers, engine/standing/learning.py) beside the answers given, on the
+                               newest scored answers both made at the end of the replay (at most 500)
 
 `--overhead BARS` instead measures what learning costs: a fast-path ask's p99 and push -> idle per
 bar, the same bars and asks with the questions learning and with `learn = false`, run alternately.
@@ -125,8 +128,9 @@ def _fit_raw(lines: torch.Tensor, known: list[int], truth: list[int | None], cla
     return lambda window: series_logits(window, fit.proj, fit.proj_bias, fit.lags, fit.bias)
 
 
-def replay(loaded, market: Market, bars: list, specs: list, args: argparse.Namespace) -> dict[str, list]:
-    """Push the bars one per push; returns, per question, (answer text, fired) per bar (index = bar)."""
+def replay(loaded, market: Market, bars: list, specs: list, args: argparse.Namespace) -> tuple[dict[str, list], dict]:
+    """Push the bars one per push; returns, per question, (answer text, fired) per bar (index = bar), and the
+    questions' live learning figures at the end."""
     engine = Engine(loaded, EngineConfig(max_cells=args.context + 8192, max_context=args.context))
     got: dict[str, list] = {q.id: [None] * len(bars) for q in specs}
     try:
@@ -148,9 +152,10 @@ def replay(loaded, market: Market, bars: list, specs: list, args: argparse.Names
                     got[a.question_id][i] = (a.text, a.path == "fast")
             if (i + 1) % 100 == 0:
                 print(f"  {market.name}: {i + 1}/{len(bars)} bars, {time.perf_counter() - t0:.0f} s", flush=True)
+        learned = {q: (c or {}).get("learning") or {} for q, c in engine.calibration().get("m", {}).items()}
     finally:
         engine.shutdown()
-    return got
+    return got, learned
 
 
 def trailing_first(correct: list[bool | None], start: int, target: float, span: int = 100) -> int:
@@ -173,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         bars = source.events()[market.start: market.start + args.bars]
         frame = pl.DataFrame({f: [getattr(b, f) for b in bars] for f in ("open", "high", "low", "close", "volume")})
         print(f"{market.name}: {len(bars)} bars of {market.path.name} from bar {market.start}", flush=True)
-        got = replay(loaded, market, bars, specs, args)
+        got, learned = replay(loaded, market, bars, specs, args)
         lines = raw_lines(bars)
         for q in specs:
             truth = [None if v is None else int(v) for v in q.label.truths(frame).to_list()]
@@ -195,13 +200,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             figures = {"preq_accuracy": acc, "base_rate": base, "raw_head_accuracy": raw_acc,
                        "bars_to_base_plus_10": trailing_first(correct, 0, base + 0.10),
                        "live_gate_coverage": len(fired) / len(judged) if judged else float("nan"),
-                       "live_gate_precision": precision, "live_gate_fired": len(fired), "judged": len(judged)}
+                       "live_gate_precision": precision, "live_gate_fired": len(fired), "judged": len(judged),
+                       "live_answer_accuracy": learned.get(q.id, {}).get("answer_accuracy", float("nan")),
+                       "live_control_accuracy": learned.get(q.id, {}).get("control_accuracy", float("nan"))}
             metrics.update({f"{k}.{key}": v for k, v in figures.items()})
             rows.append([key, len(judged), base, acc, raw_acc, figures["bars_to_base_plus_10"],
-                         figures["live_gate_coverage"], precision, len(fired)])
+                         figures["live_gate_coverage"], precision, len(fired), figures["live_answer_accuracy"],
+                         figures["live_control_accuracy"]])
     print_table(f"bench learn: {args.model}, bars [{args.start}, {args.stop}) of {args.bars}",
                 ["question@market", "judged", "base", "preq_acc", "raw_acc", "bars_to_b+10", "coverage",
-                 "precision", "fired"], rows)
+                 "precision", "fired", "live_ans", "live_ctl"], rows)
     return metrics
 
 
