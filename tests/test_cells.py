@@ -72,7 +72,7 @@ class CellsMachine(RuleBasedStateMachine):
                              str(exc))
             self.refused += 1
             return
-        table = BlockTable(grows=True)
+        table = BlockTable(grow_to=max_context)
         self.m.reserve(table, cells)
         self.sessions[name] = Session(name, "sys", [1, 2, 3], max_context, table, working_set=cells)
 
@@ -143,21 +143,34 @@ TestAdmissionNeverOvercommits.settings = settings(max_examples=60, stateful_step
                                                   suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_growing_tables_take_runs_after_their_last_block_and_give_back_what_they_do_not_fill():
-    m = BlockManager(64, 4, grow_blocks=8)
+def test_growing_tables_take_runs_that_grow_with_them_and_give_back_what_they_do_not_fill():
+    m = BlockManager(64, 4, grow_blocks=4)
     m.keep_free = 8
-    t = BlockTable(grows=True)
+    t = BlockTable(grow_to=80)  # a session of max_context 80: 20 blocks
     m.reserve(t, 8)  # its working set: 2 blocks
     m.append(t, 8)
-    m.append(t, 1)  # past it: a run of 8 blocks right after its last
-    assert t.blocks == [0, 1, 2] and t.reserved == [3, 4, 5, 6, 7, 8, 9]
-    assert m.runs(t) == [(0, 0, 9)]
-    assert m.trim(t, 8) == 7 and not t.reserved and m.num_reserved == 0
-    other = BlockTable(grows=True)
-    m.append(other, 4 * (64 - 3 - 8))  # everything but keep_free
-    assert not m.can_append(other, 1) and not m.can_append(t, 4)
+    m.append(t, 1)  # past it: a run of grow_blocks right after its last block
+    assert t.blocks == [0, 1, 2] and t.reserved == [3, 4, 5]
+    m.append(t, 12)
+    wall = BlockTable()
+    m.reserve(wall, 8)  # a branch's blocks right after t's run
+    assert wall.reserved == [6, 7]
+    m.append(t, 4)  # t's next run starts past them
+    m.append(t, 12)
+    m.append(t, 4)  # 11 blocks: a run of half what it holds (5), not grow_blocks (4)
+    assert t.blocks == [*range(6), *range(8, 13)] and t.reserved == [13, 14, 15, 16]
+    assert m.runs(t) == [(0, 0, 24), (24, 32, 17)]
+    m.append(t, 39)  # a run of 7 would pass its max_context: 5
+    assert t.blocks == [*range(6), *range(8, 22)] and not t.reserved
+    short = BlockTable(grow_to=400)
+    m.reserve(short, 8)
+    m.append(short, 9)
+    assert len(short.reserved) == 3 and m.trim(short, 8) == 3 and not short.reserved and m.num_reserved == 2
+    other = BlockTable(grow_to=4 * 64)
+    m.append(other, 4 * (m.num_free_blocks - m.keep_free))  # everything but keep_free
+    assert not m.can_append(other, 1) and not m.can_append(short, 4)
     assert m.can_append(BlockTable(), 4 * 8)  # branches and copies may take the kept blocks
-    m.check_integrity([t, other])
+    m.check_integrity([t, wall, short, other])
 
 
 # -- on the engine ----------------------------------------------------------------------------------
@@ -277,8 +290,8 @@ def test_idle_sessions_spill_to_disk_when_growing_sessions_run_the_pool_short(ti
                 break
         assert eng.wait_idle(60)
         stats = eng.stats()
-        assert stats["pressure_spills"] >= 1 and "s0" in eng.evicted()  # the least recently used went first
-        assert stats["pressure_compactions"] == 0
+        assert stats["pressure_spills"] >= 1 and "s0" in eng.evicted(), stats  # the least recently used went first
+        assert stats["pressure_compactions"] == 0, stats
         info = eng.session_info("s2")
         assert info.data_version == info.pushed_version
         eng.push("s0", list(itertools.islice(feeds["s0"], 1)))  # its next bar brings it back

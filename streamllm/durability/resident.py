@@ -11,10 +11,10 @@
                           retry once
     the pool short while sessions grow (the engine's `cells_wanted` in stats, engine/admission.py),
     with auto_evict=True
-                          after a push, a worker spills idle sessions the same way, least
-                          recently used first, until what was wanted is freed: the engine then
-                          need not compact a busy session to make room; each comes back on its
-                          next push (its next bar) or ask
+                          a watcher thread spills idle sessions the same way, least recently
+                          used first (a push, an ask or an open is a use), until what was wanted
+                          is freed: the engine then need not compact a busy session to make
+                          room; each comes back on its next push (its next bar) or ask
 
 Built only on the engine's public methods. Every call that touches one session runs under
 that session's lock, so an eviction never slips between the residency check and the call:
@@ -29,6 +29,7 @@ relayed from the engine, so they stay attached across evictions.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +67,7 @@ from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscription, SubscriptionHub
 
 __all__ = ["ResidentEngine"]
+log = logging.getLogger("streamllm.durability")
 
 
 @dataclass(slots=True)
@@ -83,11 +85,12 @@ class ResidentEngine(EngineClient):
 
     spill_dir: where evicted sessions' snapshots go (needed by `evict_session` and auto_evict).
     auto_evict: when an open or a restore is refused for want of cells, evict idle sessions, least
-    recently asked first, and retry. settle_s: once every candidate was busy, how long to let the
+    recently used first, and retry; and while the pool is short of cells as sessions grow, spill idle
+    sessions (checked every watch_s seconds). settle_s: once every candidate was busy, how long to let the
     engine settle before trying them again. Owns `engine`: `shutdown` stops it."""
 
     def __init__(self, engine: Engine, spill_dir: str | Path | None = None, *, auto_evict: bool = False,
-                 settle_s: float = 2.0) -> None:
+                 settle_s: float = 2.0, watch_s: float = 0.1) -> None:
         if auto_evict and spill_dir is None:
             raise ValueError("auto_evict needs a spill_dir to evict sessions to")
         self.engine = engine
@@ -98,12 +101,17 @@ class ResidentEngine(EngineClient):
         self._session_locks: dict[str, threading.RLock] = {}
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last push, ask or open
         self._room = threading.Lock()  # one make_room at a time
-        self._spilling = threading.Event()  # a spill for pool pressure is queued or running
+        self.watch_s = watch_s
+        self._stop_watch = threading.Event()
         self._hub = SubscriptionHub()
         self._forwards: dict[str, list[Subscription]] = {}  # the engine's subscriptions relaying to _hub
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="streamllm-restore")
         self._stopped = False
         self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
+        self._watcher = None
+        if auto_evict:
+            self._watcher = threading.Thread(target=self._watch_pressure, name="streamllm-spill", daemon=True)
+            self._watcher.start()
 
     # -- identity -----------------------------------------------------------------
     @property
@@ -178,8 +186,7 @@ class ResidentEngine(EngineClient):
             self._resident(name)
             ack = self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
             self._last_used[name] = time.monotonic()
-        self._spill_if_short(name)
-        return ack
+            return ack
 
     # -- standing questions -------------------------------------------------------
     def register(self, name: str, spec: QuestionSpec) -> None:
@@ -295,6 +302,9 @@ class ResidentEngine(EngineClient):
 
     def shutdown(self) -> None:
         self._stopped = True
+        self._stop_watch.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=30)
         self.engine.shutdown()
         self._workers.shutdown(wait=True)  # queued restores fail their asks with EngineStopped
 
@@ -400,28 +410,20 @@ class ResidentEngine(EngineClient):
                 raise
             return self.engine.import_session(state, name)
 
-    def _spill_if_short(self, pushed: str) -> None:
-        """The pool is short of cells (sessions growing past their working sets): spill idle sessions
-        in a worker, least recently used first, never the one just pushed."""
-        if not self.auto_evict or self._stopped or self._spilling.is_set():
-            return
-        wanted = int(self.engine.stats().get("cells_wanted", 0))
-        if wanted <= 0:
-            return
-        self._spilling.set()
-
-        def spill() -> None:
+    def _watch_pressure(self) -> None:
+        """With auto_evict: while the pool is short of cells (sessions growing past their working sets,
+        the engine's `cells_wanted`), spill idle sessions, least recently used first. A thread of its own
+        that reads published figures: a push never waits for it, and pressure that shows up after the
+        last push is still seen."""
+        while not self._stop_watch.wait(self.watch_s):
             try:
-                short = wanted
-                while short > 0 and self._spill(short, {pushed}) and not self._stopped:
-                    # what was freed lets the growing sessions go on; they may run short again before
-                    # their pushes are in: look once more when the core has had a turn
-                    self.engine.wait_idle(timeout=0.1)
-                    short = int(self.engine.stats().get("cells_wanted", 0))
-            finally:
-                self._spilling.clear()
-
-        self._workers.submit(spill)
+                short = int(self.engine.stats().get("cells_wanted", 0))
+                if short > 0 and self._spill(short, set()):
+                    self.engine.wait_idle(timeout=self.watch_s)  # let the core see the room before looking again
+            except EngineStopped:
+                return
+            except Exception:  # a figure or an eviction failing must not end the watch
+                log.exception("spilling sessions for pool pressure failed; trying again")
 
     def _spill(self, cells: int, exclude: set[str]) -> int:
         """Evict idle sessions, least recently used first, until they held `cells`; returns cells freed."""

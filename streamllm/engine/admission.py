@@ -89,8 +89,8 @@ class Admission:
         return m.can_reserve(cells, keep_free_tokens=keep)
 
     def admit(self, name: str, cells: int, max_context: int, action: str = "open") -> None:
-        """Reserve nothing yet, but refuse (AdmissionError) a working set the pool cannot hold now,
-        after giving back what costs nothing (runs past working sets, idle entries)."""
+        """Refuse (AdmissionError) a working set of `cells` the pool cannot hold now, after giving back
+        what costs nothing (runs past working sets, idle entries); the caller reserves it (one run)."""
         manager = self.store.manager
         if not self.can_admit(cells, max_context):
             self._give_back_free()
@@ -111,15 +111,15 @@ class Admission:
 
     def cells_owed(self) -> int:
         """Cells of their working sets that sessions do not hold (taken back when the pool has them)."""
-        bs = self.store.manager.block_size
-        return sum(max(0, s.working_set - (len(s.table.blocks) + len(s.table.reserved)) * bs)
-                   for s in self.sessions.values())
+        m = self.store.manager
+        return m.block_size * sum(max(0, m.blocks_for(s.working_set) - len(s.table.blocks) - len(s.table.reserved))
+                                  for s in self.sessions.values())
 
     def cells_past_working_sets(self) -> int:
         """Cells sessions hold (filled or reserved) beyond their working sets."""
         m = self.store.manager
-        return sum(max(0, (len(s.table.blocks) + len(s.table.reserved)) * m.block_size - s.working_set)
-                   for s in self.sessions.values())
+        return m.block_size * sum(max(0, len(s.table.blocks) + len(s.table.reserved) - m.blocks_for(s.working_set))
+                                  for s in self.sessions.values())
 
     # -- pressure ---------------------------------------------------------------------
     def relieve(self) -> None:

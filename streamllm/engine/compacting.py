@@ -190,7 +190,7 @@ class Compactor:
                 self.publisher.data(session)
             self.store.manager.free(old)  # asks forked from it hold their own references until they end
             self.prepos.rebase(name)
-            session.table.grows = True  # the copy's table is the session's now: it grows as the session's did
+            session.table.grow_to = session.max_context  # the copy's table is the session's now: it grows as it did
             try:
                 self.store.manager.reserve(session.table, session.working_set)
             except KVCapacityError:

@@ -30,7 +30,7 @@ class EngineConfig:
     # grows past them up to max_context while the pool has room. 1024: ~22 one-minute bars of bp lines, the
     # window before the last lines series heads read.
     working_set_tokens: int = 1024
-    growth_cells: int = 256  # a session grows past its working set in runs of this many cells (engine/kv.py)
+    growth_cells: int = 256  # a session grows past its working set in runs of at least this many cells (engine/kv.py)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compaction: CompactionPolicy = field(default_factory=CompactionPolicy)  # safety=0: cuts by token counts alone
     stale_policy: StalePolicy = StalePolicy.WAIT  # a standing question asked while its entry lags

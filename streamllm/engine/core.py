@@ -299,7 +299,7 @@ class EngineCore:
             raise SessionError(f"session {name!r} is already open")
         cells = self.admission.working_set(len(prefix), max_context)
         self.admit(name, cells, max_context)
-        table = BlockTable(grows=True)
+        table = BlockTable(grow_to=max_context)
         computed = self.prefixes.start(table, prefix, tenant)  # the tenant's identical prefix is shared, not recomputed
         self.store.manager.reserve(table, cells)
         session = Session(name, system, prefix, max_context, table, tenant, working_set=cells)

@@ -6,11 +6,14 @@ tensor, and tests run without a model.
 
 A session reserves its *working set* when it opens (admission, engine/admission.py):
 one contiguous run of the pool whenever first-fit finds one, so attention reads it as a
-view. Past it a session's table *grows*: a block it needs is taken with up to
-`grow_blocks` - 1 more after it (right after its last block when those are free), held as
-its reservation, so a long session is a few long runs, not one run per block. Growth
+view. Past it a session's table *grows*: when it needs a block it takes a run of
+max(`grow_blocks`, half the blocks it holds) at once (right after its last block when
+those are free, up to its max_context), the rest held as its reservation. Attention reads
+a session run by run and a decode step pays per run (model/attention.py), so runs grow
+with the session: a session of n blocks is O(log n) runs, never one per block. Growth
 never takes the last `keep_free` blocks: those stay for branches (questions, entries)
-and compaction copies, which take blocks from the whole free pool.
+and compaction copies, which take blocks from the whole free pool. Reserved blocks not
+filled yet go back when the pool is short (`trim`).
 
     session table:  [b7 b8 b9 b10 | b11 b12 (reserved, empty)]
     branch fork:    [b7 b8 b9 | b40 (copy of b10's filled slots) | b41 ...]
@@ -22,6 +25,7 @@ out a block it does not have (`KVCapacityError`, nothing allocated).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +43,13 @@ class BlockTable:
     num_tokens: int = 0
     # Blocks set aside (admission, growth in runs), consumed by append before the free pool.
     reserved: list[int] = field(default_factory=list)
-    # A session's table: grows in runs of `grow_blocks` and leaves `keep_free` blocks free.
-    grows: bool = False
+    # A session's table: its max_context; it grows in runs up to it and leaves `keep_free` blocks free.
+    # 0: a branch or a copy, which takes exactly the blocks it needs.
+    grow_to: int = 0
+
+    @property
+    def grows(self) -> bool:
+        return self.grow_to > 0
 
 
 class BlockManager:
@@ -87,23 +96,36 @@ class BlockManager:
         return self.blocks_for(num_tokens) + self.blocks_for(keep_free_tokens) <= self.num_free_blocks
 
     # -- allocation -------------------------------------------------------
-    def _take(self, count: int, contiguous: bool, after: int | None = None) -> list[int]:
+    def _take(self, count: int, contiguous: bool, after: int | None = None, avoid: int | None = None) -> list[int]:
         """Take `count` free blocks: right after block `after` if free (the table's run goes
-        on), else a contiguous run if asked, else any."""
+        on), else a contiguous run if asked, else any (one block: one with a free block after
+        it, so what follows can go on in one run); never block `avoid` while others are free."""
         if count > len(self._free):
             raise KVCapacityError(
                 f"KV pool exhausted: need {count} blocks of {self.block_size} cells, "
                 f"{len(self._free)} free of {self.num_blocks}; raise max_cells or close sessions"
             )
-        ids = None
-        if after is not None and after + count < self.num_blocks and all(
-            self._is_free[b] for b in range(after + 1, after + 1 + count)
-        ):
-            ids = list(range(after + 1, after + 1 + count))
-        if ids is None and contiguous and count > 1:
-            ids = self._first_fit(count)
-        if ids is None:
-            ids = sorted(self._free)[:count] if count > 1 else [next(iter(self._free))]
+        hidden = avoid is not None and 0 <= avoid < self.num_blocks and self._is_free[avoid] and len(self._free) > count
+        if hidden:
+            self._is_free[avoid] = False
+            self._free.discard(avoid)
+        try:
+            ids = None
+            if after is not None and after + count < self.num_blocks and all(
+                self._is_free[b] for b in range(after + 1, after + 1 + count)
+            ):
+                ids = list(range(after + 1, after + 1 + count))
+            if ids is None and contiguous and count > 1:
+                ids = self._first_fit(count)
+            if ids is None and count == 1:
+                candidates = list(itertools.islice(self._free, 32))
+                ids = [next((b for b in candidates if b + 1 < self.num_blocks and self._is_free[b + 1]), candidates[0])]
+            if ids is None:
+                ids = sorted(self._free)[:count]
+        finally:
+            if hidden:
+                self._is_free[avoid] = True
+                self._free.add(avoid)
         for b in ids:
             self._free.discard(b)
             self._is_free[b] = False
@@ -193,8 +215,18 @@ class BlockManager:
         missing = self.blocks_for(end) - len(table.blocks)
         if missing > 0:
             last = table.blocks[-1] if table.blocks else None
-            take = max(missing, min(self.grow_blocks, self.available_to(table))) if table.grows else missing
-            ids = self._take(take, contiguous=True, after=last)
+            avoid = None
+            if last is not None and self.refcount[last] > 1:
+                # a block shared with another table (a fork's session): this table's own blocks start a
+                # run of their own, so its runs split at the fork point whatever the pool's layout
+                # (a restored session's branches then read the same runs as the live one's did)
+                last, avoid = None, last + 1
+            take = missing
+            if table.grows:  # a run that grows with the table, within its max_context and what it may take
+                run = max(self.grow_blocks, len(table.blocks) // 2)
+                take = max(missing, min(run, self.blocks_for(table.grow_to) - len(table.blocks),
+                                        self.available_to(table)))
+            ids = self._take(take, contiguous=True, after=last, avoid=avoid)
             table.blocks.extend(ids[:missing])
             table.reserved.extend(ids[missing:])  # the rest of the run: this table's next blocks
             self.num_reserved += take - missing
@@ -262,7 +294,7 @@ class BlockManager:
         table.blocks.clear()
         table.reserved.clear()
         table.num_tokens = 0
-        table.grows = False
+        table.grow_to = 0
 
     # -- addressing -------------------------------------------------------
     def slots(self, table: BlockTable, start: int, end: int) -> torch.Tensor:

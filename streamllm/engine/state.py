@@ -128,7 +128,7 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     except KVCapacityError:
         manager.free(table)
         raise
-    table.grows = True  # from here on it grows as any session does
+    table.grow_to = max_context  # from here on it grows as any session does
     pool.k[:, :, slots] = state.k.to(pool.k.device, pool.k.dtype)
     pool.v[:, :, slots] = state.v.to(pool.v.device, pool.v.dtype)
     s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table,
