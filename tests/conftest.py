@@ -17,6 +17,12 @@ os.environ.setdefault("STREAMLLM_DTYPE", "float32")
 from streamllm.model import LoadedModel, load_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tune_state_cache(tmp_path_factory):
+    """`streamllm tune`'s shared state cache (tuning/cache.py) in a temporary folder, never the user's."""
+    os.environ["STREAMLLM_STATES"] = str(tmp_path_factory.mktemp("tune-states"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LoadedModel:
     """Shared across tests: treat its tensors and tokenizer as read-only."""

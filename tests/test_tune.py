@@ -297,39 +297,33 @@ def test_tune_writes_heads_and_card_and_resumes(tiny_model, tmp_path, monkeypatc
     data = write_bars(tmp_path / "bars.csv", 600)
     argv = ["--questions", str(config), "--data", str(data), "--out", str(tmp_path / "out"), "--model", "tiny",
             "--method", "head", "--window", "40", "--stride", "2", "--train-windows", "6", "--dev-windows", "2", "--later-windows", "2",
-            "--synthetic-bars", "0", "--no-progress", "--target-precision", "0.8"]
+            "--synthetic-bars", "0", "--no-progress", "--target-precision", "0.8", "--no-cache"]
     assert cli_main(argv) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     assert card["method"] == "head" and set(card["questions"]) == {"trend", "sma"} and card["changes"] == "price"
-    assert card["decision_points"]["train"] == 6 * 2 * 17  # windows x questions x decision points
+    # windows x decision points (every 2nd bar whose label is known: trend from bar 5, sma from bar 7)
+    assert card["decision_points"]["train"] == 6 * (18 + 17)
     later = card["questions"]["trend"]["judged"]["later"]
-    assert later["samples"] == 2 * 17 and 0 <= later["accuracy"] <= 1 and "coverage_at_target" in later
+    assert later["samples"] == 2 * 18 and 0 <= later["accuracy"] <= 1 and "coverage_at_target" in later
     adapter = load_adapter(tmp_path / "out")
     assert [h.question_id for h in adapter.heads] == ["trend", "sma"] and adapter.model == "tiny"
     assert (tmp_path / "out" / "card.md").read_text().startswith("# Choice heads")
     first = card["extract_minutes_all_windows"]
     assert first > 0 and card["windows_untimed"] == 0
+    assert len(list((tmp_path / "out" / "states").glob("*/window-*.safetensors"))) == 9  # 6 + 1 + 2, under OUT/states
     assert cli_main([*argv, "--resume"]) == 0  # every window comes from its checkpoint
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     # a resumed card still says what extracting every window cost, from the checkpoints' own times
     assert card["tokens_extracted"] == 0 and card["extract_minutes_all_windows"] == first
     assert f"{first} min extracting" in (tmp_path / "out" / "card.md").read_text()
-    saved = sorted((tmp_path / "out" / "states").glob("*.pt"))
-    for f in saved:  # checkpoints from before times were kept
-        d = torch.load(f, weights_only=True)
-        del d["seconds"]
-        torch.save(d, f)
-    assert cli_main([*argv, "--resume"]) == 0
-    card = json.loads((tmp_path / "out" / "card.json").read_text())
-    assert card["extract_minutes_all_windows"] == 0 and card["windows_untimed"] == len(saved) > 0
-    assert (f"not counting {len(saved)} windows checkpointed before times were kept"
-            in (tmp_path / "out" / "card.md").read_text())
     # Lines in basis points are other states: a resume under the changed config extracts them anew.
     config.write_text(CONFIG.replace('system_prompt = "You watch 1-minute bars for {instrument}."\n', BP_RENDER))
     assert cli_main([*argv, "--resume"]) == 0
     card = json.loads((tmp_path / "out" / "card.json").read_text())
     assert card["tokens_extracted"] == card["tokens_all_windows"] > 0 and card["changes"] == "bp"
     assert load_adapter(tmp_path / "out").changes == "bp"
+    assert cli_main(argv) == 0  # without --resume, --no-cache extracts every window again
+    assert json.loads((tmp_path / "out" / "card.json").read_text())["tokens_extracted"] > 0
 
 
 def test_a_spent_budget_keeps_every_judged_window_and_one_train_window(tiny_model, tmp_path, monkeypatch):
@@ -344,13 +338,16 @@ def test_a_spent_budget_keeps_every_judged_window_and_one_train_window(tiny_mode
     argv = ["--questions", str(config), "--data", str(write_bars(tmp_path / "bars.csv", 600)), "--out", str(out),
             "--model", "tiny", "--method", "head", "--window", "40", "--stride", "2", "--train-windows", "6",
             "--dev-windows", "2", "--later-windows", "2", "--synthetic-bars", "80", "--no-progress",
-            "--minutes", "0.0001"]
+            "--minutes", "0.0001", "--no-cache"]
     assert cli_main(argv) == 0
     card = json.loads((out / "card.json").read_text())
     assert len(card["windows"]["train"]) == 1  # spent at once: the one window a head needs
     assert [len(card["windows"][s]) for s in ("dev", "later", "synthetic")] == [1, 2, 3]  # all there are
-    written = sorted((out / "states").glob("*.pt"), key=lambda f: f.stat().st_mtime_ns)
-    assert [f.name.split("-")[0] for f in written] == ["dev", "later", "later", *["synthetic"] * 3, "train"]
+    written = [json.loads(f.read_text()) for f in sorted((out / "states").glob("*/window-*.json"),
+                                                         key=lambda f: f.stat().st_mtime_ns)]
+    sets = ["synthetic" if w["source"].startswith("synthetic") else
+            "train" if w["start"] < 420 else "dev" if w["start"] < 480 else "later" for w in written]  # 70% | 10% | 20%
+    assert sets == ["dev", "later", "later", *["synthetic"] * 3, "train"]
 
 
 def test_calibrate_with_an_adapter_reports_the_target_keys(tiny_model, tmp_path):

@@ -71,7 +71,16 @@ def parser() -> argparse.ArgumentParser:
                                                    "heads train on the numbers they will read)")
     p.add_argument("--minutes", type=float, default=20.0, help="time budget; training windows stop when it is spent")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="reuse the states already extracted under OUT/states")
+    p.add_argument("--resume", action="store_true",
+                   help="with --no-cache: reuse the states already extracted under OUT/states (the shared cache "
+                        "makes it redundant otherwise)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="neither read nor write the shared state cache: this run's states go under OUT/states")
+    p.add_argument("--cache-dir", type=Path, help="the state cache (default $STREAMLLM_STATES, else "
+                                                  "$STREAMLLM_HOME/states; docs/tuning.md)")
+    p.add_argument("--no-base-model", dest="base_model", action="store_false",
+                   help="--method series: leave the base model's figures off the card, so judged windows need no "
+                        "decision points: a new question over cached lines extracts nothing")
     p.add_argument("--target-precision", type=float, default=0.9)
     add_read_args(p)  # --market, --columns, --time-format, --tz, --signed-prices: as every command reads files
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")

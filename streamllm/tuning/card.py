@@ -99,10 +99,10 @@ def card_markdown(card: dict[str, Any]) -> str:
         for s, j in q["judged"].items():
             if not j.get("samples"):
                 continue
-            base = q["base_model"][s]
+            base = q["base_model"].get(s)  # none: tuned with --no-base-model
             lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
                          f"({j['majority']}) | {fmt_number(j.get('balanced_accuracy'))} | {fmt_number(j.get('ranks'))} | "
-                         f"{base['accuracy']:.2f} | {j['coverage']:.2f} | {fmt_number(j['precision'])} | "
+                         f"{fmt_number(base and base['accuracy'])} | {j['coverage']:.2f} | {fmt_number(j['precision'])} | "
                          f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]

@@ -69,6 +69,20 @@ def session_ids(layout: PromptLayout, prefix: list[int], lines: Sequence[str]) -
     return ids, ends
 
 
+def window_labels(questions: Sequence[QuestionSpec], bars: Sequence[Any]) -> dict[str, list[int]]:
+    """The teacher: every bar's choice index per question (-1: unknown), from the bars alone, each bar's
+    as QuestionSpec.expected_answer gives it at that bar (LabelSpec.truths, one pass over the window; a
+    forecast's truth is not in at its own bar, so it is never a label here). Labels are only read here;
+    decision points take theirs, a series head trains on all of them."""
+    out = {}
+    for q in questions:
+        if q.label.horizon:
+            out[q.id] = [-1] * len(bars)
+        else:
+            out[q.id] = [-1 if t is None else int(t) for t in q.label.truths(bars).to_list()] if bars else []
+    return out
+
+
 def render_window(bars: Sequence[Any], changes: str = "price") -> list[str]:
     """Lines as a session opened at bars[0] would receive them (a fresh renderer per session;
     changes: the session's `[sessions.render] changes`)."""
@@ -113,16 +127,36 @@ class StateExtractor:
         """States at bars first, first+stride, ... of the window (default first: the longest label history - 1)."""
         if stride < 1:
             raise ValueError(f"stride must be >= 1, got {stride}")
+        history = max(q.label.bars_needed for q in self.questions)
+        first = history - 1 if first is None else first
+        labels = window_labels(self.questions, bars)
+        points = {q.id: [i for i in range(first, len(bars), stride) if labels[q.id][i] >= 0] for q in self.questions}
+        lines, hidden, computed = self.extract_parts(bars, points)
+        out = WindowStates({}, {}, {}, computed)
+        for q in self.questions:
+            out.features[q.id] = hidden[q.id]
+            out.labels[q.id] = torch.tensor([labels[q.id][i] for i in points[q.id]], dtype=torch.long)
+            out.bars[q.id] = torch.tensor(points[q.id], dtype=torch.long)
+        if lines is not None:
+            out.lines = lines
+            out.line_labels = {qid: torch.tensor(y) for qid, y in labels.items()}
+        return out
+
+    def extract_parts(self, bars: Sequence[Any], points: dict[str, list[int]]
+                      ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], int]:
+        """One pass over the window's session: every line's features (with a tap layer, else None) and,
+        per question id of `points`, the decision-point hidden states [n, H] after the given bars; with
+        the tokens computed (session + branches). Branches run bar by bar, each bar's questions side by side."""
         lines = render_window(bars, self.spec.render.changes)
         ids, ends = self.session_ids(lines)
         if len(ids) > self.max_window_tokens:
             raise ValueError(f"window of {len(bars)} bars is {len(ids)} tokens, over {self.max_window_tokens}")
-        history = max(q.label.bars_needed for q in self.questions)
-        first = history - 1 if first is None else first
         manager = self.store.manager
         session = BlockTable()
         computed = 0
         taps = LineTaps(len(lines), self.words, self.word_starts, self.word_texts) if self.tap_layer is not None else None
+        order = {qid: k for k, qid in enumerate(self.question_ids)}
+        pending = sorted(((bar, qid) for qid, at in points.items() for bar in at), key=lambda p: (p[0], order[p[1]]))
         try:
             manager.append(session, len(ids))
             for start in range(0, len(ids), CHUNK_TOKENS):
@@ -132,29 +166,18 @@ class StateExtractor:
                 if taps is not None:  # the engine's own rule for a session's line features
                     taps.add(work.tap, start, chunk, ends, 0, len(self.prefix))
                 computed += len(chunk)
-            # The teacher: labels are only read here. Every bar's choice index (-1: unknown), once;
-            # decision points take theirs, a series head trains on all of them.
-            labels = {q.id: [-1 if t is None else q.choices.index(t)
-                             for t in (q.expected_answer(bars[: i + 1]) for i in range(len(bars)))]
-                      for q in self.questions}
-            pending = [(q.id, i, labels[q.id][i]) for i in range(first, len(bars), stride)
-                       for q in self.questions if labels[q.id][i] >= 0]  # (question id, bar index, choice index)
-            hidden = self._branch_states(session, ends, pending)
-            computed += sum(len(self.question_ids[qid]) for qid, _, _ in pending)
+            hidden = self._branch_states(session, ends, [(qid, bar) for bar, qid in pending])
+            computed += sum(len(self.question_ids[qid]) for _, qid in pending)
         finally:
             manager.free(session)
-        out = WindowStates({}, {}, {}, computed)
-        for q in self.questions:
-            rows = [k for k, (qid, _, _) in enumerate(pending) if qid == q.id]
-            out.features[q.id] = torch.stack([hidden[k] for k in rows]) if rows else torch.empty(0, self.model.config.hidden_size)
-            out.labels[q.id] = torch.tensor([pending[k][2] for k in rows], dtype=torch.long)
-            out.bars[q.id] = torch.tensor([pending[k][1] for k in rows], dtype=torch.long)
-        if taps is not None:
-            out.lines = taps.window(len(lines), len(lines))
-            out.line_labels = {qid: torch.tensor(y) for qid, y in labels.items()}
-        return out
+        rows: dict[str, list[torch.Tensor]] = {qid: [] for qid in points}
+        for (_, qid), h in zip(pending, hidden, strict=True):
+            rows[qid].append(h)
+        width = self.model.config.hidden_size
+        states = {qid: torch.stack(r) if r else torch.empty(0, width) for qid, r in rows.items()}
+        return (taps.window(len(lines), len(lines)) if taps is not None else None), states, computed
 
-    def _branch_states(self, session: BlockTable, ends: list[int], pending: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+    def _branch_states(self, session: BlockTable, ends: list[int], pending: list[tuple[str, int]]) -> list[torch.Tensor]:
         manager = self.store.manager
         states: list[torch.Tensor] = []
         batch: list[tuple[BlockTable, Work]] = []
@@ -172,7 +195,7 @@ class StateExtractor:
                     manager.free(table)
                 batch, used = [], 0
 
-        for qid, bar, _ in pending:
+        for qid, bar in pending:
             qids = self.question_ids[qid]
             if used + len(qids) > BRANCH_TOKENS:
                 flush()

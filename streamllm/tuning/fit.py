@@ -2,7 +2,8 @@
 
 One head per labelled question (grouped across sessions by text, choices and label): an entry
 head (tuning/headfit.py) or a series head (model/seriesfit.py), its gate threshold calibrated
-on the development range, then judged on every set through the served head itself.
+on the development range, then judged on every set through the served head itself. A series fit
+on exactly the samples and settings of one kept in the state cache is read from it (tuning/cache.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -18,8 +20,10 @@ from tqdm.auto import tqdm
 
 from streamllm.config import QuestionSpec, normalize_question
 from streamllm.evaluation.intervals import block_ids
+from streamllm.model import seriesfit
 from streamllm.model.adapter import CARD_FILE, ChoiceHead, SeriesHead, save_heads
-from streamllm.model.seriesfit import feature_sets, fit_series, samples
+from streamllm.model.seriesfit import Samples, SeriesFit, feature_sets, fit_series, samples
+from streamllm.tuning.cache import StateCache, samples_key
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import SPLIT, Task, WindowPlan
 from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
@@ -78,7 +82,36 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
     return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
 
 
-def _fit_series(args, head_id, q, members, got, sets, hidden):
+def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, cache: StateCache | None,
+                q: QuestionSpec) -> tuple[SeriesFit, bool]:
+    """fit_series, or the fit it gave before on exactly these samples and settings (the fit is deterministic,
+    so a kept one is the one it would give again); True when kept."""
+    settings = {"classes": classes, "k": args.lines, "rank": args.series_rank, "seed": args.seed,
+                "sets": len(args.words), "hidden": hidden, "orders": args.fit_orders, "choose": args.choose,
+                "constants": [seriesfit.STEPS, seriesfit.BATCH, seriesfit.EVAL_EVERY, seriesfit.LR,
+                              list(seriesfit.WEIGHT_DECAY)], "torch": torch.__version__}
+    key = None
+    if cache is not None:
+        key = samples_key(settings, *(getattr(s, f) for s in (train, dev)
+                                      for f in ("lines", "index", "labels", "reads", "window")))
+        tensors, notes = cache.read(key, "fit")
+        if tensors:
+            candidates = {(n, w): (m, se) for n, w, m, se in notes["candidates"]}
+            return SeriesFit(tensors["proj"], tensors["proj_bias"], tensors["lags"], tensors["bias"],
+                             notes["weight_decay"], notes["steps"], notes["dev_loss"], notes["features"],
+                             candidates), True
+    fit = fit_series(train, dev, classes, k=args.lines, rank=args.series_rank, seed=args.seed,
+                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders, choose=args.choose)
+    if cache is not None:
+        notes = {"weight_decay": fit.weight_decay, "steps": fit.steps, "dev_loss": fit.dev_loss,
+                 "features": fit.features, "candidates": [[n, w, m, se] for (n, w), (m, se) in fit.candidates.items()]}
+        cache.write(key, {"proj": fit.proj, "proj_bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias}, notes,
+                    {"question": q.text, "label": q.label.text, "choices": list(q.choices),
+                     "train_samples": len(train), "dev_samples": len(dev), **settings}, kind="fit")
+    return fit, False
+
+
+def _fit_series(args, head_id, q, members, got, sets, hidden, cache=None):
     """A series head: every bar of every window, read over its last --lines lines (model/seriesfit.py),
     or over all of a window's first lines once its label is known (a session's start, as served)."""
     def gather(set_name, least=1):
@@ -86,9 +119,7 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
                         for qid in taught(p, session, members)], args.lines, least)
 
     train, dev = gather("train"), gather("dev")
-    fit = fit_series(train, dev, len(q.choices), k=args.lines, rank=args.series_rank, seed=args.seed,
-                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders,
-                     choose=args.choose)
+    fit, cached = _series_fit(train, dev, len(q.choices), args, hidden, cache, q)
     least = int(train.reads.min())  # the label's history: fewer lines never had a label to learn from
     head = SeriesHead(head_id, q.text, q.choices, args.tap_layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       math.inf, tuple(args.words), least if least < args.lines else 0)
@@ -101,12 +132,12 @@ def _fit_series(args, head_id, q, members, got, sets, hidden):
         got_set = got_set.subset((got_set.reads < args.lines) == first_lines)
         return got_set.logits(head), got_set.labels, block_ids(got_set.window.numpy(), got_set.index[:, -1].numpy(), q.label.bars_needed)
 
-    return head, {"weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
+    return head, {"fit_cached": cached, "weight_decay": fit.weight_decay, "features": fit.features, "train_samples": len(train),
                   "min_lines": least, "steps": fit.steps, "dev_loss": round(fit.dev_loss, 4),
                   "candidates": {f"{n}/{w:g}": [round(m, 4), round(se, 4)] for (n, w), (m, se) in fit.candidates.items()}}, scores
 
 
-def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, Any]:
+def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0, cache: StateCache | None = None) -> dict[str, Any]:
     hidden = loaded.config.hidden_size
     heads, report, steps = [], {}, 0
     sets = [s for s in ("dev", "later", "other", "synthetic") if any(p.set == s for _, p in got)]
@@ -122,7 +153,7 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
     for head_id, q, members in bar:
         bar.set_postfix(question=head_id)
         if args.method == "series":
-            head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden)
+            head, entry, scores = _fit_series(args, head_id, q, members, got, sets, hidden, cache)
         else:
             head, entry, scores = _fit_entry(args, head_id, q, members, got, sets, hidden)
         steps += entry.pop("steps")
@@ -138,10 +169,16 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0) -> dict[str, 
                 if len(ys):
                     entry.setdefault("first_lines", {})[s] = judge(logits, ys, q.choices, head.threshold,
                                                                    args.target_precision, blocks)
+            if args.method == "series" and not args.base_model:  # --no-base-model: no decision points
+                continue
             xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)
         report[head_id] = entry
+    if args.method == "series":
+        kept = [qid for qid, e in report.items() if e.get("fit_cached")]
+        print(f"streamllm tune: {len(report) - len(kept)} heads fitted, {len(kept)} read from the state cache"
+              + (f" ({', '.join(kept)})" if kept else ""), file=sys.stderr)
     path = save_heads(args.out, heads, model=loaded.name, changes=tasks[0].spec.render.changes)
     card = {
         "method": args.method, "model": loaded.name, "dtype": tasks[0].extractor.model.dtype_choice.name, "config": str(args.questions), "sessions": [t.spec.name for t in tasks],

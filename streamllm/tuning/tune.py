@@ -22,10 +22,13 @@ flags): bar tables and Databento OHLCV at their own interval, trades (tables, DB
 captures) as bars of the session's interval. Judged as well on other instruments
 (`--judge` files, rendered into bars as the configs do) and on synthetic regimes
 (feeds/synthetic.py).
-Every extracted window is checkpointed under OUT/states; `--resume` reuses them.
+Every window's states go to the state cache (tuning/cache.py), keyed by what they depend on and
+shared by every question, config and run; `--no-cache` keeps them under OUT/states instead, where
+`--resume` reuses them. A window's labels are computed from its bars on every run (never cached).
 Writes OUT/head.safetensors (KBs), OUT/card.json and OUT/card.md.
 
     tune.py       the command: arguments, sessions, each session's windows, extraction
+    cache.py      the state cache: windows' states and series fits, by what they depend on
     data.py       what the windows are cut from: files, time ranges, synthetic markets, --mix-as
     fit.py        the heads fitted, judged and written with their card
     lora_run.py   --method lora
@@ -46,6 +49,7 @@ import torch
 from streamllm.config import SessionSpec, load_config
 from streamllm.model.adapter import CARD_FILE
 from streamllm.model.loader import load_model
+from streamllm.tuning.cache import StateCache, default_root, lines_name, points_name
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import (
     SPLIT,
@@ -61,7 +65,13 @@ from streamllm.tuning.data import (
     spread,
     synthetic_bars,
 )
-from streamllm.tuning.extract import StateExtractor, WindowStates, render_window
+from streamllm.tuning.extract import (
+    CHUNK_TOKENS,
+    StateExtractor,
+    WindowStates,
+    render_window,
+    window_labels,
+)
 from streamllm.tuning.fit import fit_and_write
 from streamllm.tuning.lora_run import run_lora
 
@@ -202,14 +212,14 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                   key=lambda tp: (order[tp[1].set], tp[0].plans.index(tp[1]), tasks.index(tp[0])))
 
     loaded = loaded if loaded is not None else load_model(args.model, progress=not args.no_progress)
-    states_dir = args.out / "states"
-    if states_dir.exists() and not args.resume:
-        for f in states_dir.glob("*.pt"):
-            f.unlink()
-    states_dir.mkdir(parents=True, exist_ok=True)
-    for t in tasks:
-        t.fingerprint = states_fingerprint(args, loaded.name, t)
     if args.method == "lora":
+        states_dir = args.out / "states"
+        if states_dir.exists() and not args.resume:
+            for f in states_dir.glob("*.pt"):
+                f.unlink()
+        states_dir.mkdir(parents=True, exist_ok=True)
+        for t in tasks:
+            t.fingerprint = states_fingerprint(args, loaded.name, t)
         return _lora(args, loaded, tasks, t0)
     layers = loaded.config.num_hidden_layers
     if args.method == "series" and not 0 <= args.tap_layer <= layers:
@@ -225,34 +235,116 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                                      words=args.words if args.method == "series" else ())
     work = [(t, _fitted(t, p, args)) for t, p in work]  # checked before any extraction, not 20 minutes in
     work = [(t, p) for t, p in work if p is not None]
+    cache = _open_cache(args, loaded, tasks[0].extractor)
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
-    tokens, spent = 0, False
+    tokens, extracting_s, spent = 0, 0.0, False
     bar = tqdm(work, desc="extract", unit="window", disable=args.no_progress)
     for task, plan in bar:
-        path = states_dir / f"{plan.key}-{task.fingerprint}.pt"
-        if path.is_file():
-            got[task.spec.name, plan] = WindowStates.from_dict(torch.load(path, weights_only=True))
-            continue
-        if plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for _, p in got):
+        over = (plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for _, p in got))
+        try:
+            states, computed, seconds = _window_states(task, plan, args, cache, extract=not over)
+        except ValueError as exc:  # a window longer than the session's context
+            raise TuneError(f"{plan.set} window {plan.key}: {exc}; use a smaller --window") from None
+        if states is None:
             if not spent:
                 bar.write(f"time budget {args.minutes:g} min spent: stopping at "
                           f"{sum(p.set == 'train' for _, p in got)} train windows")
             spent = True
             continue
-        window = task.sources[plan.source][plan.start: plan.start + plan.bars]
-        started = time.perf_counter()
-        try:
-            states = task.extractor.extract(window, stride=args.stride)
-        except ValueError as exc:  # a window longer than the session's context
-            raise TuneError(f"{plan.set} window {plan.key}: {exc}; use a smaller --window") from None
-        states.seconds = time.perf_counter() - started  # kept, so a --resume'd card still says what it all cost
-        torch.save(states.to_dict(), path)  # the checkpoint: --resume starts after it
         got[task.spec.name, plan] = states
-        tokens += states.tokens
-        bar.set_postfix(set=plan.set, tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+        tokens += computed
+        extracting_s += seconds
+        bar.set_postfix(set=plan.set, read=cache.hits, extracted=cache.misses + cache.partial,
+                        tok_s=f"{tokens / max(extracting_s, 1e-9):.0f}")
     bar.close()
-    return fit_and_write(args, loaded, tasks, got, time.perf_counter() - t0, tokens, t0)
+    print(f"streamllm tune: {cache.summary()}; {tokens:,} tokens in {extracting_s:.0f} s"
+          + (f" ({tokens / extracting_s:.0f} tokens/s)" if extracting_s else ""), file=sys.stderr)
+    return fit_and_write(args, loaded, tasks, got, time.perf_counter() - t0, tokens, t0, cache)
+
+
+def _open_cache(args: argparse.Namespace, loaded: Any, extractor: StateExtractor) -> StateCache:
+    """The shared cache (--cache-dir, else cache.default_root()), or with --no-cache this run's own
+    checkpoints under OUT/states: cleared first unless --resume."""
+    root = args.out / "states" if args.no_cache else (args.cache_dir or default_root())
+    cache = StateCache(root, loaded, dtype=extractor.model.dtype_choice.name, device=str(extractor.model.device),
+                       chunk_tokens=CHUNK_TOKENS)
+    if args.no_cache and not args.resume:
+        for f in [*cache.dir.glob("window-*"), *cache.dir.glob("fit-*")]:
+            f.unlink()
+    return cache
+
+
+def decision_bars(n_bars: int, stride: int, labels: list[int]) -> list[int]:
+    """Every stride-th bar (bar stride-1, 2*stride-1, ...) whose label is known: the same bars whatever
+    other questions a config holds, so one question's cached decision points serve every config."""
+    return [i for i in range(stride - 1, n_bars, stride) if labels[i] >= 0]
+
+
+def _window_states(task: Task, plan: WindowPlan, args: argparse.Namespace, cache: StateCache, *,
+                   extract: bool) -> tuple[WindowStates | None, int, float]:
+    """One window's states: from the cache where it has them, else extracted (and then cached); with the
+    tokens computed and the seconds it took. None when something is missing and `extract` is False."""
+    ex = task.extractor
+    window = task.sources[plan.source][plan.start: plan.start + plan.bars]
+    ids, ends = ex.session_ids(render_window(window, task.spec.render.changes))
+    key = cache.key(ids, ends, len(ex.prefix))
+    labels = window_labels(task.questions, window)
+    at = {q.id: decision_bars(len(window), args.stride, labels[q.id]) for q in task.questions}
+    # Decision-point states: a head's inputs; for series only the base model's figures on judged sets.
+    pointed = (args.method == "head" or (args.base_model and plan.set != "train"))
+    names = {q.id: points_name(ex.question_ids[q.id]) for q in task.questions}
+    lines = lines_name(args.tap_layer, args.words) if args.method == "series" else None
+    tensors, cost = cache.read(key)
+    held_any = bool(tensors)
+    missing = {}
+    for q in task.questions if pointed else ():
+        held = set(tensors.get(f"{names[q.id]}.bars", torch.empty(0)).tolist())
+        if need := [i for i in at[q.id] if i not in held]:
+            missing[q.id] = need
+    computed, seconds = 0, 0.0
+    if (lines is not None and lines not in tensors) or missing:
+        if not extract:
+            return None, 0, 0.0
+        started = time.perf_counter()
+        new_lines, hidden, computed = ex.extract_parts(window, missing)
+        seconds = time.perf_counter() - started
+        if lines is not None and lines not in tensors:
+            tensors[lines] = new_lines
+        share = seconds / computed  # seconds per token: each part's cost, for the card's totals
+        cost["session"] = [len(ids), len(ids) * share]
+        for qid, need in missing.items():
+            name = names[qid]
+            rows = dict(zip(tensors.get(f"{name}.bars", torch.empty(0, dtype=torch.long)).tolist(),
+                            tensors.get(f"{name}.hidden", torch.empty(0, hidden[qid].shape[1])), strict=True))
+            rows.update(zip(need, hidden[qid], strict=True))
+            tensors[f"{name}.bars"] = torch.tensor(sorted(rows), dtype=torch.long)
+            tensors[f"{name}.hidden"] = torch.stack([rows[i] for i in sorted(rows)])
+            branch = len(ex.question_ids[qid]) * len(need)
+            cost[name] = [cost.get(name, [0, 0.0])[0] + branch, cost.get(name, [0, 0.0])[1] + branch * share]
+        cache.misses += not held_any
+        cache.partial += held_any
+        cache.write(key, tensors, cost, {"source": plan.source, "start": plan.start, "bars": plan.bars,
+                                         "system_prompt": task.spec.system_prompt,
+                                         "render": dataclasses.asdict(task.spec.render), "tokens": len(ids),
+                                         "questions": {q.text: names[q.id] for q in task.questions}})
+    else:
+        cache.hits += 1
+    states = WindowStates({}, {}, {}, 0, tensors.get(lines) if lines else None)
+    states.tokens = int(cost.get("session", [0, 0])[0])
+    states.seconds = float(cost.get("session", [0, 0.0])[1])
+    for q in task.questions:
+        states.labels[q.id] = torch.tensor([labels[q.id][i] for i in at[q.id]], dtype=torch.long)
+        states.bars[q.id] = torch.tensor(at[q.id], dtype=torch.long)
+        if pointed:
+            name = names[q.id]
+            row = {b: k for k, b in enumerate(tensors[f"{name}.bars"].tolist())}
+            states.features[q.id] = tensors[f"{name}.hidden"][[row[i] for i in at[q.id]]]
+            states.tokens += len(ex.question_ids[q.id]) * len(at[q.id])
+            states.seconds += cost[name][1] * len(at[q.id]) / max(len(row), 1)
+    if lines:
+        states.line_labels = {qid: torch.tensor(y) for qid, y in labels.items()}
+    return states, computed, seconds
 
 
 def _fitted(task: Task, plan: WindowPlan, args: argparse.Namespace) -> WindowPlan | None:
