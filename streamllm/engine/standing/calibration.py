@@ -16,6 +16,12 @@ per answer (choice): for each, the most-covering threshold whose fired samples *
 that answer* reach precision P on at least MIN_EVIDENCE of them spread over at least
 MIN_RUNS truth runs (evaluation/scoring.py `risk_coverage`), or closed (inf) until then.
 
+**Recent evidence too.** The window spans hours; a market can change inside it (a slow label's
+errors bunch where its truth turns, a head is refitted). So the thresholds in force must also
+reach P on the newest RECENT (30) answers they would fire on; while those fall short, the gate
+holds closed (`held`), and opens again as soon as the newest such answers reach P. Both checks
+read only the window, so a restored window decides as the live one did.
+
 "Reach precision P" is judged on the window's point estimate (hits / fired) by default; with
 `auto_confidence = C` it is judged on a lower confidence bound of that precision instead (Wilson
 score interval, one-sided at C): the window's precision at the most-covering threshold is the best
@@ -53,6 +59,7 @@ from typing import Any
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
+RECENT = 30  # the newest window answers the thresholds would fire on must reach the target too (point estimate)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
 HISTORY_EVERY = 10  # scored answers between two points of a question's learning curve
 HISTORY_SPAN = 50  # ... each point the accuracy and base rate of this many newest scored answers
@@ -81,6 +88,7 @@ class CalibrationSummary:
     # The learning curve: every HISTORY_EVERY scored answers, [scored, accuracy and base rate of the
     # newest HISTORY_SPAN, whether the gate was open for any answer] (oldest first).
     history: tuple[tuple[int, float, float | None, bool], ...] = ()
+    held: bool = False  # an auto gate the window would open, held closed: its newest answers miss the target
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {k: getattr(self, k) for k in self.__slots__}
@@ -95,7 +103,10 @@ class LiveCalibration:
     window: int = WINDOW
     min_evidence: int = MIN_EVIDENCE
     min_runs: int = MIN_RUNS
-    thresholds: dict[str, float] = field(default_factory=dict)  # live, per answer, while `target` is set
+    thresholds: dict[str, float] = field(default_factory=dict)  # in force, per answer, while `target` is set
+    fitted: dict[str, float] = field(default_factory=dict)  # what the window supports (`fit`); in force unless held
+    held: bool = False  # the newest answers `fitted` fires on miss the target: the gate holds closed
+    recent: int = RECENT
     scored: int = 0
     samples: deque[Sample] = field(default_factory=deque)
     truths: dict[int, str] = field(default_factory=dict)  # data version -> the right choice there
@@ -154,9 +165,10 @@ class LiveCalibration:
         if len(self.samples) > self.window:
             self._count(self.samples.popleft(), -1)
         self.scored += 1
-        if self.target is not None and (self.scored % RETUNE_EVERY == 0
-                                        or (math.isinf(self.threshold) and self._could_open())):
-            self.thresholds = self.fit()
+        if self.target is not None:
+            if self.scored % RETUNE_EVERY == 0 or (not self.fitted and self._could_open()):
+                self.fitted = self.fit()
+            self._hold_or_open()
         if self.scored % HISTORY_EVERY == 0:
             self.history.append(self._point())
         self.summary = self._summary(threshold)
@@ -187,7 +199,8 @@ class LiveCalibration:
             self._count(sample, 1)
         self.scored, self.run, self.last_truth = max(scored, len(self.samples)), run, last_truth
         if self.target is not None:
-            self.thresholds = self.fit()
+            self.fitted = self.fit()
+            self._hold_or_open()
         self.summary = self._summary(fixed_threshold) if self.samples else None
 
     @property
@@ -197,6 +210,19 @@ class LiveCalibration:
 
     def threshold_for(self, answer: str) -> float:
         return self.thresholds.get(answer.casefold(), math.inf)
+
+    def _hold_or_open(self) -> None:
+        """Put `fitted` in force unless the newest `recent` window answers it would fire on miss the target."""
+        hits = n = 0
+        if self.fitted:
+            for gap, correct, _, answer, *_ in reversed(self.samples):
+                threshold = self.fitted.get(answer)
+                if threshold is not None and gap >= threshold:
+                    n, hits = n + 1, hits + correct
+                    if n == self.recent:
+                        break
+        self.held = n >= self.recent and hits / n < self.target
+        self.thresholds = {} if self.held else self.fitted
 
     def _could_open(self) -> bool:
         """Whether the window holds enough samples over enough truth runs for any answer to open:
@@ -252,7 +278,7 @@ class LiveCalibration:
             n, self.scored, self.fired_correct / fired if fired else None, fired / n if n else None,
             self.correct / n if n else None, threshold if math.isfinite(threshold) else None, self.target,
             self.confidence if self.target is not None else None,
-            max(self.truth_counts.values()) / known if known else None, tuple(self.history))
+            max(self.truth_counts.values()) / known if known else None, tuple(self.history), self.held)
 
 
 def read_window(saved: Any) -> tuple[list[Sample], int, int, str | None]:
