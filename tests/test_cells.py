@@ -35,7 +35,7 @@ def bars(k: int):
 
 
 # -- the rule without a model ------------------------------------------------------------------
-BLOCK, POOL, CHUNK = 4, 512, 8
+BLOCK, POOL, CHUNK = 4, 256, 8
 
 
 class CellsMachine(RuleBasedStateMachine):
@@ -76,7 +76,7 @@ class CellsMachine(RuleBasedStateMachine):
         self.m.reserve(table, cells)
         self.sessions[name] = Session(name, "sys", [1, 2, 3], max_context, table, working_set=cells)
 
-    @rule(data=st.data(), lines=st.lists(st.integers(1, 9), min_size=1, max_size=6))
+    @rule(data=st.data(), lines=st.lists(st.integers(1, 12), min_size=1, max_size=8))
     def push(self, data, lines: list[int]) -> None:
         if self.sessions:
             name = data.draw(st.sampled_from(sorted(self.sessions)))
