@@ -16,6 +16,9 @@ the sessions that opened, each at its context budget `--context` (a user's 2k se
 
 Per S (`{metric}@{S}`):
   opened                          sessions the engine admitted (of S)
+  warmup_idle, idle_after_phase   1 when the engine went idle after the warm-up / the phase (0: it did not
+                                  within --warmup-s / max(--drain-s, 60) s; what it waited on is printed, and
+                                  the idle asks and the ramp are skipped)
   offered_bars_per_s              bars the feeds offered per second (the pace asked for)
   sustained_bars_per_s            bars whose push the engine had ingested by the phase's end / its seconds
   freshness_lag_p50/p99_ms        from a bar's arrival at its attachment to every standing answer of its
@@ -117,6 +120,7 @@ class Phase:
     cold_ms: list[float] = field(default_factory=list)
     cold_asks: list[tuple[str, str]] = field(default_factory=list)
     ask_errors: int = 0
+    idle_after: bool = True  # the engine went idle after the phase (within max(drain_s, 60) s)
 
     def held(self, interval_s: float) -> bool:
         """Kept up: a bar's answers fresh (p99) before its session's next bar arrives, no bar still stale
@@ -224,8 +228,16 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
     out.stale_bars = sum(len(f.fresh) + len(f.offered_at) for f in feeds)
     out.lags_ms += [drain_s * 1000] * out.stale_bars
     out.summaries = sum(f.att.stats.summaries for f in feeds) - summaries0
-    engine.wait_idle(timeout=max(drain_s, 60.0))
+    out.idle_after = engine.wait_idle(timeout=max(drain_s, 60.0))
     return out
+
+
+def stuck(engine) -> str:
+    """What an engine that does not go idle is waiting for, from its stats."""
+    st = engine.stats()
+    keys = ("cells_free", "blocked_for_cells", "ingest_backlog_tokens", "questions_waiting", "sessions_stuck",
+            "compactions_running")
+    return ", ".join(f"{k} {st[k]}" for k in keys if k in st)
 
 
 def ask_ms(engine, session: str, text: str) -> float:
@@ -293,7 +305,10 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
                 f.offer(0.0)
             f.flush()
             f.offered_at.clear()
-        engine.wait_idle(timeout=3600)
+        m["warmup_idle"] = int(engine.wait_idle(timeout=args.warmup_s))
+        if not m["warmup_idle"]:
+            print(f"  S={s}: the warm-up did not finish in {args.warmup_s:g} s ({stuck(engine)}); measuring anyway",
+                  flush=True)
         standing = {f.name: [q.id for q in engine.standing_questions(f.name)] for f in feeds}
         asks = poisson_schedule(args.seed + s, args.ask_rate, args.seconds, standing, standing_share=0.5,
                                 ad_hoc=AD_HOC_QUESTIONS)
@@ -304,7 +319,10 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
         m["rss_gb"] = rss_gb()
         after = engine.stats()
         minutes = main.seconds / 60
-        idle = [ask_ms(engine, session, text) for session, text in main.cold_asks]
+        idle = [ask_ms(engine, session, text) for session, text in main.cold_asks] if main.idle_after else []
+        if not main.idle_after:
+            print(f"  S={s}: not idle {max(args.drain_s, 60):g} s after the phase ({stuck(engine)}): no idle asks, "
+                  "no ramp", flush=True)
         ingest = after["tokens_ingest"] - before["tokens_ingest"]
         copies = after.get("compaction_tokens", math.nan) - before.get("compaction_tokens", math.nan)
         m.update({
@@ -316,7 +334,7 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             "cold_ask_p50_ms": median(main.cold_ms), "cold_ask_p99_ms": percentile(main.cold_ms, 99),
             "cold_ask_idle_p50_ms": median(idle), "cold_ask_idle_p99_ms": percentile(idle, 99),
             "cold_loaded_over_idle_p99": percentile(main.cold_ms, 99) / percentile(idle, 99) if idle else math.nan,
-            "ask_errors": main.ask_errors,
+            "ask_errors": main.ask_errors, "idle_after_phase": int(main.idle_after),
             "spills_per_min": (after.get("auto_evictions", 0) - before.get("auto_evictions", 0)) / minutes,
             "restores_per_min": (after.get("auto_restores", 0) - before.get("auto_restores", 0)) / minutes,
             "compaction_tokens_per_ingest_token": copies / ingest if ingest else math.nan,
@@ -334,7 +352,7 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
 
 def ramp(engine, feeds: list[Feed], main: Phase, args: argparse.Namespace, s: int) -> float:
     """The fastest pace held, doubling from --speed (held by the main phase) within --ramp-s."""
-    if not main.held(60 / args.speed):
+    if not main.held(60 / args.speed) or not main.idle_after:
         return 0.0
     best, speed = args.speed, args.speed * 2
     budget_end = time.perf_counter() + args.ramp_s
@@ -346,7 +364,7 @@ def ramp(engine, feeds: list[Feed], main: Phase, args: argparse.Namespace, s: in
         print(f"  S={s}: {speed:g}x: offered {step.offered}, ingested {step.ingested}, lag p99 "
               f"{percentile(step.lag_versions, 99):.1f} versions, fresh p99 {percentile(step.lags_ms, 99):.0f} ms "
               f"-> {'held' if step.held(60 / speed) else 'missed'}", flush=True)
-        if not step.held(60 / speed):
+        if not step.held(60 / speed) or not step.idle_after:
             break
         best, speed = speed, speed * 2
     return best
@@ -391,6 +409,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--warmup-bars", type=int, default=32, help="bars each session holds before the phase")
     p.add_argument("--ask-rate", type=float, default=2.0, help="asks/s in the main phase (half standing)")
     p.add_argument("--drain-s", type=float, default=30.0, help="after a phase, how long bars may take to be fresh")
+    p.add_argument("--warmup-s", type=float, default=900.0, help="how long the warm-up may take to be ingested")
     p.add_argument("--max-speed", type=float, default=64.0, help="the ramp's highest pace (x real time)")
     p.add_argument("--step-seconds", type=float, default=10.0, help="shortest ramp step")
     p.add_argument("--ramp-s", type=float, default=120.0, help="the ramp's time budget per S")
@@ -402,7 +421,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.quick:
-        args.seconds, args.speed, args.warmup_bars, args.drain_s = 2.0, 120.0, 26, 10.0
+        args.seconds, args.speed, args.warmup_bars, args.drain_s, args.warmup_s = 2.0, 120.0, 26, 10.0, 60.0
         args.max_speed, args.step_seconds, args.ramp_s, args.ask_rate = 480.0, 0.5, 2.0, 10.0
     if not Path(args.data).exists():
         raise SystemExit(f"bench capacity: {args.data} is missing (the shared data folder, ../shared/data)")

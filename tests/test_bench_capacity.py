@@ -15,7 +15,8 @@ PER_S = ("opened", "offered_bars_per_s", "sustained_bars_per_s", "freshness_lag_
          "stale_bars", "lag_p50_versions", "lag_p99_versions", "standing_ask_p50_ms", "standing_ask_p99_ms",
          "cold_ask_p50_ms", "cold_ask_p99_ms", "cold_ask_idle_p50_ms", "cold_ask_idle_p99_ms",
          "cold_loaded_over_idle_p99", "rss_gb", "spills_per_min", "restores_per_min",
-         "compaction_tokens_per_ingest_token", "compactions", "max_speed_x", "ask_errors", "failed_steps")
+         "compaction_tokens_per_ingest_token", "compactions", "max_speed_x", "ask_errors", "failed_steps",
+         "warmup_idle", "idle_after_phase")
 
 needs_bars = pytest.mark.skipif(not BTC.exists(), reason=f"{BTC} (the shared recorded bars) is not here")
 
@@ -37,13 +38,14 @@ def test_capacity_runs_end_to_end_with_sane_keys(tmp_path: Path):
         assert got["compaction_tokens_per_ingest_token"] >= 0
         assert got["max_speed_x"] >= 0
         assert got["ask_errors"] == 0 and got["failed_steps"] == 0
+        assert got["warmup_idle"] == 1 and got["idle_after_phase"] == 1
     assert report["_meta"]["session_context"] == 2048
 
 
 @needs_bars
 def test_sessions_the_pool_refuses_are_reported_not_fatal(tmp_path: Path, capsys):
     out = tmp_path / "cap.json"
-    cli_main(["--model", "tiny", "--sessions", "6", "--quick", "--max-cells", "8192", "--json", str(out)])
+    cli_main(["--model", "tiny", "--sessions", "6", "--quick", "--max-cells", "4096", "--json", str(out)])
     report = json.loads(out.read_text())
     assert 0 < report["opened@6"] < 6
     assert report["sustained_bars_per_s@6"] > 0  # the sessions that opened are measured
