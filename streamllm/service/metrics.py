@@ -2,6 +2,8 @@
 
 Service counters are updated as messages flow; engine figures are read from
 `engine.stats()` at scrape time, so the engine carries no metrics code of its own.
+A scrape's size does not grow with the sessions past `SESSION_SERIES_CAP`: beyond it the
+per-session question series give way to per-question aggregates (min, mean, max).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from prometheus_client.registry import Collector
 
 # Round trips on the fast path are sub-millisecond; cold answers on a CPU take seconds.
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Per-session question series up to this many sessions; past it, aggregates per question (a scrape of
+# 500 sessions x 5 questions x 12 figures would be 30,000 series).
+SESSION_SERIES_CAP = 64
 
 
 class _EngineCollector(Collector):
@@ -48,16 +53,21 @@ class _CalibrationCollector(Collector):
                              "no model) on the same answers", lambda c: (c.get("learning") or {}).get("control_accuracy")),
     }
 
-    def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]]) -> None:
+    def __init__(self, calibration: Callable[[], dict[str, dict[str, dict]]], max_sessions: int = SESSION_SERIES_CAP) -> None:
         self._calibration = calibration
+        self.max_sessions = max_sessions
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        by_session = self._calibration()
+        if len(by_session) > self.max_sessions:
+            yield from self._aggregates(by_session)
+            return
         families = {f: GaugeMetricFamily(f"streamllm_question_{f}", f"live calibration: {f} over the rolling "
                                          "window of scored standing answers", labels=["session", "question"])
                     for f in self.FIGURES}
         extra = {f: GaugeMetricFamily(f"streamllm_question_{f}", doc, labels=["session", "question"])
                  for f, (doc, _) in self.EXTRA.items()}
-        for session, questions in self._calibration().items():
+        for session, questions in by_session.items():
             for question_id, figures in questions.items():
                 for f in self.FIGURES:
                     if figures.get(f) is not None:
@@ -68,6 +78,38 @@ class _CalibrationCollector(Collector):
                         extra[f].add_metric([session, question_id], value)
         yield from families.values()
         yield from extra.values()
+
+    def _aggregates(self, by_session: dict[str, dict[str, dict]]) -> Iterator[GaugeMetricFamily]:
+        """Past `max_sessions` sessions, one series per question id and figure (min, mean, max over the
+        sessions that have it) instead of one per session: a scrape stays the same size at 500 sessions."""
+        values: dict[tuple[str, str], list[float]] = {}
+        for questions in by_session.values():
+            for question_id, fig in questions.items():
+                for f in self.FIGURES:
+                    if fig.get(f) is not None:
+                        values.setdefault((f, question_id), []).append(float(fig[f]))
+                for f, (_, read) in self.EXTRA.items():
+                    value = read(fig)
+                    if value is not None:
+                        values.setdefault((f, question_id), []).append(float(value))
+        sessions = GaugeMetricFamily("streamllm_question_sessions", "sessions with this standing question's figures "
+                                     f"(more than {self.max_sessions} sessions: figures aggregated over them)",
+                                     labels=["question"])
+        counted: dict[str, int] = {}
+        for questions in by_session.values():
+            for question_id in questions:
+                counted[question_id] = counted.get(question_id, 0) + 1
+        for question_id, n in sorted(counted.items()):
+            sessions.add_metric([question_id], n)
+        yield sessions
+        for f in (*self.FIGURES, *self.EXTRA):
+            family = GaugeMetricFamily(f"streamllm_question_{f}_over_sessions", f"{f} of each standing question: "
+                                       "min, mean and max over the sessions that have it", labels=["question", "stat"])
+            for (name, question_id), vs in sorted(values.items()):
+                if name == f:
+                    for stat, v in (("min", min(vs)), ("mean", sum(vs) / len(vs)), ("max", max(vs))):
+                        family.add_metric([question_id, stat], v)
+            yield family
 
 
 class ServerMetrics:
