@@ -30,6 +30,7 @@ Per S (`{metric}@{S}`):
   cold_ask_idle_p50/p99_ms        the same ad-hoc asks, one at a time, on the idle engine
   cold_loaded_over_idle_p99       their ratio
   rss_gb                          this process's resident memory at the end of the phase
+  head_entry_share                entries the adapter's series heads decided without a prefill, of all entries
   spills_per_min, restores_per_min   sessions evicted to disk / restored (`--spill DIR`: a ResidentEngine
                                   that evicts idle sessions when an open or restore is refused; else 0)
   compaction_tokens_per_ingest_token  tokens compaction copies computed (swapped in or preempted: the
@@ -232,6 +233,10 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
     return out
 
 
+def delta(before: dict, after: dict, key: str) -> float:
+    return after.get(key, math.nan) - before.get(key, math.nan)
+
+
 def stuck(engine) -> str:
     """What an engine that does not go idle is waiting for, from its stats."""
     st = engine.stats()
@@ -324,7 +329,7 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             print(f"  S={s}: not idle {max(args.drain_s, 60):g} s after the phase ({stuck(engine)}): no idle asks, "
                   "no ramp", flush=True)
         ingest = after["tokens_ingest"] - before["tokens_ingest"]
-        copies = after.get("compaction_tokens", math.nan) - before.get("compaction_tokens", math.nan)
+        copies = delta(before, after, "compaction_tokens")
         m.update({
             "offered_bars_per_s": main.offered / main.seconds, "sustained_bars_per_s": main.ingested / main.seconds,
             "freshness_lag_p50_ms": median(main.lags_ms), "freshness_lag_p99_ms": percentile(main.lags_ms, 99),
@@ -339,6 +344,7 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             "restores_per_min": (after.get("auto_restores", 0) - before.get("auto_restores", 0)) / minutes,
             "compaction_tokens_per_ingest_token": copies / ingest if ingest else math.nan,
             "compactions": after["compactions"] - before["compactions"],
+            "head_entry_share": delta(before, after, "head_only_entries") / max(delta(before, after, "entries_computed"), 1),
         })
         m["max_speed_x"] = ramp(engine, feeds, main, args, s)
         m["failed_steps"] = engine.stats()["failed_steps"]

@@ -16,7 +16,7 @@ PER_S = ("opened", "offered_bars_per_s", "sustained_bars_per_s", "freshness_lag_
          "cold_ask_p50_ms", "cold_ask_p99_ms", "cold_ask_idle_p50_ms", "cold_ask_idle_p99_ms",
          "cold_loaded_over_idle_p99", "rss_gb", "spills_per_min", "restores_per_min",
          "compaction_tokens_per_ingest_token", "compactions", "max_speed_x", "ask_errors", "failed_steps",
-         "warmup_idle", "idle_after_phase")
+         "warmup_idle", "idle_after_phase", "head_entry_share")
 
 needs_bars = pytest.mark.skipif(not BTC.exists(), reason=f"{BTC} (the shared recorded bars) is not here")
 
@@ -39,6 +39,7 @@ def test_capacity_runs_end_to_end_with_sane_keys(tmp_path: Path):
         assert got["max_speed_x"] >= 0
         assert got["ask_errors"] == 0 and got["failed_steps"] == 0
         assert got["warmup_idle"] == 1 and got["idle_after_phase"] == 1
+        assert got["head_entry_share"] == 0  # the tiny model runs without the bars adapter: no heads
     assert report["_meta"]["session_context"] == 2048
 
 
