@@ -94,6 +94,8 @@
     const stats = await request("stats");
     const names = stats.sessions.map((s) => s.name).filter((n) => !n.startsWith(".")).sort();
     $("#empty").hidden = names.length > 0;
+    state.many = names.length > CARD_LIMIT;
+    $("#overview").hidden = names.length < 2;
     const select = $("#ask-session");
     for (const name of names) {
       if (!state.sessions.has(name)) {
@@ -126,7 +128,120 @@
     const s = { card, chart: null, chartEl: chart, version: 0, confirmed: 0, answers: new Map(), refreshAt: 0, timer: null,
       curvesEl: curves, curves: new Map() };
     state.sessions.set(name, s);
+    card.hidden = !!state.many;  // many sessions: the overview's row opens its card
+    s.row = overviewRow(name);
   }
+
+  // The overview (many sessions on one page): one row per session, a sparkline of its closes and each
+  // standing question's answer; sortable by any column, filtered by a question's answer. Past CARD_LIMIT
+  // sessions the cards (and their charts) stay hidden until a row is clicked.
+  const CARD_LIMIT = 24;
+  const overview = { questions: [], sortKey: "session", dir: 1, pending: false };
+
+  function overviewRow(name) {
+    const row = el("tr", { "data-session": name });
+    row.append(el("td", { class: "session" }, name), el("td", { class: "spark" }), el("td", { class: "change num" }, "-"),
+      el("td", { class: "dv num" }, "0"));
+    for (const q of overview.questions) row.append(el("td", { class: "answer", "data-question": q }, "-"));
+    row.addEventListener("click", () => {
+      const s = state.sessions.get(name);
+      s.card.hidden = !s.card.hidden;
+      row.classList.toggle("open", !s.card.hidden);
+      if (!s.card.hidden) {
+        fetchBars(name);
+        s.card.scrollIntoView({ block: "nearest" });
+      }
+    });
+    $("#overview-table tbody").append(row);
+    return row;
+  }
+
+  function overviewHeader() {
+    const tr = $("#overview-table thead tr");
+    tr.replaceChildren();
+    const cols = [["session", "session"], ["", "last bars"], ["change", "change"], ["version", "data_version"],
+      ...overview.questions.map((q) => ["q:" + q, q])];
+    for (const [key, label] of cols) {
+      const th = el("th", key ? { "data-sort": key } : {}, label);
+      if (key === overview.sortKey) th.dataset.dir = overview.dir;
+      if (key) th.addEventListener("click", () => {
+        overview.dir = overview.sortKey === key ? -overview.dir : 1;
+        overview.sortKey = key;
+        overviewHeader();
+        overviewChanged();
+      });
+      tr.append(th);
+    }
+  }
+
+  function overviewAnswer(s, a) {
+    const qid = a.question_id;
+    if (!overview.questions.includes(qid)) {
+      overview.questions.push(qid);
+      overview.questions.sort();
+      $("#filter-question").append(el("option", { value: qid }, qid));
+      for (const other of state.sessions.values()) {  // a column for it in every row, in the sorted place
+        const at = overview.questions.indexOf(qid);
+        const cell = el("td", { class: "answer", "data-question": qid }, "-");
+        const cells = other.row.querySelectorAll("td.answer");
+        if (at < cells.length) other.row.insertBefore(cell, cells[at]);
+        else other.row.append(cell);
+      }
+      overviewHeader();
+    }
+    const cell = $(`td.answer[data-question="${CSS.escape(qid)}"]`, s.row);
+    cell.textContent = a.path === "gate" ? "-" : a.warming_up ? "warming up" : a.text;
+    overviewChanged();
+  }
+
+  function sparkline(s, closes) {
+    const td = $(".spark", s.row);
+    const pts = closes.slice(-60);
+    s.change = pts.length > 1 ? pts[pts.length - 1] / pts[0] - 1 : null;
+    $(".change", s.row).textContent = s.change === null ? "-" : `${(100 * s.change).toFixed(2)}%`;
+    if (pts.length < 2) return td.replaceChildren();
+    const w = 120, h = 24, lo = Math.min(...pts), hi = Math.max(...pts), span = hi - lo || 1;
+    const xy = pts.map((c, i) => `${(i * w / (pts.length - 1)).toFixed(1)},${(h - 1 - (c - lo) / span * (h - 2)).toFixed(1)}`);
+    const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+    svg.setAttribute("class", "spark " + (s.change > 0 ? "up" : s.change < 0 ? "down" : ""));
+    svg.setAttribute("width", w);
+    svg.setAttribute("height", h);
+    svg.dataset.points = pts.length;
+    const line = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+    line.setAttribute("points", xy.join(" "));
+    svg.append(line);
+    td.replaceChildren(svg);
+    overviewChanged();
+  }
+
+  // Sorting and filtering run once a frame, however many answers arrived in it.
+  function overviewChanged() {
+    if (overview.pending) return;
+    overview.pending = true;
+    requestAnimationFrame(() => {
+      overview.pending = false;
+      const key = overview.sortKey, dir = overview.dir;
+      const value = (name, s) => key === "session" ? name : key === "version" ? s.version
+        : key === "change" ? (s.change ?? -Infinity) : (s.answers.get(key.slice(2))?.text ?? "");
+      const rows = [...state.sessions.entries()].sort(([a, sa], [b, sb]) => {
+        const va = value(a, sa), vb = value(b, sb);
+        return (va < vb ? -1 : va > vb ? 1 : a < b ? -1 : a > b ? 1 : 0) * dir;
+      });
+      const q = $("#filter-question").value, want = $("#filter-answer").value.trim().toLowerCase();
+      let shown = 0;
+      const body = $("#overview-table tbody");
+      for (const [, s] of rows) {
+        const texts = q ? [s.answers.get(q)?.text ?? ""] : [...s.answers.values()].map((a) => a.text);
+        s.row.hidden = !!want && !texts.some((t) => t.toLowerCase().includes(want));
+        shown += !s.row.hidden;
+        body.append(s.row);  // re-appending moves it: the rows end up in sorted order
+      }
+      $("#overview-count").textContent = `${shown} of ${rows.length} sessions`;
+    });
+  }
+  $("#filter-question").addEventListener("change", overviewChanged);
+  $("#filter-answer").addEventListener("input", overviewChanged);
+  overviewHeader();
 
   function setVersion(name, version, snapshot = false) {
     const s = state.sessions.get(name);
@@ -134,6 +249,9 @@
     s.version = Math.max(s.version, version);
     if (snapshot) s.confirmed = Math.max(s.confirmed, version);
     $(".version", s.card).textContent = `data_version ${s.version}`;
+    $(".dv", s.row).textContent = s.version;
+    s.row.dataset.version = s.version;
+    overviewChanged();
   }
 
   function showAnswer(name, a) {
@@ -149,6 +267,7 @@
       $("tbody", s.card).append(row);
     }
     s.answers.set(a.question_id, a);
+    overviewAnswer(s, a);
     $(".question", row).textContent = a.question_id;
     // path "gate": a push = false free-text question. Nobody is sent its answer; what the engine keeps is
     // the gate's view (the first token), no answer: ask decodes one.
@@ -300,7 +419,8 @@
     if (!res.ok || !s) return;
     const body = await res.json();
     s.card.dataset.bars = body.t.length;
-    if (!body.t.length) return;
+    sparkline(s, body.close);
+    if (!body.t.length || s.card.hidden) return;
     // Lines with a time of day but no date (bars.py counts them from 1970-01-01): no date to draw them
     // at, so the x axis is the bar's number in the session instead (bars_seen counts them all).
     const dated = body.t[0] >= UNDATED_BEFORE;
