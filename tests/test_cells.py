@@ -213,9 +213,10 @@ def test_a_full_pool_refuses_an_open_naming_what_it_needed_and_what_was_free(tin
 
 
 def _grow(eng, name: str, feed, cells: int) -> None:
+    """Push to `name` until it holds `cells` tokens (waiting for each push: records lag pushes)."""
     while eng.session_info(name).num_tokens < cells:
         eng.push(name, list(itertools.islice(feed, 4)))
-    assert eng.wait_idle(120)
+        assert eng.wait_idle(60)
 
 
 def test_sessions_past_their_working_sets_compact_down_to_them_when_the_pool_is_short(tiny_model):
@@ -223,7 +224,8 @@ def test_sessions_past_their_working_sets_compact_down_to_them_when_the_pool_is_
     they grow while it has room, then the one furthest past its working set compacts down to it; every
     push is ingested, none waits forever, and the cells stay consistent."""
     config = EngineConfig(max_cells=2048, block_size=16, max_context=1536, branch_cells=256, working_set_tokens=256,
-                          growth_cells=128, check_integrity_every_step=True)
+                          growth_cells=128, check_integrity_every_step=True,
+                          compaction=CompactionPolicy(safety=0.0))  # no early copies: only pressure cuts early
     with Engine(tiny_model, config) as eng:
         feeds = {f"s{k}": bars(k) for k in range(3)}
         for name in feeds:
@@ -273,7 +275,7 @@ def test_idle_sessions_spill_to_disk_when_growing_sessions_run_the_pool_short(ti
     """Pool pressure from growth (not a refused open) reaches a ResidentEngine through stats: it spills idle
     sessions, least recently used first; a spilled session comes back on its next push, as it was."""
     config = EngineConfig(max_cells=2048, block_size=16, max_context=1024, branch_cells=256, working_set_tokens=256,
-                          growth_cells=128)
+                          growth_cells=128, compaction=CompactionPolicy(safety=0.0))  # no early copies
     with ResidentEngine(Engine(tiny_model, config), tmp_path / "spill", auto_evict=True) as eng:
         # compaction waits: only spilling can make room here
         eng.engine.call(lambda core: setattr(core.admission, "grace_s", 60.0))
@@ -283,6 +285,7 @@ def test_idle_sessions_spill_to_disk_when_growing_sessions_run_the_pool_short(ti
         _grow(eng, "s0", feeds["s0"], 600)
         _grow(eng, "s1", feeds["s1"], 600)
         idle = eng.session_info("s0")
+        assert idle.compactions == eng.session_info("s1").compactions == 0
         for _ in range(30):  # s2 grows into a pool s0 and s1 have taken
             eng.push("s2", list(itertools.islice(feeds["s2"], 3)))
             eng.wait_idle(2)

@@ -142,7 +142,8 @@ class Admission:
         admission needed (for a few seconds: its caller retries)."""
         m = self.store.manager
         short = 0
-        for s in self.sessions.values():
+        ample = m.num_free_blocks - m.keep_free > m.blocks_for(self.chunk_tokens)  # no session's next chunk can block
+        for s in () if ample else self.sessions.values():  # (so the loop costs nothing while there is room)
             held = len(s.table.blocks) + len(s.table.reserved)
             if held < m.blocks_for(s.working_set) and m.blocks_for(s.working_set) - held <= m.num_free_blocks:
                 m.reserve(s.table, s.working_set)  # owed since a compaction swap found the pool short
