@@ -240,7 +240,8 @@ def delta(before: dict, after: dict, key: str) -> float:
 def stuck(engine) -> str:
     """What an engine that does not go idle is waiting for, from its stats."""
     st = engine.stats()
-    keys = ("cells_free", "blocked_for_cells", "ingest_backlog_tokens", "questions_waiting", "sessions_stuck",
+    keys = ("cells_free", "blocked_for_cells", "ingest_backlog_tokens", "questions_waiting", "questions_running",
+            "queue_background", "sessions_stuck",
             "compactions_running")
     return ", ".join(f"{k} {st[k]}" for k in keys if k in st)
 
