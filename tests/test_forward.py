@@ -148,7 +148,7 @@ def test_fork_branch_attends_across_runs():
 )
 def test_paged_attention_equals_dense(runs, q_len):
     """Every way of cutting a context into runs gives dense causal attention's result."""
-    from streamllm.model.attention import SeqAttention, attend
+    from streamllm.model.attention import SeqAttention, attend, plan_parts
 
     gen = torch.Generator().manual_seed(5)
     hkv, g, d, slots = 2, 3, 8, 128
@@ -156,7 +156,7 @@ def test_paged_attention_equals_dense(runs, q_len):
     total = sum(n for _, _, n in runs)
     q_pos0 = total - q_len
     q = torch.randn(hkv, g * q_len, d, generator=gen)
-    out = attend(q, k_layer, v_layer, SeqAttention(0, q_len, q_pos0, runs), g, 0.3)
+    out = attend(q, k_layer, v_layer, plan_parts(SeqAttention(0, q_len, q_pos0, runs), g, q.dtype, q.device), 0.3)
     keys = torch.cat([k_layer[:, s : s + n] for _, s, n in runs], dim=1)
     vals = torch.cat([v_layer[:, s : s + n] for _, s, n in runs], dim=1)
     q_pos = torch.arange(q_pos0, total).repeat(g)

@@ -31,6 +31,19 @@ class SeqAttention:
     runs: list[tuple[int, int, int]]  # (first_pos, first_slot, n) covering positions 0..q_pos0+q_len
 
 
+@dataclass(slots=True)
+class AttentionParts:
+    """One sequence's attention split into parts, planned once per forward (every layer reads the
+    same slots): runs read whole (`unmasked`), and runs holding the new tokens, read under a causal
+    mask (`masked`: slot0, n, mask). `finite`: every query sees a key in every part (no empty row),
+    so two parts merge in five kernels instead of the general merge."""
+
+    unmasked: list[tuple[int, int]]
+    masked: list[tuple[int, int, torch.Tensor | None]]
+    finite: bool
+    fused_masks: bool  # masks are additive, in the queries' dtype, for the fused CPU kernel
+
+
 def _causal_mask(q_pos0: int, q_len: int, k_pos0: int, k_len: int, groups: int, device) -> torch.Tensor | None:
     """Boolean keep-mask [g*n, k_len], or None when no key lies after any query."""
     if k_pos0 + k_len - 1 <= q_pos0:
@@ -40,7 +53,7 @@ def _causal_mask(q_pos0: int, q_len: int, k_pos0: int, k_len: int, groups: int, 
     return k_pos[None, :] <= q_pos[:, None]
 
 
-# CPU flash kernel that also returns the log-sum-exp we need to merge parts.
+# CPU flash kernel that also returns the log-sum-exp we need to merge parts (and takes an additive mask).
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
@@ -51,51 +64,64 @@ def _unmasked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return partial_attention(q, k, v, None, scale)
 
 
+def plan_parts(seq: SeqAttention, groups: int, dtype: torch.dtype, device, shared: bool = False) -> AttentionParts:
+    """Split a sequence's runs into parts (the first run left out when `shared` covers it).
+
+    Keys before the first new token need no mask (every query comes after them): they go
+    to the fast kernel whole. Keys of the new tokens themselves need the causal mask; they
+    are few (one chunk). On a CPU a masked run whose first key no query precedes goes to
+    the fused kernel too, with its mask made once here, not in every layer."""
+    fused = _FLASH_CPU is not None and torch.device(device).type == "cpu"
+    unmasked: list[tuple[int, int]] = []
+    masked: list[tuple[int, int, torch.Tensor | None]] = []
+    finite = True
+    split = seq.q_pos0 if seq.q_len > 1 else seq.q_pos0 + 1
+    for pos0, slot0, n in seq.runs[1:] if shared else seq.runs:
+        if pos0 + n <= split:
+            unmasked.append((slot0, n))
+            continue
+        if pos0 < split:  # the run's head needs no mask
+            unmasked.append((slot0, split - pos0))
+            pos0, slot0, n = split, slot0 + split - pos0, n - (split - pos0)
+        keep = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, device)
+        every_row_sees_a_key = pos0 <= seq.q_pos0
+        finite = finite and every_row_sees_a_key
+        if keep is not None and fused and every_row_sees_a_key:
+            keep = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, NEG_INF)
+        masked.append((slot0, n, keep))
+    return AttentionParts(unmasked, masked, finite, fused)
+
+
 def attend(
     q: torch.Tensor,  # [Hkv, g*n, D]
     k_layer: torch.Tensor,  # [Hkv, slots, D]
     v_layer: torch.Tensor,
-    seq: SeqAttention,
-    groups: int,
+    parts: AttentionParts,
     scale: float,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention output [Hkv, g*n, D] for one sequence.
+    """Attention output [Hkv, g*n, D] for one sequence, over its planned parts.
 
-    Keys before the first new token need no mask (every query comes after them): they
-    go to the fast kernel. Keys of the new tokens themselves need the causal mask; they
-    are few (one chunk). With one part there is nothing to merge. `shared` is this
-    sequence's (output, lse) over its first run, already computed together with other
-    sequences that share that run (grouped prefill).
-    """
-    old: list[tuple[int, int]] = []  # (slot0, n): no mask needed
-    new: list[tuple[int, int, int]] = []  # (pos0, slot0, n): causal among the new tokens
-    split = seq.q_pos0 if seq.q_len > 1 else seq.q_pos0 + 1
-    for pos0, slot0, n in seq.runs[1:] if shared is not None else seq.runs:
-        if pos0 + n <= split:
-            old.append((slot0, n))
-        elif pos0 >= split:
-            new.append((pos0, slot0, n))
-        else:
-            head = split - pos0
-            old.append((slot0, head))
-            new.append((split, slot0 + head, n - head))
-    if shared is None and len(old) + len(new) == 1:
+    With one part there is nothing to merge. `shared` is this sequence's (output, lse) over
+    its first run, already computed together with other sequences that share that run
+    (grouped prefill)."""
+    if shared is None and len(parts.unmasked) + len(parts.masked) == 1:
         # 4-D inputs: SDPA's CPU flash kernel only takes batched input (3-D falls back to math).
-        if old:
-            slot0, n = old[0]
-            k, v, mask = k_layer[None, :, slot0 : slot0 + n], v_layer[None, :, slot0 : slot0 + n], None
+        slot0, n, mask = (*parts.unmasked[0], None) if parts.unmasked else parts.masked[0]
+        return F.scaled_dot_product_attention(q[None], k_layer[None, :, slot0 : slot0 + n],
+                                              v_layer[None, :, slot0 : slot0 + n], attn_mask=mask, scale=scale)[0]
+    out = [shared] if shared is not None else []
+    out += [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in parts.unmasked]
+    for slot0, n, mask in parts.masked:
+        k, v = k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n]
+        if mask is not None and mask.dtype != torch.bool:  # additive: the fused kernel (planned so)
+            o, lse = _FLASH_CPU(q[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=scale)
+            out.append((o[0], lse[0].unsqueeze(-1)))
         else:
-            pos0, slot0, n = new[0]
-            k, v = k_layer[None, :, slot0 : slot0 + n], v_layer[None, :, slot0 : slot0 + n]
-            mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
-        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, scale=scale)[0]
-    parts = [shared] if shared is not None else []
-    parts += [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for s0, n in old]
-    for pos0, slot0, n in new:
-        mask = _causal_mask(seq.q_pos0, seq.q_len, pos0, n, groups, q.device)
-        parts.append(partial_attention(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], mask, scale))
-    return merge_partials(parts).to(q.dtype)
+            out.append(partial_attention(q, k, v, mask, scale))
+    if len(out) == 2 and parts.finite:
+        return merge_two(out[0], out[1]).to(q.dtype)
+    return merge_partials(out).to(q.dtype)
 
 
 def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int, int], list[int]]]:
@@ -141,6 +167,13 @@ def partial_attention(
     safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     out = torch.matmul(torch.exp(scores - safe_lse), v.float())
     return out, lse
+
+
+def merge_two(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`merge_partials` of two parts whose log-sum-exps are finite: a's weight is sigmoid(lse_a - lse_b)."""
+    weight = torch.sigmoid(a[1].float() - b[1].float())
+    out_b = b[0].float()
+    return out_b + (a[0].float() - out_b) * weight
 
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -7,8 +7,10 @@ only attention is per sequence. Parity with transformers' forward is the test (f
 
 In bf16 (see dtype.py) the weights, the matmuls and the KV cells are bf16, while the
 residual stream, RMSNorm, RoPE, the attention's softmax/log-sum-exp merges and the
-logits stay fp32. Steps with few rows may use fp32 copies of some weights, where the
-start-up probe found fp32 faster at that row count (`fp32_rows`).
+logits stay fp32. On a CPU each bf16 weight is also packed once into oneDNN's blocked
+layout (`_packed`), so a product does not re-pack its weight on every call (same
+results, bit for bit). Without packing, steps with few rows may use fp32 copies of some
+weights, where the start-up probe found fp32 faster at that row count (`fp32_rows`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,24 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from streamllm.model.attention import SeqAttention, attend, grouped_partials
+from streamllm.model.attention import SeqAttention, attend, grouped_partials, plan_parts
 from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 WEIGHT_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
+PACK_ROWS = 32  # the row count oneDNN blocks a packed weight for; any count runs on it
+
+
+# oneDNN's packed products (what torch.compile's CPU freezing uses), absent from some builds.
+_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_PACKED_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+_BF16_SUPPORTED = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether bf16 weights can be packed for oneDNN here (a CPU build with mkldnn bf16)."""
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and None not in (_PACK, _PACKED_LINEAR, _BF16_SUPPORTED) and bool(_BF16_SUPPORTED()))
 
 
 @dataclass(slots=True)
@@ -117,6 +132,13 @@ class LlamaForward:
                 )
             )
         self.intermediate = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
+        self._packed: dict[tuple[str, int], torch.Tensor] = {}
+        if can_pack(self.device, self.dtype):
+            # Packed bf16 beat fp32 copies at every row count measured (1 to 256), so with
+            # packing the fp32 copies are made only when asked for.
+            fp32_rows = 0 if fp32_rows is None else fp32_rows
+            self._packed = {(kind, li): _PACK(self._weight(kind, li), PACK_ROWS)
+                            for kind in WEIGHT_KINDS for li in range(1 if kind == "lm_head" else self.num_layers)}
         self._init_fp32_copies(fp32_rows)
         self._init_rope()
 
@@ -146,19 +168,23 @@ class LlamaForward:
 
     def _linear(self, x: torch.Tensor, kind: str, li: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T in the weight's dtype; output in that dtype (fp32 on the few-row path)."""
-        if 0 < x.shape[0] <= self.fp32_rows[kind]:
+        rows = x.shape[0]
+        if 0 < rows <= self.fp32_rows[kind]:
             return F.linear(x.float(), self._w32[kind, li], None if bias is None else bias.float())
+        packed = self._packed.get((kind, li)) if rows else None
+        if packed is not None:
+            return _PACKED_LINEAR(x.to(self.dtype), packed, bias, "none", [], "")
         return F.linear(x.to(self.dtype), self._weight(kind, li), bias)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights held, fp32 copies included (tied embeddings counted once)."""
+        """Bytes of weights held, fp32 copies and packed copies included (tied embeddings counted once)."""
         seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.final_norm): self.final_norm}
         for layer in self.layers:
             for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down):
                 if t is not None:
                     seen[id(t)] = t
-        seen.update((id(t), t) for t in self._w32.values())
+        seen.update((id(t), t) for t in [*self._w32.values(), *self._packed.values()])
         return sum(t.numel() * t.element_size() for t in seen.values())
 
     # -- rope ---------------------------------------------------------------
@@ -184,13 +210,14 @@ class LlamaForward:
         emb = torch.cat([freqs, freqs], dim=-1)
         self._cos = emb.cos() * self.rope_scaling
         self._sin = emb.sin() * self.rope_scaling
+        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one roll instead of a negation and a cat
+        half = self.head_dim // 2
+        self._sin_signed = torch.cat([-self._sin[:, :half], self._sin[:, half:]], dim=-1)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """Rotate in fp32 (positions up to 8k need more than bf16's 8 bits), return in the cells' dtype."""
         x = x.float()
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos + rotated * sin).to(self.dtype)
+        return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed).to(self.dtype)
 
     # -- forward ------------------------------------------------------------
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -222,34 +249,42 @@ class LlamaForward:
             )
         self._ensure_rope(max_pos)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self._sin[positions].unsqueeze(1)
+        sin = self._sin_signed[positions].unsqueeze(1)
         num_rows = batch.input_ids.shape[0]
         h = self.embed[batch.input_ids].float()  # the residual stream stays fp32
         nh, nkv, d, g = self.num_heads, self.num_kv_heads, self.head_dim, self.groups
         q_size, kv_size = nh * d, nkv * d
         slots = batch.slot_mapping
         tap = h if tap_layer == 0 else None
+        # Which slots each sequence reads, and its causal masks, are the same in every layer: planned once.
+        grouped = {i for _, members in batch.groups for i in members}
+        parts = [plan_parts(seq, g, self.dtype, h.device, shared=i in grouped) for i, seq in enumerate(batch.seqs)]
+        one = len(batch.seqs) == 1
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.input_norm)
             qkv = self._linear(x, "qkv", li, layer.qkv_bias)
-            q = qkv[:, :q_size].view(num_rows, nh, d)
-            k = qkv[:, q_size : q_size + kv_size].view(num_rows, nkv, d)
+            # q and k rotate together: [T, Hq + Hkv, D]
+            qk = self._rope(qkv[:, : q_size + kv_size].view(num_rows, nh + nkv, d), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_size + kv_size :].view(num_rows, nkv, d)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
             k_layer, v_layer = k_cache[li], v_cache[li]
             k_layer[:, slots] = k.transpose(0, 1)
             v_layer[:, slots] = v.transpose(0, 1).to(self.dtype)
-            attn = torch.empty(num_rows, nh, d, device=h.device, dtype=self.dtype)
             # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
-            qs = [q[seq.q_start : seq.q_start + seq.q_len].view(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
+            qs = [q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
                   .reshape(nkv, g * seq.q_len, d) for seq in batch.seqs]
             shared = grouped_partials(qs, k_layer, v_layer, batch.groups, self.scale) if batch.groups else {}
-            for i, seq in enumerate(batch.seqs):
-                n = seq.q_len
-                out = attend(qs[i], k_layer, v_layer, seq, g, self.scale, shared.get(i))
-                attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
-            h = h + self._linear(attn.view(num_rows, q_size), "o", li)
+            if one:  # a lone sequence's output is the whole step's: no buffer to scatter into
+                n = num_rows
+                out = attend(qs[0], k_layer, v_layer, parts[0], self.scale, shared.get(0))
+                attn = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
+            else:
+                attn = torch.empty(num_rows, nh, d, device=h.device, dtype=self.dtype)
+                for i, seq in enumerate(batch.seqs):
+                    n = seq.q_len
+                    out = attend(qs[i], k_layer, v_layer, parts[i], self.scale, shared.get(i))
+                    attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
+            h = h + self._linear(attn.reshape(num_rows, q_size), "o", li)
             x = self._rmsnorm(h, layer.post_norm)
             gate_up = self._linear(x, "gate_up", li)
             h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
