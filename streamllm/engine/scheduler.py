@@ -14,9 +14,11 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     in *every* step: neither is ever starved, under any load of questions;
   - while questions run, ingest and background get only their floors (on a CPU every
     prefill token lengthens the question's step), and while questions keep coming
-    (one within `busy_window_s`) every step is latency-bound: its work is cut so that its
-    predicted cost stays within `step_latency_ms` (the floors beside a question come on top
-    of it), so a new question waits at most one short step. Until the cost model has seen enough steps (or with
+    (one within `busy_window_s`) every step is latency-bound: its ingest and background work
+    is cut so that its predicted cost stays within `step_latency_ms`, so a new question waits
+    at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
+    would cost it a step, and on a machine whose fixed cost alone is over the target it
+    would move one token a step. Until the cost model has seen enough steps (or with
     `step_latency_ms=None`) a busy step holds `busy_step_tokens`;
   - with no questions, background gets at least `background_share` of the step (standing
     answers keep up with a feed that saturates ingest), ingest the rest, and background
@@ -177,12 +179,16 @@ class Scheduler:
             floor_bg = max(floor_bg, int(cfg.background_share * budget))
         turn, self._turn = self._turn, self._turn + 1
         plan = Plan()
-        # The latency meter: questions take what the target affords and the floors come on top
-        # (cutting a question to make room for floors would make it pay a second step).
-        self._ms_left = None if target is None else target - self.cost.fixed_ms
+        # Questions are never cut by the meter: a cut question pays a second step (and on a machine whose
+        # fixed cost alone is over the target, one token a step). The meter chops ingest and background
+        # work while questions are likely, so the next one waits at most one short step; beside a
+        # question those get only their floors anyway.
+        self._ms_left = None
         bg_floor_ms = self._floor_ms(by_class[BACKGROUND], floor_bg)
-
-        used = self._fill(plan, INTERACTIVE, by_class[INTERACTIVE], max(budget - floor_ingest - floor_bg, 1), turn)
+        interactive = max(budget - floor_ingest - floor_bg, 1) if target is None else cfg.step_tokens
+        used = self._fill(plan, INTERACTIVE, by_class[INTERACTIVE], interactive, turn)
+        if target is not None and not questions:
+            self._ms_left = target - self.cost.fixed_ms
         left = budget - used
         # Ingest: its floor beside questions, else everything but the background floor.
         ingest_budget = floor_ingest if questions else max(left - floor_bg, floor_ingest)
