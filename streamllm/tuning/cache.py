@@ -89,14 +89,16 @@ class StateCache:
 
     def __init__(self, root: Path, loaded: Any, *, dtype: str, device: str, chunk_tokens: int) -> None:
         weights = model_fingerprint(loaded)
-        self.model = {"model": loaded.name, "source": str(loaded.source), "weights": weights, "dtype": dtype,
-                      "device": device, "chunk_tokens": chunk_tokens, "format": FORMAT}
+        # What the states depend on (the key's part); not the load's own notes (source: where, how long)
+        self.model = {"model": loaded.name, "weights": weights, "dtype": dtype, "device": device,
+                      "chunk_tokens": chunk_tokens, "format": FORMAT}
         stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(loaded.name)).name)[:40] or "model"
         self.dir = Path(root) / f"{stem}-{dtype}-{weights[:12]}"
         self.dir.mkdir(parents=True, exist_ok=True)
         described = self.dir / "model.json"
         if not described.is_file():
-            _write_atomic(described, (json.dumps(self.model, indent=1) + "\n").encode())
+            about = {**self.model, "source": str(loaded.source)}
+            _write_atomic(described, (json.dumps(about, indent=1) + "\n").encode())
         self.hits = self.misses = self.partial = self.rejected = 0
 
     def key(self, ids: Sequence[int], ends: Sequence[int], prefix_len: int) -> str:
