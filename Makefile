@@ -31,8 +31,9 @@ demo: model
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
 # queries/adapters/, so `make demo` needs no tuning. About 140 min on a 2-core CPU (bars ~80,
-# demo ~27, crypto ~35), most of it extracting states, checkpointed under queries/adapters/*/states:
-# an interrupted run goes on with `make tune TUNE_ARGS=--resume`. The fits are deterministic: the
+# demo ~27, crypto ~35), most of it extracting states, kept in the state cache ($STREAMLLM_HOME/states,
+# docs/tuning.md): an interrupted run goes on where it stopped; after a change of questions or labels only
+# a new question's decision points on judged windows are extracted, and only changed heads are fitted. The fits are deterministic: the
 # same states give the committed heads to the bit (states extracted on another CPU differ by bf16
 # roundings, which can flip a near-tied choice; docs/tuning.md).
 TUNE_ARGS ?=
