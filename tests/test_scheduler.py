@@ -311,7 +311,8 @@ def test_the_budget_follows_the_cost_model():
     for _ in range(40):
         plan, ms = step()
     assert abs(plan.tokens_of(INGEST) - (40 - 5) / 0.6) <= 2  # 58 tokens
-    assert ms <= 40.5
+    # Within 5%: steps of one shape cannot tell the fixed cost from the per-token cost apart.
+    assert ms <= 42
 
 
 def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_impossible():
@@ -338,3 +339,6 @@ def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_imp
         run_fake(plan)
         m.free(ask.table)
         m.free(entry.table)
+    # Without a question the step still does work: at most half of it is the fixed cost (2 x 5 ms).
+    plan = impossible.schedule([s])
+    assert plan.tokens_of(INGEST) > 16 and cost.predict(plan.shape) <= 10

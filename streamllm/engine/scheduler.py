@@ -169,6 +169,8 @@ class Scheduler:
             self._last_question = now
         busy = questions or now - self._last_question < cfg.busy_window_s
         target = cfg.step_latency_ms if busy and cfg.step_latency_ms is not None and self.cost.ready else None
+        if target is not None:  # a machine whose fixed cost leaves no room: at most half a step is overhead
+            target = max(target, 2 * self.cost.fixed_ms)
         if target is None:
             budget = cfg.busy_step_tokens if busy else cfg.step_tokens
         else:
