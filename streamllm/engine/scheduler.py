@@ -15,8 +15,9 @@ Guarantees (proven by tests/test_scheduler.py without a model):
   - while questions run, ingest and background get only their floors (on a CPU every
     prefill token lengthens the question's step), and while questions keep coming
     (one within `busy_window_s`) every step is latency-bound: its ingest and background work
-    is cut so that its predicted cost stays within `step_latency_ms`, so a new question waits
-    at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
+    is cut so that its predicted cost stays within `step_latency_ms` (or twice the step's
+    fixed cost, where that is more: at most half a step is overhead, so ingest keeps
+    moving on a slow machine), so a new question waits at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
     would cost it a step, and on a machine whose fixed cost alone is over the target it
     would move one token a step. Until the cost model has seen enough steps (or with
     `step_latency_ms=None`) a busy step holds `busy_step_tokens`;
