@@ -1,5 +1,6 @@
 """Cells on demand: admission by working set, sessions that grow in runs, room made under pressure,
-idle sessions spilled to disk and restored bit for bit (engine/admission.py, engine/kv.py)."""
+entries that never starve each other, idle sessions spilled to disk and restored bit for bit
+(engine/admission.py, engine/kv.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from streamllm.config import QuestionSpec, parse_question
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import AdmissionError, Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.admission import Admission
@@ -21,7 +23,7 @@ from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.outputs import StalePolicy
 from streamllm.engine.publishing import Publisher
-from streamllm.engine.sequence import Session
+from streamllm.engine.sequence import EntryBranch, Session
 from streamllm.engine.standing.prepos import Prepositioner
 from streamllm.engine.stats import StepTimes
 from streamllm.engine.subscriptions import SubscriptionHub
@@ -301,3 +303,63 @@ def test_idle_sessions_spill_to_disk_when_growing_sessions_run_the_pool_short(ti
         assert "s0" not in eng.evicted() and eng.wait_idle(60)
         assert eng.session_info("s0").data_version == idle.data_version + 1
         eng.engine.check_integrity()
+
+
+def test_when_every_entry_computing_is_blocked_the_newest_give_way_until_the_oldest_moves():
+    """Issue #44's rule for background work: with nothing else in flight to give cells back, entries
+    all blocked on cells do not wait on each other forever; the newest are preempted (cells freed,
+    recomputed later) until the oldest can take its next chunk, and the oldest is never preempted."""
+    store = KVStore(BlockManager(16, 4), KVPool(1, 64, 1, 2))
+    m = store.manager
+    prepos = Prepositioner(store, {0})
+    publisher = Publisher(sessions={}, prepos=prepos, hub=SubscriptionHub())
+    answerer = Answerer(store=store, prepos=prepos, publisher=publisher, tokenizer=None, eos_ids={0},
+                        scheduler_config=SchedulerConfig(chunk_tokens=16), stale_policy=StalePolicy.WAIT)
+    table = BlockTable()
+    m.append(table, 6)
+    s = Session("s", "sys", [1, 2, 3], 64, table)
+    s.append_batch([[5, 5, 5]], 0.0)
+    s.advance(6)
+    entries = []
+    for k in range(3):  # each: its fork's tail block (2 of 4 slots used), then 10 question tokens: 2 blocks more
+        st = prepos.register(s, QuestionSpec(f"q{k}", f"Say {k}.", max_tokens=1), None, [7] * 10)  # type: ignore[arg-type]
+        assert prepos.start_blocks(st) == 3
+        st.computing = EntryBranch(s, st.spec.text, st.prompt_ids, table=store.fork(table, 6), base_len=6,
+                                   data_version=1, standing=st)
+        entries.append(st.computing)
+    wall = BlockTable()  # everything else in the pool but one block
+    m.append(wall, 4 * (m.num_free_blocks - 1))
+    assert prepos.blocks_to_finish() == 6 and m.num_free_blocks == 1
+    answerer.make_room()
+    assert prepos.entries_preempted == 1 and entries[2].table is None and entries[2].standing.computing is None
+    assert [e.table is not None for e in entries[:2]] == [True, True]
+    assert m.can_append(entries[0].table, 10)  # the oldest moves: it lands and gives its cells back
+    m.check_integrity([table, wall, entries[0].table, entries[1].table])
+
+
+def test_entries_do_not_starve_each_other_in_a_pool_sessions_nearly_fill(tiny_model):
+    """The bench's deadlock (#46) in small: sessions admitted by working set leave little beside them,
+    and four choice questions each keep entries on top. A choice question's ready entry gives its
+    cells back (its answer is the ready record on every path) and entries start only whole beside
+    the others, so the engine goes idle with every answer fresh and the cells consistent."""
+    config = EngineConfig(max_cells=2048, block_size=16, max_context=512, branch_cells=256, working_set_tokens=256,
+                          check_integrity_every_step=True)
+    with Engine(tiny_model, config) as eng:
+        names = [f"s{k}" for k in range(4)]
+        for name in names:
+            eng.open_session(name)
+            for q in range(4):
+                eng.register(name, parse_question({"id": f"q{q}", "text": f"Question {q}: is the price going up? "
+                                                   "Answer up or down.", "choices": ["up", "down"]}))
+        for b in range(10):
+            for k, name in enumerate(names):
+                eng.push(name, [f"00:{b:02d} {46000 + b * 7 + k} +{b % 9} h+3 l-2 v1.{b}M n{100 + b} b5{b % 10}"])
+        assert eng.wait_idle(30), {k: v for k, v in eng.stats().items() if "cell" in k or "entr" in k}
+        for name in names:
+            version = eng.session_info(name).data_version
+            answers = eng.standing(name)
+            assert version == 10 and len(answers) == 4 and all(a.data_version == version for a in answers)
+        held = eng.call(lambda core: [st.ready.table for st in core.prepos.all() if st.ready is not None])
+        assert len(held) == 16 and held == [None] * 16
+        assert eng.stats()["cells_wanted"] == 0
+        eng.check_integrity()

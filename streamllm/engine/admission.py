@@ -11,8 +11,9 @@ and a session never waits for cells inside its working set. Past it a session gr
 its lines arrive, in runs of `grow_blocks`, from what the pool has beyond keep_free, up
 to its max_context, where compaction cuts it back as before.
 
-When the pool is short (a session cannot take its next chunk, or an open or restore was
-refused) `relieve`, once per turn of the core, makes room, cheapest first:
+When the pool is short (a session cannot take its next chunk, an open or restore was refused,
+or no entry can move: `_entry_short`) `relieve`, once per turn of the core, makes room, cheapest
+first (for entries, fresh ready entries stay: evicting one to compute another would churn):
 
     1. runs reserved past a session's working set and not filled yet go back;
     2. idle entries are evicted (recomputed when next needed);
@@ -73,6 +74,7 @@ class Admission:
         self._short_since: float | None = None
         self._refused_room: tuple[int, float] | None = None  # (free blocks a refused admission needed, when)
         self._copy_for: str | None = None  # the session a pressure copy is running for
+        self._made_room_for_copy = False  # idle entries gave way to a pressure copy in this shortage
 
     def working_set(self, prefix_len: int, max_context: int) -> int:
         return working_set(prefix_len, max_context, self.window_tokens)
@@ -127,14 +129,26 @@ class Admission:
         short = self._short_blocks()
         if short and self._give_back_free(entries=self._short_since is None):  # entries: once an episode
             short = self._short_blocks()
+        for_entries = not short and self._entry_short() > 0  # no session waits, but no entry can move
+        if for_entries:
+            # Fresh entries stay: evicting one to compute another frees nothing for long (and a pool
+            # too small for every entry would churn). Stale ones go: their replacements are what waits.
+            if self._give_back_free(entries=False) + self.prepos.evict_idle_entries(set(), stale_only=True):
+                self.publisher.drop_evicted()
+            short = self._entry_short()
         self.cells_wanted = short * self.store.manager.block_size
         if not short:
             self._short_since = None
+            self._made_room_for_copy = False
             return
         now = time.monotonic()
         if self._short_since is None:
             self._short_since = now
         if now - self._short_since >= self.grace_s:
+            if (for_entries and not self._made_room_for_copy and self._copy_for not in self.compactor.copies
+                    and self._past_working_sets()):
+                self._give_back_free()  # room for the copy, which makes room that lasts (once an episode)
+                self._made_room_for_copy = True
             self._compact_the_largest()
 
     def _short_blocks(self) -> int:
@@ -158,6 +172,28 @@ class Admission:
                 short = max(short, need - m.num_free_blocks)
         return short
 
+    def _entry_short(self) -> int:
+        """Blocks the pool lacks for one entry to move when none can: the entry computing that
+        `Answerer.make_room` keeps (it preempts the others), or with none computing, the smallest
+        entry waiting to start. 0 while an entry can move, or a question or standing decode in flight
+        will give cells back: entries are background work, and wait for those."""
+        m, prepos = self.store.manager, self.prepos
+        free = m.num_free_blocks
+        if free - m.keep_free > m.blocks_for(self.chunk_tokens):  # room for any entry's next chunk
+            return 0
+        needs = [m.blocks_needed(e.table, min(len(e.pending_ids), self.chunk_tokens))
+                 for e in prepos.computing() if e.pending_ids]
+        if not needs:
+            to_go = self.compactor.blocks_to_go()
+            needs = [to_go + prepos.start_blocks(st) for st in prepos.all()
+                     if st.computing is None and st.session.ready and not st.fresh()]
+        if not needs or min(needs) <= free or self.compactor.answerer.running or any(
+                st.decoding is not None for st in prepos.all()) or any(
+                m.can_append(c.table, min(len(c.pending_ids), self.chunk_tokens))
+                for c in self.compactor.copies.values()):  # a copy moving frees its session's old cells
+            return 0
+        return min(needs) - free
+
     def _give_back_free(self, entries: bool = True) -> int:
         """Steps 1 and 2: unfilled runs past working sets, then idle entries; returns blocks freed.
         Entries go once per episode of pressure: they are recomputed when stale, and evicting them
@@ -176,12 +212,16 @@ class Admission:
         if self._copy_for is not None and self._copy_for in self.compactor.copies:
             return
         self._copy_for = None
-        bs = self.store.manager.block_size
-        past = [(s.num_computed - s.working_set, s) for s in self.sessions.values()
-                if s.ready and s.name not in self.compactor.copies and s.num_computed - s.working_set >= bs]
-        for _, session in sorted(past, key=lambda p: -p[0]):
+        for session in self._past_working_sets():
             keep = min(session.working_set - session.prefix_len, self.compactor.policy.keep_tokens(session))
             if self.compactor.start(session, keep):
                 self._copy_for = session.name
                 self.pressure_compactions += 1
                 return
+
+    def _past_working_sets(self) -> list[Session]:
+        """Sessions a block or more past their working sets, furthest first (what step 4 may compact)."""
+        bs = self.store.manager.block_size
+        past = [(s.num_computed - s.working_set, s) for s in self.sessions.values()
+                if s.ready and s.name not in self.compactor.copies and s.num_computed - s.working_set >= bs]
+        return [s for _, s in sorted(past, key=lambda p: -p[0])]

@@ -195,6 +195,11 @@ class Answerer:
             return self.store.fork(session.table, length)
 
     def make_room(self) -> None:
+        """Room for questions first, then for entries (`_make_room_for_entries`): the pool never deadlocks."""
+        self._make_room_for_asks()
+        self._make_room_for_entries()
+
+    def _make_room_for_asks(self) -> None:
         """Running questions whose next chunk does not fit evict idle entries first. Then, so that the
         pool never deadlocks:
 
@@ -228,6 +233,25 @@ class Answerer:
             if any(self._can_step(br) for br in self.running):
                 return
         self._preempt(max(self.running, key=lambda b: b.ask_id))
+
+    def _make_room_for_entries(self) -> None:
+        """Entries computing take turns as questions do. When every one is blocked on cells and nothing
+        in flight will give cells back (no question running: its own rule above makes room; no standing
+        decode able to move), the newest are preempted, one at a time, until the oldest can move: their
+        cells are freed and `refresh` starts them again, at the newest data, once the pool holds a whole
+        entry beside the others. Newest: nobody waits for it, then least computed, then last in order.
+        The oldest is never preempted, so it lands; alone and still blocked, it is the pool's shortage
+        (`Admission.relieve`: unfilled runs, idle entries, idle sessions to disk, then compaction)."""
+        entries = [e for e in self.prepos.computing() if e.pending_ids]
+        if len(entries) < 2 or self.running or any(self._can_step(e) for e in entries):
+            return
+        if any(st.decoding is not None and st.decoding.table is not None and self._can_step(st.decoding)
+               for st in self.prepos.all()):
+            return
+        while len(entries) > 1 and not any(self._can_step(e) for e in entries):
+            newest = max(range(len(entries)), key=lambda i: (not entries[i].standing.waiters,
+                                                             -entries[i].num_computed, i))
+            self.prepos.preempt(entries.pop(newest))
 
     def _next_chunk(self, br: AskBranch) -> int:
         return min(len(br.pending_ids), self.scheduler_config.chunk_tokens)
@@ -345,6 +369,8 @@ class Answerer:
             else:
                 st.waiters.append(br)
         rec = st.record
+        if st.spec.choices:  # a choice question's answer is its ready record on every path (`answers_alone`):
+            self.prepos.release(entry)  # nothing reads the entry's cells again, so they go back now
         if rec.final:
             self._standing_changed(st, rec.text, _path(rec.fired), rec.confidence, rec.data_version, rec.choices)
         elif st.spec.push:

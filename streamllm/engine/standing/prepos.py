@@ -110,6 +110,7 @@ class Prepositioner:
         self.by_session: dict[str, dict[str, Standing]] = {}
         self.entry_tokens = 0  # background compute spent on entries (tokens)
         self.entries_evicted = 0
+        self.entries_preempted = 0  # entries computing whose cells went back when every one was blocked
 
     # -- registry ----------------------------------------------------------
     def register(self, session: Session, spec: QuestionSpec, gate: Gate, prompt_ids: list[int]) -> Standing:
@@ -168,6 +169,7 @@ class Prepositioner:
         Returns the entries that need no forward pass (head-only: ready now, for the core to finish)."""
         manager = self.store.manager
         instant = []
+        owed: int | None = None  # blocks the entries computing still need (counted once something would start)
         for st in self.all():
             s = st.session
             if not s.ready or st.fresh():
@@ -183,16 +185,43 @@ class Prepositioner:
                     continue  # current, or part-paid for an older version: let it finish
                 self.release(st.computing)  # not started: restart at the newest
                 st.computing = None
-            if manager.num_free_blocks <= keep_free_blocks:
-                continue  # entries are optional work: retry when cells free up
+            if owed is None:
+                owed = self.blocks_to_finish()
+            need = self.start_blocks(st)
+            if manager.num_free_blocks < keep_free_blocks + owed + need:
+                continue  # optional work, started only whole beside the others: retry when cells free up
             try:
                 table = self.store.fork(s.table, s.version_length(s.data_version))
             except KVCapacityError:
                 continue
+            owed += manager.blocks_needed(table, len(st.prompt_ids))
             st.computing = EntryBranch(s, st.spec.text, st.prompt_ids, table=table,
                                        base_len=s.version_length(s.data_version), data_version=s.data_version,
                                        standing=st, choices=st.gate if st.spec.choices else None)
         return instant
+
+    def start_blocks(self, st: Standing) -> int:
+        """Blocks a new entry of `st` takes: its fork's partial tail, then its question's tokens."""
+        m, s = self.store.manager, st.session
+        return m.blocks_for(s.version_length(s.data_version) % m.block_size + len(st.prompt_ids))
+
+    def blocks_to_finish(self) -> int:
+        """Blocks the entries computing still need to land."""
+        m = self.store.manager
+        return sum(m.blocks_needed(e.table, len(e.pending_ids)) for e in self.computing())
+
+    def computing(self) -> list[EntryBranch]:
+        """Entries being prefilled on cells of their own (head-only entries hold none)."""
+        return [st.computing for st in self.all() if st.computing is not None and st.computing.table is not None]
+
+    def preempt(self, entry: EntryBranch) -> None:
+        """Free an entry computing's cells (vLLM v1's preemption, for background work): `refresh` starts
+        its question again, at the newest data, once the pool holds the whole entry beside the others."""
+        st = entry.standing
+        self.release(entry)
+        if st.computing is entry:
+            st.computing = None
+        self.entries_preempted += 1
 
     def _head_only(self, st: Standing) -> bool:
         """Whether the newest entry can come from the session's line features alone: a choice question
@@ -288,9 +317,10 @@ class Prepositioner:
                            d.answer or "", d.token_id, d.gap, d.probs, st.ready.first_logits,
                            warming_up(st), threshold, source)
 
-    def evict_idle_entries(self, busy_sessions: set[str], computing: bool = False) -> int:
+    def evict_idle_entries(self, busy_sessions: set[str], computing: bool = False, stale_only: bool = False) -> int:
         """Free the ready entries of sessions nobody is using now (recomputable); returns blocks freed.
-        computing: entries being prefilled that nobody waits for go too (under real pressure)."""
+        computing: entries being prefilled that nobody waits for go too (under real pressure);
+        stale_only: only ready entries behind their session's data (their replacements are coming)."""
         freed = 0
         for st in self.all():
             if computing and st.computing is not None and not st.waiters and st.session.name not in busy_sessions:
@@ -299,6 +329,8 @@ class Prepositioner:
                 st.computing = None
                 freed += self.store.manager.num_free_blocks - before
             if st.session.name in busy_sessions or st.waiters or st.ready is None or st.ready.table is None:
+                continue
+            if stale_only and st.fresh():
                 continue
             before = self.store.manager.num_free_blocks
             self.release(st.ready)
