@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from streamllm.engine.compaction import CompactionCopy, CompactionPolicy
 from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
 from streamllm.engine.outputs import StalePolicy
 from streamllm.engine.publishing import Publisher
-from streamllm.engine.sequence import EntryBranch, Session
+from streamllm.engine.sequence import AskBranch, EntryBranch, Session
 from streamllm.engine.standing.prepos import Prepositioner
 from streamllm.engine.stats import StepTimes
 from streamllm.engine.subscriptions import SubscriptionHub
@@ -335,6 +336,13 @@ def test_when_every_entry_computing_is_blocked_the_newest_give_way_until_the_old
     assert [e.table is not None for e in entries[:2]] == [True, True]
     assert m.can_append(entries[0].table, 10)  # the oldest moves: it lands and gives its cells back
     m.check_integrity([table, wall, entries[0].table, entries[1].table])
+    m.append(wall, 4 * m.num_free_blocks)  # the pool full: a question still gets in, entries give way
+    ask = AskBranch(s, "What now?", [9] * 3, future=Future())
+    answerer.waiting.append(ask)
+    answerer.start_waiting()
+    assert answerer.running == [ask] and not ask.future.done() and ask.table is not None
+    assert [e.table is None for e in entries] == [True, True, True]
+    m.check_integrity([table, wall, ask.table])
 
 
 def test_entries_do_not_starve_each_other_in_a_pool_sessions_nearly_fill(tiny_model):

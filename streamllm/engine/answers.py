@@ -184,12 +184,13 @@ class Answerer:
         return running + mine <= manager.num_free_blocks
 
     def _fork_evicting(self, session: Session, length: int) -> BlockTable:
-        """Fork for a question; under pressure, idle sessions' entries (recomputable) go first."""
+        """Fork for a question; under pressure, idle sessions' entries (recomputable) go first, then every
+        entry nobody waits for, computing ones too: background work never keeps a question out."""
         try:
             return self.store.fork(session.table, length)
         except KVCapacityError:
             busy = {b.session.name for b in self.running} | {session.name}
-            if not self.prepos.evict_idle_entries(busy):
+            if not (self.prepos.evict_idle_entries(busy) or self.prepos.evict_idle_entries(set(), computing=True)):
                 raise
             self.publisher.drop_evicted()
             return self.store.fork(session.table, length)
