@@ -371,3 +371,28 @@ def test_entries_do_not_starve_each_other_in_a_pool_sessions_nearly_fill(tiny_mo
         assert len(held) == 16 and held == [None] * 16
         assert eng.stats()["cells_wanted"] == 0
         eng.check_integrity()
+
+
+def test_entries_do_not_take_back_the_room_made_for_sessions_blocked_on_growth(tiny_model):
+    """Free-text entries keep their cells: when sessions growing past their working sets are short,
+    the entries evicted for them must not be started again into the room they wait for (ingest comes
+    before background work), else every turn evicts and re-forks the entries and no line lands."""
+    config = EngineConfig(max_cells=2048, block_size=16, max_context=1024, branch_cells=256, working_set_tokens=256,
+                          check_integrity_every_step=True)
+    with Engine(tiny_model, config) as eng:
+        names = [f"s{k}" for k in range(4)]
+        for name in names:
+            eng.open_session(name)
+            for q in range(2):
+                eng.register(name, parse_question({"id": f"q{q}", "text": f"Question {q}: where does the price go?",
+                                                   "max_tokens": 1}))
+        for b in range(16):
+            for k, name in enumerate(names):
+                eng.push(name, [f"00:{b:02d} {46000 + b * 7 + k} +{b % 9} h+3 l-2 v1.{b}M n{100 + b} b5{b % 10}"])
+        assert eng.wait_idle(30), {k: v for k, v in eng.stats().items() if "cell" in k or "entr" in k}
+        for name in names:
+            answers = eng.standing(name)
+            assert eng.session_info(name).data_version == 16 and [a.data_version for a in answers] == [16, 16]
+        assert eng.call(lambda core: core.prepos.entries_evicted) < 100  # a few per shortage, not one per turn
+        assert eng.stats()["cells_wanted"] == 0
+        eng.check_integrity()

@@ -127,6 +127,8 @@ class Admission:
     def relieve(self) -> None:
         """Once per turn: measure how short the pool is and make room in the order above."""
         short = self._short_blocks()
+        # What the sessions blocked on growth wait for, also once room is made: new entries leave it.
+        self.prepos.held_blocks = self.store.manager.keep_free + short if short else 0
         if short and self._give_back_free(entries=self._short_since is None):  # entries: once an episode
             short = self._short_blocks()
         for_entries = not short and self._entry_short() > 0  # no session waits, but no entry can move

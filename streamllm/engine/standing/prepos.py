@@ -111,6 +111,9 @@ class Prepositioner:
         self.entry_tokens = 0  # background compute spent on entries (tokens)
         self.entries_evicted = 0
         self.entries_preempted = 0  # entries computing whose cells went back when every one was blocked
+        # Free blocks that sessions blocked on growth are owed (set by Admission.relieve each turn): new
+        # entries start only beside them, so ingest is not evicted for background work that takes it back.
+        self.held_blocks = 0
 
     # -- registry ----------------------------------------------------------
     def register(self, session: Session, spec: QuestionSpec, gate: Gate, prompt_ids: list[int]) -> Standing:
@@ -188,7 +191,7 @@ class Prepositioner:
             if owed is None:
                 owed = self.blocks_to_finish()
             need = self.start_blocks(st)
-            if manager.num_free_blocks < keep_free_blocks + owed + need:
+            if manager.num_free_blocks < keep_free_blocks + self.held_blocks + owed + need:
                 continue  # optional work, started only whole beside the others: retry when cells free up
             try:
                 table = self.store.fork(s.table, s.version_length(s.data_version))
