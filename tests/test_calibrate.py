@@ -237,11 +237,12 @@ def test_live_gate_is_the_engines_auto_threshold_on_the_replay():
 
 def test_a_confident_live_gate_fires_on_a_subset_and_follows_the_question_or_the_flag():
     """auto_confidence judges each threshold by a lower bound of its precision: on the same window
-    no threshold it accepts is one the point estimate rejects, so it fires on a subset of the answers."""
+    no threshold it accepts is one the point estimate rejects, so it fires on fewer answers, later."""
     record = _live_record(1200, seed=5)
     point, sure = live_gate(record, 0.9), live_gate(record, 0.9, confidence=0.9)
     assert sure.fired < point.fired and sure.first >= point.first
-    assert all(p or not s for p, s in zip(point.fires, sure.fires, strict=True))
+    # (not answer by answer: the recent check may hold the point gate closed where the stricter one,
+    # firing on surer answers only, still reaches the target)
     assert sure.confidence == 0.9 and summarize(record, 0.9, 0.9).live == sure
     own = QuestionRecord(dataclasses.replace(record.spec, auto_confidence=0.9), record.gaps, record.answers,
                          record.truths, record.bars)

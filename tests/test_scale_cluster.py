@@ -125,8 +125,9 @@ def test_placement_by_free_cells_and_questions_run_only_on_their_replica(cluster
     async def scenario():
         w = await Wire.open(server.url)
         # One big session, then three small ones: the most free cells wins, so the small ones all go to
-        # the other replica (a round robin would put one of them beside the big one).
-        for name, max_context in (("big", 8192), ("s1", 2048), ("s2", 2048), ("s3", 2048)):
+        # the other replica (a round robin would put one of them beside the big one). A session holds its
+        # working set (prefix + working_set_tokens, at most its max_context): the small ones hold 512.
+        for name, max_context in (("big", 8192), ("s1", 512), ("s2", 512), ("s3", 512)):
             free = {h.index: cluster.call_replica(h, "free_cells") for h in cluster.replicas}
             await w.ok("open", session=name, max_context=max_context)
             best = max(free.values())
