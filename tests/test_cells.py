@@ -345,6 +345,21 @@ def test_when_every_entry_computing_is_blocked_the_newest_give_way_until_the_old
     m.check_integrity([table, wall, ask.table])
 
 
+def _fleet(eng: Engine, questions: list[dict], bars: int) -> list[str]:
+    """Four sessions with these standing questions each, fed `bars` bars one at a time, round robin;
+    the engine must then go idle (its cell and entry counters say why not)."""
+    names = [f"s{k}" for k in range(4)]
+    for name in names:
+        eng.open_session(name)
+        for q in questions:
+            eng.register(name, parse_question(q))
+    for b in range(bars):
+        for k, name in enumerate(names):
+            eng.push(name, [f"00:{b:02d} {46000 + b * 7 + k} +{b % 9} h+3 l-2 v1.{b}M n{100 + b} b5{b % 10}"])
+    assert eng.wait_idle(30), {k: v for k, v in eng.stats().items() if "cell" in k or "entr" in k}
+    return names
+
+
 def test_entries_do_not_starve_each_other_in_a_pool_sessions_nearly_fill(tiny_model):
     """The bench's deadlock (#46) in small: sessions admitted by working set leave little beside them,
     and four choice questions each keep entries on top. A choice question's ready entry gives its
@@ -353,16 +368,8 @@ def test_entries_do_not_starve_each_other_in_a_pool_sessions_nearly_fill(tiny_mo
     config = EngineConfig(max_cells=2048, block_size=16, max_context=512, branch_cells=256, working_set_tokens=256,
                           check_integrity_every_step=True)
     with Engine(tiny_model, config) as eng:
-        names = [f"s{k}" for k in range(4)]
-        for name in names:
-            eng.open_session(name)
-            for q in range(4):
-                eng.register(name, parse_question({"id": f"q{q}", "text": f"Question {q}: is the price going up? "
-                                                   "Answer up or down.", "choices": ["up", "down"]}))
-        for b in range(10):
-            for k, name in enumerate(names):
-                eng.push(name, [f"00:{b:02d} {46000 + b * 7 + k} +{b % 9} h+3 l-2 v1.{b}M n{100 + b} b5{b % 10}"])
-        assert eng.wait_idle(30), {k: v for k, v in eng.stats().items() if "cell" in k or "entr" in k}
+        names = _fleet(eng, [{"id": f"q{q}", "text": f"Question {q}: is the price going up? Answer up or down.",
+                              "choices": ["up", "down"]} for q in range(4)], bars=10)
         for name in names:
             version = eng.session_info(name).data_version
             answers = eng.standing(name)
@@ -380,16 +387,8 @@ def test_entries_do_not_take_back_the_room_made_for_sessions_blocked_on_growth(t
     config = EngineConfig(max_cells=2048, block_size=16, max_context=1024, branch_cells=256, working_set_tokens=256,
                           check_integrity_every_step=True)
     with Engine(tiny_model, config) as eng:
-        names = [f"s{k}" for k in range(4)]
-        for name in names:
-            eng.open_session(name)
-            for q in range(2):
-                eng.register(name, parse_question({"id": f"q{q}", "text": f"Question {q}: where does the price go?",
-                                                   "max_tokens": 1}))
-        for b in range(16):
-            for k, name in enumerate(names):
-                eng.push(name, [f"00:{b:02d} {46000 + b * 7 + k} +{b % 9} h+3 l-2 v1.{b}M n{100 + b} b5{b % 10}"])
-        assert eng.wait_idle(30), {k: v for k, v in eng.stats().items() if "cell" in k or "entr" in k}
+        names = _fleet(eng, [{"id": f"q{q}", "text": f"Question {q}: where does the price go?", "max_tokens": 1}
+                             for q in range(2)], bars=16)
         for name in names:
             answers = eng.standing(name)
             assert eng.session_info(name).data_version == 16 and [a.data_version for a in answers] == [16, 16]
