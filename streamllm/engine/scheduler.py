@@ -11,9 +11,12 @@ Guarantees (proven by tests/test_scheduler.py without a model):
 
   - interactive work is planned first, but whenever ingest or background work is
     pending, each gets at least its floor (`ingest_floor`, `background_floor` tokens)
-    in *every* step: neither is ever starved, under any load of questions;
-  - while questions run, ingest and background get only their floors (on a CPU every
-    prefill token lengthens the question's step), and while questions keep coming
+    in every step without questions and in at least every second step with them:
+    neither is ever starved, under any load of questions;
+  - a step holding questions runs them alone when the step before it did not (a
+    question arriving while ingest runs gets a step of its own: on a CPU every token
+    beside it lengthens the step it waits for), else beside the floors owed; while
+    questions run, ingest and background get only their floors, and while questions keep coming
     (one within `busy_window_s`) every step is latency-bound: its ingest and background work
     is cut so that its predicted cost stays within `step_latency_ms` (or twice the step's
     fixed cost, where that is more: at most half a step is overhead, so ingest keeps
@@ -151,6 +154,7 @@ class Scheduler:
         self._turn = 0
         self._clock = clock
         self._last_question = float("-inf")
+        self._alone_last = False  # the last step held questions alone (the floors it skipped are owed next)
         self._ms_left: float | None = None  # the latency-bound step's time not yet planned; None: unbounded
 
     def observe(self, plan: Plan, ms: float) -> None:
@@ -180,6 +184,13 @@ class Scheduler:
         floor_bg = cfg.background_floor if by_class[BACKGROUND] else 0
         if floor_bg and not questions:
             floor_bg = max(floor_bg, int(cfg.background_share * budget))
+        # A question's step runs alone unless the step before it did: floors beside a question lengthen the
+        # very step someone waits for (measured: a 19-token ask's forward doubles with 16 + 16 tokens beside
+        # it on a CPU), while ingest and background still move at least every second step.
+        owed = (floor_ingest, floor_bg)
+        alone = questions and not self._alone_last and bool(floor_ingest or floor_bg)
+        if alone:
+            floor_ingest = floor_bg = 0
         turn, self._turn = self._turn, self._turn + 1
         plan = Plan()
         # Questions are never cut by the meter: a cut question pays a second step (and on a machine whose
@@ -190,6 +201,10 @@ class Scheduler:
         bg_floor_ms = self._floor_ms(by_class[BACKGROUND], floor_bg)
         interactive = max(budget - floor_ingest - floor_bg, 1) if target is None else cfg.step_tokens
         used = self._fill(plan, INTERACTIVE, by_class[INTERACTIVE], interactive, turn)
+        if alone and not used:  # no question could be planned (no cells): the step is the floors'
+            alone, (floor_ingest, floor_bg) = False, owed
+            bg_floor_ms = self._floor_ms(by_class[BACKGROUND], floor_bg)
+        self._alone_last = alone
         if target is not None and not questions:
             self._ms_left = target - self.cost.fixed_ms
         left = budget - used
