@@ -65,7 +65,8 @@ def test_fast_path_choice_is_the_cold_distributions_best_choice(engine):
 
 
 def test_entry_path_equals_cold_path(engine):
-    ready(engine, questions=[QuestionSpec("q", "Describe the last bar.", threshold=NEVER, max_tokens=6)])
+    # push=False: no standing decode, so this ask decodes from the entry itself
+    ready(engine, questions=[QuestionSpec("q", "Describe the last bar.", threshold=NEVER, max_tokens=6, push=False)])
     entry = engine.ask("s", "q")
     cold_spec = "Describe the last bar."
     cold_twin(engine)
@@ -75,6 +76,40 @@ def test_entry_path_equals_cold_path(engine):
     # the entry paid the question's prefill: only decode steps were computed for this answer
     assert entry.tokens_computed == len(entry.tokens) - 1 if entry.finish_reason == "length" else True
     assert cold.tokens_computed > entry.tokens_computed + len(engine.layout.question_ids(cold_spec)) - 2
+
+
+def test_a_free_text_ask_on_a_current_entry_is_answered_from_its_decode_without_a_step(engine):
+    spec = QuestionSpec("q", "Describe the last bar.", threshold=NEVER, max_tokens=6)  # push: decoded as idle work
+    v = ready(engine, questions=[spec])
+    calls = engine.runner.forward_calls
+    answer = engine.ask("s", "q")
+    assert engine.runner.forward_calls == calls, "a standing ask on a current entry waited for a step"
+    assert answer.path == "entry" and answer.tokens_computed == 0 and answer.data_version == v
+    (standing,) = engine.standing("s")
+    assert answer.text == standing.text and standing.data_version == v
+    cold_twin(engine)
+    cold = engine.ask("cold", spec.text, max_tokens=6)
+    assert answer.tokens == cold.tokens and answer.text == cold.text  # the same answer as any other path
+    calls = engine.runner.forward_calls
+    shorter = engine.ask("s", "q", max_tokens=2)  # not the decode it has: decoded from the entry
+    assert engine.runner.forward_calls > calls and shorter.tokens == cold.tokens[:2]
+    engine.push("s", LINES[6:8])  # new data: the next answer is the new version's, never the old decode
+    engine.wait_idle()
+    assert engine.ask("s", "q").data_version == v + 1
+
+
+def test_the_first_ask_of_a_quiet_free_text_question_serves_the_next_ones(engine):
+    ready(engine, questions=[QuestionSpec("q", "Describe.", threshold=NEVER, max_tokens=4, push=False)])
+    first = engine.ask("s", "q")
+    assert first.tokens_computed > 0  # nobody decoded it before: this ask did, from the entry
+    calls = engine.runner.forward_calls
+    again = engine.submit_ask("s", "q").result(30)
+    assert engine.runner.forward_calls == calls
+    assert (again.text, again.tokens, again.data_version) == (first.text, first.tokens, first.data_version)
+    assert again.tokens_computed == 0 and again.finish_reason == first.finish_reason
+    calls = engine.runner.forward_calls
+    engine.ask("s", "q", stop=["."])  # stop strings may cut it elsewhere: decoded again
+    assert engine.runner.forward_calls > calls
 
 
 def test_new_data_invalidates_entries(engine):

@@ -13,14 +13,23 @@ choice's spellings) names the choice on every path, and no free decode can wande
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from streamllm.config.limits import MAX_ASK_TOKENS
 from streamllm.engine.commands import Ask, settle
+from streamllm.engine.fastpath import decoded_for
 from streamllm.engine.kv import BlockTable, KVCapacityError, KVStore
-from streamllm.engine.outputs import Answer, AnswerPath, AskTimeout, FinishReason, StalePolicy
+from streamllm.engine.outputs import (
+    Answer,
+    AnswerPath,
+    AskTimeout,
+    DecodedAnswer,
+    FinishReason,
+    StalePolicy,
+)
 from streamllm.engine.publishing import Publisher
 from streamllm.engine.scheduler import SchedulerConfig
 from streamllm.engine.sequence import (
@@ -406,6 +415,15 @@ class Answerer:
             answer.warming_up, answer.warming_up_reason = rec.warming_up is not None, rec.warming_up
             settle(br.future, result=answer)
             return
+        decoded = decoded_for(rec, st.spec, br.max_tokens, br.stop)
+        if decoded is not None:  # decoded whole from this entry already: the same greedy decode, no step
+            br.first_logits = rec.logits if br.keep_logits else None
+            br.generated, br.finish_reason = list(decoded.tokens), decoded.finish_reason
+            self.fast_answers += rec.fired
+            self.entry_answers += not rec.fired
+            self.questions_answered += 1
+            settle(br.future, result=self._answer(br, decoded.text, 0))
+            return
         try:
             self.prepos.fork_from_entry(st, br)
         except KVCapacityError as exc:
@@ -455,8 +473,22 @@ class Answerer:
             self.store.manager.free(br.table)
             br.table = None
 
+    def _keep_decoded(self, br: DecodingBranch) -> None:
+        """A whole answer decoded from the entry its standing question's record holds (the standing
+        decode, or an ask with the question's max_tokens and no stop strings) is published with that
+        record, so later asks at its data_version are answered from it without a step (fastpath.py)."""
+        st = br.standing
+        rec = st.record if st is not None else None
+        if (rec is None or rec.decoded is not None or rec.data_version != br.data_version or br.stop
+                or not br.prepaid or br.max_tokens != min(st.spec.max_tokens, MAX_ASK_TOKENS)):
+            return
+        st.record = replace(rec, decoded=DecodedAnswer(br.text.strip(), tuple(br.generated), br.finish_reason,
+                                                       br.max_tokens))
+        self.publisher.ready(st)
+
     def _finish(self, br: DecodingBranch) -> None:
         self._free(br)
+        self._keep_decoded(br)
         if isinstance(br, DecodeBranch):
             st = br.standing
             if st.decoding is br:

@@ -322,7 +322,7 @@ class Engine(Intake, Subscribable, EngineClient):
         if spec is not None:
             ready = self.core.ready_records.get((name, spec.id))
             answer = fast_answer(ready, spec, record.info.data_version, min_version or 0, max_tokens,
-                                 return_logits, self.stale_policy, self.layout.eos_ids, t0)
+                                 return_logits, self.stale_policy, self.layout.eos_ids, t0, stop)
             if answer is not None:
                 with self._lock:
                     if answer.path == "fast":

@@ -150,12 +150,25 @@ class StandingAnswer:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodedAnswer:
+    """A free-text standing answer decoded whole from its entry: greedy, `max_tokens` (the question's
+    own, capped), no stop strings. Any ask of the question by id at the entry's data_version with that
+    max_tokens and no stop strings decodes exactly this, so it is answered from it at once."""
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: FinishReason
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReadyRecord:
     """A standing question's ready distribution as the core last published it.
 
     Callers answer the fast path from this alone, without a round trip to the core.
     `final` says the gate's view is the whole answer (a choice question, or a fired gate
-    on a one-token / end-of-turn answer); otherwise the answer needs a decode.
+    on a one-token / end-of-turn answer); otherwise the answer needs a decode, and once
+    one is decoded from this entry (the standing decode, or a first ask) it is `decoded`.
     """
 
     session: str
@@ -173,6 +186,7 @@ class ReadyRecord:
     warming_up: str | None = None
     threshold: float | None = None  # the gap the gate decided at (None: closed), and whose (StandingAnswer)
     threshold_source: str = "config"
+    decoded: DecodedAnswer | None = None  # the whole answer decoded from this entry, once it is
 
 
 @dataclass(frozen=True, slots=True)
