@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -152,3 +154,19 @@ def test_a_restart_recovers_more_sessions_than_the_pool_holds(tiny_model, tmp_pa
     finally:
         again.shutdown()
         again.ingest_log.close()
+
+
+def test_sessions_fed_round_robin_spill_the_one_just_fed_not_the_one_whose_bar_is_next(engine):
+    """Bars arriving round robin: least recently used would evict s0, whose bar comes next (every bar
+    would then restore a session); the one whose next push is furthest away, s1, just fed, goes."""
+    for k in range(2):
+        engine.open_session(f"s{k}")
+    for i in range(3):
+        for k in range(2):
+            engine.push(f"s{k}", [lines(k)[i]])
+            assert engine.wait_idle(5)
+            time.sleep(0.15)  # a steady pace: each session's gap ~0.3 s
+    engine.open_session("s2")  # the pool holds two: one of them goes to disk
+    assert set(engine.evicted()) == {"s1"}
+    engine.push("s0", [lines(0)[3]])  # s0's next bar finds it resident
+    assert engine.auto_restores == 0

@@ -5,16 +5,24 @@
     push / ask / register / unregister / export / snapshot on an evicted session
                           restore it first (the snapshot read back, ImportSession), then run
     open / restore refused for want of cells (AdmissionError), with auto_evict=True
-                          evict resident sessions, least recently used first, skipping busy
-                          ones (work in flight, or their session or log lock held: a push
-                          between its version and its enqueue), until the request fits; then
-                          retry once
+                          evict resident sessions, the one whose next use is furthest first (see
+                          below), skipping busy ones (work in flight, or their session or log lock
+                          held: a push between its version and its enqueue), until the request
+                          fits; then retry once
     the pool short while sessions grow (the engine's `cells_wanted` in stats, engine/admission.py),
-    with auto_evict=True
-                          a watcher thread spills idle sessions the same way, least recently
-                          used first (a push, an ask or an open is a use), until what was wanted
-                          is freed: the engine then need not compact a busy session to make
-                          room; each comes back on its next push (its next bar) or ask
+    or sessions on disk and no room for `restore_room` of them to come back, with auto_evict=True
+                          a watcher thread spills idle sessions the same way until what was wanted
+                          is freed: the engine then need not compact a busy session to make room,
+                          and a restore finds its room without waiting for an eviction; each comes
+                          back on its next push (its next bar) or ask
+
+Which session goes first: the one whose next use is predicted furthest away. A session fed at a
+steady pace (bars) is next used one push interval (a running mean of its gaps) after its last
+push (due now when late, until two gaps have passed); any other, or one that stopped, is expected
+to stay idle about as long as it has been (so the least recently used goes first, as LRU).
+Under bars arriving round robin LRU is the worst order (the least recently used session is the
+one whose bar comes next: every bar would restore a session); this order evicts the session
+that was just fed, so only the sessions beyond the pool's share come back from disk.
 
 Built only on the engine's public methods. Every call that touches one session runs under
 that session's lock, so an eviction never slips between the residency check and the call:
@@ -84,13 +92,16 @@ class ResidentEngine(EngineClient):
     """`EngineClient` over one `Engine`, with idle sessions evicted to `spill_dir` and restored on use.
 
     spill_dir: where evicted sessions' snapshots go (needed by `evict_session` and auto_evict).
-    auto_evict: when an open or a restore is refused for want of cells, evict idle sessions, least
-    recently used first, and retry; and while the pool is short of cells as sessions grow, spill idle
-    sessions (checked every watch_s seconds). settle_s: once every candidate was busy, how long to let the
-    engine settle before trying them again. Owns `engine`: `shutdown` stops it."""
+    auto_evict: when an open or a restore is refused for want of cells, evict idle sessions (furthest
+    next use first) and retry; and while the pool is short of cells as sessions grow, spill idle
+    sessions (checked every watch_s seconds). settle_s: while every candidate is busy, how long to keep
+    trying them again (every 0.25 s) before the open or restore is refused. restore_room: while
+    sessions are on disk, the watcher keeps room for this many of them to come back (0: it spills
+    only when the engine is short). Owns `engine`:
+    `shutdown` stops it."""
 
     def __init__(self, engine: Engine, spill_dir: str | Path | None = None, *, auto_evict: bool = False,
-                 settle_s: float = 2.0, watch_s: float = 0.1) -> None:
+                 settle_s: float = 2.0, watch_s: float = 0.1, restore_room: int = 0) -> None:
         if auto_evict and spill_dir is None:
             raise ValueError("auto_evict needs a spill_dir to evict sessions to")
         self.engine = engine
@@ -100,6 +111,9 @@ class ResidentEngine(EngineClient):
         self._evicted: dict[str, _Evicted] = {}
         self._session_locks: dict[str, threading.RLock] = {}
         self._last_used: dict[str, float] = {}  # session -> monotonic time of its last push, ask or open
+        self._last_push: dict[str, float] = {}  # session -> monotonic time of its last push
+        self._push_gap: dict[str, float] = {}  # session -> running mean of the gaps between its pushes (s)
+        self.restore_room = restore_room
         self._room = threading.Lock()  # one make_room at a time
         self.watch_s = watch_s
         self._stop_watch = threading.Event()
@@ -137,13 +151,10 @@ class ResidentEngine(EngineClient):
         with self._session(name):
             if self._evicted_entry(name) is not None:
                 raise SessionError(f"session {name!r} is already open")
-            try:
-                info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
-            except AdmissionError:
-                cells = self.engine.working_set(max_context, self.engine.prefix_tokens(system))
-                if not self._make_room(cells, {name}):
-                    raise
-                info = self.engine.open_session(name, system, max_context=max_context, tenant=tenant)
+            info = self._with_room(lambda: self.engine.open_session(name, system, max_context=max_context,
+                                                                    tenant=tenant),
+                                   lambda: self.engine.working_set(max_context, self.engine.prefix_tokens(system)),
+                                   name)
             self._last_used[name] = time.monotonic()
             self._forward(name)
             return info
@@ -164,7 +175,8 @@ class ResidentEngine(EngineClient):
             for sub in self._forwards.pop(name, []):
                 sub.close()
             self._hub.drop_session(name)
-            self._last_used.pop(name, None)
+            for known in (self._last_used, self._last_push, self._push_gap):
+                known.pop(name, None)
 
     def session_info(self, name: str) -> SessionInfo:
         return self._peek(name, lambda ev: ev.info, self.engine.session_info)
@@ -185,7 +197,12 @@ class ResidentEngine(EngineClient):
         with self._session(name):
             self._resident(name)
             ack = self.engine.push(name, lines, source=source, truths=truths, late_truths=late_truths)
-            self._last_used[name] = time.monotonic()
+            now = self._last_used[name] = time.monotonic()
+            last = self._last_push.get(name)
+            if last is not None:
+                gap = self._push_gap.get(name)
+                self._push_gap[name] = now - last if gap is None else 0.75 * gap + 0.25 * (now - last)
+            self._last_push[name] = now
             return ack
 
     # -- standing questions -------------------------------------------------------
@@ -400,24 +417,30 @@ class ResidentEngine(EngineClient):
         self._forward(name)
 
     def _import(self, state: SessionState, name: str) -> SessionInfo:
-        try:
-            return self.engine.import_session(state, name)
-        except AdmissionError:  # memory pressure: idle sessions make room, then once more
-            meta = state.meta
-            cells = max(self.engine.working_set(int(meta["max_context"]), int(meta["prefix_len"])),
-                        int(meta["num_computed"]))
-            if not self._make_room(cells, {name}):
-                raise
-            return self.engine.import_session(state, name)
+        meta = state.meta
+        return self._with_room(lambda: self.engine.import_session(state, name),
+                               lambda: max(self.engine.working_set(int(meta["max_context"]), int(meta["prefix_len"])),
+                                           int(meta["num_computed"])), name)
+
+    def _with_room(self, call: Callable[[], Any], cells: Callable[[], int], name: str, tries: int = 4) -> Any:
+        """call() (an open or import); refused for want of cells, idle sessions make room and it is tried
+        again. Several times: an open on another thread may take the room made here before the retry."""
+        for attempt in range(tries):
+            try:
+                return call()
+            except AdmissionError:  # memory pressure
+                if attempt == tries - 1 or not self._make_room(cells(), {name}):
+                    raise
+        raise AssertionError("unreachable")
 
     def _watch_pressure(self) -> None:
         """With auto_evict: while the pool is short of cells (sessions growing past their working sets,
-        the engine's `cells_wanted`), spill idle sessions, least recently used first. A thread of its own
+        the engine's `cells_wanted`), spill idle sessions, furthest next use first. A thread of its own
         that reads published figures: a push never waits for it, and pressure that shows up after the
         last push is still seen."""
         while not self._stop_watch.wait(self.watch_s):
             try:
-                short = int(self.engine.stats().get("cells_wanted", 0))
+                short = int(self.engine.stats().get("cells_wanted", 0)) or self._restore_shortfall()
                 if short > 0 and self._spill(short, set()):
                     self.engine.wait_idle(timeout=self.watch_s)  # let the core see the room before looking again
             except EngineStopped:
@@ -425,12 +448,36 @@ class ResidentEngine(EngineClient):
             except Exception:  # a figure or an eviction failing must not end the watch
                 log.exception("spilling sessions for pool pressure failed; trying again")
 
+    def _restore_shortfall(self) -> int:
+        """Cells to spill so that `restore_room` sessions on disk could come back now (0 when they can, or
+        none is on disk): the largest of them, times restore_room."""
+        if not self.restore_room:
+            return 0
+        with self._lock:
+            infos = [ev.info for ev in self._evicted.values()]
+        if not infos:
+            return 0
+        need = max(max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed) for i in infos)
+        return 0 if self.engine.can_admit(need * self.restore_room) else need
+
+    def _victims(self, names) -> list[str]:
+        """`names` in eviction order: the furthest predicted next use first (see the module docstring)."""
+        now = time.monotonic()
+
+        def next_use(name: str) -> float:
+            gap = self._push_gap.get(name)
+            if gap is not None and now <= self._last_push[name] + 2 * gap:  # keeping its pace (late: due now)
+                return max(self._last_push[name] + gap, now)
+            return now + (now - self._last_used.get(name, 0.0))  # stopped, or no pace: idle as long again
+
+        return sorted(names, key=next_use, reverse=True)
+
     def _spill(self, cells: int, exclude: set[str]) -> int:
-        """Evict idle sessions, least recently used first, until they held `cells`; returns cells freed."""
+        """Evict idle sessions, furthest next use first, until they held `cells`; returns cells freed."""
         freed = 0
         with self._room:
             resident = {i.name: i.num_computed for i in self.engine.list_sessions() if i.name not in exclude}
-            for name in sorted(resident, key=lambda n: self._last_used.get(n, 0.0)):
+            for name in self._victims(resident):
                 if freed >= cells or self._stopped:
                     break
                 if self._evict_idle(name):
@@ -497,23 +544,26 @@ class ResidentEngine(EngineClient):
         return taken
 
     def _make_room(self, cells: int, exclude: set[str]) -> bool:
-        """Evict idle sessions, least recently used first, until a working set of `cells` can be reserved;
+        """Evict idle sessions, furthest next use first, until a working set of `cells` can be reserved;
         False when it cannot be done (or auto_evict is off)."""
         if not self.auto_evict:
             return False
         with self._room:
-            for attempt in range(2):
+            give_up = time.monotonic() + self.settle_s  # busy candidates may go idle meanwhile
+            while True:
                 if self.engine.can_admit(cells):
                     return True
                 resident = [i.name for i in self.engine.list_sessions() if i.name not in exclude]
-                for name in sorted(resident, key=lambda n: self._last_used.get(n, 0.0)):
+                for name in self._victims(resident):
                     if not self._evict_idle(name):
                         continue
                     self.auto_evictions += 1
                     if self.engine.can_admit(cells):
                         return True
-                if attempt == 0:
-                    self.engine.wait_idle(timeout=self.settle_s)
+                left = give_up - time.monotonic()
+                if not resident or left <= 0:
+                    break
+                self.engine.wait_idle(timeout=min(0.25, left))
             self.auto_evict_refusals += 1
             return self.engine.can_admit(cells)
 
