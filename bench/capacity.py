@@ -14,6 +14,12 @@ Sessions that cannot be opened (`AdmissionError`: the pool's cells) are reported
 fatal: `opened@S` says how many were, the table the refusal; the rest of S is measured on
 the sessions that opened, each at its context budget `--context` (a user's 2k setting).
 
+The pool is a memory budget, `--kv-gb` (8 GB) of KV cells (at most S x --context, at least
+EngineConfig's default; `--max-cells` sets it outright): the pool's cells are only touched as
+they fill, so KV takes what the sessions hold, never more than the budget, and the process
+stays well under 20 GB at any S. Sessions are admitted by their working sets; past what the
+budget holds, `--spill DIR` puts idle sessions on disk, each back on its next bar.
+
 Per S (`{metric}@{S}`):
   opened                          sessions the engine admitted (of S)
   warmup_idle, idle_after_phase   1 when the engine went idle after the warm-up / the phase (0: it did not
@@ -32,7 +38,11 @@ Per S (`{metric}@{S}`):
   rss_gb                          this process's resident memory at the end of the phase
   head_entry_share                entries the adapter's series heads decided without a prefill, of all entries
   spills_per_min, restores_per_min   sessions evicted to disk / restored (`--spill DIR`: a ResidentEngine
-                                  that evicts idle sessions when an open or restore is refused; else 0)
+                                  that evicts idle sessions when an open or restore is refused, the pool is
+                                  short or fewer than --restore-room sessions on disk could come back; else 0)
+  sessions_on_disk                how many were on disk at the end of the phase
+  max_cells, kv_gb                the pool (cells) and the KV cells in use at the end of the phase (GB)
+  rss_peak_gb                     this process's peak resident memory (VmHWM) at the end of S's run
   compaction_tokens_per_ingest_token  tokens compaction copies computed (swapped in or preempted: the
                                   engine's `compaction_tokens`) per ingested token; `compactions` how many swapped
   max_speed_x                     the fastest pace (x real time) held: from 2x --speed, doubling, each step
@@ -50,8 +60,11 @@ import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from bench.common import median, parse_ints, percentile, print_table, write_json
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
@@ -62,6 +75,7 @@ from streamllm.engine.outputs import AdmissionError
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
 from streamllm.model.adapter import pick_adapter
+from streamllm.model.dtype import resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
@@ -83,6 +97,7 @@ class Feed:
     offered_at: list[float] = field(default_factory=list)  # arrival times of bars not yet in a push
     versions: list[tuple[int, int]] = field(default_factory=list)  # (data_version, bars pushed up to it)
     fresh: deque = field(default_factory=deque)  # (data_version, arrival time) of bars not yet fresh
+    refused: int = 0  # pushes refused for want of cells to restore the session (retried)
 
     def offer(self, now: float) -> None:
         if self.next_bar >= len(self.bars):
@@ -93,7 +108,11 @@ class Feed:
         self.offered_at.append(now)
 
     def flush(self) -> None:
-        ack = self.att.flush()
+        try:
+            ack = self.att.flush()
+        except AdmissionError:  # on disk and no room to come back yet: the attachment keeps the lines
+            self.refused += 1
+            return
         if ack is None:
             return
         pushed = (self.versions[-1][1] if self.versions else 0) + len(self.offered_at)
@@ -121,6 +140,7 @@ class Phase:
     cold_ms: list[float] = field(default_factory=list)
     cold_asks: list[tuple[str, str]] = field(default_factory=list)
     ask_errors: int = 0
+    ask_error: str = ""  # the first one, printed
     idle_after: bool = True  # the engine went idle after the phase (within max(drain_s, 60) s)
 
     def held(self, interval_s: float) -> bool:
@@ -149,8 +169,9 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
         t0 = time.perf_counter()
         try:
             fut = engine.submit_ask(ev.session, ev.question, **({} if ev.standing else {"max_tokens": 1}))
-        except Exception:  # noqa: BLE001 - a refused ask is counted, the phase goes on
+        except Exception as exc:  # noqa: BLE001 - a refused ask is counted, the phase goes on
             out.ask_errors += 1
+            out.ask_error = out.ask_error or f"{ev.session}: {exc!r}"
             return
 
         def done(f) -> None:
@@ -158,6 +179,7 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
             with lock:
                 if f.exception() is not None:
                     out.ask_errors += 1
+                    out.ask_error = out.ask_error or f"{ev.session}: {f.exception()!r}"
                 elif ev.standing:
                     out.standing_ms.append(ms)
                 else:
@@ -253,34 +275,69 @@ def ask_ms(engine, session: str, text: str) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def rss_gb() -> float:
+def rss_gb(field: str = "VmRSS") -> float:
+    """This process's resident memory (VmRSS), or its peak since it started (VmHWM), in GiB."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 2**20
     return float("nan")
 
 
+def kv_bytes_per_token(loaded) -> int:
+    """Bytes of KV one token takes in the pool on this machine (keys and values, every layer)."""
+    c = loaded.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    dtype = resolve_dtype(None, "cuda" if torch.cuda.is_available() else "cpu").dtype
+    return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_cells(s: int, context: int, bytes_per_token: int, kv_gb: float) -> int:
+    """The KV pool for S sessions: the memory budget (--kv-gb of cells), but no more than every session
+    at its whole context and no less than EngineConfig's default. Cells are only touched as they fill
+    (engine/kv.py), so the budget bounds what KV can take, not what it takes at start."""
+    budget = int(kv_gb * 2**30) // bytes_per_token
+    return max(EngineConfig().max_cells, min(budget, s * context))
+
+
 def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) -> tuple[list[Feed], str]:
-    """Up to S sessions of `spec`, each with its own stretch of the bars; stops at the first refusal."""
+    """Up to S sessions of `spec`, each with its own stretch of the bars, opened and registered from
+    --open-threads threads (the core drains every command waiting between two steps, so a busy core
+    serves many opens per step); the sessions after the first refusal are not kept."""
     free = parse_question(FREE)
     need = args.warmup_bars + bars_per_session(args)
     stride = (len(bars) - need) // s
     if stride < 1:
         raise SystemExit(f"bench capacity: {len(bars)} bars cannot give {s} sessions {need} bars each")
-    feeds, refused = [], ""
-    for i in range(s):
+    t0 = time.perf_counter()
+    done = [0]
+    lock = threading.Lock()
+
+    def open_one(i: int) -> Feed | str:
         name = f"s{i:03d}"
         try:
             engine.open_session(name, spec.system_prompt, max_context=args.context)
         except AdmissionError as exc:
-            refused = f"session {i + 1} of {s}: {exc}"
-            break
+            return f"session {i + 1} of {s}: {exc}"
         questions = [*spec.questions, *([free] if i % FREE_EVERY == 0 else [])]
         for q in questions:
             engine.register(name, q)
         att = Attachment(engine, AttachSpec.of(spec, session=name), questions=tuple(spec.questions))
-        feeds.append(Feed(name, att, bars[i * stride: i * stride + need], len(questions)))
-    return feeds, refused
+        with lock:
+            done[0] += 1
+            if done[0] % 64 == 0:
+                print(f"  S={s}: {done[0]} sessions open in {time.perf_counter() - t0:.0f} s, rss "
+                      f"{rss_gb():.2f} GB, {engine.stats().get('sessions_evicted', 0)} on disk", flush=True)
+        return Feed(name, att, bars[i * stride: i * stride + need], len(questions))
+
+    with ThreadPoolExecutor(max_workers=args.open_threads, thread_name_prefix="capacity-open") as pool:
+        opened = list(pool.map(open_one, range(s)))
+    refusals = [o for o in opened if isinstance(o, str)]
+    feeds = [o for o in opened[: opened.index(refusals[0]) if refusals else s] if isinstance(o, Feed)]
+    for extra in opened[len(feeds):]:  # opened beside a refusal: not measured, so not kept
+        if isinstance(extra, Feed):
+            engine.close_session(extra.name)
+    return feeds, refusals[0] if refusals else ""
 
 
 def bars_per_session(args: argparse.Namespace) -> int:
@@ -291,12 +348,16 @@ def bars_per_session(args: argparse.Namespace) -> int:
 
 
 def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace) -> tuple[dict[str, float], list]:
-    config = EngineConfig(max_context=args.context, **({"max_cells": args.max_cells} if args.max_cells else {}))
+    cells = args.max_cells or pool_cells(s, args.context, kv_bytes_per_token(loaded), args.kv_gb)
+    config = EngineConfig(max_context=args.context, max_cells=cells)
     engine = Engine(loaded, config, adapter=adapter)
+    print(f"  S={s}: a pool of {cells} cells ({cells * kv_bytes_per_token(loaded) / 2**30:.1f} GB of KV at most)",
+          flush=True)
     if args.spill:
         from streamllm.durability.resident import ResidentEngine
 
-        engine = ResidentEngine(engine, Path(args.spill) / f"S{s}", auto_evict=True)
+        engine = ResidentEngine(engine, Path(args.spill) / f"S{s}", auto_evict=True, restore_room=args.restore_room,
+                                settle_s=args.settle_s)
     m: dict[str, float] = {}
     try:
         feeds, refused = open_sessions(engine, spec, s, bars, args)
@@ -306,12 +367,20 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
         if not feeds:
             return m, [s, 0, *[math.nan] * 9, refused]
         print(f"  S={s}: {len(feeds)} sessions, {args.warmup_bars} bars of warm-up each ...", flush=True)
+        t0 = time.perf_counter()
         for f in feeds:
             for _ in range(args.warmup_bars):
                 f.offer(0.0)
-            f.flush()
+        held = list(feeds)
+        while held and time.perf_counter() - t0 < args.warmup_s:  # refused pushes (no room to restore) retry
+            for f in held:
+                f.flush()
+            held = [f for f in held if f.att.pending_events]
+            if held:
+                time.sleep(0.1)
+        for f in feeds:
             f.offered_at.clear()
-        m["warmup_idle"] = int(engine.wait_idle(timeout=args.warmup_s))
+        m["warmup_idle"] = int(not held and engine.wait_idle(timeout=max(1.0, args.warmup_s - time.perf_counter() + t0)))
         if not m["warmup_idle"]:
             print(f"  S={s}: the warm-up did not finish in {args.warmup_s:g} s ({stuck(engine)}); measuring anyway",
                   flush=True)
@@ -323,7 +392,12 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
               f"{args.seconds:g} s, {len(asks)} asks ...", flush=True)
         main = paced(engine, feeds, args.speed, args.seconds, args.drain_s, asks)
         m["rss_gb"] = rss_gb()
+        if main.ask_errors:
+            print(f"  S={s}: {main.ask_errors} asks failed; the first: {main.ask_error}", flush=True)
         after = engine.stats()
+        m["max_cells"] = after["cells_total"]
+        m["kv_gb"] = (after["cells_total"] - after["cells_free"]) * after["kv_bytes_per_token"] / 2**30
+        m["sessions_on_disk"] = after.get("sessions_evicted", 0)
         minutes = main.seconds / 60
         idle = [ask_ms(engine, session, text) for session, text in main.cold_asks] if main.idle_after else []
         if not main.idle_after:
@@ -341,14 +415,17 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             "cold_ask_idle_p50_ms": median(idle), "cold_ask_idle_p99_ms": percentile(idle, 99),
             "cold_loaded_over_idle_p99": percentile(main.cold_ms, 99) / percentile(idle, 99) if idle else math.nan,
             "ask_errors": main.ask_errors, "idle_after_phase": int(main.idle_after),
-            "spills_per_min": (after.get("auto_evictions", 0) - before.get("auto_evictions", 0)) / minutes,
-            "restores_per_min": (after.get("auto_restores", 0) - before.get("auto_restores", 0)) / minutes,
+            "push_refusals": sum(f.refused for f in feeds),
+            "spills_per_min": sum(delta(before, after, k) for k in ("auto_evictions", "pressure_spills")) / minutes
+            if args.spill else 0.0,
+            "restores_per_min": delta(before, after, "auto_restores") / minutes if args.spill else 0.0,
             "compaction_tokens_per_ingest_token": copies / ingest if ingest else math.nan,
             "compactions": after["compactions"] - before["compactions"],
             "head_entry_share": delta(before, after, "head_only_entries") / max(delta(before, after, "entries_computed"), 1),
         })
         m["max_speed_x"] = ramp(engine, feeds, main, args, s)
         m["failed_steps"] = engine.stats()["failed_steps"]
+        m["rss_peak_gb"] = rss_gb("VmHWM")
     finally:
         engine.shutdown()
     row = [s, len(feeds), m["sustained_bars_per_s"], m["freshness_lag_p99_ms"], m["lag_p99_versions"],
@@ -398,9 +475,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, float], dict]:
                 ["S", "opened", "bars/s", "fresh p99 ms", "lag p99 v", "standing p99 ms", "cold p99 ms",
                  "idle cold p99 ms", "rss GB", "compact tok/ingest", "max speed x", "refused"], rows)
     meta = {"adapter": adapter, "adapter_notes": notes, "config": str(args.config), "data": str(args.data),
-            "session_context": args.context, "max_cells": args.max_cells or EngineConfig().max_cells,
+            "session_context": args.context, "max_cells": args.max_cells, "kv_gb_budget": args.kv_gb,
             "context_note": f"each session opened with max_context={args.context} (a user's setting); the pool "
-                            "is EngineConfig's unless --max-cells", "spill": args.spill}
+                            "is --kv-gb of cells, at most S x max_context, at least EngineConfig's, unless "
+                            "--max-cells (max_cells@S says which)", "spill": args.spill}
     return metrics, meta
 
 
@@ -412,7 +490,12 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--speed", type=float, default=1.0, help="x real time of the 1-minute bars (main phase)")
     p.add_argument("--seconds", type=float, default=60.0, help="length of the main phase per S")
     p.add_argument("--context", type=int, default=2048, help="each session's max_context")
-    p.add_argument("--max-cells", type=int, default=0, help="the KV pool (default: EngineConfig's)")
+    p.add_argument("--max-cells", type=int, default=0,
+                   help="the KV pool in cells (default: --kv-gb of them, at most S x --context)")
+    p.add_argument("--kv-gb", type=float, default=8.0,
+                   help="the KV pool's memory budget when --max-cells is not given (default 8 GB: with the model "
+                        "and the rest of the process, rss stays well under 20 GB)")
+    p.add_argument("--open-threads", type=int, default=8, help="threads opening and registering sessions")
     p.add_argument("--warmup-bars", type=int, default=32, help="bars each session holds before the phase")
     p.add_argument("--ask-rate", type=float, default=2.0, help="asks/s in the main phase (half standing)")
     p.add_argument("--drain-s", type=float, default=30.0, help="after a phase, how long bars may take to be fresh")
@@ -421,6 +504,10 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--step-seconds", type=float, default=10.0, help="shortest ramp step")
     p.add_argument("--ramp-s", type=float, default=120.0, help="the ramp's time budget per S")
     p.add_argument("--spill", help="a folder: run a ResidentEngine that evicts idle sessions there when full")
+    p.add_argument("--settle-s", type=float, default=10.0,
+                   help="with --spill: how long an open or restore waits for busy sessions to go idle and make room")
+    p.add_argument("--restore-room", type=int, default=2,
+                   help="with --spill: sessions on disk the pool keeps room for, spilling others ahead of their bars")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--config", default=str(CONFIG), help="the session (render, prompt, questions, adapter) copied")
     p.add_argument("--data", default=str(BTC), help="a table of 1-minute bars")

@@ -73,3 +73,15 @@ def test_compaction_tokens_count_what_copies_computed(tiny_model):
         assert stats["compaction_tokens"] == stats["tokens_background"] > 0
     finally:
         engine.shutdown()
+
+
+@needs_bars
+def test_with_spill_every_session_opens_in_a_pool_that_refuses_some_and_they_spill_and_come_back(tmp_path: Path):
+    out = tmp_path / "cap.json"
+    cli_main(["--model", "tiny", "--sessions", "6", "--quick", "--max-cells", "4096", "--spill", str(tmp_path / "spill"),
+              "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["opened@6"] == 6  # the same pool refuses some without --spill (test above)
+    assert report["spills_per_min@6"] > 0 and report["restores_per_min@6"] > 0
+    assert report["sustained_bars_per_s@6"] > 0 and report["ask_errors@6"] == 0
+    assert report["failed_steps@6"] == 0 and report["idle_after_phase@6"] == 1
