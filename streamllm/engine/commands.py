@@ -57,7 +57,7 @@ class Push(Command):
     version: int  # the version the facade acked; the core checks it agrees
     truths: dict[str, str] | None = None  # question id -> right choice at this version (live calibration)
     late_truths: dict[str, dict[int, str]] | None = None  # question id -> {earlier version: choice} (forecasts)
-    numbers: list[tuple[float, ...]] | None = None  # each line's own numbers (taps.line_numbers)
+    lines: list[str] | None = None  # the pushed text: its numbers are kept while a question reads them (taps.py)
 
 
 @dataclass(slots=True, eq=False)

@@ -345,8 +345,8 @@ class EngineCore:
         session = self.session(cmd.name)
         first_line = session.lines_cut + len(session.line_ends)
         version = session.append_batch(cmd.ids_per_line, time.monotonic())
-        if session.taps is not None and cmd.numbers:
-            session.taps.note_numbers(first_line, cmd.numbers)
+        if session.taps is not None and cmd.lines:
+            session.taps.note_lines(first_line, cmd.lines)
         if version != cmd.version:  # the facade assigns versions in inbox order: a mismatch is a bug
             raise AssertionError(f"session {cmd.name!r}: core version {version}, acked {cmd.version}")
         if cmd.truths:
@@ -368,11 +368,21 @@ class EngineCore:
         st = self.prepos.register(session, spec, gate, prompt_ids)
         if st.learner is not None and session.taps is None:
             session.taps = self.taps.new_taps()
+        self._keep_numbers_for_readers(session)
         return st
 
+    def _keep_numbers_for_readers(self, session: Session) -> None:
+        """The session's lines' own numbers (engine/taps.py) are kept while one of its questions reads
+        them: one that learns (its head, its control), or a series head fitted on them (`numbers`)."""
+        if session.taps is not None:
+            questions = self.prepos.by_session.get(session.name, {}).values()
+            session.taps.read_numbers(any(st.learner is not None or getattr(st.gate.head, "numbers", 0)
+                                          for st in questions))
+
     def _unregister(self, cmd: Unregister) -> None:
-        self.session(cmd.name)
+        session = self.session(cmd.name)
         st = self.prepos.unregister(cmd.name, cmd.question_id)
+        self._keep_numbers_for_readers(session)
         self.publisher.drop_ready(cmd.name, cmd.question_id)
         self.answerer.unregistered(st)
         self.publisher.mark(cmd.name)

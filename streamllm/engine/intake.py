@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from streamllm.engine.commands import Push
 from streamllm.engine.outputs import PushAck
 from streamllm.engine.prompt import validate_lines
-from streamllm.engine.taps import line_numbers
 
 log = logging.getLogger("streamllm.engine")
 
@@ -121,8 +120,7 @@ class Intake:
         version = version if version is not None else self._next_version(name, batch.new_tokens)
         h = self._handle(name)
         h.pushed_version, h.lines_pushed = version, h.lines_pushed + len(batch.lines)
-        numbers = [line_numbers(line) for line in batch.lines]  # a learned head's control reads them
-        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths, batch.late_truths, numbers)
+        self.core.submit(Push(name, batch.ids_per_line, version, batch.truths, batch.late_truths, batch.lines)
                          ).add_done_callback(_log_failure)
         return PushAck(name, version, max(self._backlog(name, h), len(batch.lines)), len(batch.lines))
 

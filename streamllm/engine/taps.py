@@ -21,8 +21,10 @@ training features with this same class on the same forward, so training and serv
 read identical numbers (tests/test_series.py).
 
 Beside the model's features a line also has its own numbers (`line_numbers`, from the pushed
-text, no model): what a learned head's control reads (engine/standing/learning.py), to say what
-the model's states add over the raw numbers of the same lines.
+text, no model): what a learned head and its control read (engine/standing/learning.py), to say
+what the model's states add over the raw numbers of the same lines. They are computed and kept
+only while some standing question of the session reads them (`read_numbers`): lines pushed
+before that have none (a learner's training set reads zeros there).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def word_tables(tokenizer: Any, words: Sequence[Word]) -> tuple[frozenset[int], 
 
 class LineTaps:
     __slots__ = ("keep", "words", "word_starts", "texts", "lines", "numbers", "_line", "_sum", "_count", "_word",
-                 "_marks", "_prev", "_text", "_need")
+                 "_marks", "_prev", "_text", "_need", "reading_numbers")
 
     def __init__(self, keep: int, words: Sequence[Word] = (), word_starts: frozenset[int] = frozenset(),
                  texts: Sequence[str] | None = None) -> None:
@@ -118,6 +120,7 @@ class LineTaps:
         self._text = ""  # the start of the word the line's newest token belongs to (up to _need characters)
         self.lines: deque[tuple[int, torch.Tensor]] = deque(maxlen=keep)  # (line index, [(2 + W) H])
         self.numbers: dict[int, tuple[float, ...]] = {}  # line index -> its own numbers (`line_numbers`), newest keep
+        self.reading_numbers = False  # whether a standing question reads them: only then are they kept
         self._line = -1  # index of the line being summed
         self._sum: torch.Tensor | None = None
         self._count = 0
@@ -183,10 +186,20 @@ class LineTaps:
                 self._text = texts[tid]
             self._word += 1
 
-    def note_numbers(self, first_line: int, numbers: Sequence[tuple[float, ...]]) -> None:
-        """The pushed lines first_line, first_line + 1, ... write these numbers (kept for the newest `keep`)."""
-        for i, row in enumerate(numbers):
-            self.numbers[first_line + i] = row
+    def read_numbers(self, on: bool) -> None:
+        """Keep the numbers of lines pushed from now on (`note_lines`) while `on`; off forgets those kept."""
+        self.reading_numbers = on
+        if not on:
+            self.numbers.clear()
+
+    def note_lines(self, first_line: int, lines: Sequence[str]) -> None:
+        """The pushed lines first_line, first_line + 1, ...: their numbers are kept (the newest `keep`)
+        while a question reads them, else not even computed."""
+        if not self.reading_numbers:
+            return
+        skip = max(0, len(lines) - self.keep)  # a batch longer than `keep`: only its newest lines stay
+        for i in range(skip, len(lines)):
+            self.numbers[first_line + i] = line_numbers(lines[i])
         while len(self.numbers) > self.keep:
             del self.numbers[next(iter(self.numbers))]
 
