@@ -577,3 +577,66 @@ def test_an_open_gate_holds_closed_while_its_newest_fired_answers_miss_the_targe
     assert again.held and again.thresholds == {}  # the window alone decides: a restore holds too
     feed(30, right=True)  # the newest 30 it fires on are right again
     assert cal.thresholds and not cal.held
+
+
+class _WalkingHold(LiveCalibration):
+    """The reference: the recent-evidence hold as first written, a walk back over the window on every
+    scored answer (what `LiveCalibration` now keeps as samples come and go)."""
+
+    def _hold_or_open(self) -> None:
+        hits = n = 0
+        if self.fitted:
+            for gap, correct, _, answer, *_ in reversed(self.samples):
+                threshold = self.fitted.get(answer)
+                if threshold is not None and gap >= threshold:
+                    n, hits = n + 1, hits + correct
+                    if n == self.recent:
+                        break
+        self.held = n >= self.recent and hits / n < self.target
+        self.thresholds = {} if self.held else self.fitted
+
+
+def test_the_kept_recent_evidence_decides_as_the_walk_over_the_window_on_random_sequences() -> None:
+    """Random answers whose accuracy turns between regimes (so gates open, hold and reopen), ties in the
+    gaps, windows that slide, and restores from saved windows (into other window sizes too): the hold kept
+    as samples come and go makes every decision the walk over the window makes."""
+    def fresh(rng: random.Random, window: int) -> tuple[LiveCalibration, LiveCalibration]:
+        params = dict(target=rng.choice([0.6, 0.75, 0.9]), confidence=rng.choice([0.5, 0.5, 0.8]), window=window,
+                      min_evidence=rng.randint(3, 12), min_runs=rng.randint(1, 3), recent=rng.randint(2, 15))
+        return LiveCalibration(**params), _WalkingHold(**params)
+
+    seen = {"held": 0, "open": 0, "reopened": 0}
+    for seed in range(30):
+        rng = random.Random(seed)
+        kept, walked = fresh(rng, rng.randint(15, 120))
+        truth, accuracy, was_held = "up", 0.9, False
+        for version in range(1, 300):
+            if rng.random() < 0.04:
+                accuracy = rng.choice([0.3, 0.6, 0.95, 1.0])  # the market turns
+            if rng.random() < 0.2:
+                truth = rng.choice(["up", "down", "flat"])
+            right = rng.random() < accuracy
+            answer = truth if right else rng.choice([c for c in ("up", "down", "flat") if c != truth])
+            gap = rng.choice([0.5, 1.0, 1.5, 2.0]) + (1.0 if right and rng.random() < 0.5 else 0.0)
+            for cal in (kept, walked):
+                if rng.random() < 0.5 or version % 2:  # truths before answers, or after (a forecast's)
+                    cal.expect(version, truth)
+                    cal.score(version, answer, gap, fired=gap > 1.2, threshold=math.inf)
+                else:
+                    cal.score(version, answer, gap, fired=gap > 1.2, threshold=math.inf)
+                    cal.expect(version, truth)
+            assert (kept.held, kept.thresholds, kept.fitted) == (walked.held, walked.thresholds, walked.fitted), \
+                (seed, version)
+            assert kept.summary == walked.summary, (seed, version)
+            seen["held"] += kept.held
+            seen["open"] += bool(kept.thresholds)
+            seen["reopened"] += was_held and bool(kept.thresholds)
+            was_held = kept.held
+            if rng.random() < 0.03:  # a snapshot, restored in place or where another window size is kept
+                saved = json.loads(json.dumps(kept.export()))
+                if rng.random() < 0.5:
+                    kept, walked = fresh(rng, rng.randint(10, 120))
+                for cal in (kept, walked):
+                    cal.restore(saved, math.inf)
+                assert (kept.held, kept.thresholds) == (walked.held, walked.thresholds), (seed, version)
+    assert seen["held"] > 100 and seen["open"] > 100 and seen["reopened"] > 5, seen

@@ -20,7 +20,9 @@ MIN_RUNS truth runs (evaluation/scoring.py `risk_coverage`), or closed (inf) unt
 errors bunch where its truth turns, a head is refitted). So the thresholds in force must also
 reach P on the newest RECENT (30) answers they would fire on; while those fall short, the gate
 holds closed (`held`), and opens again as soon as the newest such answers reach P. Both checks
-read only the window, so a restored window decides as the live one did.
+read only the window, so a restored window decides as the live one did. The newest answers the
+thresholds fire on are kept as samples come and go (`_firing`), so a scored answer costs O(1) for
+this check; they are gathered again from the window only when a refit changes the thresholds.
 
 "Reach precision P" is judged on the window's point estimate (hits / fired) by default; with
 `auto_confidence = C` it is judged on a lower confidence bound of that precision instead (Wilson
@@ -123,6 +125,12 @@ class LiveCalibration:
     fired_correct: int = 0
     truth_counts: Counter[str] = field(default_factory=Counter)  # the window's truths (where known)
     history: deque[tuple[int, float, float | None, bool]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    # The newest `recent` window samples `fitted` fires on, as (their index, correct): what `held` reads.
+    # A sample's index counts the samples appended since `samples` was last replaced (`_appended`).
+    _firing: deque[tuple[int, bool]] = field(default_factory=deque, init=False, repr=False)
+    _firing_hits: int = field(default=0, init=False, repr=False)
+    _firing_for: dict[str, float] | None = field(default=None, init=False, repr=False)  # the `fitted` it was kept for
+    _appended: int = field(default=0, init=False, repr=False)
 
     def expect(self, version: int, choice: str, threshold: float = math.inf) -> bool:
         """The truth at `version`: sent with the push that makes it, or later (a forecast's). Scores
@@ -162,8 +170,12 @@ class LiveCalibration:
         sample = (gap, answer.casefold() == truth, fired, answer.casefold(), self.run, truth)
         self.samples.append(sample)
         self._count(sample, 1)
+        self._appended += 1
+        self._note_firing(sample, self._appended - 1)
         if len(self.samples) > self.window:
             self._count(self.samples.popleft(), -1)
+            if self._firing and self._firing[0][0] == self._appended - len(self.samples) - 1:  # it fired: out too
+                self._firing_hits -= self._firing.popleft()[1]
         self.scored += 1
         if self.target is not None:
             if self.scored % RETUNE_EVERY == 0 or (not self.fitted and self._could_open()):
@@ -193,6 +205,7 @@ class LiveCalibration:
         samples, scored, run, last_truth = read_window(saved)
         self.history = deque(read_history(saved), maxlen=HISTORY_POINTS)
         self.samples = deque(samples[-self.window:])
+        self._appended, self._firing_for = len(self.samples), None
         self.correct = self.fired = self.fired_correct = 0
         self.truth_counts = Counter()
         for sample in self.samples:
@@ -213,16 +226,38 @@ class LiveCalibration:
 
     def _hold_or_open(self) -> None:
         """Put `fitted` in force unless the newest `recent` window answers it would fire on miss the target."""
-        hits = n = 0
-        if self.fitted:
-            for gap, correct, _, answer, *_ in reversed(self.samples):
-                threshold = self.fitted.get(answer)
-                if threshold is not None and gap >= threshold:
-                    n, hits = n + 1, hits + correct
-                    if n == self.recent:
-                        break
+        if self._firing_for != self.fitted:
+            self._gather_firing()
+        n, hits = len(self._firing), self._firing_hits
         self.held = n >= self.recent and hits / n < self.target
         self.thresholds = {} if self.held else self.fitted
+
+    def _note_firing(self, sample: Sample, index: int) -> None:
+        """A new window sample: one of the newest that `fitted` fires on, if it fires."""
+        if self._firing_for is None:
+            return  # gathered afresh before it is read
+        threshold = self._firing_for.get(sample[3])
+        if threshold is not None and sample[0] >= threshold:
+            self._firing.append((index, sample[1]))
+            self._firing_hits += sample[1]
+            if len(self._firing) > self.recent:
+                self._firing_hits -= self._firing.popleft()[1]
+
+    def _gather_firing(self) -> None:
+        """`_firing` from the window, newest first back to `recent` of them (after a refit changed `fitted`)."""
+        fitted = dict(self.fitted)
+        found: list[tuple[int, bool]] = []
+        if fitted:
+            newest = self._appended - 1
+            for back, (gap, correct, _, answer, *_) in enumerate(reversed(self.samples)):
+                threshold = fitted.get(answer)
+                if threshold is not None and gap >= threshold:
+                    found.append((newest - back, correct))
+                    if len(found) == self.recent:
+                        break
+        self._firing = deque(reversed(found))
+        self._firing_hits = sum(correct for _, correct in found)
+        self._firing_for = fitted
 
     def _could_open(self) -> bool:
         """Whether the window holds enough samples over enough truth runs for any answer to open:
