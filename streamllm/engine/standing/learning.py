@@ -112,6 +112,19 @@ class Control:
         return int(series_logits(numbers[-k:], self.proj, self.proj_bias, self.lags, self.bias).argmax())
 
 
+HEAD_TENSORS = ("proj", "proj_bias", "lags", "bias")  # a series head's weights (and its control's), in order
+
+
+def _saved_head(head: SeriesHead | Control, prefix: str = "") -> dict[str, torch.Tensor]:
+    """What a snapshot carries of a head's weights: prefix + name -> fp32 on the CPU."""
+    return {prefix + name: getattr(head, name).to("cpu", torch.float32).contiguous() for name in HEAD_TENSORS}
+
+
+def _read_head(tensors: dict[str, torch.Tensor], prefix: str = "") -> tuple[torch.Tensor, ...]:
+    """`_saved_head`'s weights back (KeyError when one is missing), in the order heads take them."""
+    return tuple(tensors[prefix + name].float() for name in HEAD_TENSORS)
+
+
 class Learner:
     """One learning question's samples and the head it has learned so far."""
 
@@ -214,13 +227,11 @@ class Learner:
             nan = torch.full((NUMBER_WIDTH,), math.nan)  # NaN: the line's numbers were not kept
             tensors["numbers"] = torch.stack([self._numbers.get(n, nan) for n in numbers])
         if self.control is not None:
-            for name in ("proj", "proj_bias", "lags", "bias"):
-                tensors[f"control_{name}"] = getattr(self.control, name).contiguous()
+            tensors.update(_saved_head(self.control, "control_"))
         if head is not None:
             meta["head"] = {"layer": head.layer, "words": list(head.words), "threshold": head.threshold,
                             "min_lines": head.min_lines}
-            for name in ("proj", "proj_bias", "lags", "bias"):
-                tensors[name] = getattr(head, name).to("cpu", torch.float32).contiguous()
+            tensors.update(_saved_head(head))
         return meta, tensors
 
     def restore(self, meta: dict, tensors: dict[str, torch.Tensor], *, question_id: str, text: str,
@@ -241,7 +252,7 @@ class Learner:
                 raise ValueError(f"numbers shaped {tuple(kept.shape)}, expected [{len(numbers)}, {NUMBER_WIDTH}]")
             control = None
             if "control_proj" in tensors:
-                control = Control(*(tensors[f"control_{n}"].float() for n in ("proj", "proj_bias", "lags", "bias")))
+                control = Control(*_read_head(tensors, "control_"))
                 if control.proj.shape[1] != NUMBER_WIDTH or control.lags.shape[0] != len(self.choices):
                     raise ValueError(f"control head shaped {tuple(control.proj.shape)} / {tuple(control.lags.shape)}")
             held = set(numbers)
@@ -251,8 +262,8 @@ class Learner:
             head = None
             if meta["head"] is not None:
                 h = meta["head"]
-                head = SeriesHead(question_id, text, self.choices, int(h["layer"]), tensors["proj"],
-                                  tensors["proj_bias"], tensors["lags"], tensors["bias"], float(h["threshold"]),
+                head = SeriesHead(question_id, text, self.choices, int(h["layer"]), *_read_head(tensors),
+                                  float(h["threshold"]),
                                   tuple(h["words"]), int(h["min_lines"]))
                 if head.proj.shape[1] != width or head.lags.shape[0] != len(self.choices):
                     raise ValueError(f"head shaped {tuple(head.proj.shape)} / {tuple(head.lags.shape)} for "
