@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import queue
 import threading
 import time
 from collections import deque
@@ -151,9 +152,11 @@ class Phase:
 
 
 def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: float,
-          asks: list | None = None) -> Phase:
+          asks: list | None = None, push_threads: int = 8) -> Phase:
     """Bars at `speed` x real time for `seconds` (asks on their schedule meanwhile), then up to `drain_s`
-    for the last bars to become fresh."""
+    for the last bars to become fresh. Bars arrive here on time; `push_threads` threads push them, each
+    for its share of the sessions (as feeds on several connections would), so a push that waits (a
+    session coming back from disk) holds up only its thread's sessions."""
     out = Phase()
     interval = 60.0 / speed  # one bar per session per interval
     n = len(feeds)
@@ -214,7 +217,35 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
     watcher = threading.Thread(target=watch, name="capacity-watch", daemon=True)
     watcher.start()
     asker = run_schedule(asks, submit, stop_asks) if asks else None
-    waiting: set[int] = set()  # feeds whose lines the attachment held back (ingest lagging)
+    inboxes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, min(push_threads, n)))]
+
+    def push(inbox: queue.SimpleQueue) -> None:
+        """Offer and push the bars of this thread's sessions as they arrive; retry held-back lines."""
+        waiting: set[int] = set()  # feeds whose lines the attachment held back (ingest lagging, or refused)
+        while True:
+            try:
+                bar = inbox.get(timeout=0.005) if waiting else inbox.get()
+            except queue.Empty:
+                bar = ()
+            if bar is None:
+                return
+            if bar:
+                i, arrived = bar
+                feeds[i].offer(arrived)
+                feeds[i].flush()
+                if feeds[i].offered_at:
+                    waiting.add(i)
+            for i in list(waiting):
+                if bar and bar[0] == i:
+                    continue
+                feeds[i].flush()
+                if not feeds[i].att.pending_events and not feeds[i].offered_at:
+                    waiting.discard(i)
+
+    pushers = [threading.Thread(target=push, args=(inbox,), name=f"capacity-push-{j}", daemon=True)
+               for j, inbox in enumerate(inboxes)]
+    for t in pushers:
+        t.start()
     k = 0  # the k-th bar of the phase, across sessions: session k % n, its bar k // n
     while True:
         due = t0 + (k // n + (k % n) / n) * interval
@@ -222,19 +253,15 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
             break
         now = time.perf_counter()
         if due > now:
-            for i in list(waiting):  # retry held-back lines while waiting for the next bar
-                feeds[i].flush()
-                if not feeds[i].att.pending_events and not feeds[i].offered_at:
-                    waiting.discard(i)
-            time.sleep(min(due - time.perf_counter(), 0.005) if waiting else max(0.0, due - time.perf_counter()))
+            time.sleep(due - now)
             continue
-        f = feeds[k % n]
-        f.offer(now)
-        f.flush()
-        if f.offered_at:
-            waiting.add(k % n)
+        inboxes[(k % n) % len(inboxes)].put((k % n, now))
         out.offered += 1
         k += 1
+    for inbox in inboxes:
+        inbox.put(None)
+    for t in pushers:
+        t.join()
     time.sleep(max(0.0, t0 + seconds - time.perf_counter()))
     out.seconds = time.perf_counter() - t0
     out.ingested = sum(f.bars_ingested(engine.session_info(f.name).data_version) for f in feeds)
@@ -368,19 +395,24 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             return m, [s, 0, *[math.nan] * 9, refused]
         print(f"  S={s}: {len(feeds)} sessions, {args.warmup_bars} bars of warm-up each ...", flush=True)
         t0 = time.perf_counter()
-        for f in feeds:
+
+        def warm(f: Feed) -> bool:
+            """Its warm-up bars in; a push refused (on disk, no room to come back yet) is retried."""
             for _ in range(args.warmup_bars):
                 f.offer(0.0)
-        held = list(feeds)
-        while held and time.perf_counter() - t0 < args.warmup_s:  # refused pushes (no room to restore) retry
-            for f in held:
-                f.flush()
-            held = [f for f in held if f.att.pending_events]
-            if held:
+            f.flush()
+            while f.att.pending_events and time.perf_counter() - t0 < args.warmup_s:
                 time.sleep(0.1)
-        for f in feeds:
+                f.flush()
             f.offered_at.clear()
-        m["warmup_idle"] = int(not held and engine.wait_idle(timeout=max(1.0, args.warmup_s - time.perf_counter() + t0)))
+            return not f.att.pending_events
+
+        with ThreadPoolExecutor(max_workers=args.push_threads, thread_name_prefix="capacity-warm") as pool:
+            pushed = all(list(pool.map(warm, feeds)))
+        left = max(1.0, args.warmup_s - (time.perf_counter() - t0))
+        m["warmup_idle"] = int(pushed and engine.wait_idle(timeout=left))
+        print(f"  S={s}: warm-up in after {time.perf_counter() - t0:.0f} s (idle: {m['warmup_idle']}), rss "
+              f"{rss_gb():.2f} GB, {engine.stats().get('sessions_evicted', 0)} on disk", flush=True)
         if not m["warmup_idle"]:
             print(f"  S={s}: the warm-up did not finish in {args.warmup_s:g} s ({stuck(engine)}); measuring anyway",
                   flush=True)
@@ -390,7 +422,7 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
         before = engine.stats()
         print(f"  S={s}: {args.speed:g}x real time ({len(feeds) * args.speed / 60:.2f} bars/s) for "
               f"{args.seconds:g} s, {len(asks)} asks ...", flush=True)
-        main = paced(engine, feeds, args.speed, args.seconds, args.drain_s, asks)
+        main = paced(engine, feeds, args.speed, args.seconds, args.drain_s, asks, args.push_threads)
         m["rss_gb"] = rss_gb()
         if main.ask_errors:
             print(f"  S={s}: {main.ask_errors} asks failed; the first: {main.ask_error}", flush=True)
@@ -444,7 +476,7 @@ def ramp(engine, feeds: list[Feed], main: Phase, args: argparse.Namespace, s: in
         seconds = max(args.step_seconds, 2 * 60 / speed)
         if time.perf_counter() + seconds > budget_end:
             break
-        step = paced(engine, feeds, speed, seconds, args.drain_s)
+        step = paced(engine, feeds, speed, seconds, args.drain_s, push_threads=args.push_threads)
         print(f"  S={s}: {speed:g}x: offered {step.offered}, ingested {step.ingested}, lag p99 "
               f"{percentile(step.lag_versions, 99):.1f} versions, fresh p99 {percentile(step.lags_ms, 99):.0f} ms "
               f"-> {'held' if step.held(60 / speed) else 'missed'}", flush=True)
@@ -496,6 +528,7 @@ def cli_main(argv: list[str]) -> int:
                    help="the KV pool's memory budget when --max-cells is not given (default 8 GB: with the model "
                         "and the rest of the process, rss stays well under 20 GB)")
     p.add_argument("--open-threads", type=int, default=8, help="threads opening and registering sessions")
+    p.add_argument("--push-threads", type=int, default=8, help="threads pushing the bars, each for its sessions")
     p.add_argument("--warmup-bars", type=int, default=32, help="bars each session holds before the phase")
     p.add_argument("--ask-rate", type=float, default=2.0, help="asks/s in the main phase (half standing)")
     p.add_argument("--drain-s", type=float, default=30.0, help="after a phase, how long bars may take to be fresh")

@@ -120,6 +120,8 @@ class ResidentEngine(EngineClient):
         self._hub = SubscriptionHub()
         self._forwards: dict[str, list[Subscription]] = {}  # the engine's subscriptions relaying to _hub
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="streamllm-restore")
+        self.spill_threads = 4
+        self._spillers = ThreadPoolExecutor(max_workers=self.spill_threads, thread_name_prefix="streamllm-spill")
         self._stopped = False
         self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
         self._watcher = None
@@ -324,6 +326,7 @@ class ResidentEngine(EngineClient):
             self._watcher.join(timeout=30)
         self.engine.shutdown()
         self._workers.shutdown(wait=True)  # queued restores fail their asks with EngineStopped
+        self._spillers.shutdown(wait=True)
 
     # -- snapshots and eviction ---------------------------------------------------
     def evicted(self) -> dict[str, str]:
@@ -474,16 +477,33 @@ class ResidentEngine(EngineClient):
 
     def _spill(self, cells: int, exclude: set[str]) -> int:
         """Evict idle sessions, furthest next use first, until they held `cells`; returns cells freed."""
-        freed = 0
         with self._room:
-            resident = {i.name: i.num_computed for i in self.engine.list_sessions() if i.name not in exclude}
-            for name in self._victims(resident):
-                if freed >= cells or self._stopped:
-                    break
-                if self._evict_idle(name):
-                    self.pressure_spills += 1
-                    freed += resident[name]
+            freed, evicted = self._evict_some(cells, exclude)
+            self.pressure_spills += evicted
         return freed
+
+    def _evict_some(self, cells: int, exclude: set[str]) -> tuple[int, int]:
+        """Under `_room`: evict idle sessions, furthest next use first, until they held `cells`, up to
+        `spill_threads` at a time (the core serves every eviction waiting in one turn); returns (cells
+        freed, sessions evicted)."""
+        held = {i.name: max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed)
+                for i in self.engine.list_sessions() if i.name not in exclude}
+        victims = iter(self._victims(held))
+        freed = evicted = 0
+        while freed < cells and not self._stopped:
+            batch, want = [], cells - freed
+            for name in victims:
+                batch.append(name)
+                want -= held[name]
+                if want <= 0 or len(batch) >= self.spill_threads:
+                    break
+            if not batch:
+                break
+            for name, ok in zip(batch, self._spillers.map(self._evict_idle, batch), strict=True):
+                if ok:
+                    freed += held[name]
+                    evicted += 1
+        return freed, evicted
 
     def _evict_idle(self, name: str) -> bool:
         """Evict `name` if nobody is using it right now (its locks free, no work in flight)."""
@@ -553,15 +573,12 @@ class ResidentEngine(EngineClient):
             while True:
                 if self.engine.can_admit(cells):
                     return True
-                resident = [i.name for i in self.engine.list_sessions() if i.name not in exclude]
-                for name in self._victims(resident):
-                    if not self._evict_idle(name):
-                        continue
-                    self.auto_evictions += 1
-                    if self.engine.can_admit(cells):
-                        return True
+                _, evicted = self._evict_some(cells, exclude)
+                self.auto_evictions += evicted
+                if evicted and self.engine.can_admit(cells):
+                    return True
                 left = give_up - time.monotonic()
-                if not resident or left <= 0:
+                if left <= 0 or not any(i.name not in exclude for i in self.engine.list_sessions()):
                     break
                 self.engine.wait_idle(timeout=min(0.25, left))
             self.auto_evict_refusals += 1
