@@ -18,7 +18,7 @@ first (for entries, fresh ready entries stay: evicting one to compute another wo
     1. runs reserved past a session's working set and not filled yet go back;
     2. idle entries are evicted (recomputed when next needed);
     3. idle sessions go to disk: the shortfall is published (`cells_wanted` in stats) and a
-       `ResidentEngine` with auto_evict spills its least recently used idle sessions, which
+       `ResidentEngine` with auto_evict spills idle sessions (furthest next push first), which
        come back on their next push or ask (durability/resident.py);
     4. after `grace_s` still short: the session furthest past its working set compacts down
        to it (a compaction copy of its newest window), one such copy at a time.
