@@ -115,6 +115,7 @@ class ResidentEngine(EngineClient):
         self._push_gap: dict[str, float] = {}  # session -> running mean of the gaps between its pushes (s)
         self.restore_room = restore_room
         self._room = threading.Lock()  # one make_room at a time
+        self._room_waiters = 0  # make_rooms waiting for `_room` (under `_lock`)
         self.watch_s = watch_s
         self._stop_watch = threading.Event()
         self._hub = SubscriptionHub()
@@ -565,15 +566,21 @@ class ResidentEngine(EngineClient):
 
     def _make_room(self, cells: int, exclude: set[str]) -> bool:
         """Evict idle sessions, furthest next use first, until a working set of `cells` can be reserved;
-        False when it cannot be done (or auto_evict is off)."""
+        False when it cannot be done (or auto_evict is off). With others waiting to make room (many opens
+        or restores at once) it evicts for them too, up to spill_threads working sets in one turn."""
         if not self.auto_evict:
             return False
+        with self._lock:
+            self._room_waiters += 1
         with self._room:
+            with self._lock:
+                self._room_waiters -= 1
+                waiting = self._room_waiters  # opens and restores queued behind this one: room for them too
             give_up = time.monotonic() + self.settle_s  # busy candidates may go idle meanwhile
             while True:
                 if self.engine.can_admit(cells):
                     return True
-                _, evicted = self._evict_some(cells, exclude)
+                _, evicted = self._evict_some(cells * min(1 + waiting, self.spill_threads), exclude)
                 self.auto_evictions += evicted
                 if evicted and self.engine.can_admit(cells):
                     return True
