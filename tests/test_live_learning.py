@@ -11,6 +11,7 @@ import torch
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.standing.learning import LearnConfig
+from streamllm.engine.taps import NUMBER_WIDTH
 
 QUESTION = {"id": "rising", "text": "Did the last bar rise?", "choices": ["yes", "no"],
             "label": "trend_up(n=1)", "threshold": "auto:0.9"}
@@ -20,12 +21,13 @@ def _line(i: int, up: bool) -> str:
     return f"00:{i % 60:02d} {100 + i % 7}.5 {'+' if up else '-'}{1 + i % 4} v{1 + i % 3}"
 
 
-def _wait_for_fit(engine: Engine, fits: int, timeout: float = 60.0) -> dict:
+def _wait_for_fit(engine: Engine, fits: int, timeout: float = 60.0) -> None:
+    """Until `fits` heads were swapped in. The learner's own count: the published figures are as of the
+    latest answer, and a fit that ends after the last push has no answer after it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        cal = engine.calibration().get("s", {}).get("rising")
-        if cal and cal["learning"]["fits"] >= fits:
-            return cal
+        if engine.call(lambda core: core.prepos.by_session["s"]["rising"].learner.fits) >= fits:
+            return
         time.sleep(0.05)
     raise AssertionError(f"no {fits} fits in {timeout} s: {engine.calibration()}")
 
@@ -38,12 +40,14 @@ def test_a_labelled_question_learns_and_is_scored_only_on_answers_its_heads_neve
         engine.open_session("s")
         engine.register("s", parse_question(QUESTION))
         answers = {}
-        for i, up in enumerate(rng[:120]):
+        for i, up in enumerate(rng[:130]):
+            if i == 120:  # the first head (48 samples) is in; the next fit starts with the next sample
+                _wait_for_fit(engine, 1)
             ack = engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
             assert engine.wait_idle(timeout=60)
             answers[ack.data_version] = engine.standing("s")[0].text
-        cal = _wait_for_fit(engine, 1)
-        for i, up in enumerate(rng[120:], start=120):
+        _wait_for_fit(engine, 2)  # a head of 100+ samples answers the late versions
+        for i, up in enumerate(rng[130:], start=130):
             ack = engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
             assert engine.wait_idle(timeout=60)
             answers[ack.data_version] = engine.standing("s")[0].text
@@ -80,18 +84,23 @@ def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_mode
         _wait_for_fit(engine, 1)
         engine.push("s", [_line(60, True)], truths={"rising": "yes"})  # answered by the learned head
         assert engine.wait_idle(timeout=60)
+        learned_answer = engine.standing("s")[0]
         save_session(engine, "s", tmp_path / "s.snap")
         live = engine.calibration()["s"]["rising"]
         head = engine.call(lambda core: core.prepos.by_session["s"]["rising"].gate.head)
+        live_control = engine.call(lambda core: core.prepos.by_session["s"]["rising"].learner.control)
+    # The head reads each line's model states and, beside them, the line's own numbers.
+    assert head.numbers == NUMBER_WIDTH and head.proj.shape[1] == 2 * 64 + 64 + NUMBER_WIDTH
     with Engine(tiny_model, config) as again:
         restore_session(again, tmp_path / "s.snap", "copy")
         assert again.wait_idle(timeout=60)
         assert again.calibration()["copy"]["rising"] == live  # window and learning figures as they were
         got = again.call(lambda core: core.prepos.by_session["copy"]["rising"].gate.head)
         assert got is not None and torch.equal(got.proj, head.proj) and torch.equal(got.lags, head.lags)
+        assert got.numbers == head.numbers
         learner = again.call(lambda core: core.prepos.by_session["copy"]["rising"].learner)
         assert len(learner.samples) == live["learning"]["samples"] and learner.trained_upto == head_upto(live)
-        assert learner.control is not None and learner.control.lags.shape == head.lags.shape  # the control too
+        assert learner.control is not None and torch.equal(learner.control.lags, live_control.lags)  # the control too
 
     # `streamllm tune --from-live` makes it an adapter: a new engine answers with it from the start.
     from streamllm.cli.tune import main as tune_main
@@ -100,11 +109,19 @@ def test_a_snapshot_keeps_the_learned_head_its_samples_and_calibration(tiny_mode
     assert tune_main(["--from-live", str(tmp_path / "s.snap"), "--out", str(tmp_path / "adapter")]) == 0
     (shipped,) = load_adapter(tmp_path / "adapter").heads
     assert shipped.question_id == "rising" and torch.equal(shipped.proj, head.proj)
+    assert shipped.numbers == NUMBER_WIDTH
     with Engine(tiny_model, config, adapter=tmp_path / "adapter") as served:
         served.open_session("s")
         served.register("s", parse_question(QUESTION))
         st = served.call(lambda core: core.prepos.by_session["s"]["rising"])
         assert st.learner is None and torch.equal(st.gate.head.lags, head.lags)  # its own head: nothing to learn
+        # Fed the same lines, it reads the same states and numbers: the learned engine's answer, as sure.
+        for i, up in enumerate(truth[:60] + [True]):
+            served.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no"})
+        assert served.wait_idle(timeout=60)
+        got = served.standing("s")[0]
+        assert got.text == learned_answer.text
+        assert got.confidence == pytest.approx(learned_answer.confidence, rel=1e-3, abs=1e-3)
 
 
 def head_upto(figures: dict) -> int:

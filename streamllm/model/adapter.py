@@ -13,7 +13,9 @@ A head is a learned readout for one labelled choice question. Two kinds:
   text; the head does the arithmetic across lines (sums, differences, magnitudes) that
   a small model's single decision-point state does not hold. A session's first lines
   (fewer than K since it began, at least the head's `min_lines`) are read with the
-  newest lags only: the head was trained on window starts exactly so.
+  newest lags only: the head was trained on window starts exactly so. A head learned live
+  (engine/standing/learning.py) may also read each line's own numbers: `numbers` more
+  columns after the line's features (the bare numbers the line writes, engine/taps.py).
 
 Everything else in the model stays as it was: the KV cache, the fast path's scan and
 the decode path are unchanged.
@@ -53,7 +55,7 @@ from streamllm.model.words import check_words
 HEAD_FILE = "head.safetensors"
 CARD_FILE = "card.json"
 FORMAT = "streamllm-choice-heads"
-FORMAT_VERSION = 5  # 2: series heads, 3: word features, 4: words by prefix, 5: min_lines; older files load
+FORMAT_VERSION = 6  # 2: series heads, 3: word features, 4: words by prefix, 5: min_lines, 6: numbers; older load
 
 
 def _normalize(text: str) -> str:
@@ -131,6 +133,7 @@ class SeriesHead(_QuestionHead):
     threshold: float
     words: tuple[int | str, ...] = ()  # the words whose last token each line's features add (engine/taps.py)
     min_lines: int = 0  # fewest lines of a session's start it was trained to read (0: K, whole windows only)
+    numbers: int = 0  # columns of each line's own numbers after its features (0: the features alone)
 
     @property
     def lines(self) -> int:
@@ -148,7 +151,7 @@ class SeriesHead(_QuestionHead):
     def to(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> SeriesHead:
         return SeriesHead(self.question_id, self.text, self.choices, self.layer, self.proj.to(device, dtype),
                           self.proj_bias.to(device, dtype), self.lags.to(device, dtype), self.bias.to(device, dtype),
-                          self.threshold, self.words, self.min_lines)
+                          self.threshold, self.words, self.min_lines, self.numbers)
 
 
 Head = ChoiceHead | SeriesHead
@@ -208,6 +211,8 @@ def save_heads(directory: str | Path, heads: list[Head], *, model: str, changes:
             q["layer"], q["words"] = h.layer, list(h.words)
             if h.min_lines:
                 q["min_lines"] = h.min_lines
+            if h.numbers:
+                q["numbers"] = h.numbers
         questions.append(q)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "model": model,
             "hidden_size": _hidden_of(heads[0]), "changes": changes, "questions": questions}
@@ -226,7 +231,9 @@ def _checked_words(where: Path, question_id: str, words: Any) -> tuple[int | str
 
 
 def _hidden_of(head: Head) -> int:
-    return int(head.weight.shape[1]) if head.kind == HeadKind.ENTRY else int(head.proj.shape[1]) // series_width(1, len(head.words))
+    if head.kind == HeadKind.ENTRY:
+        return int(head.weight.shape[1])
+    return (int(head.proj.shape[1]) - head.numbers) // series_width(1, len(head.words))
 
 
 def load_adapter(directory: str | Path) -> Adapter:
@@ -288,13 +295,16 @@ def _read_head(path: Path, q: dict[str, Any], tensors: dict[str, torch.Tensor], 
     if kind == HeadKind.ENTRY and shaped("weight", c, hidden) and shaped("bias", c):
         return ChoiceHead(q["id"], q["text"], tuple(q["choices"]), got["weight"], got["bias"], threshold)
     words = _checked_words(path, q["id"], q.get("words", []))
-    if kind == HeadKind.SERIES and shaped("proj", None, series_width(hidden, len(words))) and shaped("bias", c):
+    numbers = q.get("numbers", 0)
+    if not isinstance(numbers, int) or numbers < 0:
+        raise AdapterError(f"adapter {path}: question {q['id']!r} reads {numbers!r} numbers per line")
+    if kind == HeadKind.SERIES and shaped("proj", None, series_width(hidden, len(words)) + numbers) and shaped("bias", c):
         r = got["proj"].shape[0]
         least = q.get("min_lines", 0)
         if (shaped("proj_bias", r) and shaped("lags", c, None, 2 * r) and isinstance(q.get("layer"), int)
                 and isinstance(least, int) and 0 <= least <= got["lags"].shape[1]):
             return SeriesHead(q["id"], q["text"], tuple(q["choices"]), q["layer"], got["proj"], got["proj_bias"],
-                              got["lags"], got["bias"], threshold, words, least)
+                              got["lags"], got["bias"], threshold, words, least, numbers)
     if kind not in tuple(HeadKind):
         raise AdapterError(f"adapter {path}: question {q['id']!r} has an unknown head kind {kind!r}")
     raise AdapterError(f"adapter {path}: question {q['id']!r} has missing or misshapen tensors")

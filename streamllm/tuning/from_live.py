@@ -49,7 +49,7 @@ def heads_from_snapshots(paths: list[Path]) -> tuple[list[SeriesHead], str, dict
                 parts = {name: tensors[f"learned/{qid}/{name}"] for name in HEAD_TENSORS}
                 made = SeriesHead(qid, q["text"], tuple(q["choices"]), int(head["layer"]), parts["proj"],
                                   parts["proj_bias"], parts["lags"], parts["bias"], float(head["threshold"]),
-                                  tuple(head["words"]), int(head["min_lines"]))
+                                  tuple(head["words"]), int(head["min_lines"]), int(head.get("numbers", 0)))
             except (KeyError, TypeError, ValueError) as exc:
                 raise TuneError(f"--from-live {path}: question {qid!r}: learned head malformed ({exc})") from None
             samples = len(state.get("samples", []))

@@ -15,11 +15,15 @@ makes, which `tests/test_live_learning.py` checks.
 Only the core thread calls `Learner` and `Learning`; the worker sees copies and returns a head.
 Memory: a learner keeps at most `max_samples` samples and only the lines they read.
 
-**The control.** Beside the head on the model's states, every fit also fits the same head on the
-lines' own numbers (engine/taps.py `line_numbers`: the close, the change, h/l/v... as the line
-writes them, no model). Its answers are made and scored the same way (prequential, at the same
-versions) but never given: they only say, in the question's figures, whether the model's states
-add anything over the raw numbers of the same K lines (`control_accuracy` beside `answer_accuracy`).
+**What a head reads.** The answered head reads each line's model states (engine/taps.py features)
+and, by default (`LearnConfig.numbers`), the line's own numbers beside them (engine/taps.py
+`line_numbers`: the close, the change, h/l/v... as the line writes them): the model's reading of
+the text and the bare arithmetic, in one projection fitted on both.
+
+**The control.** Beside it, every fit also fits the same head on the lines' numbers alone, no model.
+Its answers are made and scored the same way (prequential, at the same versions) but never given:
+they only say, in the question's figures, whether the model's states add anything over the raw
+numbers of the same K lines (`control_accuracy` beside `answer_accuracy`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class LearnConfig:
     steps: int = 240  # optimizer steps per fit
     budget_s: float = 10.0  # wall seconds a fit may take (it keeps its best step so far)
     rank: int = 4  # numbers a head takes from each line
+    numbers: bool = True  # the head reads each line's own numbers beside its states (False: states alone)
 
     def __post_init__(self) -> None:
         for name in ("lines", "every", "min_samples", "max_samples", "steps", "rank"):
@@ -214,6 +219,7 @@ class Learner:
         numbers = torch.stack([self._numbers.get(n, zero) for n in needed])
         return TrainingSet(lines, index, reads, labels, self.samples[-1][0], numbers)
 
+
     def export(self, head: SeriesHead | None) -> tuple[dict, dict[str, torch.Tensor]]:
         """What a snapshot, an eviction or a move carries: the samples, the lines they read and the learned
         head (JSON-able counters and tensors), so a restored question answers and goes on learning as it did."""
@@ -230,7 +236,7 @@ class Learner:
             tensors.update(_saved_head(self.control, "control_"))
         if head is not None:
             meta["head"] = {"layer": head.layer, "words": list(head.words), "threshold": head.threshold,
-                            "min_lines": head.min_lines}
+                            "min_lines": head.min_lines, "numbers": head.numbers}
             tensors.update(_saved_head(head))
         return meta, tensors
 
@@ -264,10 +270,10 @@ class Learner:
                 h = meta["head"]
                 head = SeriesHead(question_id, text, self.choices, int(h["layer"]), *_read_head(tensors),
                                   float(h["threshold"]),
-                                  tuple(h["words"]), int(h["min_lines"]))
-                if head.proj.shape[1] != width or head.lags.shape[0] != len(self.choices):
+                                  tuple(h["words"]), int(h["min_lines"]), int(h.get("numbers", 0)))
+                if head.proj.shape[1] != width + head.numbers or head.lags.shape[0] != len(self.choices):
                     raise ValueError(f"head shaped {tuple(head.proj.shape)} / {tuple(head.lags.shape)} for "
-                                     f"{width} features and {len(self.choices)} choices")
+                                     f"{width} features, {head.numbers} numbers and {len(self.choices)} choices")
             fits, trained_upto, fit_s = int(meta["fits"]), int(meta["trained_upto"]), float(meta["fit_s"])
             since_fit = int(meta["since_fit"])
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -301,6 +307,21 @@ class Learner:
             del self._numbers[n]
 
 
+def head_window(taps: LineTaps, head: SeriesHead, upto: int) -> torch.Tensor | None:
+    """What `head` reads after the session's first `upto` lines: the lines' features [n, F], and with a
+    head that reads numbers their own numbers beside them (zeros for a line whose numbers were not kept,
+    as in its training set); None until the lines are all held."""
+    n = head.reads(upto)
+    window = taps.window(upto, n)
+    if window is None or not head.numbers:
+        return window
+    numbers = taps.numbers_window(upto, n)
+    if numbers is None:
+        numbers = torch.stack([torch.tensor(taps.numbers[i], dtype=torch.float32) if i in taps.numbers
+                               else torch.zeros(NUMBER_WIDTH) for i in range(upto - n, upto)])
+    return torch.cat([window.float(), numbers.to(window.device)], 1)  # fp32: prices lose digits in bf16
+
+
 def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> SeriesFit:
     """The live fit: `config`'s series head on `data`, its newest fifth the development range that picks
     the step (also what `bench learn`'s raw-number control fits, on other line features)."""
@@ -324,7 +345,59 @@ def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: 
         raw = fit_training_set(TrainingSet(data.numbers, data.index, data.reads, data.labels, data.newest_version),
                                config, len(choices))
         control = Control(raw.proj, raw.proj_bias, raw.lags, raw.bias)
+        if config.numbers:
+            head = stacked(head, control, data)
     return head, control, time.perf_counter() - t0
+
+
+def stacked(states: SeriesHead, control: Control, data: TrainingSet) -> SeriesHead:
+    """One head answering a * (the states head's logits) + b * (the control's) + c, with a, b and the
+    per-choice c fitted on the newest fifth of `data` (the development range neither head trained on,
+    only their early stops read it; a weighing of two heads is all it decides). The weights start at the
+    control alone (a = 0, b = 1) and are pulled back there in proportion to how few samples decide them,
+    and kept in [0, 3]: a small or separable development range cannot blow them up. Where the states add
+    nothing a stays ~0 and it answers as the control; where they do, they weigh in.
+
+    It is an ordinary series head over [states, numbers] per line: the two projections side by side
+    (block-diagonal), their lags placed by rows, each scaled by its weight."""
+    n = len(data.labels)
+    dev = torch.arange(n - max(1, n // 5), n)
+    k = states.lines
+    mask = (torch.arange(k) >= (k - data.reads[dev])[:, None]).float()[..., None]  # lines a sample lacks: zeros
+    both = []
+    for lines, proj, proj_bias, lags, bias in ((data.lines, states.proj, states.proj_bias, states.lags, states.bias),
+                                               (data.numbers, control.proj, control.proj_bias, control.lags,
+                                                control.bias)):
+        z = lines[data.index[dev]] @ proj.T.float() + proj_bias.float()  # [N, K, R]
+        both.append(torch.einsum("nkr,ckr->nc", torch.cat([z, z.abs()], -1) * mask, lags.float()) + bias.float())
+    s_logits, n_logits = both
+    prior = torch.tensor([0.0, 1.0])
+    weights = prior.clone().requires_grad_(True)
+    offset = torch.zeros(s_logits.shape[1], requires_grad=True)
+    opt = torch.optim.LBFGS([weights, offset], lr=0.5, max_iter=60, line_search_fn="strong_wolfe")
+    labels = data.labels[dev]
+    pull = 4.0 / len(dev)  # as much as four samples' worth of evidence
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad()
+        value = torch.nn.functional.cross_entropy(weights[0] * s_logits + weights[1] * n_logits + offset, labels)
+        value = value + pull * (((weights - prior) ** 2).sum() + (offset ** 2).sum())
+        value.backward()
+        return value
+
+    with torch.enable_grad():
+        opt.step(loss)
+    a, b = (float(w) for w in weights.detach().clamp(0.0, 3.0))
+    rs, rn = states.proj.shape[0], control.proj.shape[0]
+    f, w = states.proj.shape[1], control.proj.shape[1]
+    proj = torch.zeros(rs + rn, f + w)
+    proj[:rs, :f], proj[rs:, f:] = states.proj.float(), control.proj.float()
+    ls, ln = states.lags.float(), control.lags.float()
+    lags = torch.cat([a * ls[..., :rs], b * ln[..., :rn], a * ls[..., rs:], b * ln[..., rn:]], -1)
+    bias = a * states.bias.float() + b * control.bias.float() + offset.detach()
+    return SeriesHead(states.question_id, states.text, states.choices, states.layer, proj,
+                      torch.cat([states.proj_bias.float(), control.proj_bias.float()]), lags, bias,
+                      states.threshold, states.words, states.min_lines, w)
 
 
 class Learning:

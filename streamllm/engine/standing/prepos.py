@@ -35,7 +35,7 @@ from streamllm.engine.sequence import (
 )
 from streamllm.engine.standing.calibration import LiveCalibration
 from streamllm.engine.standing.gate import Gate, GateDecision
-from streamllm.engine.standing.learning import Learner, Learning
+from streamllm.engine.standing.learning import Learner, Learning, head_window
 from streamllm.model.adapter import HeadKind
 
 
@@ -263,7 +263,7 @@ class Prepositioner:
         if taps is not None:
             upto = st.session.lines_upto(entry.base_len)  # the lines the entry saw: those ending at its fork point
             if head is not None and head.kind == HeadKind.SERIES:
-                st.ready_hidden = taps.window(upto, head.reads(upto))  # None until enough are held
+                st.ready_hidden = head_window(taps, head, upto)  # None until enough are held
             if st.learner is not None:  # what this answer read, for its sample
                 st.learner.saw(entry.data_version, upto, taps)
         st.entries_computed += 1
