@@ -15,15 +15,16 @@ makes, which `tests/test_live_learning.py` checks.
 Only the core thread calls `Learner` and `Learning`; the worker sees copies and returns a head.
 Memory: a learner keeps at most `max_samples` samples and only the lines they read.
 
-**What a head reads.** The answered head reads each line's model states (engine/taps.py features)
-and, by default (`LearnConfig.numbers`), the line's own numbers beside them (engine/taps.py
-`line_numbers`: the close, the change, h/l/v... as the line writes them): the model's reading of
-the text and the bare arithmetic, in one projection fitted on both.
+**The control.** Beside the head on the model's states, every fit also fits the same head on the
+lines' own numbers (engine/taps.py `line_numbers`: the close, the change, h/l/v... as the line
+writes them, no model). Its answers are made and scored the same way (prequential, at the same
+versions) but never given: they say, in the question's figures, what the model's states add over
+the raw numbers of the same K lines (`control_accuracy` beside `answer_accuracy`).
 
-**The control.** Beside it, every fit also fits the same head on the lines' numbers alone, no model.
-Its answers are made and scored the same way (prequential, at the same versions) but never given:
-they only say, in the question's figures, whether the model's states add anything over the raw
-numbers of the same K lines (`control_accuracy` beside `answer_accuracy`).
+**What answers.** By default (`LearnConfig.numbers`) the answered head is the two stacked
+(`stacked`): a weighed sum of the states head's and the control's logits, the weights fitted on the
+newest samples neither head trained on. So an answer is never much worse than the bare numbers
+would give, and the states weigh in where they carry something the numbers do not.
 """
 
 from __future__ import annotations
