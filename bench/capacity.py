@@ -330,7 +330,7 @@ def pool_cells(s: int, context: int, bytes_per_token: int, kv_gb: float) -> int:
 def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) -> tuple[list[Feed], str]:
     """Up to S sessions of `spec`, each with its own stretch of the bars, opened and registered from
     --open-threads threads (the core drains every command waiting between two steps, so a busy core
-    serves many opens per step); the sessions after the first refusal are not kept."""
+    serves many opens per step); those the engine refused are counted, the first refusal returned."""
     free = parse_question(FREE)
     need = args.warmup_bars + bars_per_session(args)
     stride = (len(bars) - need) // s
@@ -360,11 +360,8 @@ def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) ->
     with ThreadPoolExecutor(max_workers=args.open_threads, thread_name_prefix="capacity-open") as pool:
         opened = list(pool.map(open_one, range(s)))
     refusals = [o for o in opened if isinstance(o, str)]
-    feeds = [o for o in opened[: opened.index(refusals[0]) if refusals else s] if isinstance(o, Feed)]
-    for extra in opened[len(feeds):]:  # opened beside a refusal: not measured, so not kept
-        if isinstance(extra, Feed):
-            engine.close_session(extra.name)
-    return feeds, refusals[0] if refusals else ""
+    refused = f"{len(refusals)} of {s} refused; the first: {refusals[0]}" if refusals else ""
+    return [o for o in opened if isinstance(o, Feed)], refused
 
 
 def bars_per_session(args: argparse.Namespace) -> int:
@@ -537,7 +534,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--step-seconds", type=float, default=10.0, help="shortest ramp step")
     p.add_argument("--ramp-s", type=float, default=120.0, help="the ramp's time budget per S")
     p.add_argument("--spill", help="a folder: run a ResidentEngine that evicts idle sessions there when full")
-    p.add_argument("--settle-s", type=float, default=10.0,
+    p.add_argument("--settle-s", type=float, default=30.0,
                    help="with --spill: how long an open or restore waits for busy sessions to go idle and make room")
     p.add_argument("--restore-room", type=int, default=2,
                    help="with --spill: sessions on disk the pool keeps room for, spilling others ahead of their bars")

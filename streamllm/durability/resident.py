@@ -426,16 +426,17 @@ class ResidentEngine(EngineClient):
                                lambda: max(self.engine.working_set(int(meta["max_context"]), int(meta["prefix_len"])),
                                            int(meta["num_computed"])), name)
 
-    def _with_room(self, call: Callable[[], Any], cells: Callable[[], int], name: str, tries: int = 4) -> Any:
+    def _with_room(self, call: Callable[[], Any], cells: Callable[[], int], name: str) -> Any:
         """call() (an open or import); refused for want of cells, idle sessions make room and it is tried
-        again. Several times: an open on another thread may take the room made here before the retry."""
-        for attempt in range(tries):
+        again, for up to settle_s: an open on another thread may take the room made here before the retry."""
+        give_up, retried = time.monotonic() + self.settle_s, False
+        while True:
             try:
                 return call()
             except AdmissionError:  # memory pressure
-                if attempt == tries - 1 or not self._make_room(cells(), {name}):
+                if (retried and time.monotonic() > give_up) or not self._make_room(cells(), {name}):
                     raise
-        raise AssertionError("unreachable")
+                retried = True
 
     def _watch_pressure(self) -> None:
         """With auto_evict: while the pool is short of cells (sessions growing past their working sets,
