@@ -357,11 +357,18 @@ def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) ->
                       f"{rss_gb():.2f} GB, {engine.stats().get('sessions_evicted', 0)} on disk", flush=True)
         return Feed(name, att, bars[i * stride: i * stride + need], len(questions))
 
-    with ThreadPoolExecutor(max_workers=args.open_threads, thread_name_prefix="capacity-open") as pool:
-        opened = list(pool.map(open_one, range(s)))
-    refusals = [o for o in opened if isinstance(o, str)]
+    opened: dict[int, Feed | str] = {}
+    todo = list(range(s))
+    for _ in range(1 + (args.open_retries if args.spill else 0)):  # with --spill a refusal may pass later
+        with ThreadPoolExecutor(max_workers=args.open_threads, thread_name_prefix="capacity-open") as pool:
+            opened.update(zip(todo, pool.map(open_one, todo), strict=True))
+        todo = [i for i in todo if isinstance(opened[i], str)]
+        if not todo:
+            break
+        print(f"  S={s}: {len(todo)} opens refused ({opened[todo[0]]}); trying them again", flush=True)
+    refusals = [o for _, o in sorted(opened.items()) if isinstance(o, str)]
     refused = f"{len(refusals)} of {s} refused; the first: {refusals[0]}" if refusals else ""
-    return [o for o in opened if isinstance(o, Feed)], refused
+    return [o for _, o in sorted(opened.items()) if isinstance(o, Feed)], refused
 
 
 def bars_per_session(args: argparse.Namespace) -> int:
@@ -526,6 +533,8 @@ def cli_main(argv: list[str]) -> int:
                         "and the rest of the process, rss stays well under 20 GB)")
     p.add_argument("--open-threads", type=int, default=8, help="threads opening and registering sessions")
     p.add_argument("--push-threads", type=int, default=8, help="threads pushing the bars, each for its sessions")
+    p.add_argument("--open-retries", type=int, default=2,
+                   help="with --spill: passes over the opens refused (every candidate to spill was busy)")
     p.add_argument("--warmup-bars", type=int, default=32, help="bars each session holds before the phase")
     p.add_argument("--ask-rate", type=float, default=2.0, help="asks/s in the main phase (half standing)")
     p.add_argument("--drain-s", type=float, default=30.0, help="after a phase, how long bars may take to be fresh")
