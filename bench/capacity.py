@@ -142,6 +142,7 @@ class Phase:
     cold_asks: list[tuple[str, str]] = field(default_factory=list)
     ask_errors: int = 0
     ask_error: str = ""  # the first one, printed
+    unpushed: int = 0  # bars their push thread reached only after the phase's drain (counted stale)
     idle_after: bool = True  # the engine went idle after the phase (within max(drain_s, 60) s)
 
     def held(self, interval_s: float) -> bool:
@@ -229,6 +230,10 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
                 bar = ()
             if bar is None:
                 return
+            if bar and time.perf_counter() > deadline:  # past the phase and its drain: never pushed, stale
+                with lock:
+                    out.unpushed += 1
+                continue
             if bar:
                 i, arrived = bar
                 feeds[i].offer(arrived)
@@ -275,7 +280,7 @@ def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: floa
             if f.offered_at:
                 time.sleep(0.01)
     watcher.join()
-    out.stale_bars = sum(len(f.fresh) + len(f.offered_at) for f in feeds)
+    out.stale_bars = sum(len(f.fresh) + len(f.offered_at) for f in feeds) + out.unpushed
     out.lags_ms += [drain_s * 1000] * out.stale_bars
     out.summaries = sum(f.att.stats.summaries for f in feeds) - summaries0
     out.idle_after = engine.wait_idle(timeout=max(drain_s, 60.0))
