@@ -529,6 +529,30 @@ def test_fit_series_reports_every_candidate_and_serves_the_rules_choice():
         fit_series(train, dev, 2, k=6, rank=2, choose="lowest")
 
 
+def test_a_reduced_fit_reads_principal_components_and_serves_them_folded_onto_the_raw_features():
+    """reduce=6 on 40 columns that mix 4 latent numbers: the fit reads the lines' 6 leading components, and
+    the [R, 40] projection served gives the trained model's own development loss (the components and the
+    standardization folded in), learns the rule, and is the same head from the same samples."""
+    g = torch.Generator().manual_seed(3)
+    mixing = torch.randn(4, 40, generator=g) * torch.linspace(0.5, 3.0, 40)
+
+    def window(n):  # label: the first latent number summed over the last 4 lines is positive
+        latent = torch.randn(n, 4, generator=g)
+        sums = torch.stack([latent[max(0, i - 3): i + 1, 0].sum() for i in range(n)])
+        return latent @ mixing + 0.05 * torch.randn(n, 40, generator=g) + 2.0, (sums <= 0).long()
+
+    train, dev = samples([window(60) for _ in range(12)], 6), samples([window(60) for _ in range(6)], 6)
+    fit = fit_series(train, dev, 2, k=6, rank=2, steps=200, grid=(1e-2,), reduce=6)
+    assert fit.proj.shape == (2, 40)
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, ())
+    served = float(torch.nn.functional.cross_entropy(dev.logits(head), dev.labels))
+    trained, _ = fit.candidates[("all", 1e-2)]  # the best step's loss, measured on the components
+    assert abs(served - trained) < 1e-4 and abs(served - fit.dev_loss) < 1e-4
+    assert (dev.logits(head).argmax(1) == dev.labels).float().mean() > 0.9
+    again = fit_series(train, dev, 2, k=6, rank=2, steps=200, grid=(1e-2,), reduce=6)
+    assert torch.equal(again.proj, fit.proj) and torch.equal(again.lags, fit.lags)
+
+
 def test_a_fit_is_the_same_in_every_process():
     """Two processes fitting the same samples on two threads serve the same head to the bit. Without
     deterministic kernels the gather's backward summed in thread order and every run differed."""

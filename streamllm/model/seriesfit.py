@@ -16,7 +16,12 @@ the fit also tries the words alone (a head that needs only a bar's change reads 
 that, fewer weights to fit from a month of bars) and keeps whichever set the
 development loss prefers (or, with choose="simplest", the words unless all features are
 better by more than the fits' own spread); the unread features get zero weights, so the engine's
-features stay one layout.
+features stay one layout. The candidates of one order (every feature set and weight decay) draw the same
+minibatches, so they are fitted in lockstep as one batch, and a step projects only the lines its
+minibatch reads. With `reduce` (tune's fits: REDUCE), a feature set wider than d is fitted through its
+d leading principal components on the training lines, at unit scale, and the projection found is folded
+back onto the raw features like the standardization: the served head is the same [R, F] projection, and
+a step costs d, not F, per line.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ LINES = 24  # K: lines a series head reads (the longest shipped label needs 21 b
 RANK = 8  # R: numbers the head takes from each line
 WEIGHT_DECAY = (1e-3, 1e-2, 1e-1)
 STEPS, BATCH, EVAL_EVERY, LR = 600, 256, 20, 3e-3
+REDUCE = 128  # d: a feature set wider than this is fitted on its d leading principal components
+GRAM_LINES = 4096  # lines the principal components are found on (neighbouring lines are much alike)
 
 
 @dataclass(slots=True)
@@ -167,6 +174,24 @@ def _deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(was)
 
 
+def _basis(gram: torch.Tensor, d: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The leading d principal directions of standardized lines, from their Gram matrix [F, F]: ([F, d]
+    orthonormal columns, [d] their lines' root mean square), largest first. None when d is None or the set
+    is no wider than d. By subspace iteration from a seeded start (a full eigh of F = 2304 costs seconds
+    a set; d of F directions need a few products), then the d x d problem; each column's sign fixed by
+    its largest entry, so the same Gram matrix gives the same basis."""
+    if d is None or d >= gram.shape[0]:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.linalg.qr(gram @ torch.randn(gram.shape[0], min(gram.shape[0], d + 32), generator=gen)).Q
+    for _ in range(4):
+        q = torch.linalg.qr(gram @ q).Q
+    values, vectors = torch.linalg.eigh((q.T @ gram @ q).double())
+    vectors = (q.double() @ vectors.flip(1)[:, :d])
+    signs = vectors.gather(0, vectors.abs().argmax(0, keepdim=True)).sign()
+    return (vectors * signs).float(), values.flip(0)[:d].clamp_min(1e-12).sqrt().float()
+
+
 def _mean_se(losses: list[float]) -> tuple[float, float]:
     mean = sum(losses) / len(losses)
     if len(losses) < 2:
@@ -174,14 +199,123 @@ def _mean_se(losses: list[float]) -> tuple[float, float]:
     return mean, float(np.std(losses, ddof=1) / np.sqrt(len(losses)))
 
 
+class _Candidates:
+    """Every candidate (feature set x weight decay) of one order, fitted in lockstep as one batch of
+    _Model's: they draw the same minibatches, so one step serves them all. Set s's lines are [S, M, D]
+    (zero-padded to the widest set: a zero column's weights get no gradient and stay zero); candidate
+    (s, g)'s projection is rows g*R..(g+1)*R of proj[s]."""
+
+    def __init__(self, widths: list[int], classes: int, k: int, rank: int, grid: Sequence[float], seed: int) -> None:
+        s, g, d = len(widths), len(grid), max(widths)
+        self.rank, self.widths = rank, widths
+        self.proj, self.proj_bias = torch.zeros(s, g * rank, d), torch.zeros(s, g * rank)
+        for i, width in enumerate(widths):  # each candidate's initial weights as its own _Model draws them
+            for j in range(g):
+                torch.manual_seed(seed)
+                first = _Model(width, classes, k, rank).proj
+                self.proj[i, j * rank:(j + 1) * rank, :width] = first.weight.detach()
+                self.proj_bias[i, j * rank:(j + 1) * rank] = first.bias.detach()
+        self.lags, self.bias = torch.zeros(s, g, classes, k, 2 * rank), torch.zeros(s, g, classes)
+        self.params = [p.requires_grad_() for p in (self.proj, self.proj_bias, self.lags, self.bias)]
+        self.decay = torch.tensor([float(w) for w in grid])
+
+    def logits(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[S, G, N, C] from lines [S, M, D], as _Model.forward for each candidate."""
+        s, g = self.lags.shape[:2]
+        z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
+        x = torch.cat([z, z.abs()], -1)[:, index] * mask[None, :, :, None, None]  # [S, N, K, G, 2R]
+        return torch.einsum("snkgr,sgckr->sgnc", x, self.lags) + self.bias[:, :, None]
+
+    def losses(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """[S, G]: each candidate's mean cross-entropy, as `logits` gives it; for evaluation (no gradient).
+        Every line is scored at every lag first ([S, M, K, G, C]), so the samples' gather moves C numbers
+        a line and lag, not 2R."""
+        s, g = self.lags.shape[:2]
+        k, c = self.lags.shape[2:4][::-1]
+        z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
+        y = torch.einsum("smgr,sgckr->smkgc", torch.cat([z, z.abs()], -1), self.lags).reshape(s, -1, g * c)
+        at = index * k + torch.arange(k)  # row of line index[n, j] at lag j
+        x = (y[:, at] * mask[None, :, :, None]).sum(2).view(s, -1, g, c).transpose(1, 2) + self.bias[:, :, None]
+        return torch.nn.functional.cross_entropy(x.reshape(-1, c), labels.repeat(s * g), reduction="none").view(
+            s, g, -1).mean(-1)
+
+    def decay_(self, lr: float) -> None:
+        """AdamW's decoupled weight decay, each candidate its own: p *= 1 - lr * wd, before the Adam step."""
+        keep = 1 - lr * self.decay
+        s, g = self.lags.shape[:2]
+        with torch.no_grad():
+            self.proj.view(s, g, self.rank, -1).mul_(keep[:, None, None])
+            self.proj_bias.view(s, g, self.rank).mul_(keep[:, None])
+            self.lags.mul_(keep[:, None, None, None])
+            self.bias.mul_(keep[:, None])
+
+    def state(self, i: int, j: int) -> dict[str, torch.Tensor]:
+        """Candidate (set i, weight decay j) as a _Model state dict."""
+        rows = slice(j * self.rank, (j + 1) * self.rank)
+        return {"proj.weight": self.proj[i, rows, :self.widths[i]].detach().clone(),
+                "proj.bias": self.proj_bias[i, rows].detach().clone(),
+                "lags": self.lags[i, j].detach().clone(), "bias": self.bias[i, j].detach().clone()}
+
+
+def _padded(lines: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(lines), lines[0].shape[0], max(x.shape[1] for x in lines))
+    for i, x in enumerate(lines):
+        out[i, :, :x.shape[1]] = x
+    return out
+
+
+def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: list[str],
+               inputs: list[tuple[torch.Tensor, torch.Tensor]],
+               train: Samples, dev: Samples, classes: int, k: int, rank: int, grid: Sequence[float], steps: int,
+               seed: int, deadline: float | None) -> int:
+    """One order: every candidate (set names[i] read as inputs[i], weight decay grid[j]) from its initial
+    weights (seed) over the same minibatches, each keeping its step of lowest development loss (appended
+    to `fits`). Returns the optimizer steps taken, all candidates'."""
+    lines, dev_lines = _padded([x for x, _ in inputs]), _padded([x for _, x in inputs])
+    batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(batch.params, lr=LR)
+    ce = torch.nn.functional.cross_entropy
+    s, g = len(inputs), len(grid)
+    train_mask, dev_mask = train.mask, dev.mask
+    best = torch.full((s, g), torch.inf)
+    states: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    taken = 0
+    for step in range(1, steps + 1):
+        pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
+        rows, where = torch.unique(train.index[pick], return_inverse=True)  # only the lines it reads
+        logits = batch.logits(lines[:, rows], where, train_mask[pick])
+        loss = ce(logits.reshape(-1, classes), train.labels[pick].repeat(s * g)) * (s * g)  # each one's mean, summed
+        opt.zero_grad()
+        loss.backward()
+        batch.decay_(LR)
+        opt.step()
+        taken += s * g
+        if step % EVAL_EVERY == 0 or step == steps:
+            with torch.no_grad():
+                got = batch.losses(dev_lines, dev.index, dev_mask, dev.labels)
+            for i, j in ((got < best) | best.isinf()).nonzero().tolist():  # the first evaluation, whatever it is
+                best[i, j] = got[i, j]
+                states[i, j] = batch.state(i, j)
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+    for (i, name), (j, wd) in itertools.product(enumerate(names), enumerate(grid)):
+        fits[name, wd].append((float(best[i, j]), states[i, j]))
+    return taken
+
+
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
                sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best",
-               budget_s: float | None = None) -> SeriesFit:
+               budget_s: float | None = None, reduce: int | None = None) -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
 
     budget_s: wall seconds for all the fits together (live learning): once spent, a fit ends at its
     next evaluation with the best step so far (the fit is then no longer reproducible to the bit).
+
+    reduce: fit a set wider than this through its `reduce` leading principal components on the training
+    lines (standardized, then scaled to unit variance), folded back into the [R, F] projection served;
+    the head can then only read those directions. None: every column, the whole [R, F] fitted.
 
     choose: "best" serves the candidate of the lowest mean development loss; "simplest" the one with the
     fewest features (then the largest weight decay) whose mean is within one standard error (over the
@@ -205,45 +339,36 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     mu = train.lines.mean(0)
     sd = train.lines.std(0).clamp_min(1e-4)
     all_lines, all_dev = (train.lines - mu) / sd, (dev.lines - mu) / sd
+    gram = None
+    if reduce is not None and width > reduce:  # principal directions from at most GRAM_LINES evenly spread lines
+        some = all_lines[::max(1, len(all_lines) // GRAM_LINES)]
+        gram = some.T @ some / len(some)
     ce = torch.nn.functional.cross_entropy
-    train_mask, dev_mask = train.mask, dev.mask
-    fits: dict[tuple[str, float], list[tuple[float, dict]]] = {}
+    dev_mask = dev.mask
+    bases = {name: None if gram is None else _basis(gram[cols][:, cols], reduce, seed) for name, cols in sets.items()}
+    inputs = []  # each set's lines as its fits read them: its columns, or its principal components at unit scale
+    for name, cols in sets.items():
+        lines, dev_lines, basis = all_lines[:, cols], all_dev[:, cols], bases[name]
+        if basis is not None:
+            lines, dev_lines = (lines @ basis[0]) / basis[1], (dev_lines @ basis[0]) / basis[1]
+        inputs.append((lines, dev_lines))
+    fits: dict[tuple[str, float], list[tuple[float, dict]]] = {(name, wd): [] for name in sets for wd in grid}
     total = 0
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     with torch.enable_grad(), _deterministic():
-        for (name, cols), wd in itertools.product(sets.items(), grid):
-            lines, dev_lines = all_lines[:, cols], all_dev[:, cols]
-            for order in range(orders):
-                gen = torch.Generator().manual_seed(seed * 1009 + order)
-                torch.manual_seed(seed * 1009 + order)
-                model = _Model(lines.shape[1], classes, k, rank)
-                opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=wd)
-                best: tuple[float, dict] | None = None
-                for step in range(1, steps + 1):
-                    pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
-                    loss = ce(model(lines, train.index[pick], train_mask[pick]), train.labels[pick])
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    total += 1
-                    if step % EVAL_EVERY == 0 or step == steps:
-                        with torch.no_grad():
-                            dev_loss = float(ce(model(dev_lines, dev.index, dev_mask), dev.labels))
-                        if best is None or dev_loss < best[0]:
-                            best = (dev_loss, {n: p.detach().clone() for n, p in model.state_dict().items()})
-                        if deadline is not None and time.perf_counter() > deadline:
-                            break
-                assert best is not None
-                fits.setdefault((name, wd), []).append(best)
+        for order in range(orders):
+            total += _fit_order(fits, list(sets), inputs, train, dev, classes, k, rank, grid, steps, seed * 1009 + order,
+                                deadline)
     spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
     best = choose_candidate(spread, {n: int(cols.sum()) for n, cols in sets.items()}, choose)
     name, wd = best
     chosen = fits[best]
     state = _stack([s for _, s in chosen], rank)  # one fit: itself
-    cols = sets[name]
-    width_r = state["proj.weight"].shape[0]
+    cols, basis = sets[name], bases[name]
+    weight = state["proj.weight"] if basis is None else (state["proj.weight"] / basis[1]) @ basis[0].T
+    width_r = weight.shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
-    proj[:, cols] = state["proj.weight"] / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
+    proj[:, cols] = weight / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
     fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name, spread)
     served = _Model(width, classes, k, width_r)  # the served head's own development loss, on raw features
     served.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})

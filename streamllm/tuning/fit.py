@@ -89,7 +89,7 @@ def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, c
     settings = {"classes": classes, "k": args.lines, "rank": args.series_rank, "seed": args.seed,
                 "sets": len(args.words), "hidden": hidden, "orders": args.fit_orders, "choose": args.choose,
                 "constants": [seriesfit.STEPS, seriesfit.BATCH, seriesfit.EVAL_EVERY, seriesfit.LR,
-                              list(seriesfit.WEIGHT_DECAY)], "torch": torch.__version__}
+                              list(seriesfit.WEIGHT_DECAY), seriesfit.REDUCE], "torch": torch.__version__}
     key = None
     if cache is not None:
         key = samples_key(settings, *(getattr(s, f) for s in (train, dev)
@@ -101,7 +101,8 @@ def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, c
                              notes["weight_decay"], notes["steps"], notes["dev_loss"], notes["features"],
                              candidates), True
     fit = fit_series(train, dev, classes, k=args.lines, rank=args.series_rank, seed=args.seed,
-                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders, choose=args.choose)
+                     sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders, choose=args.choose,
+                     reduce=seriesfit.REDUCE)
     if cache is not None:
         notes = {"weight_decay": fit.weight_decay, "steps": fit.steps, "dev_loss": fit.dev_loss,
                  "features": fit.features, "candidates": [[n, w, m, se] for (n, w), (m, se) in fit.candidates.items()]}
