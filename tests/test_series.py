@@ -344,6 +344,27 @@ def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained
         head.logits(torch.zeros(7, 10))
 
 
+def test_a_feature_constant_in_training_gets_no_weight():
+    """A number slot no training line writes (zero throughout) taught the head nothing: a value first seen
+    when serving leaves its logits as they were (its weight was its initial value over the clamped spread)."""
+    g = torch.Generator().manual_seed(1)
+
+    def window(n):
+        feats = torch.randn(n, 4, generator=g)
+        feats[:, 3] = 0.0  # never written while training
+        return feats, (feats[:, 0] > 0).long()
+
+    train, dev = samples([window(40) for _ in range(10)], 2), samples([window(40) for _ in range(4)], 2)
+    fit = fit_series(train, dev, 2, k=2, rank=2, steps=60)
+    assert torch.all(fit.proj[:, 3] == 0) and torch.all(fit.proj[:, :3].abs().sum(0) > 0)
+    head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, (), 1)
+    lines = torch.randn(2, 4, generator=g)
+    lines[:, 3] = 0.0
+    seen = lines.clone()
+    seen[:, 3] = 250.0
+    torch.testing.assert_close(head.logits(seen), head.logits(lines))
+
+
 def test_fit_series_reads_the_words_alone_when_they_hold_the_rule():
     """Lines [mean, last, word] 4 wide each; the label sums the word's first number: the fit picks the words
     alone (the development loss prefers fewer noisy weights) and the unread columns get zero weights."""

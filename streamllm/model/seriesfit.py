@@ -369,6 +369,10 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     width_r = weight.shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = weight / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
+    # A feature constant over the training lines (a number slot no training line writes) taught nothing:
+    # its weight is zero, not its initial value over the clamped spread, which would turn a value first
+    # seen when serving into a logit of thousands.
+    proj[:, train.lines.std(0) < 1e-6] = 0.0
     fit = SeriesFit(proj, state["proj.bias"] - proj @ mu, state["lags"], state["bias"], wd, total, 0.0, name, spread)
     served = _Model(width, classes, k, width_r)  # the served head's own development loss, on raw features
     served.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
