@@ -24,7 +24,12 @@ from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
 from streamllm.engine import Engine, EngineConfig
-from streamllm.engine.standing.calibration import LiveCalibration, precision_floor
+from streamllm.engine.standing.calibration import (
+    MIN_EVIDENCE,
+    LiveCalibration,
+    calibration_for,
+    precision_floor,
+)
 from streamllm.engine.standing.gate import Gate
 from streamllm.evaluation.scoring import risk_coverage, threshold_for_precision
 from streamllm.feeding.attach import Attachment, AttachSpec
@@ -395,6 +400,28 @@ def test_too_little_evidence_keeps_the_gate_closed() -> None:
         cal.score(version, "up", 5.0, fired=False, threshold=cal.threshold)
     assert math.isinf(cal.threshold) and cal.summary.threshold is None and cal.summary.accuracy == 1.0
     assert not cal.score(99, "up", 5.0, False, cal.threshold)  # no truth sent for that version: not scored
+
+
+def test_a_forecast_needs_evidence_in_proportion_to_its_horizon() -> None:
+    """Neighbouring answers of a forecast read mostly the same bars ahead: h of them are about one
+    observation. The same right answers that open a present-state gate leave a 5-bar forecast's shut
+    until there are five times as many."""
+    def question(label: str) -> object:
+        return parse_question({"id": "q", "text": "Up?", "choices": ["up", "down"], "label": label,
+                               "threshold": "auto:0.9"})
+
+    now, ahead = calibration_for(question("close > close[-1]")), calibration_for(question("close[+5] > close"))
+    assert now.min_evidence == MIN_EVIDENCE and ahead.min_evidence == 5 * MIN_EVIDENCE
+    opened_at = {}
+    for name, cal in (("now", now), ("ahead", ahead)):
+        for version in range(1, 400):
+            truth = "up" if version % 8 < 4 else "down"  # the label turns every 4 versions: many runs
+            cal.expect(version, truth)
+            cal.score(version, truth, 3.0, fired=cal.threshold_for(truth) <= 3.0, threshold=cal.threshold)
+            if name not in opened_at and math.isfinite(cal.threshold_for("up")):
+                opened_at[name] = version
+    # "up" is half the answers: the present gate opens near its 30th fire, the forecast's near its 150th
+    assert opened_at["now"] < 2 * MIN_EVIDENCE + 10 and 4.5 * opened_at["now"] <= opened_at["ahead"] < 400
 
 
 def test_engine_opens_an_auto_gate_on_right_answers_and_keeps_it_shut_on_wrong_ones(tiny_model) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from streamllm.config import QuestionSpec
-from streamllm.engine.standing.calibration import WINDOW, LiveCalibration
+from streamllm.engine.standing.calibration import WINDOW, calibration_for
 from streamllm.evaluation.decision_bias import BiasedReplay, biased_replay
 from streamllm.evaluation.intervals import (
     LEVEL,
@@ -171,7 +171,7 @@ def live_gate(record: QuestionRecord, target: float, confidence: float | None = 
     starts closed; pooled ranges share one window, as one session serving that market for longer
     keeps its window through compactions."""
     confidence = record.spec.auto_confidence if confidence is None else confidence
-    calibration = LiveCalibration(target, confidence)
+    calibration = calibration_for(record.spec, confidence, target)
     fires = []
     for version, (gap, answer, truth) in enumerate(zip(record.gaps, record.answers, record.truths, strict=True)):
         fires.append(gap >= calibration.threshold_for(answer))

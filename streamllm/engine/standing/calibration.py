@@ -45,6 +45,11 @@ in either order: an answer waits (bounded) for its truth, a truth for its answer
 is scored when the second arrives. A truth sent for a version whose answer was never made
 (entries skipped it under lag) scores nothing.
 
+**A forecast needs more evidence.** Its truths overlap: `max(high, +10) > close * 1.002` at two
+neighbouring versions reads 9 of the same 10 bars ahead, so h neighbouring fired answers are about
+one observation. A forecast of horizon h needs MIN_EVIDENCE * h fired answers (`evidence_for`),
+which a window of WINDOW answers may never hold: its gate fires rarely, never on thin evidence.
+
 The truth is the judge, never the answer: nothing on an answer path reads it.
 """
 
@@ -61,6 +66,11 @@ from typing import Any
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
+def evidence_for(horizon: int) -> int:
+    """Fired answers an auto threshold needs for a label reading `horizon` bars ahead (0: the present)."""
+    return MIN_EVIDENCE * max(1, horizon)
+
+
 RECENT = 30  # the newest window answers the thresholds would fire on must reach the target too (point estimate)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
 HISTORY_EVERY = 10  # scored answers between two points of a question's learning curve
@@ -354,3 +364,12 @@ def precision_floor(hits: int, fired: int, z: float) -> float:
     centre = p + z2 / (2 * fired)
     spread = z * math.sqrt(p * (1 - p) / fired + z2 / (4 * fired * fired))
     return (centre - spread) / (1 + z2 / fired)
+
+
+def calibration_for(spec: Any, confidence: float | None = None, target: float | None = None) -> LiveCalibration:
+    """A question's live calibration as the engine keeps it: its auto target and confidence (or these, for a
+    replay judging it at others), and for a forecast the evidence its horizon asks for (`evidence_for`)."""
+    horizon = spec.label.horizon if spec.label is not None else 0
+    return LiveCalibration(spec.target_precision if target is None else target,
+                           spec.auto_confidence if confidence is None else confidence,
+                           min_evidence=evidence_for(horizon))

@@ -33,7 +33,7 @@ from streamllm.engine.sequence import (
     EntryBranch,
     Session,
 )
-from streamllm.engine.standing.calibration import LiveCalibration
+from streamllm.engine.standing.calibration import LiveCalibration, calibration_for
 from streamllm.engine.standing.gate import Gate, GateDecision
 from streamllm.engine.standing.learning import Learner, Learning, head_window
 from streamllm.model.adapter import HeadKind
@@ -121,7 +121,7 @@ class Prepositioner:
         if spec.id in questions:
             raise ValueError(f"session {session.name!r} already has a standing question {spec.id!r}")
         st = Standing(session, spec, gate, list(prompt_ids),
-                      calibration=LiveCalibration(spec.target_precision, spec.auto_confidence))
+                      calibration=calibration_for(spec))
         if self.learning is not None and self.learning.wants(st):
             st.learner = Learner(self.learning.config, tuple(spec.choices))
         questions[spec.id] = st
