@@ -203,9 +203,11 @@ class LineTaps:
         while len(self.numbers) > self.keep:
             del self.numbers[next(iter(self.numbers))]
 
-    def numbers_window(self, upto: int, count: int) -> torch.Tensor | None:
-        """[count, NUMBER_WIDTH]: the numbers of lines upto-count .. upto-1; None unless all are held."""
-        rows = [self.numbers.get(n) for n in range(upto - count, upto)]
+    def numbers_window(self, upto: int, count: int, fill: bool = False) -> torch.Tensor | None:
+        """[count, NUMBER_WIDTH]: the numbers of lines upto-count .. upto-1; None unless all are held
+        (fill: zeros for a line not held, as a learner's training set reads it)."""
+        missing = (0.0,) * NUMBER_WIDTH if fill else None
+        rows = [self.numbers.get(n, missing) for n in range(upto - count, upto)]
         if count < 1 or any(r is None for r in rows):
             return None
         return torch.tensor(rows, dtype=torch.float32)

@@ -66,11 +66,6 @@ from typing import Any
 WINDOW = 500  # scored answers the figures (and an auto threshold) rest on
 MIN_EVIDENCE = 30  # fired samples an auto threshold needs before it opens
 MIN_RUNS = 5  # ... spread over this many truth runs (a slow label's samples are not independent)
-def evidence_for(horizon: int) -> int:
-    """Fired answers an auto threshold needs for a label reading `horizon` bars ahead (0: the present)."""
-    return MIN_EVIDENCE * max(1, horizon)
-
-
 RECENT = 30  # the newest window answers the thresholds would fire on must reach the target too (point estimate)
 RETUNE_EVERY = 8  # samples between auto-threshold refits (a refit sorts the window)
 HISTORY_EVERY = 10  # scored answers between two points of a question's learning curve
@@ -80,6 +75,11 @@ MAX_PENDING = 256  # truths kept for versions whose entries are not ready yet; a
 # One scored answer: (gap, correct, fired, answer, truth run, truth; None where a window saved
 # before truths were kept does not say).
 Sample = tuple[float, bool, bool, str, int, str | None]
+
+
+def evidence_for(horizon: int) -> int:
+    """Fired answers an auto threshold needs for a label reading `horizon` bars ahead (0: the present)."""
+    return MIN_EVIDENCE * max(1, horizon)
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,7 +220,6 @@ class Learner:
         numbers = torch.stack([self._numbers.get(n, zero) for n in needed])
         return TrainingSet(lines, index, reads, labels, self.samples[-1][0], numbers)
 
-
     def export(self, head: SeriesHead | None) -> tuple[dict, dict[str, torch.Tensor]]:
         """What a snapshot, an eviction or a move carries: the samples, the lines they read and the learned
         head (JSON-able counters and tensors), so a restored question answers and goes on learning as it did."""
@@ -316,10 +315,7 @@ def head_window(taps: LineTaps, head: SeriesHead, upto: int) -> torch.Tensor | N
     window = taps.window(upto, n)
     if window is None or not head.numbers:
         return window
-    numbers = taps.numbers_window(upto, n)
-    if numbers is None:
-        numbers = torch.stack([torch.tensor(taps.numbers[i], dtype=torch.float32) if i in taps.numbers
-                               else torch.zeros(NUMBER_WIDTH) for i in range(upto - n, upto)])
+    numbers = taps.numbers_window(upto, n, fill=True)
     return torch.cat([window.float(), numbers.to(window.device)], 1)  # fp32: prices lose digits in bf16
 
 
@@ -363,15 +359,12 @@ def stacked(states: SeriesHead, control: Control, data: TrainingSet) -> SeriesHe
     (block-diagonal), their lags placed by rows, each scaled by its weight."""
     n = len(data.labels)
     dev = torch.arange(n - max(1, n // 5), n)
-    k = states.lines
-    mask = (torch.arange(k) >= (k - data.reads[dev])[:, None]).float()[..., None]  # lines a sample lacks: zeros
-    both = []
-    for lines, proj, proj_bias, lags, bias in ((data.lines, states.proj, states.proj_bias, states.lags, states.bias),
-                                               (data.numbers, control.proj, control.proj_bias, control.lags,
-                                                control.bias)):
-        z = lines[data.index[dev]] @ proj.T.float() + proj_bias.float()  # [N, K, R]
-        both.append(torch.einsum("nkr,ckr->nc", torch.cat([z, z.abs()], -1) * mask, lags.float()) + bias.float())
-    s_logits, n_logits = both
+    numbers_head = SeriesHead(states.question_id, states.text, states.choices, states.layer, control.proj,
+                              control.proj_bias, control.lags, control.bias, states.threshold)
+    # each head's logits as served (SeriesHead.logits on the lines each sample has)
+    s_logits, n_logits = (Samples(lines, data.index, data.labels, data.reads, torch.zeros(n, dtype=torch.long))
+                          .subset(dev).logits(head) for lines, head in ((data.lines, states),
+                                                                        (data.numbers, numbers_head)))
     prior = torch.tensor([0.0, 1.0])
     weights = prior.clone().requires_grad_(True)
     offset = torch.zeros(s_logits.shape[1], requires_grad=True)
