@@ -99,10 +99,10 @@ def raw_lines(bars: list) -> torch.Tensor:
 
 
 def raw_control(lines: torch.Tensor, truth: list[int | None], horizon: int, classes: int,
-                cfg: LearnConfig) -> list[int | None]:
+                cfg: LearnConfig, k: int) -> list[int | None]:
     """Prequential answers of a series head on raw bar numbers: the answer at bar t comes from a head fitted
-    on samples whose truth was known by bar t (s + horizon <= t), refitted on the live learner's cadence."""
-    k = cfg.lines
+    on samples whose truth was known by bar t (s + horizon <= t), refitted on the live learner's cadence and
+    reading its K (`k`) bars."""
     answers: list[int | None] = [None] * len(truth)
     head = None
     fitted_on = 0
@@ -110,7 +110,7 @@ def raw_control(lines: torch.Tensor, truth: list[int | None], horizon: int, clas
         known = [s for s in range(max(0, t - horizon - cfg.max_samples), t - horizon + 1) if truth[s] is not None]
         if len(known) >= cfg.min_samples and len({truth[s] for s in known}) > 1 and (
                 head is None or len(known) - fitted_on >= cfg.every):
-            head, fitted_on = _fit_raw(lines, known, truth, classes, cfg), len(known)
+            head, fitted_on = _fit_raw(lines, known, truth, classes, cfg, k), len(known)
         if head is not None:
             n = min(k, t + 1)
             window = lines[t - n + 1: t + 1]
@@ -118,8 +118,8 @@ def raw_control(lines: torch.Tensor, truth: list[int | None], horizon: int, clas
     return answers
 
 
-def _fit_raw(lines: torch.Tensor, known: list[int], truth: list[int | None], classes: int, cfg: LearnConfig):
-    k = cfg.lines
+def _fit_raw(lines: torch.Tensor, known: list[int], truth: list[int | None], classes: int, cfg: LearnConfig,
+             k: int):
     reads = torch.tensor([min(k, s + 1) for s in known])
     index = torch.stack([torch.cat([torch.full((k - r,), s - r + 1), torch.arange(s - r + 1, s + 1)])
                          for s, r in zip(known, reads.tolist(), strict=True)])
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             acc = sum(correct[i] for i in judged) / len(judged) if judged else float("nan")
             fired = [i for i in judged if got[q.id][i][1]]
             precision = sum(correct[i] for i in fired) / len(fired) if fired else float("nan")
-            raw = raw_control(lines, truth, q.label.horizon, len(q.choices), cfg)
+            raw = raw_control(lines, truth, q.label.horizon, len(q.choices), cfg, cfg.lines_for(q.label))
             raw_judged = [i for i in judged if raw[i] is not None]
             raw_acc = sum(raw[i] == truth[i] for i in raw_judged) / len(raw_judged) if raw_judged else float("nan")
             key = f"{q.id}@{market.name}"

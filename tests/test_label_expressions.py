@@ -248,6 +248,14 @@ def test_bars_needed_and_horizon_are_fixed_at_parse_time():
     assert parse_label("buy_share > 0.6").reads_volume and not parse_label("vwap > close").reads_volume
 
 
+def test_reach_counts_the_bars_a_value_rests_on():
+    # bars_needed - 1, except that an ema counts its n bars, not its 4n warm-up; the future never counts
+    cases = {"close > ema(close, 50)": 49, "ret(5) > 0": 5, "change > 0": 1, "max(high, +10) > close": 0,
+             "(close - sma(close, 20))[-3] > 0": 22, "close[-3] > close[+4]": 3, "close[+5] > close": 0,
+             "ema(close[-2], 10) > close": 11, "bucket(ret(10), [-0.001, 0.001])": 10}
+    assert {text: parse_label(text).reach for text in cases} == cases
+
+
 @pytest.mark.parametrize(("text", "message", "column"), [
     ("clsoe > 3", "unknown column 'clsoe' (did you mean 'close'?)", 1),
     ("close > smaa(close, 5)", "unknown function 'smaa' (did you mean 'sma'?)", 9),

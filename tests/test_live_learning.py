@@ -11,7 +11,7 @@ import torch
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.standing.learning import LearnConfig
-from streamllm.engine.taps import NUMBER_WIDTH
+from streamllm.engine.taps import LINE_SLACK, NUMBER_WIDTH
 
 QUESTION = {"id": "rising", "text": "Did the last bar rise?", "choices": ["yes", "no"],
             "label": "trend_up(n=1)", "threshold": "auto:0.9"}
@@ -159,3 +159,32 @@ def test_a_fit_keeps_to_its_time_budget() -> None:
     assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200, budget_s=1e-9).steps == EVAL_EVERY
     with pytest.raises(ValueError, match="budget_s must be > 0"):
         LearnConfig(budget_s=0)
+
+
+def test_a_head_reads_as_many_lines_as_its_label_looks_back(tiny_model) -> None:
+    # close > ema(close, 12) rests on 12 bars: 4 lines cannot show it, so its head reads 12 (up to max_lines);
+    # trend_up(n=1) (one bar back) keeps the configured 4.
+    config = EngineConfig(max_cells=8192, max_context=4096,
+                          learning=LearnConfig(lines=4, max_lines=10, min_samples=32, every=1000, steps=60))
+    assert config.learning.lines_for(parse_question(QUESTION).label) == 4
+    slow = {**QUESTION, "id": "above", "label": "close > ema(close, 12)"}
+    assert config.learning.lines_for(parse_question(slow).label) == 10  # capped at max_lines
+    assert LearnConfig(lines=4).lines_for(parse_question(slow).label) == 12
+    with pytest.raises(ValueError, match="max_lines"):
+        LearnConfig(lines=20, max_lines=10)
+    truth = [bool((i * 7919) % 11 % 2) for i in range(60)]
+    with Engine(tiny_model, config) as engine:
+        engine.open_session("s")
+        engine.register("s", parse_question(QUESTION))
+        engine.register("s", parse_question(slow))
+        for i, up in enumerate(truth):
+            engine.push("s", [_line(i, up)], truths={"rising": "yes" if up else "no", "above": "yes" if up else "no"})
+            assert engine.wait_idle(timeout=60)
+        deadline = time.monotonic() + 60
+        while engine.call(lambda core: core.prepos.by_session["s"]["above"].learner.fits) < 1:
+            assert time.monotonic() < deadline, engine.calibration()
+            time.sleep(0.05)
+        heads = engine.call(lambda core: {q: st.gate.head for q, st in core.prepos.by_session["s"].items()})
+        kept = engine.call(lambda core: core.sessions["s"].taps.keep)
+    assert heads["above"].lines == 10 and kept == 10 + LINE_SLACK  # grown from 4 + LINE_SLACK for it
+    assert heads["rising"] is None or heads["rising"].lines == 4

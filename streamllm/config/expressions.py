@@ -320,6 +320,21 @@ def _derive(op: str, kind: str, args: tuple[Node, ...]) -> Node:
                 frozenset().union(*(a.reads for a in args)))
 
 
+def reach(node: Node) -> int:
+    """Bars before a row that its value mostly rests on: `past`, except that an ema counts its n bars
+    (the span of its weights), not the 4n it reads to warm up. What a learned head reads (its lines)."""
+    if node.op == "shift":
+        return max(reach(node.args[0]) - int(node.value), 0)
+    if node.op == "col":
+        return node.past
+    if node.op == "ret":
+        return node.past
+    inner = max((reach(a) for a in node.args), default=0)
+    if node.op in WINDOW_OPS and isinstance(node.value, int) and node.value < 0:  # a window back over n bars
+        return inner + (-node.value) - 1
+    return inner
+
+
 def compile_expression(text: str, tree: ast.AST | None = None, named: Sequence[str] = ()) -> Node:
     """Compile a label expression (already size-checked; `tree`: its parse when at hand); raises
     LabelError pointing at the bad token. `named`: the named labels, refused inside an expression."""

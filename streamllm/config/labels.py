@@ -32,6 +32,7 @@ from streamllm.config.expressions import (
     did_you_mean,
     evaluate_rows,
     located,
+    reach,
 )
 
 __all__ = ["BAR_FIELDS", "LABELS", "MAX_LABEL_CHARS", "MAX_LABEL_DEPTH", "Bars", "LabelDef", "LabelError",
@@ -110,6 +111,12 @@ class LabelSpec:
     reads_volume: bool = False  # unknown on bars without volume (NaN: a table with no volume column)
     expression: str = ""  # what is evaluated (a named label's expression with its parameters)
     node: Node | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def reach(self) -> int:
+        """Bars before the judged one its value mostly rests on (an ema's n, not its warm-up): how many
+        lines a head learned for it should read (engine/standing/learning.py)."""
+        return reach(self._node())
 
     @property
     def yes_no(self) -> bool:

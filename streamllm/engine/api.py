@@ -70,14 +70,13 @@ from streamllm.engine.standing.learning import Learning
 from streamllm.engine.standing.prepos import Prepositioner
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscribable, SubscriptionHub
-from streamllm.engine.taps import TapConfig
+from streamllm.engine.taps import LINE_SLACK, TapConfig
 from streamllm.model.adapter import Adapter, check_adapter, load_adapter, series_width
 from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 from streamllm.model.lora import merged_state_dict
 
 __all__ = ["AdmissionError", "Answer", "AskTimeout", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
-LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 log = logging.getLogger("streamllm.engine")
 
 

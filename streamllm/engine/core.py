@@ -78,7 +78,7 @@ from streamllm.engine.sequence import (
 from streamllm.engine.standing.prepos import Prepositioner, Standing
 from streamllm.engine.stats import StepTimes, core_counters
 from streamllm.engine.subscriptions import SubscriptionHub
-from streamllm.engine.taps import TapConfig, Word
+from streamllm.engine.taps import LINE_SLACK, TapConfig, Word
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -366,8 +366,10 @@ class EngineCore:
         """A standing question on `session` (a register, or a restore); a learning one makes the session
         keep line features if it did not (its lines from now on: a line met mid-way is skipped)."""
         st = self.prepos.register(session, spec, gate, prompt_ids)
-        if st.learner is not None and session.taps is None:
-            session.taps = self.taps.new_taps()
+        if st.learner is not None:
+            if session.taps is None:
+                session.taps = self.taps.new_taps()
+            session.taps.keep_at_least(st.learner.lines + LINE_SLACK)  # a label that looks back further
         self._keep_numbers_for_readers(session)
         return st
 

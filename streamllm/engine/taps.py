@@ -186,6 +186,13 @@ class LineTaps:
                 self._text = texts[tid]
             self._word += 1
 
+    def keep_at_least(self, keep: int) -> None:
+        """Keep the newest `keep` lines from now on if that is more than now (a question that reads more
+        lines registered); what is held stays."""
+        if keep > self.keep:
+            self.keep = keep
+            self.lines = deque(self.lines, maxlen=keep)
+
     def read_numbers(self, on: bool) -> None:
         """Keep the numbers of lines pushed from now on (`note_lines`) while `on`; off forgets those kept."""
         self.reading_numbers = on
@@ -237,6 +244,9 @@ class LineTaps:
     def num_lines(self) -> int:
         """Index after the newest line held (0: none)."""
         return self.lines[-1][0] + 1 if self.lines else 0
+
+
+LINE_SLACK = 64  # lines kept beyond a series head's window (entries lag ingest)
 
 
 @dataclass(frozen=True, slots=True)

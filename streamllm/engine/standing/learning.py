@@ -45,6 +45,7 @@ from streamllm.model.adapter import SeriesHead, series_logits
 from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
 
 if TYPE_CHECKING:
+    from streamllm.config.labels import LabelSpec
     from streamllm.engine.standing.prepos import Standing
     from streamllm.engine.taps import LineTaps, Word
 
@@ -59,7 +60,8 @@ class LearnConfig:
     """How standing questions learn (EngineConfig.learning)."""
 
     enabled: bool = True  # a labelled choice question without a head learns one live
-    lines: int = 16  # K: lines a learned head reads
+    lines: int = 16  # K: lines a learned head reads (at least)
+    max_lines: int = 64  # ... and at most, for a label that looks back further (`lines_for`)
     layer: int | None = None  # the residual layer it reads; None: the adapter's, else 2/5 of the model's depth
     words: tuple[Word, ...] = (2,)  # words whose last token a line adds (without an adapter's series heads)
     every: int = 32  # scored samples between refits
@@ -71,15 +73,23 @@ class LearnConfig:
     numbers: bool = True  # the head reads each line's own numbers beside its states (False: states alone)
 
     def __post_init__(self) -> None:
-        for name in ("lines", "every", "min_samples", "max_samples", "steps", "rank"):
+        for name in ("lines", "max_lines", "every", "min_samples", "max_samples", "steps", "rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.learning.{name} must be a positive int, got {value!r}")
         if not self.budget_s > 0:
             raise ValueError(f"EngineConfig.learning.budget_s must be > 0 seconds, got {self.budget_s!r}")
+        if self.max_lines < self.lines:
+            raise ValueError(f"EngineConfig.learning.max_lines ({self.max_lines}) must be >= lines ({self.lines})")
         if self.min_samples < 8:
             raise ValueError(f"EngineConfig.learning.min_samples must be >= 8 (a fit keeps a fifth for "
                              f"development), got {self.min_samples}")
+
+    def lines_for(self, label: LabelSpec | None) -> int:
+        """K for a question learning `label`: `lines`, or as many as the label looks back (its `reach`:
+        `close > ema(close, 50)` rests on 50 bars that 16 lines cannot show), up to `max_lines`."""
+        reach = 0 if label is None else label.reach + 1  # the judged bar's own line, and those before it
+        return min(max(self.lines, reach), self.max_lines)
 
     def layer_for(self, num_layers: int, adapter_layer: int | None) -> int:
         if adapter_layer is not None:
@@ -134,8 +144,9 @@ def _read_head(tensors: dict[str, torch.Tensor], prefix: str = "") -> tuple[torc
 class Learner:
     """One learning question's samples and the head it has learned so far."""
 
-    def __init__(self, config: LearnConfig, choices: tuple[str, ...]) -> None:
+    def __init__(self, config: LearnConfig, choices: tuple[str, ...], lines: int | None = None) -> None:
         self.config = config
+        self.lines = config.lines if lines is None else lines  # K: lines each sample (and the head) reads
         self.choices = tuple(c.casefold() for c in choices)
         self._lines: dict[int, torch.Tensor] = {}  # line number -> features [F] (fp32, CPU)
         self._numbers: dict[int, torch.Tensor] = {}  # line number -> its own numbers [NUMBER_WIDTH] (the control's)
@@ -154,7 +165,7 @@ class Learner:
 
     def saw(self, version: int, upto: int, taps: LineTaps) -> None:
         """The answer at `version` was made after the session's first `upto` lines: keep what it read."""
-        reads = min(upto, self.config.lines)
+        reads = min(upto, self.lines)
         window = taps.window(upto, reads) if reads else None
         if window is None:
             return  # lines not all held (a restore, a compaction gap): no sample at this version
@@ -206,15 +217,16 @@ class Learner:
         return len({s[3] for s in self.samples}) > 1  # one truth only: nothing to tell apart yet
 
     def training_set(self) -> TrainingSet:
-        k = self.config.lines
+        k = self.lines
         needed = sorted({u - r + i for _, u, r, *_ in self.samples for i in range(r)})
         row = {n: i for i, n in enumerate(needed)}
         lines = torch.stack([self._lines[n] for n in needed])
         index = torch.empty(len(self.samples), k, dtype=torch.long)
         for j, (_, u, r, *_) in enumerate(self.samples):
+            r = min(r, k)  # a sample restored from a learner that read more lines: its newest k
             rows = [row[n] for n in range(u - r, u)]
             index[j] = torch.tensor([rows[0]] * (k - r) + rows)
-        reads = torch.tensor([s[2] for s in self.samples])
+        reads = torch.tensor([min(s[2], k) for s in self.samples])
         labels = torch.tensor([s[3] for s in self.samples])
         zero = torch.zeros(NUMBER_WIDTH)  # a line pushed before the question has no numbers kept: zeros
         numbers = torch.stack([self._numbers.get(n, zero) for n in needed])
@@ -320,13 +332,14 @@ def head_window(taps: LineTaps, head: SeriesHead, upto: int) -> torch.Tensor | N
 
 
 def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> SeriesFit:
-    """The live fit: `config`'s series head on `data`, its newest fifth the development range that picks
-    the step (also what `bench learn`'s raw-number control fits, on other line features)."""
+    """The live fit: `config`'s series head on `data` (reading the K lines its index gives each sample), its
+    newest fifth the development range that picks the step (also what `bench learn`'s raw-number control
+    fits, on other line features)."""
     n = len(data.labels)
     split = max(1, n // 5)
     whole = Samples(data.lines, data.index, data.labels, data.reads, torch.zeros(n, dtype=torch.long))
     return fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
-                      k=config.lines, rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s)
+                      k=data.index.shape[1], rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s)
 
 
 def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],

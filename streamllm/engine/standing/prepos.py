@@ -123,7 +123,7 @@ class Prepositioner:
         st = Standing(session, spec, gate, list(prompt_ids),
                       calibration=calibration_for(spec))
         if self.learning is not None and self.learning.wants(st):
-            st.learner = Learner(self.learning.config, tuple(spec.choices))
+            st.learner = Learner(self.learning.config, tuple(spec.choices), self.learning.config.lines_for(spec.label))
         questions[spec.id] = st
         return st
 
