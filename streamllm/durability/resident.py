@@ -6,9 +6,10 @@
                           restore it first (the snapshot read back, ImportSession), then run
     open / restore refused for want of cells (AdmissionError), with auto_evict=True
                           evict resident sessions, the one whose next use is furthest first (see
-                          below), skipping busy ones (work in flight, or their session or log lock
-                          held: a push between its version and its enqueue), until the request
-                          fits; then retry once
+                          below), skipping busy ones (work someone waits on, or their session or log
+                          lock held: a push between its version and its enqueue), until the request
+                          fits; then retry. Background work nobody waits on (an entry computing, a
+                          standing decode nobody subscribed to) is dropped, and redone on restore
     the pool short while sessions grow (the engine's `cells_wanted` in stats, engine/admission.py),
     or sessions on disk and no room for `restore_room` of them to come back, with auto_evict=True
                           a watcher thread spills idle sessions the same way until what was wanted
@@ -31,7 +32,9 @@ session is listed and described (`session_info`, `standing`, `standing_questions
 was when evicted, without reading the disk; `close_session` deletes its snapshot. An ask on
 an evicted session returns its future at once and restores in a worker thread, so an event
 loop calling `submit_ask` never waits on the disk. Subscriptions are this object's own,
-relayed from the engine, so they stay attached across evictions.
+relayed from the engine from the first one on, so they stay attached across evictions.
+A spill file is a cache of a live session, written without fsync: the ingest log (and its
+checkpoints) is what a crash recovers from, for sessions on disk as for resident ones.
 """
 
 from __future__ import annotations
@@ -125,6 +128,7 @@ class ResidentEngine(EngineClient):
         self._spillers = ThreadPoolExecutor(max_workers=self.spill_threads, thread_name_prefix="streamllm-spill")
         self._stopped = False
         self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
+        self.evictions_dropped_work = 0  # evictions that dropped background work nobody waited on
         self._watcher = None
         if auto_evict:
             self._watcher = threading.Thread(target=self._watch_pressure, name="streamllm-spill", daemon=True)
@@ -289,7 +293,11 @@ class ResidentEngine(EngineClient):
         return sub
 
     def _forward(self, name: str) -> None:
-        """Relay the engine's events of `name` to this object's subscribers (once; they survive evictions)."""
+        """Relay the engine's events of `name` to this object's subscribers (once, from the first one on; they
+        survive evictions). A session nobody subscribed to has no relay: the engine then knows that nobody
+        hears its standing decodes, and an eviction may drop them."""
+        if not (self._hub.has(name, "standing") or self._hub.has(name, "data")):
+            return
         with self._lock:
             if name in self._forwards:
                 return
@@ -311,7 +319,8 @@ class ResidentEngine(EngineClient):
         with self._lock:
             out["sessions_evicted"] = len(self._evicted)
         out.update({"auto_evictions": self.auto_evictions, "auto_restores": self.auto_restores,
-                    "auto_evict_refusals": self.auto_evict_refusals, "pressure_spills": self.pressure_spills})
+                    "auto_evict_refusals": self.auto_evict_refusals, "pressure_spills": self.pressure_spills,
+                    "evictions_dropped_work": self.evictions_dropped_work})
         return out
 
     def health(self) -> EngineHealth:
@@ -337,7 +346,8 @@ class ResidentEngine(EngineClient):
 
     def evict_session(self, name: str) -> str:
         """Free an idle session's cells: snapshot it to the spill folder; its next use restores it.
-        `SnapshotError` while it has work in flight (pending ingest, questions, compaction, entries)."""
+        `SnapshotError` while someone waits on its work (pending ingest, questions, compaction, a decode a
+        subscriber hears); background work nobody waits on is dropped and redone after the restore."""
         with self._session(name):
             ev = self._evicted_entry(name)
             return str(ev.path) if ev is not None else self._evict(name)
@@ -540,8 +550,10 @@ class ResidentEngine(EngineClient):
             if isinstance(exc, SessionError):
                 raise SnapshotError(str(exc)) from None
             raise
+        if state.meta.pop("dropped_work", 0):  # entries or decodes nobody waited on: its restore redoes them
+            self.evictions_dropped_work += 1
         try:
-            write_state(self.engine, state, path)
+            write_state(self.engine, state, path, durable=False)  # a cache: recovery reads the ingest log
         except SnapshotError:  # could not write: put it back rather than lose it
             self.engine.import_session(state, name)
             with self._lock:

@@ -9,8 +9,10 @@
 
 Written to a temp file beside the target, fsynced, then renamed over it and the folder
 fsynced: a reader sees the old snapshot or the new one, never half of one, and a power
-loss after the call returns keeps the new one. Restore checks everything before it
-allocates a cell (like llama.cpp's slot restore refusing a mismatched file): the format
+loss after the call returns keeps the new one. A spill (`durable=False`) is renamed the
+same way without the fsyncs: it caches a live session, and recovery never reads it.
+Restore checks everything before it allocates a cell (like llama.cpp's slot restore
+refusing a mismatched file): the format
 version, the cells' dtype (a bf16 snapshot is not restored into an fp32 engine or back: the
 cells would not be what that engine computes), the model (name + config + tokenizer vocabulary
 hash), the tensors' checksum and
@@ -88,7 +90,7 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for key in sorted(tensors):
         h.update(key.encode())
-        h.update(tensors[key].contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensors[key].contiguous().view(torch.uint8).numpy())  # the buffer itself, not a bytes copy
     return h.hexdigest()
 
 
@@ -102,8 +104,11 @@ def save_session(engine: StateEngine, name: str, path: str | Path) -> SnapshotIn
 
 
 def write_state(engine: StateEngine, state: SessionState, path: Path, t0: float | None = None,
-                extra: dict[str, Any] | None = None) -> SnapshotInfo:
-    """Write an exported state to `path` (temp file, fsync, rename, fsync the folder)."""
+                extra: dict[str, Any] | None = None, *, durable: bool = True) -> SnapshotInfo:
+    """Write an exported state to `path` (temp file, fsync, rename, fsync the folder).
+
+    durable=False (a spill: a cache of a live session that recovery never reads, docs/reliability.md)
+    skips both fsyncs: the rename still means a reader in this process sees the whole file or none."""
     t0 = time.perf_counter() if t0 is None else t0
     ident = engine.identity()
     meta = dict(state.meta)
@@ -122,9 +127,12 @@ def write_state(engine: StateEngine, state: SessionState, path: Path, t0: float 
     try:
         make_dirs(path.parent)
         save_file(tensors, str(tmp), metadata={"streamllm": json.dumps(meta)})
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        durable_rename(tmp, path)  # the folder is fsynced too: the new name survives a power loss
+        if durable:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            durable_rename(tmp, path)  # the folder is fsynced too: the new name survives a power loss
+        else:
+            os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise SnapshotError(f"snapshot {path}: cannot write: {exc}") from exc

@@ -42,14 +42,32 @@ class SessionState:
 
 
 def busy_reasons(core: EngineCore, name: str) -> list[str]:
+    """Why session `name` cannot be evicted now: work someone waits on. Background work nobody waits on
+    (an entry computing with no ask waiting for it, a standing-answer decode with no subscriber to hear it)
+    does not count: the eviction drops it (`droppable_work`) and a restore starts it again."""
     s: Session = core.session(name)
+    standing = core.prepos.standing(name)
+    heard = core.hub.has(name, "standing")
     return [why for why, cond in (
         ("pending ingest", s.pending_tokens > 0),
         ("questions in flight", core.answerer.asks_on(s)),
         ("compaction running", name in core.compactor.copies),
-        ("entries computing", any(st.computing is not None or st.decoding is not None or st.waiters
-                                  for st in core.prepos.standing(name))),
+        ("questions waiting for entries", any(st.waiters for st in standing)),
+        ("standing answers decoding for subscribers", heard and any(st.decoding is not None for st in standing)),
     ) if cond]
+
+
+def droppable_work(core: EngineCore, name: str) -> int:
+    """Entries computing and standing decodes of `name` that an eviction would drop (nobody waits on them)."""
+    return sum((st.computing is not None) + (st.decoding is not None) for st in core.prepos.standing(name))
+
+
+def _gather(cache: torch.Tensor, runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """A session's cells [layers, kv_heads, n, head_dim] on the CPU, read run by run (slices, not an
+    index gather: its cells sit in a few runs of consecutive slots)."""
+    parts = [cache.narrow(2, slot, n) for _, slot, n in runs]
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0].clone()
+    return out.cpu()
 
 
 def export_session(core: EngineCore, name: str) -> SessionState:
@@ -57,7 +75,7 @@ def export_session(core: EngineCore, name: str) -> SessionState:
     s: Session = core.session(name)
     manager, pool = core.store.manager, core.store.pool
     n = s.num_computed
-    slots = manager.slots(s.table, 0, n).to(pool.k.device)
+    runs = manager.runs(s.table, n)
     meta = {
         "session": s.name, "tenant": s.tenant, "system": s.system, "max_context": s.max_context, "prefix_len": s.prefix_len,
         "num_tokens": s.num_tokens, "num_computed": n, "version_base": s.version_base,
@@ -66,13 +84,13 @@ def export_session(core: EngineCore, name: str) -> SessionState:
         "compactions": s.compactions, "tokens_dropped": s.tokens_dropped,
         # where the cells' runs of consecutive slots split: attention rounds per run (model/attention.py),
         # so the import lays the cells out the same way and the session answers exactly as it did
-        "runs": [n for _, _, n in manager.runs(s.table, n)],
+        "runs": [count for _, _, count in runs],
     }
     # Each labelled question's live calibration window travels too: an auto gate stays open across an
     # eviction, a move or a restart from a checkpoint instead of closing until there is new evidence.
     meta["calibration"] = {st.spec.id: st.calibration.export() for st in core.prepos.standing(name)
                            if st.calibration.samples}
-    state = SessionState(meta, pool.k[:, :, slots].to("cpu", copy=True), pool.v[:, :, slots].to("cpu", copy=True),
+    state = SessionState(meta, _gather(pool.k, runs), _gather(pool.v, runs),
                          list(s.token_ids), [st.spec for st in core.prepos.standing(name)])
     # What each learning question has learned travels too: its head, samples and the lines they read.
     meta["learned"] = {}
@@ -96,11 +114,13 @@ def export_ready(core: EngineCore, name: str) -> SessionState | None:
 
 
 def evict_session(core: EngineCore, name: str) -> SessionState:
-    """Export an idle session and drop it from the core (its subscribers stay attached)."""
+    """Export an idle session and drop it from the core (its subscribers stay attached). Background work
+    nobody waits on goes with it (`busy_reasons`): a restore computes its entries again."""
     busy = busy_reasons(core, name)
     if busy:
         raise SessionError(f"session {name!r} is not idle ({', '.join(busy)}); evict it later")
     state = export_session(core, name)
+    state.meta["dropped_work"] = droppable_work(core, name)
     core.close_session(name, evicting=True)
     return state
 
@@ -124,13 +144,14 @@ def import_session(core: EngineCore, state: SessionState, name: str, gates: list
     if isinstance(runs, list) and all(type(r) is int for r in runs) and sum(runs) == n:
         manager.lay_out(table, runs)
     try:
-        slots = manager.append(table, n).to(pool.k.device)
+        manager.append(table, n)
     except KVCapacityError:
         manager.free(table)
         raise
     table.grow_to = max_context  # from here on it grows as any session does
-    pool.k[:, :, slots] = state.k.to(pool.k.device, pool.k.dtype)
-    pool.v[:, :, slots] = state.v.to(pool.v.device, pool.v.dtype)
+    for pos, slot, count in manager.runs(table, n):  # run by run: slice copies, not an index scatter
+        pool.k.narrow(2, slot, count).copy_(state.k.narrow(2, pos, count))
+        pool.v.narrow(2, slot, count).copy_(state.v.narrow(2, pos, count))
     s = Session(name, meta["system"], state.token_ids[: meta["prefix_len"]], max_context, table,
                 str(meta.get("tenant", "")), working_set=working_set)
     s.token_ids = list(state.token_ids)

@@ -53,6 +53,11 @@ class SubscriptionHub:
             if sub in subs:
                 subs.remove(sub)
 
+    def has(self, session: str, kind: str) -> bool:
+        """Whether anyone hears `kind` events of `session` now."""
+        with self._lock:
+            return bool(self._subs.get((session, kind)))
+
     def drop_session(self, session: str) -> None:
         with self._lock:
             for key in [k for k in self._subs if k[0] == session]:
