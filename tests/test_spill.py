@@ -103,3 +103,31 @@ def test_a_spill_is_not_fsynced_a_snapshot_is_and_both_read_back_equal(engine, t
     assert synced == []  # a spill caches a live session; the ingest log is what a crash recovers from
     got = engine.ask("s", "Up or down?", return_logits=True, max_tokens=1)
     assert torch.equal(got.logits, live.logits)
+
+
+def test_a_restore_under_pressure_takes_three_turns_of_the_core(tiny_model, tmp_path, monkeypatch):
+    """Each look at the core waits for a step of a busy core: a restore that needs room is its refused import,
+    one eviction and the import again (it used to ask can_admit before and after evicting too)."""
+    from tests.test_pressure import SMALL, lines
+
+    engine = ResidentEngine(Engine(tiny_model, SMALL), tmp_path / "spill", auto_evict=True)
+    turns = {"import_session": 0, "can_admit": 0, "evict_state": 0}
+    for attr in turns:
+        real = getattr(engine.engine, attr)
+        monkeypatch.setattr(engine.engine, attr, lambda *a, _real=real, _attr=attr, **kw: (
+            turns.__setitem__(_attr, turns[_attr] + 1), _real(*a, **kw))[1])
+    try:
+        for k in range(4):
+            engine.open_session(f"s{k}")
+            engine.push(f"s{k}", lines(k))
+            engine.wait_idle()
+        restores, turns = engine.auto_restores, dict.fromkeys(turns, 0)
+        for k in range(4):  # round robin over four sessions in a pool for two: every push restores one
+            engine.push(f"s{k}", [f"12:01:00 S{k} C 1.0"])
+            engine.wait_idle()
+        restores = engine.auto_restores - restores
+        assert restores >= 3
+        assert sum(turns.values()) <= 3 * restores, turns
+        engine.engine.check_integrity()
+    finally:
+        engine.shutdown()

@@ -119,6 +119,7 @@ class ResidentEngine(EngineClient):
         self.restore_room = restore_room
         self._room = threading.Lock()  # one make_room at a time
         self._room_waiters = 0  # make_rooms waiting for `_room` (under `_lock`)
+        self._room_turn = 0  # +1 each time a turn under `_room` evicted something
         self.watch_s = watch_s
         self._stop_watch = threading.Event()
         self._hub = SubscriptionHub()
@@ -515,6 +516,8 @@ class ResidentEngine(EngineClient):
                 if ok:
                     freed += held[name]
                     evicted += 1
+        if evicted:
+            self._room_turn += 1  # under `_room`: make_rooms queued meanwhile retry their calls first
         return freed, evicted
 
     def _evict_idle(self, name: str) -> bool:
@@ -525,6 +528,9 @@ class ResidentEngine(EngineClient):
         try:
             if self._evicted_entry(name) is not None:
                 return False
+            info = self.engine.session_info(name)
+            if info.pushed_version > info.data_version:  # its ingest is pending: the core would refuse it
+                return False  # (asking costs a turn of a busy core; its bar's answers come first)
             self._evict(name)
             return True
         except (SnapshotError, SessionError):  # busy (or could not write, or closed): the next one
@@ -579,23 +585,30 @@ class ResidentEngine(EngineClient):
 
     def _make_room(self, cells: int, exclude: set[str]) -> bool:
         """Evict idle sessions, furthest next use first, until a working set of `cells` can be reserved;
-        False when it cannot be done (or auto_evict is off). With others waiting to make room (many opens
-        or restores at once) it evicts for them too, up to spill_threads working sets in one turn."""
+        True: try the refused call again (room was made, by this turn or another); False when it cannot be
+        done (or auto_evict is off). With others waiting to make room (many opens or restores at once) it
+        evicts for them too, up to spill_threads working sets in one turn. Each look at the core waits for
+        a turn of a busy core, so it asks no question the caller's own retry answers."""
         if not self.auto_evict:
             return False
         with self._lock:
             self._room_waiters += 1
+            turn = self._room_turn
         with self._room:
             with self._lock:
                 self._room_waiters -= 1
                 waiting = self._room_waiters  # opens and restores queued behind this one: room for them too
+            if self._room_turn != turn:  # another turn evicted while this one queued: the caller tries first
+                return True
             give_up = time.monotonic() + self.settle_s  # busy candidates may go idle meanwhile
+            looked = False  # the caller was just refused: no need to ask the core again before evicting
             while True:
-                if self.engine.can_admit(cells):
+                if looked and self.engine.can_admit(cells):
                     return True
+                looked = True
                 _, evicted = self._evict_some(cells * min(1 + waiting, self.spill_threads), exclude)
                 self.auto_evictions += evicted
-                if evicted and self.engine.can_admit(cells):
+                if evicted:  # the caller's retry is the check: one turn of the core, not two
                     return True
                 left = give_up - time.monotonic()
                 if left <= 0 or not any(i.name not in exclude for i in self.engine.list_sessions()):
