@@ -354,8 +354,9 @@ class Engine(Intake, Subscribable, EngineClient):
         return self.submit_export(name).result()
 
     def evict_state(self, name: str) -> SessionState:
-        """Export the session and drop it, freeing its cells; `SessionError` while it has work in flight
-        (pending ingest, questions, compaction, entries). Its subscriptions stay attached: they hear it
+        """Export the session and drop it, freeing its cells; `SessionError` while it has work someone waits
+        on (pending ingest, questions, compaction, a decode a subscriber hears: engine/state.py busy_reasons);
+        background work nobody waits on is dropped and redone after the restore. Its subscriptions stay attached: they hear it
         again once `import_session` brings it back under its name. Nothing is written to the ingest log."""
         with self._log_lock(name):  # no push between its version and its enqueue
             with self._lock:
