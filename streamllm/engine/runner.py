@@ -72,7 +72,6 @@ class Runner:
             slot_mapping=torch.cat(slots).to(device),
             seqs=seqs,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            block_size=self.store.block_size,
             groups=shared_prefix_groups(seqs) if self.grouped else [],
         )
         return batch, logit_slices

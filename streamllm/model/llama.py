@@ -3,8 +3,7 @@
 RMSNorm, RoPE (every scaling variant transformers knows, via its own rotary class),
 GQA, SwiGLU, tied embeddings, optional q/k/v biases (Qwen2). Weights are fused at
 load (q|k|v, gate|up) so each layer runs four matmuls over the whole ragged batch;
-attention runs per group of sequences with similar shapes (one SDPA call each, see
-attention.py), or per sequence. Parity with transformers' forward is the test (fp32).
+only attention is per sequence. Parity with transformers' forward is the test (fp32).
 
 In bf16 (see dtype.py) the weights, the matmuls and the KV cells are bf16, while the
 residual stream, RMSNorm, RoPE, the attention's softmax/log-sum-exp merges and the
@@ -22,14 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from streamllm.model.attention import (
-    SeqAttention,
-    attend,
-    attend_padded,
-    grouped_partials,
-    plan_padded,
-    plan_parts,
-)
+from streamllm.model.attention import SeqAttention, attend, grouped_partials, plan_parts
 from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -58,7 +50,6 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long: where each row's K/V goes in the pool
     seqs: list[SeqAttention]
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
-    block_size: int = 1  # the pool's block: every run of a sequence starts on a multiple of it
     # (shared first run, member seq indices): read once for all members (cascade attention)
     groups: list = field(default_factory=list)
 
@@ -87,12 +78,10 @@ class LlamaForward:
 
     fp32_rows: steps with at most this many rows use fp32 copies of the weights; None
     measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
-    pad_batch: attend the sequences of a step in padded groups (one kernel call per group and
-    layer); False attends each on its own, the per-sequence reference.
     """
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype="float32",
-                 fp32_rows: int | None = None, pad_batch: bool = True):
+                 fp32_rows: int | None = None):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
@@ -113,7 +102,6 @@ class LlamaForward:
         self.vocab_size = config.vocab_size
         use_window = getattr(config, "use_sliding_window", True)
         self.sliding_window = getattr(config, "sliding_window", None) if use_window else None
-        self.pad_batch = pad_batch
 
         def w(name: str, dtype: torch.dtype = self.dtype) -> torch.Tensor:
             if name not in state_dict:
@@ -270,12 +258,8 @@ class LlamaForward:
         tap = h if tap_layer == 0 else None
         # Which slots each sequence reads, and its causal masks, are the same in every layer: planned once.
         grouped = {i for _, members in batch.groups for i in members}
+        parts = [plan_parts(seq, g, self.dtype, h.device, shared=i in grouped) for i, seq in enumerate(batch.seqs)]
         one = len(batch.seqs) == 1
-        padded = (plan_padded(batch.seqs, g, self.dtype, h.device, batch.block_size, skip=grouped)
-                  if self.pad_batch and not one else [])
-        in_padded = {i for group in padded for i in group.members}
-        alone = [i for i in range(len(batch.seqs)) if i not in in_padded]
-        parts = {i: plan_parts(batch.seqs[i], g, self.dtype, h.device, shared=i in grouped) for i in alone}
         for li, layer in enumerate(self.layers):
             x = self._rmsnorm(h, layer.input_norm)
             qkv = self._linear(x, "qkv", li, layer.qkv_bias)
@@ -287,8 +271,8 @@ class LlamaForward:
             k_layer[:, slots] = k.transpose(0, 1)
             v_layer[:, slots] = v.transpose(0, 1).to(self.dtype)
             # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
-            qs = {i: q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
-                  .reshape(nkv, g * seq.q_len, d) for i in alone for seq in (batch.seqs[i],)}
+            qs = [q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
+                  .reshape(nkv, g * seq.q_len, d) for seq in batch.seqs]
             shared = grouped_partials(qs, k_layer, v_layer, batch.groups, self.scale) if batch.groups else {}
             if one:  # a lone sequence's output is the whole step's: no buffer to scatter into
                 n = num_rows
@@ -296,10 +280,8 @@ class LlamaForward:
                 attn = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             else:
                 attn = torch.empty(num_rows, nh, d, device=h.device, dtype=self.dtype)
-                for group in padded:
-                    attn.index_copy_(0, group.rows, attend_padded(q, k_layer, v_layer, group, self.scale))
-                for i in alone:
-                    seq, n = batch.seqs[i], batch.seqs[i].q_len
+                for i, seq in enumerate(batch.seqs):
+                    n = seq.q_len
                     out = attend(qs[i], k_layer, v_layer, parts[i], self.scale, shared.get(i))
                     attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             h = h + self._linear(attn.reshape(num_rows, q_size), "o", li)
