@@ -351,6 +351,7 @@ def test_killed_replica_recovers_every_acked_batch_and_the_other_never_notices(c
 def test_a_restarted_front_door_finds_its_sessions_where_the_placement_table_says(cluster, server):
     """The front door goes away (its replicas die with it); a new one on the same log directory
     recovers every session on the replica placement.json names, at the same data version."""
+    assert cluster.wait_idle(timeout=120)  # what earlier tests pushed is ingested: versions read now are final
     before = {n: (cluster.placement.get(n), cluster.session_info(n).data_version) for n in cluster.placement.names()}
     log_dir = cluster.log_dir
     cluster.shutdown()  # the module's server keeps pointing at it; nothing uses it after this test
