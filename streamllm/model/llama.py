@@ -11,6 +11,8 @@ logits stay fp32. On a CPU each bf16 weight is also packed once into oneDNN's bl
 layout (`_packed`), so a product does not re-pack its weight on every call (same
 results, bit for bit). Without packing, steps with few rows may use fp32 copies of some
 weights, where the start-up probe found fp32 faster at that row count (`fp32_rows`).
+When the checkpoint's layer weights are 4-bit already (the default model's Q4_1 GGUF),
+steps with few rows (decode) read 4-bit copies of them instead (int4.py, `int4_rows`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from streamllm.model import int4
 from streamllm.model.attention import SeqAttention, attend, grouped_partials, plan_parts
 from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
@@ -78,10 +81,12 @@ class LlamaForward:
 
     fp32_rows: steps with at most this many rows use fp32 copies of the weights; None
     measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
+    int4_rows: the same for 4-bit copies of weights that lie on a Q4 grid (int4.py); None
+    measures, 0 never. Weights off the grid never get one.
     """
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype="float32",
-                 fp32_rows: int | None = None):
+                 fp32_rows: int | None = None, int4_rows: int | None = None):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
@@ -140,6 +145,7 @@ class LlamaForward:
             self._packed = {(kind, li): _PACK(self._weight(kind, li), PACK_ROWS)
                             for kind in WEIGHT_KINDS for li in range(1 if kind == "lm_head" else self.num_layers)}
         self._init_fp32_copies(fp32_rows)
+        self._init_int4_copies(state_dict, int4_rows)
         self._init_rope()
 
     # -- few-row steps in fp32 ----------------------------------------------
@@ -163,12 +169,56 @@ class LlamaForward:
                 for li in range(1 if kind == "lm_head" else self.num_layers):
                     self._w32[kind, li] = self._weight(kind, li).float()
 
+    # -- few-row steps from 4-bit weights ------------------------------------
+    def _init_int4_copies(self, state_dict: dict[str, torch.Tensor], int4_rows: int | None) -> None:
+        """int4_rows[kind]: up to this many rows, that product reads the weight's 4-bit copy.
+
+        A kind gets copies only when every layer's weight lies on a Q4 grid in the checkpoint."""
+        self.int4_rows = dict.fromkeys(WEIGHT_KINDS, 0)
+        self._w4: dict[tuple[str, int], int4.Int4Weight] = {}
+        if int4_rows == 0 or not int4.available(self.device, self.dtype) or not self.layers:
+            return
+        parts = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+                 "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+        copies: dict[str, list[int4.Int4Weight]] = {}
+        for kind, names in parts.items():
+            packed = []
+            for li in range(self.num_layers):
+                source = [state_dict[f"model.layers.{li}.{name}.weight"] for name in names]
+                weight = int4.pack(torch.cat(source).float() if len(source) > 1 else source[0])
+                if weight is None:
+                    break
+                packed.append(weight)
+            else:
+                copies[kind] = packed
+        if not copies:
+            return
+        if int4_rows is None:
+            bf16 = {kind: [(self._packed.get((kind, li), self._weight(kind, li)), w) for li, w in enumerate(ws)]
+                    for kind, ws in copies.items()}
+            found = int4.int4_crossover(bf16, self._bf16_linear)
+        else:
+            found = dict.fromkeys(copies, max(0, int4_rows))
+        for kind, rows in found.items():
+            if rows:
+                self.int4_rows[kind] = rows
+                self._w4.update(((kind, li), w) for li, w in enumerate(copies[kind]))
+
+    def _bf16_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ W.T on a bf16 weight or its oneDNN-packed copy (what `_linear` runs without copies)."""
+        if weight.dim() == 2 and weight.dtype == self.dtype and not weight.is_mkldnn:
+            return F.linear(x, weight)
+        return _PACKED_LINEAR(x, weight, None, "none", [], "")
+
     def _weight(self, kind: str, li: int) -> torch.Tensor:
         return self.lm_head if kind == "lm_head" else getattr(self.layers[li], kind)
 
     def _linear(self, x: torch.Tensor, kind: str, li: int = 0, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T in the weight's dtype; output in that dtype (fp32 on the few-row path)."""
         rows = x.shape[0]
+        if 0 < rows <= self.int4_rows[kind]:
+            out = int4.linear(x, self._w4[kind, li])
+            return out if bias is None else out + bias
         if 0 < rows <= self.fp32_rows[kind]:
             return F.linear(x.float(), self._w32[kind, li], None if bias is None else bias.float())
         packed = self._packed.get((kind, li)) if rows else None
@@ -185,6 +235,7 @@ class LlamaForward:
                 if t is not None:
                     seen[id(t)] = t
         seen.update((id(t), t) for t in [*self._w32.values(), *self._packed.values()])
+        seen.update((id(t), t) for w in self._w4.values() for t in (w.packed, w.scales_zeros))
         return sum(t.numel() * t.element_size() for t in seen.values())
 
     # -- rope ---------------------------------------------------------------
