@@ -229,6 +229,13 @@ class Peer:
             body.update(max_tokens=1, logprobs=self.top_n, n_probs=self.top_n)
         return body
 
+    def complete(self, prompt: str, max_tokens: int) -> tuple[float, dict]:
+        """One greedy completion of `prompt` (text, tokenized by the server): (wall ms, its reply)."""
+        body = self.request(prompt, max_tokens)
+        t0 = time.perf_counter()
+        reply = self._post(self.url, body)
+        return (time.perf_counter() - t0) * 1000, reply
+
     def prompt(self, context_ids: list[int], question_ids: list[int]) -> str:
         # The server tokenizes the text itself; our ids decode to exactly this prompt.
         return self.tokenizer.decode(list(context_ids) + list(question_ids), skip_special_tokens=False)

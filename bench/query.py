@@ -8,10 +8,19 @@ In one run, on one model and machine:
   prefill_tok_s, decode_ms          our forward
   hf_prefill_tok_s, hf_decode_ms    transformers' forward with its DynamicCache, same weights
   kv_bytes_per_token
+With --peer-url (an OpenAI-compatible server on the same GGUF, e.g. `make peer`'s llama-server),
+the peer answers the same ids as text, asked in turn with ours, rep by rep:
+  peer_ask_ms_p50@N   the same question on the same N-token context, held in its prompt cache
+                      (before each ask it is sent the context alone, so the question is computed
+                      anew each time, as ours is); peer_prompt_tokens@N: what it computed
+  ask_vs_peer@N       peer / ours (> 1: ours is faster)
+  engine_decode_ms, peer_decode_ms   per generated token, through each server's own ask path:
+                      (an answer of up to --decode-steps + 1 tokens - a one-token answer) / extra
+                      tokens, greedy, on the smallest context; peer_decode_ms_reported: its timings
 The questions run in --dtype (default auto); then fp32 and bf16 side by side (bench/dtype.py):
   prefill_tok_s_fp32/_bf16          512 tokens into fresh cells
   decode_ms_fp32/_bf16              one token on a session of --update-context tokens
-  decode_ms_bf16_only               the same with bf16 weights only (no fp32 copies for few rows)
+  decode_ms_bf16_only               the same with bf16 weights only (no fp32 or 4-bit copies for few rows)
   prepos_update_ms_fp32/_bf16       one bar pushed + 4 standing questions re-positioned, one session
   updates_per_s_fp32/_bf16          1000 / prepos_update_ms
   max_abs_logit_diff_bf16, max_gap_diff_bf16, gate_decisions, gate_changes_bf16, gate_flips_bf16
@@ -26,6 +35,7 @@ import argparse
 import torch
 
 from bench import dtype as dt
+from bench.baselines import Peer
 from bench.common import (
     budget_for,
     fill_session,
@@ -42,6 +52,7 @@ from streamllm.engine.runner import Work
 from streamllm.model import load_model
 
 QUESTION = "Is the price going up or down? Answer with one word."
+LONG_QUESTION = "Describe the last five bars in words, one sentence for each bar."
 
 
 def stateless_ms(engine: Engine, ids: list[int], chunk: int) -> float:
@@ -117,7 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     engine = Engine(loaded, EngineConfig(max_cells=max_context * 2 + 4096, max_context=max_context, scheduler=SchedulerConfig(chunk_tokens=args.chunk, step_tokens=args.chunk)), device=args.device, dtype=args.dtype)
     print(f"engine dtype: {engine.model.dtype_choice.reason}", flush=True)
     metrics: dict[str, float] = {}
-    rows = []
+    rows, peer_rows = [], []
+    peer = Peer(args.peer_url, loaded.tokenizer) if args.peer_url else None
     try:
         lines = market_lines()
         engine.open_session("bench")
@@ -125,15 +137,35 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         for n in contexts:
             held = fill_session(engine, "bench", n, lines)
             print(f"context {held} tokens: asking {args.reps}x, stateless {args.stateless_reps}x ...", flush=True)
-            ask = [engine.ask("bench", QUESTION, max_tokens=1).latency_ms for _ in range(args.reps + 1)][1:]
             session = engine.sessions["bench"]
-            ids = session.token_ids[: session.num_computed] + q_ids
+            context_ids = session.token_ids[: session.num_computed]
+            ask, peer_ask, peer_tokens = [], [], []
+            if peer is not None:
+                if n == contexts[0] and peer.tokens_match(context_ids) is False:
+                    print("note: the peer tokenizes the prompt text differently from our ids", flush=True)
+                peer.complete(peer.prompt(context_ids, []), 1)  # its prefill, as fill_session was ours
+            for _ in range(args.reps + 1):  # the first round warms up
+                ask.append(engine.ask("bench", QUESTION, max_tokens=1).latency_ms)
+                if peer is not None:
+                    ms, computed = peer_ask_ms(peer, context_ids, q_ids, 1)
+                    peer_ask.append(ms)
+                    peer_tokens.append(computed)
+            ask = ask[1:]
+            ids = context_ids + q_ids
             stateless = [stateless_ms(engine, ids, args.chunk) for _ in range(args.stateless_reps)]
             metrics[f"ask_ms_p50@{n}"] = median(ask)
             metrics[f"stateless_ms_p50@{n}"] = median(stateless)
             metrics[f"speedup@{n}"] = median(stateless) / median(ask)
             metrics[f"context_tokens@{n}"] = held
             rows.append([n, held, median(ask), median(stateless), metrics[f"speedup@{n}"]])
+            if peer is not None:
+                metrics[f"peer_ask_ms_p50@{n}"] = median(peer_ask[1:])
+                metrics[f"peer_prompt_tokens@{n}"] = median(peer_tokens[1:])
+                metrics[f"ask_vs_peer@{n}"] = metrics[f"peer_ask_ms_p50@{n}"] / metrics[f"ask_ms_p50@{n}"]
+                peer_rows.append([n, held, len(q_ids), metrics[f"peer_prompt_tokens@{n}"], metrics[f"ask_ms_p50@{n}"],
+                                  metrics[f"peer_ask_ms_p50@{n}"], metrics[f"ask_vs_peer@{n}"]])
+            if n == contexts[0] and peer is not None:
+                metrics.update(decode_side_by_side(engine, peer, context_ids, args))
         print("prefill and decode, ours vs transformers ...", flush=True)
         prompt = engine.sessions["bench"].token_ids[: args.prefill_tokens]
         ours_pf, ours_dec = our_prefill_and_decode(engine, prompt, args.decode_steps)
@@ -151,10 +183,54 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print_table(f"forward at {args.prefill_tokens} tokens", ["", "ours", "transformers", "ours/hf"],
                 [["prefill tok/s", ours_pf, hf_pf, ours_pf / hf_pf], ["decode ms", ours_dec, hf_dec, hf_dec / ours_dec]])
     print(f"kv bytes per token: {engine.store.pool.bytes_per_token}")
+    if peer is not None:
+        print_table(f"ours vs the peer at {args.peer_url}, asked in turn",
+                    ["N", "held", "question tokens", "peer computed", "ours ask ms", "peer ask ms", "peer/ours"], peer_rows)
+        print_table(f"decode per token through each ask path ({contexts[0]}-token context, greedy)",
+                    ["", "ours", "peer", "peer/ours"],
+                    [["ms/token", metrics["engine_decode_ms"], metrics["peer_decode_ms"],
+                      metrics["peer_decode_ms"] / metrics["engine_decode_ms"]]])
+        print(f"(peer's own timings: {metrics['peer_decode_ms_reported']:.1f} ms/token; "
+              f"our forward alone: {metrics['decode_ms']:.1f} ms/token)")
     if args.compare_dtypes:
         del engine
         metrics.update(compare_dtypes(loaded, args))
     return metrics
+
+
+def peer_ask_ms(peer: Peer, context_ids: list[int], question_ids: list[int], max_tokens: int) -> tuple[float, int]:
+    """The peer's answer to the question on a context it holds: (wall ms, tokens it computed).
+
+    It is first sent the context alone (one token), so its cache ends at the context and the
+    question is computed anew, as an ad-hoc question is on ours."""
+    peer.complete(peer.prompt(context_ids, []), 1)
+    ms, reply = peer.complete(peer.prompt(context_ids, question_ids), max_tokens)
+    timings = reply.get("timings") or {}
+    computed = int(timings.get("prompt_n", (reply.get("usage") or {}).get("prompt_tokens", 0)))
+    return ms, computed
+
+
+def decode_side_by_side(engine: Engine, peer: Peer, context_ids: list[int], args) -> dict[str, float]:
+    """ms per generated token through each system's ask path, greedy, turn by turn: a long answer's
+    time less a one-token answer's, over the extra tokens (so the question's own prefill cancels)."""
+    q_ids = engine.layout.question_ids(LONG_QUESTION)
+    longest = args.decode_steps + 1
+    ours, theirs, reported = [], [], []
+    for rep in range(4):  # the first round warms up
+        short = engine.ask("bench", LONG_QUESTION, max_tokens=1).latency_ms
+        answer = engine.ask("bench", LONG_QUESTION, max_tokens=longest)
+        peer_short, _ = peer_ask_ms(peer, context_ids, q_ids, 1)
+        peer.complete(peer.prompt(context_ids, []), 1)
+        peer_long, reply = peer.complete(peer.prompt(context_ids, q_ids), longest)
+        generated = int((reply.get("usage") or {}).get("completion_tokens", 0))
+        if rep and len(answer.tokens) > 1 and generated > 1:
+            ours.append((answer.latency_ms - short) / (len(answer.tokens) - 1))
+            theirs.append((peer_long - peer_short) / (generated - 1))
+            reported.append(float((reply.get("timings") or {}).get("predicted_per_token_ms", float("nan"))))
+    if not ours:
+        raise RuntimeError("the decode comparison got one-token answers only: no per-token time to take")
+    return {"engine_decode_ms": median(ours), "peer_decode_ms": median(theirs),
+            "peer_decode_ms_reported": median(reported), "decode_vs_peer": median(theirs) / median(ours)}
 
 
 def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
@@ -163,7 +239,8 @@ def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
     cells = args.update_context + 64 * (args.dtype_reps + 2) + 4096
     rigs = {"fp32": dt.make_rig(loaded, "float32", cells, device), "bf16": dt.make_rig(loaded, "bfloat16", cells, device)}
     bf16 = rigs["bf16"].model
-    print(f"bf16 vs fp32 on {device}: fp32 copies for few-row steps {bf16.fp32_rows}", flush=True)
+    print(f"bf16 vs fp32 on {device}: few-row steps use fp32 copies {bf16.fp32_rows}, "
+          f"4-bit copies {bf16.int4_rows}", flush=True)
     lines = dt.synthetic_lines(args.seed, 4096)
     layout = rigs["fp32"].layout
     prompt = dt.session_ids(layout, "", lines)[: args.prefill_tokens]
@@ -180,10 +257,11 @@ def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
         for name, rig in rigs.items():
             got = {"prefill": dt.prefill_ms(rig, prompt), "decode": dt.decode_ms(rig, tables[name], prompt[rep]),
                    "update": dt.update_ms(rig, tables[name], lines[i + rep], questions)}
-            if name == "bf16":
+            if name == "bf16":  # the bf16 weights alone: no fp32 or 4-bit copies
                 rows, rig.model.fp32_rows = rig.model.fp32_rows, only
+                rows4, rig.model.int4_rows = rig.model.int4_rows, only
                 got["decode_only"] = dt.decode_ms(rig, tables[name], prompt[rep])
-                rig.model.fp32_rows = rows
+                rig.model.fp32_rows, rig.model.int4_rows = rows, rows4
             for key, value in got.items():
                 if rep:
                     times.setdefault(f"{key}_{name}", []).append(value)
@@ -245,6 +323,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--gate-seeds", type=int, default=2, help="synthetic contexts for the gate comparison")
     p.add_argument("--gate-checkpoints", default="16,64", help="bar lines at which every question is asked")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--peer-url", help="an OpenAI-compatible server on the same model, asked beside ours "
+                                      "(make peer: http://127.0.0.1:8080)")
     p.add_argument("--json", help="write the metrics here")
     args = p.parse_args(argv)
     if args.quick:

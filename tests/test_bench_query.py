@@ -1,0 +1,61 @@
+"""bench query beside a peer: the peer is sent the same ids as text, its cache reset to the context
+before every ask (so it computes the question anew), and both decode figures come from the same rule."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from bench.query import cli_main
+
+
+def fake_peer(seen: list[dict]) -> HTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append({"path": self.path, **body})
+            if self.path == "/tokenize":
+                reply = {"tokens": []}
+            else:
+                time.sleep(0.002 * body["max_tokens"])  # a server that takes time per token
+                reply = {"choices": [{"text": " up"}], "usage": {"completion_tokens": body["max_tokens"]},
+                         "timings": {"prompt_n": 21, "predicted_per_token_ms": 5.0}}
+            data = json.dumps(reply).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_query_bench_asks_the_peer_in_turn_with_its_cache_reset(tmp_path, capsys):
+    seen: list[dict] = []
+    server = fake_peer(seen)
+    out = tmp_path / "q.json"
+    try:
+        assert cli_main(["--model", "tiny", "--contexts", "64,128", "--reps", "2", "--stateless-reps", "1",
+                         "--decode-steps", "4", "--prefill-tokens", "32", "--no-compare-dtypes",
+                         "--peer-url", f"http://127.0.0.1:{server.server_port}", "--json", str(out)]) == 0
+    finally:
+        server.shutdown()
+    metrics = json.loads(out.read_text())
+    for key in ("peer_ask_ms_p50@64", "peer_ask_ms_p50@128", "ask_vs_peer@64", "engine_decode_ms", "peer_decode_ms",
+                "decode_vs_peer"):
+        assert metrics[key] > 0, key
+    assert metrics["peer_prompt_tokens@64"] == 21 and metrics["peer_decode_ms_reported"] == 5.0
+    completions = [s for s in seen if s["path"] == "/v1/completions"]
+    assert all(s["cache_prompt"] is True and s["temperature"] == 0.0 for s in completions)
+    # every ask is preceded by the context alone, which the ask's prompt extends
+    asks = [i for i, s in enumerate(completions) if i and s["prompt"] != completions[i - 1]["prompt"]
+            and s["prompt"].startswith(completions[i - 1]["prompt"])]
+    assert len(asks) >= 2 * 3 + 4
+    assert "ours vs the peer" in capsys.readouterr().out
