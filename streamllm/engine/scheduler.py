@@ -24,6 +24,12 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     would cost it a step, and on a machine whose fixed cost alone is over the target it
     would move one token a step. Until the cost model has seen enough steps (or with
     `step_latency_ms=None`) a busy step holds `busy_step_tokens`;
+  - latency-bound, a question's step is always its own: the floors a question step skipped
+    get the next step to themselves (`deferred`), cut to the target like any step without
+    questions (one token each at least), so questions asked back to back alternate with
+    short floor steps and never ride beside 16 + 16 tokens of floors;
+  - quiet steps (no question within `busy_window_s`) are bounded too, by the looser
+    `quiet_step_latency_ms`: the first question after a quiet spell waits for one such step;
   - with no questions, background gets at least `background_share` of the step (standing
     answers keep up with a feed that saturates ingest), ingest the rest, and background
     whatever ingest leaves.
@@ -97,11 +103,16 @@ class SchedulerConfig:
     # in the other 90. On a GPU steps are far cheaper and `step_tokens` binds first.
     # None: fixed budgets (`busy_step_tokens`).
     step_latency_ms: float | None = 40.0
+    # The same bound when no question came within `busy_window_s`: the first question after a quiet
+    # spell waits for a step too, so quiet steps are bounded as well, more loosely (a step's fixed
+    # cost is paid per step: longer steps move more data per second). None: `step_tokens` alone.
+    quiet_step_latency_ms: float | None = 60.0
 
     def __post_init__(self) -> None:
-        ms = self.step_latency_ms
-        if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
-            raise ValueError(f"SchedulerConfig.step_latency_ms must be None or a number of ms > 0, got {ms!r}")
+        for name in ("step_latency_ms", "quiet_step_latency_ms"):
+            ms = getattr(self, name)
+            if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
+                raise ValueError(f"SchedulerConfig.{name} must be None or a number of ms > 0, got {ms!r}")
 
 
 @dataclass(slots=True)
@@ -173,9 +184,17 @@ class Scheduler:
         if questions:
             self._last_question = now
         busy = questions or now - self._last_question < cfg.busy_window_s
-        target = cfg.step_latency_ms if busy and cfg.step_latency_ms is not None and self.cost.ready else None
+        latency = cfg.step_latency_ms if busy else cfg.quiet_step_latency_ms
+        target = latency if latency is not None and self.cost.ready else None
         if target is not None:  # a machine whose fixed cost leaves no room: at most half a step is overhead
             target = max(target, 2 * self.cost.fixed_ms)
+        # Latency-bound, a question's step is always its own; right after one, ingest and background get
+        # a short step of their floors before the next question (so they move at least every second step).
+        pending_floors = bool(by_class[INGEST] or by_class[BACKGROUND])
+        deferred = target is not None and questions and self._alone_last and pending_floors
+        if deferred:
+            by_class = {**by_class, INTERACTIVE: []}
+            questions = False
         if target is None:
             budget = cfg.busy_step_tokens if busy else cfg.step_tokens
         else:
@@ -184,11 +203,17 @@ class Scheduler:
         floor_bg = cfg.background_floor if by_class[BACKGROUND] else 0
         if floor_bg and not questions:
             floor_bg = max(floor_bg, int(cfg.background_share * budget))
+        if target is not None and not questions:
+            # A question arriving now waits for this very step: its floors fit the target too (half the
+            # budget each at most, one token at least, so neither class stops moving).
+            cap = max(1, budget // 2)
+            floor_ingest, floor_bg = min(floor_ingest, cap), min(floor_bg, cap)
         # A question's step runs alone unless the step before it did: floors beside a question lengthen the
         # very step someone waits for (measured: a 19-token ask's forward doubles with 16 + 16 tokens beside
-        # it on a CPU), while ingest and background still move at least every second step.
+        # it on a CPU), while ingest and background still move at least every second step. Latency-bound,
+        # the floors it owes went to a step of their own instead (`deferred`).
         owed = (floor_ingest, floor_bg)
-        alone = questions and not self._alone_last and bool(floor_ingest or floor_bg)
+        alone = questions and (target is not None or not self._alone_last) and pending_floors
         if alone:
             floor_ingest = floor_bg = 0
         turn, self._turn = self._turn, self._turn + 1
