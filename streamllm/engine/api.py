@@ -62,6 +62,7 @@ from streamllm.engine.outputs import (
     SessionInfo,
     StandingAnswer,
 )
+from streamllm.engine.passing import run_passing
 from streamllm.engine.prompt import DEFAULT_SYSTEM, PromptLayout
 from streamllm.engine.runner import Runner
 from streamllm.engine.scheduler import Scheduler
@@ -102,22 +103,10 @@ class Engine(Intake, Subscribable, EngineClient):
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = loaded.tokenizer
         self.layout = PromptLayout(loaded.tokenizer)
-        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads the gate decides with,
-        # and/or a LoRA merged into the weights here (no per-step cost).
-        self.adapter = _load_adapter(adapter, loaded)
-        weights = loaded.state_dict
-        if self.adapter is not None and self.adapter.lora:
-            weights = merged_state_dict(loaded, self.adapter.path)
-        self.model = LlamaForward(loaded.config, weights, device=self.device, dtype=dtype)
-        if self.adapter is not None:  # hidden states come back fp32
-            self.adapter.heads = [h.to(self.model.device, torch.float32) for h in self.adapter.heads]
+        # Built on a thread that ends (engine/passing.py): the OpenMP workers a thread's big torch ops
+        # leave behind would slow every op of the core's steps for as long as that thread lives.
+        self.adapter, self.model, store = run_passing(self._build, loaded, adapter, dtype, config)
         self.adapter_id = None if self.adapter is None else self.adapter.id
-        num_blocks = max(1, config.max_cells // config.block_size)
-        store = KVStore(
-            BlockManager(num_blocks, config.block_size, grow_blocks=max(1, config.growth_cells // config.block_size)),
-            KVPool(self.model.num_layers, num_blocks * config.block_size, self.model.num_kv_heads, self.model.head_dim,
-                   dtype=self.model.dtype, device=self.device),
-        )
         self.default_max_context = config.max_context
         self.hub = SubscriptionHub()
         # Lines each session keeps for series heads: an entry reads the lines up to its fork point,
@@ -149,6 +138,25 @@ class Engine(Intake, Subscribable, EngineClient):
         self._fast_answers = self._entry_answers = 0
         self._identity: EngineIdentity | None = None
         self.core.start()
+
+    def _build(self, loaded: LoadedModel, adapter, dtype, config: EngineConfig):
+        """(adapter, model, store): what the core computes with."""
+        # A `streamllm tune` adapter dir (or a loaded Adapter): choice heads the gate decides with,
+        # and/or a LoRA merged into the weights here (no per-step cost).
+        adapter = _load_adapter(adapter, loaded)
+        weights = loaded.state_dict
+        if adapter is not None and adapter.lora:
+            weights = merged_state_dict(loaded, adapter.path)
+        model = LlamaForward(loaded.config, weights, device=self.device, dtype=dtype)
+        if adapter is not None:  # hidden states come back fp32
+            adapter.heads = [h.to(model.device, torch.float32) for h in adapter.heads]
+        num_blocks = max(1, config.max_cells // config.block_size)
+        store = KVStore(
+            BlockManager(num_blocks, config.block_size, grow_blocks=max(1, config.growth_cells // config.block_size)),
+            KVPool(model.num_layers, num_blocks * config.block_size, model.num_kv_heads, model.head_dim,
+                   dtype=model.dtype, device=self.device),
+        )
+        return adapter, model, store
 
     @property
     def model_name(self) -> str:

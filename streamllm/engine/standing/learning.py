@@ -34,12 +34,13 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from streamllm.engine.passing import PassingWorker
 from streamllm.engine.taps import NUMBER_WIDTH
 from streamllm.model.adapter import SeriesHead, series_logits
 from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
@@ -414,7 +415,7 @@ class Learning:
                  device: torch.device | str = "cpu") -> None:
         self.config = config
         self.layer, self.words, self.device = layer, words, device
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: PassingWorker | None = None
         # id(standing) -> (it, its fit, the newest version the fit trains on); a question dropped meanwhile
         # leaves (`drop`), so whatever is here when its fit finishes is still registered
         self._running: dict[int, tuple[Standing, Future, int]] = {}
@@ -444,7 +445,7 @@ class Learning:
         learner.fitting, learner.since_fit = True, 0
         data = learner.training_set()
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="streamllm-learn")
+            self._worker = PassingWorker("streamllm-learn")  # a thread per fit: engine/passing.py says why
         spec = st.spec
         future = self._worker.submit(fit_head, data, self.config, question_id=spec.id, text=spec.text,
                                      choices=tuple(spec.choices), layer=self.layer, words=self.words,
@@ -480,4 +481,4 @@ class Learning:
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            self._worker.shutdown(cancel_futures=True)
