@@ -61,3 +61,11 @@ def test_a_shut_down_worker_cancels_what_waits_and_takes_no_more():
         worker.submit(lambda: None)
     gate.set()
     assert first.result(timeout=10) is True
+
+
+def test_a_wider_worker_runs_up_to_max_workers_at_once_and_maps_in_order():
+    worker = PassingWorker("t-restore", max_workers=2)
+    both = threading.Barrier(2, timeout=10)  # passes only with two jobs running at once
+    assert worker.map(lambda i: (both.wait(), i)[1], [0, 1, 2, 3]) == [0, 1, 2, 3]
+    worker.shutdown(wait=True, cancel_futures=False)
+    assert not alive("t-restore")

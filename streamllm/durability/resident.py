@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ from streamllm.engine.outputs import (
     SessionInfo,
     StandingAnswer,
 )
+from streamllm.engine.passing import PassingWorker
 from streamllm.engine.prompt import DEFAULT_SYSTEM
 from streamllm.engine.state import SessionState
 from streamllm.engine.subscriptions import Subscription, SubscriptionHub
@@ -124,9 +125,11 @@ class ResidentEngine(EngineClient):
         self._stop_watch = threading.Event()
         self._hub = SubscriptionHub()
         self._forwards: dict[str, list[Subscription]] = {}  # the engine's subscriptions relaying to _hub
-        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="streamllm-restore")
+        # Threads that end with their job (engine/passing.py): a restore's tensor copies would leave an
+        # OpenMP pool behind that slows the core's every step while the thread lives.
+        self._workers = PassingWorker("streamllm-restore", max_workers=4)
         self.spill_threads = 4
-        self._spillers = ThreadPoolExecutor(max_workers=self.spill_threads, thread_name_prefix="streamllm-spill")
+        self._spillers = PassingWorker("streamllm-spill", max_workers=self.spill_threads)
         self._stopped = False
         self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
         self.evictions_dropped_work = 0  # evictions that dropped background work nobody waited on
@@ -336,8 +339,8 @@ class ResidentEngine(EngineClient):
         if self._watcher is not None:
             self._watcher.join(timeout=30)
         self.engine.shutdown()
-        self._workers.shutdown(wait=True)  # queued restores fail their asks with EngineStopped
-        self._spillers.shutdown(wait=True)
+        self._workers.shutdown(wait=True, cancel_futures=False)  # queued restores fail their asks with EngineStopped
+        self._spillers.shutdown(wait=True, cancel_futures=False)
 
     # -- snapshots and eviction ---------------------------------------------------
     def evicted(self) -> dict[str, str]:

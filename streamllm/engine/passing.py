@@ -9,8 +9,8 @@ a model built on the caller's thread made every decode step of the core's one th
 slower than the same step with the model built on a thread that had ended.
 
 So the engine builds its model and cells on a passing thread (`run_passing`), and work
-that runs beside the core (live fits) goes to a `PassingWorker`: jobs one at a time,
-each on a fresh thread that ends with it. Whoever else runs big torch ops in the
+that runs beside the core (live fits, spills and restores) goes to a `PassingWorker`:
+jobs in order, each on a fresh thread that ends with it. Whoever else runs big torch ops in the
 engine's process while it serves costs the core the same (tiny ops never go parallel).
 """
 
@@ -42,14 +42,18 @@ def run_passing(fn: Callable[..., T], *args: Any, name: str = "streamllm-build",
 
 
 class PassingWorker:
-    """Runs submitted jobs one at a time, in order, each on a thread of its own that ends with it."""
+    """Runs submitted jobs in order, at most `max_workers` at a time, each on a thread of its own that
+    ends with it (a ThreadPoolExecutor whose threads never outlive their job)."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, max_workers: int = 1) -> None:
+        if max_workers < 1:
+            raise ValueError(f"PassingWorker needs max_workers >= 1, got {max_workers}")
+        self.name, self.max_workers = name, max_workers
         self._lock = threading.Lock()
         self._queue: deque[tuple[Future, Callable[[], Any]]] = deque()
-        self._running = False
+        self._running = 0
         self._closed = False
+        self._idle = threading.Event()
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
@@ -57,18 +61,29 @@ class PassingWorker:
             if self._closed:
                 raise RuntimeError(f"{self.name}: shut down")
             self._queue.append((future, lambda: fn(*args, **kwargs)))
-            if not self._running:
-                self._running = True
+            if self._running < self.max_workers:
+                self._running += 1
                 self._start_next()
         return future
 
-    def shutdown(self, cancel_futures: bool = True) -> None:
-        """No new jobs; waiting ones are cancelled (the running one finishes on its own)."""
+    def map(self, fn: Callable[[Any], T], items) -> list[T]:
+        """fn over items, as ThreadPoolExecutor.map; all results (the first error raised)."""
+        futures = [self.submit(fn, item) for item in items]
+        return [f.result() for f in futures]
+
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+        """No new jobs; waiting ones are cancelled (or, without cancel_futures, still run); with `wait`,
+        returns once every job has finished."""
         with self._lock:
             self._closed = True
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft()[0].cancel()
+            self._idle = threading.Event()
+            if not self._running:
+                self._idle.set()
+        if wait:
+            self._idle.wait()
 
     def _start_next(self) -> None:  # under the lock, with a job queued
         future, job = self._queue.popleft()
@@ -84,4 +99,6 @@ class PassingWorker:
             if self._queue:
                 self._start_next()  # a fresh thread: this one ends, and its OpenMP pool with it
             else:
-                self._running = False
+                self._running -= 1
+                if self._closed and not self._running:
+                    self._idle.set()
