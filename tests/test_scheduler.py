@@ -387,14 +387,15 @@ def test_back_to_back_questions_wait_at_most_one_short_step_and_run_alone():
     assert sched.cost.ready
     moved = {INGEST: 0, BACKGROUND: 0}
     for _ in range(10):
-        ask, entry = branch(s, 22), branch(s, 22, ENTRY)
-        plan, _ = step(ask, entry)
+        ask, entries = branch(s, 22), [branch(s, 5, ENTRY) for _ in range(4)]  # short entries: many items
+        plan, _ = step(ask, *entries)
         if plan.tokens_of(INTERACTIVE) == 0:  # the floors' step the last question step owed
-            assert plan.predicted_ms <= cfg.step_latency_ms * 1.01
+            assert plan.predicted_ms <= cfg.step_latency_ms * 1.01, "the floors are metered, items included"
             moved[INGEST] += plan.tokens_of(INGEST)
             moved[BACKGROUND] += plan.tokens_of(BACKGROUND)
-            plan, _ = step(ask, entry)
+            plan, _ = step(ask, *entries)
         assert plan.tokens_of(INTERACTIVE) == 22 and plan.num_tokens == 22, "a question's step is its own"
         m.free(ask.table)
-        m.free(entry.table)
+        for entry in entries:
+            m.free(entry.table)
     assert moved[INGEST] > 0 and moved[BACKGROUND] > 0

@@ -205,7 +205,7 @@ class Scheduler:
             floor_bg = max(floor_bg, int(cfg.background_share * budget))
         if target is not None and not questions:
             # A question arriving now waits for this very step: its floors fit the target too (half the
-            # budget each at most, one token at least, so neither class stops moving).
+            # budget each at most; only one token of each is owed past the meter, so neither stops moving).
             cap = max(1, budget // 2)
             floor_ingest, floor_bg = min(floor_ingest, cap), min(floor_bg, cap)
         # A question's step runs alone unless the step before it did: floors beside a question lengthen the
@@ -230,18 +230,22 @@ class Scheduler:
             alone, (floor_ingest, floor_bg) = False, owed
             bg_floor_ms = self._floor_ms(by_class[BACKGROUND], floor_bg)
         self._alone_last = alone
+        # Owed whatever the meter says: the floors beside questions; in a metered step one token per
+        # class (the floors then only reserve the background's share of the time, `bg_floor_ms`).
+        owe_ingest, owe_bg = floor_ingest, floor_bg
         if target is not None and not questions:
             self._ms_left = target - self.cost.fixed_ms
+            owe_ingest, owe_bg = min(floor_ingest, 1), min(floor_bg, 1)
         left = budget - used
         # Ingest: its floor beside questions, else everything but the background floor.
         ingest_budget = floor_ingest if questions else max(left - floor_bg, floor_ingest)
         self._spend(bg_floor_ms)
         used = self._fill(plan, INGEST, by_class[INGEST], min(ingest_budget, max(left, floor_ingest)), turn,
-                          floor=floor_ingest)
+                          floor=owe_ingest)
         left = max(left - used, 0)
         bg_budget = max(left, floor_bg) if not questions else floor_bg
         self._spend(-bg_floor_ms)
-        self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn, floor=floor_bg)
+        self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn, floor=owe_bg)
         self._ms_left = None
 
         if plan:
@@ -295,7 +299,10 @@ class Scheduler:
         for seq in fair_order(seqs, lambda s: (s.tenant, s.session_name), turn):
             if budget - used <= 0:
                 break
-            used += self._take(plan, sched_class, seq, budget - used, owed=max(floor - used, 0))
+            # Metered, a floor is owed to the class's first sequence only: every further sequence costs
+            # its own attention pass per layer, which the meter has to afford.
+            owed = max(floor - used, 0) if self._ms_left is None or not used else 0
+            used += self._take(plan, sched_class, seq, budget - used, owed=owed)
         return used
 
     def _take(self, plan: Plan, sched_class: SchedClass, seq: Sequence, budget: int, owed: int = 0) -> int:
