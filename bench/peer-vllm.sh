@@ -27,7 +27,9 @@ if [ -f "$DIR/vllm.pid" ]; then  # the previous run's server: its prefix cache m
   rm -f "$DIR/vllm.pid"
   sleep 2
 fi
-VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} OMP_NUM_THREADS=${PEER_THREADS:-2} \
+# Both cores for its compute, as llama-server gets -t 2 (by default it binds one and reserves one).
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} \
+  VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0} \
   nohup "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
   --served-model-name smollm2-135m --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
   --enable-prefix-caching --enable-prompt-tokens-details > "$DIR/vllm.log" 2>&1 &
