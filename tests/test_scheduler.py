@@ -7,6 +7,7 @@ keep coming, fairness across tenants and sessions.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from streamllm.engine.compaction import CompactionCopy
@@ -294,7 +295,7 @@ def test_a_question_during_heavy_ingest_waits_at_most_one_step_within_the_target
     # 48 tokens (the old fixed busy step) cost 62 ms on this machine: over the 40 ms target.
     truth = machine(8.0, 2.0, 1.0, 0.02)
     cfg = SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=48, step_latency_ms=40.0,
-                          busy_window_s=2.0, ingest_floor=16, background_floor=16)
+                          busy_window_s=2.0, ingest_floor=16, background_floor=16, quiet_step_latency_ms=60.0)
     m = BlockManager(8192, 16)
     sched, s, step, now = heavy_ingest(m, cfg, StepCost(), truth)
     step(branch(s, 22))  # a question opens the busy window
@@ -317,6 +318,8 @@ def test_a_question_during_heavy_ingest_waits_at_most_one_step_within_the_target
     now[0] += 5.0  # quiet: steps grow, within the looser quiet bound
     quiet, ms = step()
     assert quiet.tokens_of(INGEST) > in_flight.tokens_of(INGEST) and ms <= cfg.quiet_step_latency_ms * 1.01
+    sched.config = dataclasses.replace(cfg, quiet_step_latency_ms=None)
+    assert step()[0].tokens_of(INGEST) == 128  # unbounded (the default): the full chunk
 
 
 def test_the_budget_follows_the_cost_model():
