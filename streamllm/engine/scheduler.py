@@ -250,6 +250,8 @@ class Scheduler:
         self._spend(-bg_floor_ms)
         self._fill(plan, BACKGROUND, by_class[BACKGROUND], bg_budget, turn, floor=owe_bg)
         self._ms_left = None
+        if deferred and not plan:  # the floors could not run (no cells): the question does not wait for them
+            return self.schedule(sequences)
 
         if plan:
             if self.cost.ready:
