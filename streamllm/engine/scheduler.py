@@ -304,10 +304,7 @@ class Scheduler:
         for seq in fair_order(seqs, lambda s: (s.tenant, s.session_name), turn):
             if budget - used <= 0:
                 break
-            # Metered, a floor is owed to the class's first sequence only: every further sequence costs
-            # its own attention pass per layer, which the meter has to afford.
-            owed = max(floor - used, 0) if self._ms_left is None or not used else 0
-            used += self._take(plan, sched_class, seq, budget - used, owed=owed)
+            used += self._take(plan, sched_class, seq, budget - used, owed=max(floor - used, 0))
         return used
 
     def _take(self, plan: Plan, sched_class: SchedClass, seq: Sequence, budget: int, owed: int = 0) -> int:
