@@ -190,14 +190,25 @@ def fp32_crossover(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
 
 def _crossover(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...]) -> int:
     gen = torch.Generator().manual_seed(0)
+
+    def timings(n: int) -> tuple[float, float]:
+        x = torch.randn(n, pairs[0][0].shape[1], generator=gen)
+        xb = x.bfloat16()
+        return time_pair(lambda: [F.linear(x, w) for w, _ in pairs], lambda: [F.linear(xb, w) for _, w in pairs],
+                         reps=5)
+
+    return crossover_rows(timings, rows)
+
+
+def crossover_rows(timings: Callable[[int], tuple[float, float]], rows: tuple[int, ...] = CROSSOVER_ROWS) -> int:
+    """The largest row count n at which timings(n) = (candidate ms, bf16 ms) has the candidate at least
+    10% faster (0: never). Rows are tried in increasing order and the search stops at the first count
+    where the candidate does not win: products only get more compute-bound (bf16-friendly) with rows."""
     best = 0
     with torch.inference_mode():
         for n in rows:
-            x = torch.randn(n, pairs[0][0].shape[1], generator=gen)
-            xb = x.bfloat16()
-            fp32, bf16 = time_pair(lambda x=x: [F.linear(x, w) for w, _ in pairs],
-                                   lambda xb=xb: [F.linear(xb, w) for _, w in pairs], reps=5)
-            if fp32 * 1.1 > bf16:
+            candidate, bf16 = timings(n)
+            if candidate * 1.1 > bf16:
                 break
             best = n
     return best

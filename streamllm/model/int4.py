@@ -18,11 +18,12 @@ torch's CPU kernel computes `(q - 8) * scale + zero` per group, so zero = m + 8 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from streamllm.model.dtype import CROSSOVER_ROWS, time_pair
+from streamllm.model.dtype import CROSSOVER_ROWS, crossover_rows, time_pair
 
 GROUP = 32  # inputs per block: Q4_0 and Q4_1's block size, one of the kernel's group sizes
 
@@ -71,26 +72,18 @@ def linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     return _MM(x.to(torch.bfloat16).contiguous(), weight.packed, GROUP, weight.scales_zeros)
 
 
-def int4_crossover(weights: dict[str, list[tuple[torch.Tensor, Int4Weight]]], bf16_linear,
+def int4_crossover(weights: dict[str, list[Int4Weight]], bf16_linear: Callable[[torch.Tensor, str, int], object],
                    rows: tuple[int, ...] = CROSSOVER_ROWS) -> dict[str, int]:
-    """Per weight kind, (bf16 weight as `bf16_linear` takes it, 4-bit copy) of each layer: the largest
-    row count at which one pass over all of them is 10% faster from the 4-bit copies (0: never).
-    Rows are tried in increasing order; the search stops at the first count where 4-bit does not win."""
+    """Per weight kind, the 4-bit copy of each layer's weight: the largest row count at which one pass
+    over all of them is 10% faster than `bf16_linear(x, kind, layer)` (the model's own product; 0: never)."""
     gen = torch.Generator().manual_seed(0)
     found = {}
-    with torch.inference_mode():
-        for kind, pairs in weights.items():
-            best = 0
-            for n in rows:
-                x = torch.randn(n, _in_features(pairs[0][1]), generator=gen).bfloat16()
-                bf16, four = time_pair(lambda x=x, pairs=pairs: [bf16_linear(x, w) for w, _ in pairs],
-                                       lambda x=x, pairs=pairs: [linear(x, w4) for _, w4 in pairs], reps=5)
-                if four * 1.1 > bf16:
-                    break
-                best = n
-            found[kind] = best
+    for kind, copies in weights.items():
+        def timings(n: int, kind: str = kind, copies: list[Int4Weight] = copies) -> tuple[float, float]:
+            x = torch.randn(n, copies[0].scales_zeros.shape[0] * GROUP, generator=gen).bfloat16()
+            bf16, four = time_pair(lambda: [bf16_linear(x, kind, li) for li in range(len(copies))],
+                                   lambda: [linear(x, w) for w in copies], reps=5)
+            return four, bf16
+
+        found[kind] = crossover_rows(timings, rows)
     return found
-
-
-def _in_features(weight: Int4Weight) -> int:
-    return weight.scales_zeros.shape[0] * GROUP

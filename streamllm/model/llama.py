@@ -30,6 +30,9 @@ from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 WEIGHT_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
 PACK_ROWS = 32  # the row count oneDNN blocks a packed weight for; any count runs on it
+# Each layer weight kind and the checkpoint weights it stacks (their output rows, in this order).
+FUSED = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
 
 # oneDNN's packed products (what torch.compile's CPU freezing uses), absent from some builds.
@@ -125,15 +128,17 @@ class LlamaForward:
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             biases = [maybe(p + f"self_attn.{x}_proj.bias") for x in "qkv"]
+            fused = {kind: torch.cat([w(p + name + ".weight") for name in names]).contiguous()
+                     for kind, names in FUSED.items()}
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight", torch.float32),
-                    qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]).contiguous(),
+                    qkv=fused["qkv"],
                     qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
-                    o=w(p + "self_attn.o_proj.weight"),
+                    o=fused["o"],
                     post_norm=w(p + "post_attention_layernorm.weight", torch.float32),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=fused["gate_up"],
+                    down=fused["down"],
                 )
             )
         self.intermediate = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
@@ -178,14 +183,12 @@ class LlamaForward:
         self._w4: dict[tuple[str, int], int4.Int4Weight] = {}
         if int4_rows == 0 or not int4.available(self.device, self.dtype) or not self.layers:
             return
-        parts = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
-                 "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
         copies: dict[str, list[int4.Int4Weight]] = {}
-        for kind, names in parts.items():
+        for kind, names in FUSED.items():
             packed = []
             for li in range(self.num_layers):
-                source = [state_dict[f"model.layers.{li}.{name}.weight"] for name in names]
-                weight = int4.pack(torch.cat(source).float() if len(source) > 1 else source[0])
+                # from the checkpoint's own values: the bf16 copies are rounded off the grid
+                weight = int4.pack(torch.cat([state_dict[f"model.layers.{li}.{name}.weight"] for name in names]).float())
                 if weight is None:
                     break
                 packed.append(weight)
@@ -193,22 +196,14 @@ class LlamaForward:
                 copies[kind] = packed
         if not copies:
             return
-        if int4_rows is None:
-            bf16 = {kind: [(self._packed.get((kind, li), self._weight(kind, li)), w) for li, w in enumerate(ws)]
-                    for kind, ws in copies.items()}
-            found = int4.int4_crossover(bf16, self._bf16_linear)
+        if int4_rows is None:  # against the products the model runs without them (int4_rows is all 0 so far)
+            found = int4.int4_crossover(copies, self._linear)
         else:
             found = dict.fromkeys(copies, max(0, int4_rows))
         for kind, rows in found.items():
             if rows:
                 self.int4_rows[kind] = rows
                 self._w4.update(((kind, li), w) for li, w in enumerate(copies[kind]))
-
-    def _bf16_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ W.T on a bf16 weight or its oneDNN-packed copy (what `_linear` runs without copies)."""
-        if weight.dim() == 2 and weight.dtype == self.dtype and not weight.is_mkldnn:
-            return F.linear(x, weight)
-        return _PACKED_LINEAR(x, weight, None, "none", [], "")
 
     def _weight(self, kind: str, li: int) -> torch.Tensor:
         return self.lm_head if kind == "lm_head" else getattr(self.layers[li], kind)
