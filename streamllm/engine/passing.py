@@ -26,7 +26,8 @@ T = TypeVar("T")
 
 
 def run_passing(fn: Callable[..., T], *args: Any, name: str = "streamllm-build", **kwargs: Any) -> T:
-    """fn(*args, **kwargs) on a new thread that ends when it returns; its result, or its error raised here."""
+    """fn(*args, **kwargs) on a new thread, joined: its result (or its error, raised here) once the thread,
+    and its OpenMP pool with it, is gone."""
     future: Future = Future()
 
     def main() -> None:
@@ -53,7 +54,8 @@ class PassingWorker:
         self._queue: deque[tuple[Future, Callable[[], Any]]] = deque()
         self._running = 0
         self._closed = False
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # set while no job runs
+        self._idle.set()
 
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> Future:
         future: Future = Future()
@@ -63,6 +65,7 @@ class PassingWorker:
             self._queue.append((future, lambda: fn(*args, **kwargs)))
             if self._running < self.max_workers:
                 self._running += 1
+                self._idle.clear()
                 self._start_next()
         return future
 
@@ -79,9 +82,6 @@ class PassingWorker:
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft()[0].cancel()
-            self._idle = threading.Event()
-            if not self._running:
-                self._idle.set()
         if wait:
             self._idle.wait()
 
@@ -100,5 +100,5 @@ class PassingWorker:
                 self._start_next()  # a fresh thread: this one ends, and its OpenMP pool with it
             else:
                 self._running -= 1
-                if self._closed and not self._running:
+                if not self._running:
                     self._idle.set()
