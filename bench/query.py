@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             print(f"context {held} tokens: asking {args.reps}x, stateless {args.stateless_reps}x ...", flush=True)
             session = engine.sessions["bench"]
             context_ids = session.token_ids[: session.num_computed]
-            ask, peer_ask, peer_tokens = [], [], []
+            ask, peer_ms, peer_tokens = [], [], []
             if peer is not None:
                 if n == contexts[0] and peer.tokens_match(context_ids) is False:
                     print("note: the peer tokenizes the prompt text differently from our ids", flush=True)
@@ -147,9 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             for _ in range(args.reps + 1):  # the first round warms up
                 ask.append(engine.ask("bench", QUESTION, max_tokens=1).latency_ms)
                 if peer is not None:
-                    ms, computed = peer_ask_ms(peer, context_ids, q_ids, 1)
-                    peer_ask.append(ms)
-                    peer_tokens.append(computed)
+                    ms, reply = peer_ask(peer, context_ids, q_ids, 1)
+                    peer_ms.append(ms)
+                    peer_tokens.append(computed_tokens(reply))
             ask = ask[1:]
             ids = context_ids + q_ids
             stateless = [stateless_ms(engine, ids, args.chunk) for _ in range(args.stateless_reps)]
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             metrics[f"context_tokens@{n}"] = held
             rows.append([n, held, median(ask), median(stateless), metrics[f"speedup@{n}"]])
             if peer is not None:
-                metrics[f"peer_ask_ms_p50@{n}"] = median(peer_ask[1:])
+                metrics[f"peer_ask_ms_p50@{n}"] = median(peer_ms[1:])
                 metrics[f"peer_prompt_tokens@{n}"] = median(peer_tokens[1:])
                 metrics[f"ask_vs_peer@{n}"] = metrics[f"peer_ask_ms_p50@{n}"] / metrics[f"ask_ms_p50@{n}"]
                 peer_rows.append([n, held, len(q_ids), metrics[f"peer_prompt_tokens@{n}"], metrics[f"ask_ms_p50@{n}"],
@@ -198,18 +198,22 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return metrics
 
 
-def peer_ask_ms(peer: Peer, context_ids: list[int], question_ids: list[int], max_tokens: int) -> tuple[float, int]:
-    """The peer's answer to the question on a context it holds: (wall ms, tokens it computed).
+def peer_ask(peer: Peer, context_ids: list[int], question_ids: list[int], max_tokens: int) -> tuple[float, dict]:
+    """The peer's answer to the question on a context it holds: (wall ms, its reply).
 
     It is first sent the context alone (one token), so its cache ends at the context and the
     question is computed anew, as an ad-hoc question is on ours."""
     peer.complete(peer.prompt(context_ids, []), 1)
-    ms, reply = peer.complete(peer.prompt(context_ids, question_ids), max_tokens)
+    return peer.complete(peer.prompt(context_ids, question_ids), max_tokens)
+
+
+def computed_tokens(reply: dict) -> int:
+    """The prompt tokens a peer's reply says it computed (did not find cached)."""
     timings, usage = reply.get("timings") or {}, reply.get("usage") or {}
-    if "prompt_n" in timings:  # llama-server: the prompt tokens it did not find cached
-        return ms, int(timings["prompt_n"])
+    if "prompt_n" in timings:  # llama-server
+        return int(timings["prompt_n"])
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0  # vLLM, OpenAI
-    return ms, int(usage.get("prompt_tokens", 0)) - int(cached)
+    return int(usage.get("prompt_tokens", 0)) - int(cached)
 
 
 def decode_side_by_side(engine: Engine, peer: Peer, context_ids: list[int], args) -> dict[str, float]:
@@ -221,9 +225,8 @@ def decode_side_by_side(engine: Engine, peer: Peer, context_ids: list[int], args
     for rep in range(4):  # the first round warms up
         short = engine.ask("bench", LONG_QUESTION, max_tokens=1).latency_ms
         answer = engine.ask("bench", LONG_QUESTION, max_tokens=longest)
-        peer_short, _ = peer_ask_ms(peer, context_ids, q_ids, 1)
-        peer.complete(peer.prompt(context_ids, []), 1)
-        peer_long, reply = peer.complete(peer.prompt(context_ids, q_ids), longest)
+        peer_short, _ = peer_ask(peer, context_ids, q_ids, 1)
+        peer_long, reply = peer_ask(peer, context_ids, q_ids, longest)
         generated = int((reply.get("usage") or {}).get("completion_tokens", 0))
         if rep and len(answer.tokens) > 1 and generated > 1:
             ours.append((answer.latency_ms - short) / (len(answer.tokens) - 1))

@@ -9,7 +9,7 @@ import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from bench.baselines import Peer
-from bench.query import cli_main, peer_ask_ms
+from bench.query import cli_main, computed_tokens, peer_ask
 
 
 def fake_peer(seen: list[dict], usage_only: bool = False) -> HTTPServer:
@@ -72,7 +72,8 @@ def test_what_a_peer_computed_comes_from_its_timings_or_its_cached_tokens(tiny_m
         server = fake_peer(seen, usage_only)
         try:
             peer = Peer(f"http://127.0.0.1:{server.server_port}", tiny_model.tokenizer)
-            ms, got = peer_ask_ms(peer, [5, 6, 7], [8, 9], 1)
+            ms, reply = peer_ask(peer, [5, 6, 7], [8, 9], 1)
+            got = computed_tokens(reply)
         finally:
             server.shutdown()
         assert got == computed and ms > 0
