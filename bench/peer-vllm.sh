@@ -7,6 +7,7 @@
 # metadata under the name `vllm`, so the server is started as a module. Stop it with
 # `make peer-stop`.
 set -euo pipefail
+. "$(dirname "$0")/peer-common.sh"
 
 PY=${PY:-python3}
 DIR=${PEER_DIR:-.peer}
@@ -22,11 +23,7 @@ fi
 
 MODEL=$("$PY" -c "from streamllm.model.loader import fetch_default; print(fetch_default(progress=False))")
 
-if [ -f "$DIR/vllm.pid" ]; then  # the previous run's server: its prefix cache must not carry over
-  kill "$(cat "$DIR/vllm.pid")" 2>/dev/null || true
-  rm -f "$DIR/vllm.pid"
-  sleep 2
-fi
+stop_previous "$DIR/vllm.pid" 2  # its prefix cache must not carry over
 # Both cores for its compute, as llama-server gets -t 2 (by default it binds one and reserves one).
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-0-1} \
   VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0} \
@@ -34,12 +31,4 @@ VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${
   --served-model-name smollm2-135m --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
   --enable-prefix-caching --enable-prompt-tokens-details > "$DIR/vllm.log" 2>&1 &
 echo $! > "$DIR/vllm.pid"
-for _ in $(seq 300); do
-  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-    echo "vLLM up on http://127.0.0.1:$PORT (pid $(cat "$DIR/vllm.pid"), log $DIR/vllm.log)"
-    exit 0
-  fi
-  sleep 1
-done
-echo "vLLM did not become healthy; see $DIR/vllm.log" >&2
-exit 1
+wait_healthy vLLM "$PORT" "$DIR/vllm.pid" "$DIR/vllm.log" 300

