@@ -4,42 +4,25 @@ before every ask (so it computes the question anew), and both decode figures com
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from bench.baselines import Peer
 from bench.query import cli_main, computed_tokens, peer_ask
+from tests.fake_peer import serve
 
 
-def fake_peer(seen: list[dict], usage_only: bool = False) -> HTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append({"path": self.path, **body})
-            if self.path == "/tokenize":
-                reply = {"tokens": []}
-            else:
-                time.sleep(0.002 * body["max_tokens"])  # a server that takes time per token
-                reply = {"choices": [{"text": " up"}], "usage": {"completion_tokens": body["max_tokens"]},
-                         "timings": {"prompt_n": 21, "predicted_per_token_ms": 5.0}}
-                if usage_only:  # vLLM's shape: what it found cached is in the usage
-                    reply = {"choices": [{"text": " up"}], "usage": {
-                        "completion_tokens": body["max_tokens"], "prompt_tokens": 100,
-                        "prompt_tokens_details": {"cached_tokens": 80}}}
-            data = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+def fake_peer(seen: list[dict], usage_only: bool = False):
+    def reply(path: str, body: dict) -> dict:
+        if path == "/tokenize":
+            return {"tokens": []}
+        time.sleep(0.002 * body["max_tokens"])  # a server that takes time per token
+        if usage_only:  # vLLM's shape: what it found cached is in the usage
+            return {"choices": [{"text": " up"}], "usage": {"completion_tokens": body["max_tokens"], "prompt_tokens": 100,
+                                                             "prompt_tokens_details": {"cached_tokens": 80}}}
+        return {"choices": [{"text": " up"}], "usage": {"completion_tokens": body["max_tokens"]},
+                "timings": {"prompt_n": 21, "predicted_per_token_ms": 5.0}}
 
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    return serve(reply, seen)
 
 
 def test_query_bench_asks_the_peer_in_turn_with_its_cache_reset(tmp_path, capsys):

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +20,7 @@ from bench.replay_metrics import base_rate
 from streamllm.config import QuestionSpec, load_config
 from streamllm.engine import Engine, EngineConfig
 from streamllm.engine.standing.gate import Gate
+from tests.fake_peer import serve
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "binance-spot"
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,23 +85,7 @@ def test_prefix_cache_is_a_real_cache(engine):
 
 def test_peer_gets_the_same_prompt_with_cache_prompt(tiny_model):
     seen: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            seen.append({"path": self.path, **json.loads(self.rfile.read(int(self.headers["Content-Length"])))})
-            body = json.dumps({"choices": [{"text": " up"}], "usage": {"completion_tokens": 1},
-                               "timings": {"prompt_n": 7}}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve({"choices": [{"text": " up"}], "usage": {"completion_tokens": 1}, "timings": {"prompt_n": 7}}, seen)
     try:
         tok = tiny_model.tokenizer
         ids = tok("hello there", add_special_tokens=False)["input_ids"]
@@ -112,25 +95,6 @@ def test_peer_gets_the_same_prompt_with_cache_prompt(tiny_model):
     assert ans.text == "up" and ans.tokens_computed == 8
     assert seen[0]["path"] == "/v1/completions" and seen[0]["cache_prompt"] is True
     assert seen[0]["prompt"] == tok.decode(ids + ids) and seen[0]["max_tokens"] == 3
-
-
-def _serve(reply: dict, seen: list[dict]) -> HTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
-            seen.append({"path": self.path, **json.loads(self.rfile.read(int(self.headers["Content-Length"])))})
-            body = json.dumps(reply).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
 
 
 QUESTION = QuestionSpec("trend", "Is the price going up or down?", ("up", "down"), 0.5, 4)
@@ -144,7 +108,7 @@ def test_peer_answers_a_choice_question_by_its_first_token_alternatives(tiny_mod
     top = [{"id": 17, "token": "x", "logprob": -0.1}, {"id": down, "token": tok.decode([down]), "logprob": -1.0},
            {"id": up, "token": tok.decode([up]), "logprob": -2.0}]
     seen: list[dict] = []
-    server = _serve({"choices": [{"text": "x", "logprobs": {"content": [{"id": 17, "token": "x", "logprob": -0.1,
+    server = serve({"choices": [{"text": "x", "logprobs": {"content": [{"id": 17, "token": "x", "logprob": -0.1,
                                                                          "top_logprobs": top}]}}]}, seen)
     try:
         ids = tok("hello there", add_special_tokens=False)["input_ids"]
