@@ -25,7 +25,7 @@ from streamllm.engine.taps import LineTaps
 from streamllm.model.adapter import AdapterError, SeriesHead, load_adapter, save_heads
 from streamllm.model.llama import LlamaForward
 from streamllm.model.lora import hf_model
-from streamllm.model.seriesfit import _Model, feature_sets, fit_series, samples
+from streamllm.model.seriesfit import _Model, feature_sets, fit_series, lag_basis, samples
 from streamllm.tuning.extract import StateExtractor, render_window, session_ids
 from tests.test_tune import CONFIG, LAYER, LINES, engine_with, random_series, write_bars
 
@@ -342,6 +342,40 @@ def test_fit_series_learns_a_rule_across_lines_and_the_saved_head_is_the_trained
     assert [head.reads(n) for n in (3, 4, 5, 6, 9)] == [6, 4, 5, 6, 6]  # below min_lines: whole windows only
     with pytest.raises(ValueError, match="of 6 lines read 7"):
         head.logits(torch.zeros(7, 10))
+
+
+def test_a_lag_basis_learns_a_long_average_from_few_samples_and_serves_what_it_trained():
+    """A label that weighs 40 lines smoothly (an exponential average's side) from 400 samples: with every lag
+    its own weight the head overfits; fitted as a few shapes (lag_basis) it generalizes. The folded [C, K, 2R]
+    lags served are exactly the trained ones (the trainer's forward on them gives the served logits)."""
+    g = torch.Generator().manual_seed(3)
+    k, decay = 40, torch.exp(-torch.arange(39, -1, -1) / 15.0)
+
+    def window(n):
+        feats = torch.randn(n, 3, generator=g)
+        score = torch.stack([(feats[i - k + 1: i + 1, 0] * decay).sum() for i in range(k - 1, n)])
+        labels = torch.full((n,), -1)
+        labels[k - 1:] = (score <= 0).long()
+        return feats, labels
+
+    train, dev, test = (samples([window(n) for _ in range(w)], k) for n, w in ((240, 2), (140, 1), (540, 2)))
+    accuracy = {}
+    for name, basis in (("free", None), ("basis", lag_basis(k, 4))):
+        fit = fit_series(train, dev, 2, k=k, rank=2, grid=(1e-2,), steps=400, lags=basis)
+        head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, ())
+        accuracy[name] = float((test.logits(head).argmax(1) == test.labels).float().mean())
+        model = _Model(3, 2, k, 2)
+        model.load_state_dict({"proj.weight": fit.proj, "proj.bias": fit.proj_bias, "lags": fit.lags, "bias": fit.bias})
+        with torch.no_grad():
+            torch.testing.assert_close(model(test.lines, test.index, test.mask), test.logits(head), atol=1e-4, rtol=1e-4)
+    assert accuracy["basis"] > 0.85 and accuracy["basis"] > accuracy["free"] + 0.05, accuracy
+    basis = lag_basis(k, 4)
+    torch.testing.assert_close(basis.norm(dim=0), torch.ones(basis.shape[1]))
+    assert torch.equal(basis[:, :4] > 0, torch.eye(k)[:, k - 4:] > 0)  # the newest 4 lags: one column each
+    with pytest.raises(ValueError, match="free lags"):
+        lag_basis(4, 5)
+    with pytest.raises(ValueError, match="lag basis of 40 rows for a head of 6"):
+        fit_series(train, dev, 2, k=6, lags=basis)
 
 
 def test_a_feature_constant_in_training_gets_no_weight():

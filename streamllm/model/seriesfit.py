@@ -199,13 +199,38 @@ def _mean_se(losses: list[float]) -> tuple[float, float]:
     return mean, float(np.std(losses, ddof=1) / np.sqrt(len(losses)))
 
 
+def lag_basis(k: int, free: int) -> torch.Tensor:
+    """[K, H]: the shapes a live head's lag weights are fitted as (fit_series' `lags`). The newest `free`
+    lags each get their own column; over all K lags, exponential decays (half-lives 1, 2, 4, ... lines) and
+    boxes (the newest 1, 2, 4, ... lines, and all K) follow, each column of unit length. A label that reads
+    far back (an average of 50 bars) is a smooth sum over many lags: as a few such shapes it needs a few
+    weights per projection, not one per lag, and a month of bars can fit it. Rows are lags oldest first."""
+    if not 0 <= free <= k:
+        raise ValueError(f"free lags must be in [0, {k}], got {free}")
+    age = torch.arange(k - 1, -1, -1, dtype=torch.float32)  # 0 for the newest line
+    cols = [torch.eye(k)[:, k - free:]] if free else []
+    half = 1.0
+    while half <= k:
+        cols.append(torch.exp(-age / half)[:, None])
+        half *= 2
+    n = 1
+    while n < k:
+        cols.append((age < n).float()[:, None])
+        n *= 2
+    cols.append(torch.ones(k, 1))
+    out = torch.cat(cols, 1)
+    return out / out.norm(dim=0, keepdim=True)
+
+
 class _Candidates:
     """Every candidate (feature set x weight decay) of one order, fitted in lockstep as one batch of
     _Model's: they draw the same minibatches, so one step serves them all. Set s's lines are [S, M, D]
     (zero-padded to the widest set: a zero column's weights get no gradient and stay zero); candidate
-    (s, g)'s projection is rows g*R..(g+1)*R of proj[s]."""
+    (s, g)'s projection is rows g*R..(g+1)*R of proj[s]. With a lag basis [K, H] (lag_basis()) the lags
+    are fitted as H weights per choice and number, lags = basis @ those (what weight decay pulls toward 0)."""
 
-    def __init__(self, widths: list[int], classes: int, k: int, rank: int, grid: Sequence[float], seed: int) -> None:
+    def __init__(self, widths: list[int], classes: int, k: int, rank: int, grid: Sequence[float], seed: int,
+                 basis: torch.Tensor | None = None) -> None:
         s, g, d = len(widths), len(grid), max(widths)
         self.rank, self.widths = rank, widths
         self.proj, self.proj_bias = torch.zeros(s, g * rank, d), torch.zeros(s, g * rank)
@@ -215,13 +240,20 @@ class _Candidates:
                 first = _Model(width, classes, k, rank).proj
                 self.proj[i, j * rank:(j + 1) * rank, :width] = first.weight.detach()
                 self.proj_bias[i, j * rank:(j + 1) * rank] = first.bias.detach()
-        self.lags, self.bias = torch.zeros(s, g, classes, k, 2 * rank), torch.zeros(s, g, classes)
-        self.params = [p.requires_grad_() for p in (self.proj, self.proj_bias, self.lags, self.bias)]
+        self.basis = basis
+        h = k if basis is None else basis.shape[1]
+        self.coef, self.bias = torch.zeros(s, g, classes, h, 2 * rank), torch.zeros(s, g, classes)
+        self.params = [p.requires_grad_() for p in (self.proj, self.proj_bias, self.coef, self.bias)]
         self.decay = torch.tensor([float(w) for w in grid])
+
+    @property
+    def lags(self) -> torch.Tensor:
+        """[S, G, C, K, 2R]: every candidate's lag weights."""
+        return self.coef if self.basis is None else torch.einsum("kh,sgchr->sgckr", self.basis, self.coef)
 
     def logits(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[S, G, N, C] from lines [S, M, D], as _Model.forward for each candidate."""
-        s, g = self.lags.shape[:2]
+        s, g = self.coef.shape[:2]
         z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
         x = torch.cat([z, z.abs()], -1)[:, index] * mask[None, :, :, None, None]  # [S, N, K, G, 2R]
         return torch.einsum("snkgr,sgckr->sgnc", x, self.lags) + self.bias[:, :, None]
@@ -230,10 +262,11 @@ class _Candidates:
         """[S, G]: each candidate's mean cross-entropy, as `logits` gives it; for evaluation (no gradient).
         Every line is scored at every lag first ([S, M, K, G, C]), so the samples' gather moves C numbers
         a line and lag, not 2R."""
-        s, g = self.lags.shape[:2]
-        k, c = self.lags.shape[2:4][::-1]
+        lags = self.lags
+        s, g = lags.shape[:2]
+        k, c = lags.shape[2:4][::-1]
         z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
-        y = torch.einsum("smgr,sgckr->smkgc", torch.cat([z, z.abs()], -1), self.lags).reshape(s, -1, g * c)
+        y = torch.einsum("smgr,sgckr->smkgc", torch.cat([z, z.abs()], -1), lags).reshape(s, -1, g * c)
         at = index * k + torch.arange(k)  # row of line index[n, j] at lag j
         x = (y[:, at] * mask[None, :, :, None]).sum(2).view(s, -1, g, c).transpose(1, 2) + self.bias[:, :, None]
         return torch.nn.functional.cross_entropy(x.reshape(-1, c), labels.repeat(s * g), reduction="none").view(
@@ -242,11 +275,11 @@ class _Candidates:
     def decay_(self, lr: float) -> None:
         """AdamW's decoupled weight decay, each candidate its own: p *= 1 - lr * wd, before the Adam step."""
         keep = 1 - lr * self.decay
-        s, g = self.lags.shape[:2]
+        s, g = self.coef.shape[:2]
         with torch.no_grad():
             self.proj.view(s, g, self.rank, -1).mul_(keep[:, None, None])
             self.proj_bias.view(s, g, self.rank).mul_(keep[:, None])
-            self.lags.mul_(keep[:, None, None, None])
+            self.coef.mul_(keep[:, None, None, None])
             self.bias.mul_(keep[:, None])
 
     def state(self, i: int, j: int) -> dict[str, torch.Tensor]:
@@ -254,7 +287,7 @@ class _Candidates:
         rows = slice(j * self.rank, (j + 1) * self.rank)
         return {"proj.weight": self.proj[i, rows, :self.widths[i]].detach().clone(),
                 "proj.bias": self.proj_bias[i, rows].detach().clone(),
-                "lags": self.lags[i, j].detach().clone(), "bias": self.bias[i, j].detach().clone()}
+                "lags": self.lags[i, j].detach().clone(), "bias": self.bias[i, j].detach().clone()}  # folded
 
 
 def _padded(lines: list[torch.Tensor]) -> torch.Tensor:
@@ -267,12 +300,12 @@ def _padded(lines: list[torch.Tensor]) -> torch.Tensor:
 def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: list[str],
                inputs: list[tuple[torch.Tensor, torch.Tensor]],
                train: Samples, dev: Samples, classes: int, k: int, rank: int, grid: Sequence[float], steps: int,
-               seed: int, deadline: float | None) -> int:
+               seed: int, deadline: float | None, lags: torch.Tensor | None = None) -> int:
     """One order: every candidate (set names[i] read as inputs[i], weight decay grid[j]) from its initial
     weights (seed) over the same minibatches, each keeping its step of lowest development loss (appended
     to `fits`). Returns the optimizer steps taken, all candidates'."""
     lines, dev_lines = _padded([x for x, _ in inputs]), _padded([x for _, x in inputs])
-    batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed)
+    batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed, lags)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(batch.params, lr=LR)
     ce = torch.nn.functional.cross_entropy
@@ -307,8 +340,12 @@ def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: l
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
                sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best",
-               budget_s: float | None = None, reduce: int | None = None) -> SeriesFit:
+               budget_s: float | None = None, reduce: int | None = None, lags: torch.Tensor | None = None) -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
+
+    lags: a [K, H] basis the lag weights are fitted in (lag_basis(): the live learner's, whose labels may
+    read 64 bars back from a few hundred samples); the served head's lags are folded back to [C, K, 2R].
+    None: every lag its own weight.
 
     budget_s: wall seconds for all the fits together (live learning): once spent, a fit ends at its
     next evaluation with the best step so far (the fit is then no longer reproducible to the bit).
@@ -334,6 +371,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
         raise ValueError(f"orders must be >= 1, got {orders}")
     if choose not in ("best", "simplest"):
         raise ValueError(f"choose must be best or simplest, got {choose!r}")
+    if lags is not None and lags.shape[0] != k:
+        raise ValueError(f"a lag basis of {lags.shape[0]} rows for a head of {k} lines")
     width = train.lines.shape[1]
     sets = sets or {"all": torch.ones(width, dtype=torch.bool)}
     mu = train.lines.mean(0)
@@ -358,7 +397,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     with torch.enable_grad(), _deterministic():
         for order in range(orders):
             total += _fit_order(fits, list(sets), inputs, train, dev, classes, k, rank, grid, steps, seed * 1009 + order,
-                                deadline)
+                                deadline, lags)
     spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
     best = choose_candidate(spread, {n: int(cols.sum()) for n, cols in sets.items()}, choose)
     name, wd = best

@@ -43,7 +43,7 @@ import torch
 from streamllm.engine.passing import PassingWorker
 from streamllm.engine.taps import NUMBER_WIDTH
 from streamllm.model.adapter import SeriesHead, series_logits
-from streamllm.model.seriesfit import Samples, SeriesFit, fit_series
+from streamllm.model.seriesfit import Samples, SeriesFit, fit_series, lag_basis
 
 if TYPE_CHECKING:
     from streamllm.config.labels import LabelSpec
@@ -339,8 +339,10 @@ def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> Se
     n = len(data.labels)
     split = max(1, n // 5)
     whole = Samples(data.lines, data.index, data.labels, data.reads, torch.zeros(n, dtype=torch.long))
+    k = data.index.shape[1]
     return fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
-                      k=data.index.shape[1], rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s)
+                      k=k, rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s,
+                      lags=lag_basis(k, min(k, config.lines)))
 
 
 def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
