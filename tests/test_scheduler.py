@@ -371,9 +371,10 @@ def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_imp
         if not ask.pending_ids:
             m.free(ask.table)
         m.free(entry.table)
-    # Without a question the step still does work: at most half of it is the fixed cost (2 x 5 ms).
+    # Without a question the step still does work: at most half of it is overhead, the fixed cost and its
+    # one item's (2 x (5 + 1) ms).
     plan = impossible.schedule([s])
-    assert plan.tokens_of(INGEST) > 16 and cost.predict(plan.shape) <= 10
+    assert plan.tokens_of(INGEST) > 16 and 11 < cost.predict(plan.shape) <= 12
 
 
 def test_back_to_back_questions_wait_at_most_one_short_step_and_run_alone():

@@ -19,8 +19,8 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     questions run, ingest and background get only their floors, and while questions keep coming
     (one within `busy_window_s`) every step is latency-bound: its ingest and background work
     is cut so that its predicted cost stays within `step_latency_ms` (or twice the step's
-    fixed cost, where that is more: at most half a step is overhead, so ingest keeps
-    moving on a slow machine), so a new question waits at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
+    fixed cost and one item's, where that is more: at most half a step is overhead, so ingest
+    keeps moving on a slow machine), so a new question waits at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
     would cost it a step, and on a machine whose fixed cost alone is over the target it
     would move one token a step. Until the cost model has seen enough steps (or with
     `step_latency_ms=None`) a busy step holds `busy_step_tokens`;
@@ -189,8 +189,10 @@ class Scheduler:
         busy = questions or now - self._last_question < cfg.busy_window_s
         latency = cfg.step_latency_ms if busy else cfg.quiet_step_latency_ms
         target = latency if latency is not None and self.cost.ready else None
-        if target is not None:  # a machine whose fixed cost leaves no room: at most half a step is overhead
-            target = max(target, 2 * self.cost.fixed_ms)
+        if target is not None:  # a step whose overhead leaves no room: at most half a step is overhead,
+            # its first item's included (a chunk's attention over its context costs that much however few its
+            # tokens: below it, a line is chopped into many steps that each pay it again)
+            target = max(target, 2 * self.cost.item_ms(0, 0) + 2 * self.cost.fixed_ms)
         # Latency-bound, a question's step is always its own; right after one, ingest and background get
         # a short step of their floors before the next question (so they move at least every second step).
         pending_floors = bool(by_class[INGEST] or by_class[BACKGROUND])
