@@ -190,8 +190,8 @@ class Scheduler:
         latency = cfg.step_latency_ms if busy else cfg.quiet_step_latency_ms
         target = latency if latency is not None and self.cost.ready else None
         if target is not None:  # a step whose overhead leaves no room: at most half a step is overhead,
-            # its first item's included (a chunk's attention over its context costs that much however few its
-            # tokens: below it, a line is chopped into many steps that each pay it again)
+            # its first item's included (a chunk's own attention kernels in every layer cost that much however
+            # few its tokens: below it, a line is chopped into many steps that each pay it again)
             target = max(target, 2 * self.cost.item_ms(0, 0) + 2 * self.cost.fixed_ms)
         # Latency-bound, a question's step is always its own; right after one, ingest and background get
         # a short step of their floors before the next question (so they move at least every second step).
