@@ -361,7 +361,7 @@ def test_a_lag_basis_learns_a_long_average_from_few_samples_and_serves_what_it_t
     train, dev, test = (samples([window(n) for _ in range(w)], k) for n, w in ((240, 2), (140, 1), (540, 2)))
     accuracy = {}
     for name, basis in (("free", None), ("basis", lag_basis(k, 4))):
-        fit = fit_series(train, dev, 2, k=k, rank=2, grid=(1e-2,), steps=400, lags=basis)
+        fit = fit_series(train, dev, 2, k=k, rank=2, grid=(1e-2,), steps=400, lag_basis=basis)
         head = SeriesHead("q", "q?", ("yes", "no"), 0, fit.proj, fit.proj_bias, fit.lags, fit.bias, 0.0, ())
         accuracy[name] = float((test.logits(head).argmax(1) == test.labels).float().mean())
         model = _Model(3, 2, k, 2)
@@ -375,7 +375,7 @@ def test_a_lag_basis_learns_a_long_average_from_few_samples_and_serves_what_it_t
     with pytest.raises(ValueError, match="free lags"):
         lag_basis(4, 5)
     with pytest.raises(ValueError, match="lag basis of 40 rows for a head of 6"):
-        fit_series(train, dev, 2, k=6, lags=basis)
+        fit_series(train, dev, 2, k=6, lag_basis=basis)
 
 
 def test_a_feature_constant_in_training_gets_no_weight():

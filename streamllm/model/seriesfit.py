@@ -227,10 +227,10 @@ class _Candidates:
     _Model's: they draw the same minibatches, so one step serves them all. Set s's lines are [S, M, D]
     (zero-padded to the widest set: a zero column's weights get no gradient and stay zero); candidate
     (s, g)'s projection is rows g*R..(g+1)*R of proj[s]. With a lag basis [K, H] (lag_basis()) the lags
-    are fitted as H weights per choice and number, lags = basis @ those (what weight decay pulls toward 0)."""
+    are fitted as H weights per choice and number, lags = lag_basis @ those (what weight decay pulls toward 0)."""
 
     def __init__(self, widths: list[int], classes: int, k: int, rank: int, grid: Sequence[float], seed: int,
-                 basis: torch.Tensor | None = None) -> None:
+                 lag_basis: torch.Tensor | None = None) -> None:
         s, g, d = len(widths), len(grid), max(widths)
         self.rank, self.widths = rank, widths
         self.proj, self.proj_bias = torch.zeros(s, g * rank, d), torch.zeros(s, g * rank)
@@ -240,8 +240,8 @@ class _Candidates:
                 first = _Model(width, classes, k, rank).proj
                 self.proj[i, j * rank:(j + 1) * rank, :width] = first.weight.detach()
                 self.proj_bias[i, j * rank:(j + 1) * rank] = first.bias.detach()
-        self.basis = basis
-        h = k if basis is None else basis.shape[1]
+        self.lag_basis = lag_basis
+        h = k if lag_basis is None else lag_basis.shape[1]
         self.coef, self.bias = torch.zeros(s, g, classes, h, 2 * rank), torch.zeros(s, g, classes)
         self.params = [p.requires_grad_() for p in (self.proj, self.proj_bias, self.coef, self.bias)]
         self.decay = torch.tensor([float(w) for w in grid])
@@ -249,7 +249,7 @@ class _Candidates:
     @property
     def lags(self) -> torch.Tensor:
         """[S, G, C, K, 2R]: every candidate's lag weights."""
-        return self.coef if self.basis is None else torch.einsum("kh,sgchr->sgckr", self.basis, self.coef)
+        return self.coef if self.lag_basis is None else torch.einsum("kh,sgchr->sgckr", self.lag_basis, self.coef)
 
     def logits(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """[S, G, N, C] from lines [S, M, D], as _Model.forward for each candidate."""
@@ -300,12 +300,12 @@ def _padded(lines: list[torch.Tensor]) -> torch.Tensor:
 def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: list[str],
                inputs: list[tuple[torch.Tensor, torch.Tensor]],
                train: Samples, dev: Samples, classes: int, k: int, rank: int, grid: Sequence[float], steps: int,
-               seed: int, deadline: float | None, lags: torch.Tensor | None = None) -> int:
+               seed: int, deadline: float | None, lag_basis: torch.Tensor | None = None) -> int:
     """One order: every candidate (set names[i] read as inputs[i], weight decay grid[j]) from its initial
     weights (seed) over the same minibatches, each keeping its step of lowest development loss (appended
     to `fits`). Returns the optimizer steps taken, all candidates'."""
     lines, dev_lines = _padded([x for x, _ in inputs]), _padded([x for _, x in inputs])
-    batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed, lags)
+    batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed, lag_basis)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(batch.params, lr=LR)
     ce = torch.nn.functional.cross_entropy
@@ -340,10 +340,11 @@ def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: l
 def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, rank: int = RANK,
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
                sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best",
-               budget_s: float | None = None, reduce: int | None = None, lags: torch.Tensor | None = None) -> SeriesFit:
+               budget_s: float | None = None, reduce: int | None = None,
+               lag_basis: torch.Tensor | None = None) -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
 
-    lags: a [K, H] basis the lag weights are fitted in (lag_basis(): the live learner's, whose labels may
+    lag_basis: a [K, H] basis the lag weights are fitted in (`lag_basis()`: the live learner's, whose labels may
     read 64 bars back from a few hundred samples); the served head's lags are folded back to [C, K, 2R].
     None: every lag its own weight.
 
@@ -371,8 +372,8 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
         raise ValueError(f"orders must be >= 1, got {orders}")
     if choose not in ("best", "simplest"):
         raise ValueError(f"choose must be best or simplest, got {choose!r}")
-    if lags is not None and lags.shape[0] != k:
-        raise ValueError(f"a lag basis of {lags.shape[0]} rows for a head of {k} lines")
+    if lag_basis is not None and lag_basis.shape[0] != k:
+        raise ValueError(f"a lag basis of {lag_basis.shape[0]} rows for a head of {k} lines")
     width = train.lines.shape[1]
     sets = sets or {"all": torch.ones(width, dtype=torch.bool)}
     mu = train.lines.mean(0)
@@ -397,7 +398,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     with torch.enable_grad(), _deterministic():
         for order in range(orders):
             total += _fit_order(fits, list(sets), inputs, train, dev, classes, k, rank, grid, steps, seed * 1009 + order,
-                                deadline, lags)
+                                deadline, lag_basis)
     spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
     best = choose_candidate(spread, {n: int(cols.sum()) for n, cols in sets.items()}, choose)
     name, wd = best

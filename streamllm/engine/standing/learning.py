@@ -342,7 +342,7 @@ def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> Se
     k = data.index.shape[1]
     return fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
                       k=k, rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s,
-                      lags=lag_basis(k, min(k, config.lines)))
+                      lag_basis=lag_basis(k, min(k, config.lines)))
 
 
 def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
