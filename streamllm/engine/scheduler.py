@@ -192,7 +192,7 @@ class Scheduler:
         if target is not None:  # a step whose overhead leaves no room: at most half a step is overhead,
             # its first item's included (a chunk's own attention kernels in every layer cost that much however
             # few its tokens: below it, a line is chopped into many steps that each pay it again)
-            target = max(target, 2 * self.cost.item_ms(0, 0) + 2 * self.cost.fixed_ms)
+            target = max(target, 2 * (self.cost.fixed_ms + self.cost.item_ms(0, 0)))
         # Latency-bound, a question's step is always its own; right after one, ingest and background get
         # a short step of their floors before the next question (so they move at least every second step).
         pending_floors = bool(by_class[INGEST] or by_class[BACKGROUND])
