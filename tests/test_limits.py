@@ -320,6 +320,8 @@ def test_a_question_past_the_engines_deadline_is_timeout_on_both_faces(tiny_mode
             await asyncio.sleep(deadline * 2)
         status, got = await pending
         assert (status, got["error"]["code"]) == (504, "timeout"), got
+        # the counters are the core's snapshot, published after the loop turn that dropped the ask settled it
+        await until(lambda: eng.stats()["questions_timed_out"] >= 2, "the core published its counters")
         assert eng.stats()["questions_timed_out"] == 2
         await w.ok("close", session="late")
 
