@@ -48,6 +48,33 @@ def test_tapped_rows_are_transformers_hidden_states(tiny_model):
         Runner(model, store).execute([Work(BlockTable(), ids[:1], 0, want_tap=True)])
 
 
+def test_a_forward_stopped_at_the_tap_gives_the_full_forwards_tap_and_leaves_the_layers_above_alone(tiny_model):
+    model = LlamaForward(tiny_model.config, tiny_model.state_dict)
+    ids = tiny_model.tokenizer("10:00 100 +3 v1.0K\n10:01 102 +2 v1.1K\n")["input_ids"]
+    layer = 1
+    taps, pools = [], []
+    for tap_only in (False, True):
+        store = KVStore(BlockManager(16, 16), KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim))
+        store.pool.k.zero_()  # the pool's cells start as torch.empty
+        store.pool.v.zero_()
+        runner = Runner(model, store, tap_layer=layer)
+        table = BlockTable()
+        store.manager.append(table, len(ids))
+        first, second = Work(table, ids[:7], 0, "none", want_tap=True), Work(table, ids[7:], 7, "none", want_tap=True)
+        assert runner.execute([first], tap_only=tap_only) == [None]
+        runner.execute([second], tap_only=tap_only)  # the second chunk reads the first's cells below the tap
+        taps.append(torch.cat([first.tap, second.tap]))
+        pools.append(store.pool)
+    assert torch.equal(taps[0], taps[1])  # exactly: the same ops on the same rows
+    full, stopped = pools
+    assert torch.equal(full.k[:layer], stopped.k[:layer]) and torch.equal(full.v[:layer], stopped.v[:layer])
+    assert not stopped.k[layer:].any() and not stopped.v[layer:].any()  # never written above the tap
+    store = KVStore(BlockManager(16, 16), KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim))
+    with pytest.raises(ValueError, match="tap alone"):
+        Runner(model, store, tap_layer=layer).execute([Work(BlockTable(), ids[:1], 0, "last", want_tap=True)],
+                                                      tap_only=True)
+
+
 # Token ids of a toy session: 9 starts a word (like "Ġ4"), 7 too (like "Ġv"), 6 too but spells nothing
 # (like a bare "Ġ"), 8 is the newline (also whitespace); 5 prefix tokens.
 TOY_IDS = [1, 1, 1, 1, 1,  2, 3, 9, 8,  2, 9, 8,  2, 2, 9, 3, 7, 3, 3, 8,  8,  2, 9, 6, 4, 7, 3, 9, 3, 8]

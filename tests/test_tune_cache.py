@@ -147,9 +147,11 @@ def test_a_second_tune_with_another_question_extracts_nothing(tiny_model, tmp_pa
     a, b = ({h.question_id: h for h in load_adapter(tmp_path / d).heads} for d in "ab")
     for qid in ("trend", "sma"):  # the same states give the same heads, to the bit
         assert torch.equal(a[qid].proj, b[qid].proj) and torch.equal(a[qid].lags, b[qid].lags)
-    # With the base model's figures, only the judged windows branch the new question.
+    # With the base model's figures, only the judged window (later; not train, not dev) branches the new question.
     assert cli_main([*argv, "--questions", str(second), "--out", str(tmp_path / "c")]) == 0
-    assert _summary(capsys.readouterr().err) == (2, 2, 0)
+    assert _summary(capsys.readouterr().err) == (3, 1, 0)
+    card = json.loads((tmp_path / "c" / "card.json").read_text())
+    assert set(card["questions"]["ema"]["base_model"]) == {"later"} and "dev" in card["questions"]["ema"]["judged"]
     # The cached lines are those a run of its own extracts.
     assert cli_main([*argv, "--questions", str(second), "--out", str(tmp_path / "d"), "--no-cache"]) == 0
     own = sorted((tmp_path / "d" / "states").glob("*/window-*.safetensors"))

@@ -76,18 +76,23 @@ class Runner:
         )
         return batch, logit_slices
 
-    def execute(self, works: list[Work]) -> list[torch.Tensor | None]:
-        """Logits per work: [vocab] for LAST, [n, vocab] for ALL, None for NONE."""
+    def execute(self, works: list[Work], *, tap_only: bool = False) -> list[torch.Tensor | None]:
+        """Logits per work: [vocab] for LAST, [n, vocab] for ALL, None for NONE.
+
+        tap_only: every work wants its tap and nothing else, so the forward stops at the tap layer
+        (LlamaForward.forward's stop_at_tap: the layers above leave these rows' cells unwritten)."""
         if not works:
             return []
         want_tap = any(w.want_tap for w in works)
         if want_tap and self.tap_layer is None:
             raise ValueError("a work wants tapped rows but the runner has no tap_layer")
+        if tap_only and not all(w.want_tap and not w.want_hidden and w.want_logits == Logits.NONE for w in works):
+            raise ValueError("tap_only: every work must want its tap alone (no logits, no hidden state)")
         batch, logit_slices = self.build_batch(works)
         want_hidden = any(w.want_hidden for w in works)
         tap_layer = self.tap_layer if want_tap else None
         result = self.model.forward(batch, self.store.pool.k, self.store.pool.v, return_hidden=want_hidden,
-                                  tap_layer=tap_layer)
+                                  tap_layer=tap_layer, stop_at_tap=tap_only)
         logits = result if isinstance(result, torch.Tensor) else result.logits
         if want_hidden or tap_layer is not None:
             for w, sl, seq in zip(works, logit_slices, batch.seqs, strict=True):

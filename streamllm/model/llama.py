@@ -63,7 +63,7 @@ class ForwardBatch:
 class ForwardOut(NamedTuple):
     """What a forward returns when more than logits is asked for."""
 
-    logits: torch.Tensor  # [R, vocab] fp32 for logit_rows
+    logits: torch.Tensor | None  # [R, vocab] fp32 for logit_rows (None: a forward stopped at its tap layer)
     hidden: torch.Tensor | None  # [R, H] final-normed hidden states of the same rows (choice heads), fp32
     tap: torch.Tensor | None  # [T, H] the residual stream of every row after `tap_layer` layers (series heads), fp32
 
@@ -272,7 +272,8 @@ class LlamaForward:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                return_hidden: bool = False, tap_layer: int | None = None) -> torch.Tensor | ForwardOut:
+                return_hidden: bool = False, tap_layer: int | None = None,
+                stop_at_tap: bool = False) -> torch.Tensor | ForwardOut:
         """Run the batch, writing its K/V into the caches; returns fp32 logits [R, vocab] for logit_rows.
 
         k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype). With
@@ -281,9 +282,16 @@ class LlamaForward:
         first `tap_layer` layers (transformers' hidden_states[tap_layer] below the last layer, where
         transformers' is the normed one; what a series head reads).
         Both are computed anyway, so asking for them costs nothing.
+
+        stop_at_tap: run only the first `tap_layer` layers and return the tap alone (logits None). The
+        tap is exactly the full forward's (the same ops on the same rows); the batch's K/V cells of the
+        layers above are left unwritten, so nothing may attend to these rows' cells there afterwards
+        (a tuning window whose lines alone are wanted: engine sessions never stop early).
         """
         if tap_layer is not None and not 0 <= tap_layer <= self.num_layers:
             raise ValueError(f"tap_layer {tap_layer} is outside 0..{self.num_layers}")
+        if stop_at_tap and (tap_layer is None or return_hidden):
+            raise ValueError("stop_at_tap needs a tap_layer and returns neither logits nor hidden states")
         if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
             raise ValueError(f"KV cells are {k_cache.dtype}/{v_cache.dtype}, the model runs {self.kv_dtype}")
         positions = batch.positions
@@ -306,7 +314,8 @@ class LlamaForward:
         grouped = {i for _, members in batch.groups for i in members}
         parts = [plan_parts(seq, g, self.dtype, h.device, shared=i in grouped) for i, seq in enumerate(batch.seqs)]
         one = len(batch.seqs) == 1
-        for li, layer in enumerate(self.layers):
+        depth = tap_layer if stop_at_tap else self.num_layers
+        for li, layer in enumerate(self.layers[:depth]):
             x = self._rmsnorm(h, layer.input_norm)
             qkv = self._linear(x, "qkv", li, layer.qkv_bias)
             # q and k rotate together: [T, Hq + Hkv, D]
@@ -336,6 +345,8 @@ class LlamaForward:
             h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
             if li + 1 == tap_layer:
                 tap = h  # a new tensor each layer: keeping the reference is the copy
+        if stop_at_tap:
+            return ForwardOut(None, None, tap)
         normed = self._rmsnorm(h[batch.logit_rows], self.final_norm)
         logits = self._linear(normed, "lm_head").float()
         if not return_hidden and tap_layer is None:

@@ -61,7 +61,8 @@ def _intro(card: dict[str, Any]) -> list[str]:
                 f"Method `series` on `{card['model']}`: per question, a readout over the session's last {se['lines']} "
                 f"lines, each line read as {_line_features(se)} of the residual stream after layer {se['tap_layer']}, "
                 f"projected to {se['rank']} numbers (plus their magnitudes) and weighed per line{_orders(se)}. Judged at "
-                f"every bar with {se['lines']} lines of history (base model: at the decision points). {run}, "
+                f"every bar with {se['lines']} lines of history (base model: at the decision points of the sets never "
+                f"trained or tuned on). {run}, "
                 f"{card['fit_steps']} AdamW steps, {card['adapter_bytes']} bytes.", data, "", gate, ""]
     return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
             f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     import argparse
 
 SPLIT = (0.7, 0.8)  # train | dev | later, as fractions of each data file's bars
+# The sets a series card shows the base model's own answers on: those never trained or tuned on. Their
+# windows run the whole model (decision points branch off them); the others stop at the tap layer.
+BASE_MODEL_SETS = ("later", "other", "synthetic")
 
 
 class TuneError(ValueError):

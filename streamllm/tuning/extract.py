@@ -146,7 +146,8 @@ class StateExtractor:
                       ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], int]:
         """One pass over the window's session: every line's features (with a tap layer, else None) and,
         per question id of `points`, the decision-point hidden states [n, H] after the given bars; with
-        the tokens computed (session + branches). Branches run bar by bar, each bar's questions side by side."""
+        the tokens computed (session + branches). Branches run bar by bar, each bar's questions side by side.
+        Without decision points the session runs only up to the tap layer (lines are all it is read for)."""
         lines = render_window(bars, self.spec.render.changes)
         ids, ends = self.session_ids(lines)
         if len(ids) > self.max_window_tokens:
@@ -157,12 +158,15 @@ class StateExtractor:
         taps = LineTaps(len(lines), self.words, self.word_starts, self.word_texts) if self.tap_layer is not None else None
         order = {qid: k for k, qid in enumerate(self.question_ids)}
         pending = sorted(((bar, qid) for qid, at in points.items() for bar in at), key=lambda p: (p[0], order[p[1]]))
+        # Lines alone (no branch reads the session's upper layers): the forward stops at the tap layer.
+        # Its features are the full forward's exactly, so the cache key does not say which ran.
+        tap_only = taps is not None and not pending
         try:
             manager.append(session, len(ids))
             for start in range(0, len(ids), CHUNK_TOKENS):
                 chunk = ids[start: start + CHUNK_TOKENS]
                 work = Work(session, chunk, start, "none", want_tap=taps is not None)
-                self.runner.execute([work])
+                self.runner.execute([work], tap_only=tap_only)
                 if taps is not None:  # the engine's own rule for a session's line features
                     taps.add(work.tap, start, chunk, ends, 0, len(self.prefix))
                 computed += len(chunk)

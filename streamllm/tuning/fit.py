@@ -25,7 +25,7 @@ from streamllm.model.adapter import CARD_FILE, ChoiceHead, SeriesHead, save_head
 from streamllm.model.seriesfit import Samples, SeriesFit, feature_sets, fit_series, samples
 from streamllm.tuning.cache import StateCache, samples_key
 from streamllm.tuning.card import card_markdown
-from streamllm.tuning.data import SPLIT, Task, WindowPlan
+from streamllm.tuning.data import BASE_MODEL_SETS, SPLIT, Task, WindowPlan
 from streamllm.tuning.headfit import calibrate_threshold, fit_head, judge
 from streamllm.tuning.lora import ChoiceScorer
 
@@ -170,8 +170,8 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0, cache: StateC
                 if len(ys):
                     entry.setdefault("first_lines", {})[s] = judge(logits, ys, q.choices, head.threshold,
                                                                    args.target_precision, blocks)
-            if args.method == "series" and not args.base_model:  # --no-base-model: no decision points
-                continue
+            if args.method == "series" and (not args.base_model or s.split("/")[0] not in BASE_MODEL_SETS):
+                continue  # --no-base-model, or a development set: no decision points (data.BASE_MODEL_SETS)
             xs, ys = _gather(got, s, members, hidden)  # the base model at the decision points
             entry["base_model"][s] = judge(_base_logits(tasks[0].extractor, q, xs), ys, q.choices, math.inf,
                                            args.target_precision)

@@ -52,6 +52,7 @@ from streamllm.model.loader import load_model
 from streamllm.tuning.cache import StateCache, default_root, lines_name, points_name
 from streamllm.tuning.card import card_markdown
 from streamllm.tuning.data import (
+    BASE_MODEL_SETS,
     SPLIT,
     Task,
     TuneError,
@@ -291,8 +292,10 @@ def _window_states(task: Task, plan: WindowPlan, args: argparse.Namespace, cache
     key = cache.key(ids, ends, len(ex.prefix))
     labels = window_labels(task.questions, window)
     at = {q.id: decision_bars(len(window), args.stride, labels[q.id]) for q in task.questions}
-    # Decision-point states: a head's inputs; for series only the base model's figures on judged sets.
-    pointed = (args.method == "head" or (args.base_model and plan.set != "train"))
+    # Decision-point states: a head's inputs; for series only the base model's figures on the judged sets
+    # (never trained or tuned on). Every other window is read for its lines alone, which stops the forward
+    # at the tap layer (StateExtractor.extract_parts).
+    pointed = (args.method == "head" or (args.base_model and plan.set in BASE_MODEL_SETS))
     names = {q.id: points_name(ex.question_ids[q.id]) for q in task.questions}
     lines = lines_name(args.tap_layer, args.words) if args.method == "series" else None
     tensors, cost = cache.read(key)
