@@ -12,6 +12,7 @@ import asyncio
 import http.client
 import json
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,13 @@ from websockets.exceptions import InvalidStatus
 
 from streamllm.cli.record import credentials
 from streamllm.client import Client, ServiceError
-from streamllm.client.local_token import find_token, read_token, token_path, write_token
+from streamllm.client.local_token import (
+    find_token,
+    prune_stale_tokens,
+    read_token,
+    token_path,
+    write_token,
+)
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.client import ReplicaControl
 from streamllm.service.edge import EdgeRules
@@ -302,6 +309,23 @@ def test_the_local_token_file_is_private_and_read_by_the_client(engine, serve_in
         status, health = request(server, "GET", "/health", headers={"Authorization": f"Bearer {token}"})
         assert status == 200 and "queue_depths" in health
         assert "queue_depths" not in request(server, "GET", "/health")[1]  # to anyone else: public health
+
+
+def test_token_files_of_ports_nothing_listens_on_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMLLM_HOME", str(tmp_path / "home"))
+    with socket.socket() as live, socket.socket() as dead:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        dead.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused, as to a killed server
+        ports = {name: sock.getsockname()[1] for name, sock in (("live", live), ("dead", dead))}
+        for port in ports.values():
+            write_token(port, f"tok-{port}")
+        kept = write_token(ports["dead"] + 1 if ports["dead"] + 1 != ports["live"] else ports["dead"] + 2, "mine")
+        (tmp_path / "home" / "serve-notaport.token").write_text("x\n")  # not ours to judge: left alone
+        keep = int(kept.stem.removeprefix("serve-"))
+        assert prune_stale_tokens(keep=keep) == [token_path(ports["dead"])]
+        assert token_path(ports["live"]).exists() and kept.exists() and not token_path(ports["dead"]).exists()
+        assert (tmp_path / "home" / "serve-notaport.token").exists()
 
 
 # -- /health -----------------------------------------------------------------------------

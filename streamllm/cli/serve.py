@@ -31,7 +31,7 @@ from typing import Any
 
 from feeds.sources import read_options
 from streamllm.cli.common import add_read_args
-from streamllm.client.local_token import new_token, remove_token, write_token
+from streamllm.client.local_token import new_token, prune_stale_tokens, remove_token, write_token
 from streamllm.config import (
     LIVE_VENUES,
     ConfigError,
@@ -165,6 +165,7 @@ async def serve_forever(args: argparse.Namespace, tenants: Tenants, config: Quer
         except OSError as exc:
             print(f"streamllm serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
             return 2
+        prune_stale_tokens(keep=server.port)  # files of killed servers: clutter, and stale tokens
         if local_token is not None:  # the port is known now (--port 0 picks one)
             token_file = write_token(server.port, local_token)
         else:  # a file for this port is a killed server's: clients would send its stale token

@@ -6,7 +6,8 @@ Jupyter does), kept in a file only its user can read, found there by the clients
 A client looks for a token in this order: the one it is given (`--token`, `token=`), then
 $STREAMLLM_TOKEN, then this file for the URL's port, and only when the URL names this machine
 (localhost, 127.0.0.1, [::1]): a remote server is never sent the local token. The server
-removes the file when it stops.
+removes the file when it stops, and at start those of ports nothing listens on any more (servers
+that were killed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import ipaddress
 import os
 import secrets
+import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -61,6 +63,34 @@ def remove_token(port: int, token: str | None = None) -> None:
     with contextlib.suppress(OSError):
         if token is None or path.read_text().strip() == token:
             path.unlink()
+
+
+def prune_stale_tokens(keep: int | None = None) -> list[Path]:
+    """Remove the token files of ports nothing on this machine listens on (servers that were killed
+    before they could remove their own), except `keep`'s; returns the files removed. A server that
+    listens, on the IPv4 or the IPv6 loopback, keeps its file."""
+    removed = []
+    for path in state_dir().glob("serve-*.token"):
+        try:
+            port = int(path.stem.removeprefix("serve-"))
+        except ValueError:
+            continue
+        if port == keep or not 0 < port < 65536 or _listening(port):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _listening(port: int) -> bool:
+    for host in ("127.0.0.1", "::1"):
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _local_port(url: str) -> int | None:
