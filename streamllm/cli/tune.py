@@ -9,6 +9,7 @@ from pathlib import Path
 
 from streamllm.cli.common import add_read_args
 from streamllm.config import ConfigError
+from streamllm.model import seriesfit
 from streamllm.model.words import check_words
 from streamllm.tuning import tune
 from streamllm.tuning.card import card_markdown
@@ -107,6 +108,10 @@ def parser() -> argparse.ArgumentParser:
                         help="best: the candidate of the lowest mean development loss; simplest: the fewest features "
                              "(then the most weight decay) within one standard error of it over the --fit-orders "
                              "(steadier where candidates differ by less than the orders' own spread)")
+    series.add_argument("--reduce", type=int, default=seriesfit.REDUCE or 0, metavar="D",
+                        help="fit a feature set wider than D through its D leading principal directions: fits a few "
+                             "times faster, heads a few points less accurate on other markets (docs/tuning.md); "
+                             "0, the default: every column")
     series.add_argument("--words", type=_words, default=(2, "v"), metavar="I,J",
                         help="words whose last token each line's features add: an index, or a prefix for the "
                              "line's first word that starts with it (default 2,v: a bar line's change and volume, "

@@ -13,8 +13,11 @@ def _orders(series: dict[str, Any]) -> str:
     n = series.get("fit_orders", 1)
     rule = (" (the fewest features, then the most weight decay, within one standard error of the lowest)"
             if series.get("choose") == "simplest" else "")
-    return (f"; each head the mean of {n} fits in their own minibatch orders, its features and weight decay "
-            f"chosen by their mean development loss{rule}" if n > 1 else "")
+    reduce = series.get("reduce")
+    reduced = (f"; a feature set wider than {reduce} columns fitted through its {reduce} leading principal "
+               "components" if reduce else "")
+    return reduced + (f"; each head the mean of {n} fits in their own minibatch orders, its features and weight "
+                      f"decay chosen by their mean development loss{rule}" if n > 1 else "")
 
 
 def _line_features(series: dict[str, Any]) -> str:

@@ -82,6 +82,12 @@ def _fit_entry(args, head_id, q, members, got, sets, hidden):
     return head, {"l2": fit.l2, "train_samples": len(y), "steps": fit.steps}, scores
 
 
+def _reduce(args) -> int | None:
+    """--reduce: the principal components a wide feature set is fitted through (None: every column)."""
+    d = getattr(args, "reduce", seriesfit.REDUCE)
+    return d or None
+
+
 def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, cache: StateCache | None,
                 q: QuestionSpec) -> tuple[SeriesFit, bool]:
     """fit_series, or the fit it gave before on exactly these samples and settings (the fit is deterministic,
@@ -89,7 +95,8 @@ def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, c
     settings = {"classes": classes, "k": args.lines, "rank": args.series_rank, "seed": args.seed,
                 "sets": len(args.words), "hidden": hidden, "orders": args.fit_orders, "choose": args.choose,
                 "constants": [seriesfit.STEPS, seriesfit.BATCH, seriesfit.EVAL_EVERY, seriesfit.LR,
-                              list(seriesfit.WEIGHT_DECAY), seriesfit.REDUCE], "torch": torch.__version__}
+                              list(seriesfit.WEIGHT_DECAY)], "reduce": _reduce(args), "version": seriesfit.FIT_VERSION,
+                "torch": torch.__version__}
     key = None
     if cache is not None:
         key = samples_key(settings, *(getattr(s, f) for s in (train, dev)
@@ -102,7 +109,7 @@ def _series_fit(train: Samples, dev: Samples, classes: int, args, hidden: int, c
                              candidates), True
     fit = fit_series(train, dev, classes, k=args.lines, rank=args.series_rank, seed=args.seed,
                      sets=feature_sets(hidden, len(args.words)), orders=args.fit_orders, choose=args.choose,
-                     reduce=seriesfit.REDUCE)
+                     reduce=_reduce(args))
     if cache is not None:
         notes = {"weight_decay": fit.weight_decay, "steps": fit.steps, "dev_loss": fit.dev_loss,
                  "features": fit.features, "candidates": [[n, w, m, se] for (n, w), (m, se) in fit.candidates.items()]}
@@ -202,7 +209,8 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0, cache: StateC
     }
     if args.method == "series":
         card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
-                          "fit_orders": args.fit_orders, "choose": args.choose, "words": list(args.words)}
+                          "fit_orders": args.fit_orders, "choose": args.choose, "words": list(args.words),
+                          "reduce": _reduce(args)}
     (args.out / CARD_FILE).write_text(json.dumps(card, indent=1) + "\n")
     (args.out / "card.md").write_text(card_markdown(card))
     return card

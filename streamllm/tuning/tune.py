@@ -194,9 +194,10 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
         raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0, --judge-windows >= 1 and "
                         "--mix-dev-windows >= 0")
     if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.fit_orders < 1
-                                    or args.window <= args.lines):
-        raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1 and --window > "
-                        f"--lines (got {args.lines}, {args.series_rank}, {args.fit_orders}, {args.window})")
+                                    or args.window <= args.lines or getattr(args, "reduce", 0) < 0):
+        raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1, --reduce >= 0 "
+                        f"and --window > --lines (got {args.lines}, {args.series_rank}, {args.fit_orders}, "
+                        f"{getattr(args, 'reduce', 0)}, {args.window})")
     if args.mix_dev_windows and all(m.startswith("synthetic") for m in args.mix):
         print("streamllm tune: --mix-dev-windows: no --mix table to draw them from (synthetic markets and "
               "--mix-as variants train only)", file=sys.stderr)
