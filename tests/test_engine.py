@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -293,3 +294,79 @@ def test_concurrent_pushes_to_one_session_get_distinct_versions_in_order(engine)
     info = engine.session_info("race")
     assert info.data_version == info.pushed_version == 160 and info.lines_ingested == 160
     assert engine.stats()["core_alive"] == 1
+
+
+def _cut_in_engine(tiny, cut_ins: int = 4):
+    # One big chunk per step, so the ingest of session b is one step a question can arrive during.
+    return Engine(tiny, EngineConfig(max_cells=16384, block_size=8, max_context=4096,
+                                     scheduler=SchedulerConfig(chunk_tokens=1024, step_tokens=1024,
+                                                               cut_ins_per_step=cut_ins)))
+
+
+def _ask_during_ingest(eng, before=()):
+    """Push 40 lines to session b and, as the step that ingests them starts (on the core thread, as if from a
+    client), submit `before` (callables) and then a cold 1-token ask on a. Returns (the answer, b's computed
+    tokens when it came, b's computed tokens before the push)."""
+    core, asked, seen = eng.core, [], []
+    execute = core.runner.execute
+
+    def starting(works, **kw):
+        if not asked and any(w.table is eng.sessions["b"].table for w in works):
+            for submit in before:
+                submit()
+            future = eng.submit_ask("a", "Trend?", max_tokens=1, return_logits=True)
+            future.add_done_callback(lambda _: seen.append(eng.sessions["b"].num_computed))
+            asked.append(future)
+        return execute(works, **kw)
+
+    core.runner.execute = starting
+    computed = eng.sessions["b"].num_computed
+    eng.push("b", LINES[:40])
+    assert eng.wait_idle(30)
+    return asked[0].result(5), seen[0], computed
+
+
+def test_a_question_cuts_into_a_running_step_and_answers_as_it_would_have_before_it(tiny):
+    eng = _cut_in_engine(tiny)
+    try:
+        eng.open_session("a")
+        eng.open_session("b")
+        eng.push("a", LINES[:20])
+        eng.wait_idle()
+        idle = eng.ask("a", "Trend?", max_tokens=1, return_logits=True)
+        answer, b_at_answer, b_before = _ask_during_ingest(eng)
+        assert b_at_answer == b_before  # answered inside the step that ingests b, before it ended
+        assert eng.scheduler.stats.cut_in_steps == 1
+        assert answer.data_version == idle.data_version and answer.text == idle.text
+        assert (answer.logits - idle.logits).abs().max().item() <= 1e-4
+        assert eng.sessions["b"].num_computed > b_before  # and the step it cut into finished its work
+        after = eng.ask("b", "Trend?", max_tokens=1, return_logits=True)
+        eng.open_session("c")
+        ack = eng.push("c", LINES[:40])
+        alone = eng.ask("c", "Trend?", max_tokens=1, return_logits=True, min_version=ack.data_version)
+        assert after.data_version == alone.data_version == 1
+        assert (after.logits - alone.logits).abs().max().item() <= 1e-4  # b's cells are as if never cut
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("cut_ins, push_first", [(4, True), (0, False)])
+def test_a_question_never_cuts_in_ahead_of_a_command_sent_before_it_nor_when_cut_ins_are_off(tiny, cut_ins,
+                                                                                             push_first):
+    eng = _cut_in_engine(tiny, cut_ins)
+    try:
+        eng.open_session("a")
+        eng.open_session("b")
+        eng.push("a", LINES[:20])
+        eng.wait_idle()
+        applied, apply = [], eng.core._apply
+        eng.core._apply = lambda cmd: (applied.append((type(cmd).__name__, getattr(cmd, "name", None))), apply(cmd))
+        before = [functools.partial(eng.push, "a", [LINES[20]])] if push_first else []
+        answer, b_at_answer, b_before = _ask_during_ingest(eng, before)
+        assert eng.scheduler.stats.cut_in_steps == 0 and b_at_answer > b_before  # it waited for the step
+        sent = [("Push", "b"), *([("Push", "a")] if push_first else []), ("Ask", "a")]
+        assert [c for c in applied if c[0] != "WaitIdle"] == sent and answer.data_version == 1  # in the order sent
+        eng.check_integrity()
+    finally:
+        eng.shutdown()

@@ -44,7 +44,7 @@ def test_health_is_failing_while_every_step_fails_and_recovers_after(tiny_model,
 
             real = engine.core.runner.execute
 
-            def broken(works):
+            def broken(works, **_):
                 raise RuntimeError("CUDA error: device-side assert (injected)")
 
             monkeypatch.setattr(engine.core.runner, "execute", broken)

@@ -403,3 +403,27 @@ def test_back_to_back_questions_wait_at_most_one_short_step_and_run_alone():
         for entry in entries:
             m.free(entry.table)
     assert moved[INGEST] > 0 and moved[BACKGROUND] > 0
+
+
+def test_a_cut_in_plans_the_questions_alone_and_uncut_beside_the_step_in_flight():
+    """A question arriving while a step runs gets a step of its own between two of that step's layers
+    (EngineCore._cut_in): the cut-in plan holds the questions alone, each up to a chunk, with cells of
+    their own; the plan in flight keeps its cells and the scheduler's turn-taking is not moved."""
+    m = BlockManager(256, 16)
+    sched = Scheduler(m, SchedulerConfig(chunk_tokens=64, step_tokens=256, ingest_floor=16))
+    s = session(m, "a", 200)
+    in_flight = sched.schedule([s])
+    assert in_flight.tokens_of(INGEST) == 64 and sched.stats.steps == 1
+    flight_cells = list(s.table.blocks)
+    short, long = branch(s, 30), branch(s, 100)
+    cut = sched.cut_in([short, long])
+    planned = {id(i.seq): (len(i.token_ids), i.sched_class, i.want_logits) for i in cut.items}
+    assert planned == {id(short): (30, INTERACTIVE, short.want_logits), id(long): (64, INTERACTIVE, "none")}
+    assert s.table.blocks == flight_cells and not set(short.table.blocks) & set(s.table.blocks)
+    assert sched.stats.cut_in_steps == 1 and sched.stats.steps == 2
+    assert not sched.cut_in([]) and sched.stats.cut_in_steps == 1
+    run_fake(in_flight)
+    run_fake(cut)
+    # The next step runs the long question's rest, alone: questions keep coming.
+    follow = sched.schedule([s, long])
+    assert follow.tokens_of(INTERACTIVE) == 36 and follow.num_tokens == 36

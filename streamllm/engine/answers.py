@@ -154,14 +154,31 @@ class Answerer:
     def tables(self) -> list[BlockTable]:
         return [b.table for b in self.running + self.waiting if b.table is not None]
 
-    def start_waiting(self) -> None:
+    def start_waiting(self, *, cutting_in: bool = False) -> None:
         """Fork waiting asks whose data version is in. A preempted ask goes first: it restarts once
         nothing else runs, or once the pool holds all it still needs. While it waits, only asks whose
         whole need fits beside the running ones start (backfilling, as batch schedulers do): they can
         neither block nor be blocked, and give their cells back before the preempted ask could use
-        them, so a short question is not held behind a long one that filled the pool."""
+        them, so a short question is not held behind a long one that filled the pool.
+
+        cutting_in: while a step runs (EngineCore._cut_in), only asks that were never preempted and whose
+        fork fits the free cells start; nothing is evicted (the running step may hold what would go)."""
         head_waits = False
         for br in [b for b in self.waiting if self.can_start(b)]:
+            if cutting_in:
+                if br.preempted or head_waits:
+                    head_waits = True  # an older ask waits for cells: none overtakes it mid-step
+                    continue
+                s = br.session
+                try:
+                    br.table = self.store.fork(s.table, s.version_length(s.data_version))
+                except KVCapacityError:
+                    head_waits = True
+                    continue
+                br.base_len, br.data_version = s.version_length(s.data_version), s.data_version
+                self.waiting.remove(br)
+                self.running.append(br)
+                continue
             if br.preempted and self.running and not self._fits_whole(br):
                 head_waits = True
                 continue

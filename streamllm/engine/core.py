@@ -72,6 +72,7 @@ from streamllm.engine.sequence import (
     DecodeBranch,
     EntryBranch,
     Logits,
+    SchedClass,
     Sequence,
     Session,
 )
@@ -121,6 +122,9 @@ class EngineCore:
                                    chunk_tokens=scheduler.config.chunk_tokens)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._held: Command | None = None  # taken from the inbox past a drain's limit; first in the next one
+        self._ask_waiting = False  # submit() saw an Ask: the running step lets it cut in (`_cut_in`)
+        self._cut_ins_left = 0  # cut-ins the running step still allows
+        self._cut_in_s = 0.0  # wall time the running step lent to cut-ins (its own cost excludes it)
         self._stop = False
         self.stopped = False
         self.failure: BaseException | None = None
@@ -164,6 +168,8 @@ class EngineCore:
             settle(cmd.future, error=self.stopped_error())
             return cmd.future
         self._inbox.put(cmd)
+        if isinstance(cmd, Ask):
+            self._ask_waiting = True  # after the put: the core that reads it finds the ask in the inbox
         if self.stopped:  # stopped between the check and the put: nobody else will drain it
             self._fail_inbox()
         return cmd.future
@@ -411,28 +417,74 @@ class EngineCore:
         return [*self.answerer.running, *self.prepos.jobs(), *self.sessions.values(), *self.compactor.copies.values()]
 
     def _step(self, plan: Plan) -> None:
+        # Questions cut into steps of ingest and background work only: a step holding questions is short
+        # already, and one arriving during it joins the next step, batched with the others.
+        questions = plan.tokens_of(SchedClass.INTERACTIVE)
+        self._cut_ins_left = 0 if questions else self.scheduler.config.cut_ins_per_step
+        self._cut_in_s = 0.0
+        in_flight = {id(item.seq) for item in plan.items}
+        ran = self._execute(plan, (lambda: self._cut_in(in_flight)) if self._cut_ins_left else None)
+        self._cut_ins_left = 0
+        if not ran:
+            return
+        self.compactor.swap_caught_up()
+        if self.check_every_step:
+            self.check_integrity()
+
+    def _execute(self, plan: Plan, between_layers=None) -> bool:
+        """Run one plan's forward and apply what it computed; False when the forward failed (its questions
+        fail, its data stays pending). between_layers: the outer step's hook (`_cut_in`); a cut-in's own
+        step has none."""
         works = [Work(i.seq.table, i.token_ids, i.start_pos, i.want_logits,
                       want_hidden=i.want_logits == Logits.LAST and self.prepos.wants_hidden(i.seq),
                       want_tap=isinstance(i.seq, Session) and i.seq.taps is not None) for i in plan.items]
         t0 = time.perf_counter()
         try:
-            logits = self.runner.execute(works)
+            logits = self.runner.execute(works, between_layers=between_layers)
         except Exception as exc:  # a failed forward fails its questions, never the engine
             log.exception("forward failed")
             self.failed_steps += 1
             self.failing_in_a_row += 1
             self.last_step_error = repr(exc)
             self._fail_plan(plan, exc)
-            return
-        step_s = time.perf_counter() - t0
+            return False
+        lent = self._cut_in_s if between_layers is not None else 0.0  # the cut-ins' time is not this plan's
+        step_s = time.perf_counter() - t0 - lent
         self.failing_in_a_row = 0
         self._update(plan, logits, works)
-        self.compactor.swap_caught_up()
         self.step_times.record(step_s, plan.num_tokens)
         # What a question arriving now waits for: the forward and its update (a GPU's logits are read there).
-        self.scheduler.observe(plan, (time.perf_counter() - t0) * 1000)
-        if self.check_every_step:
-            self.check_integrity()
+        self.scheduler.observe(plan, (time.perf_counter() - t0 - lent) * 1000)
+        return True
+
+    def _cut_in(self, in_flight: set[int]) -> None:
+        """Between two layers of the running step: asks that came meanwhile are applied, and the questions
+        they start run a step of their own now, instead of waiting for the rest of this one.
+
+        Only the asks at the head of the inbox, in order: the first other command (a push, an open...) and
+        everything after it wait for the step, as ever. The cut-in step holds questions alone, none of them
+        in the running step; their forks take free cells only (nothing is evicted or compacted, nothing the
+        running step reads or writes changes). A session's data in flight is not in yet: a question cutting
+        in reads its session as of its last completed line, as it would have before the step."""
+        if not self._ask_waiting or self._cut_ins_left <= 0 or self._held is not None or self._stop:
+            return
+        self._ask_waiting = False
+        t0 = time.perf_counter()
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not isinstance(cmd, Ask):
+                self._held = cmd  # it, and whatever came after it, waits for the next drain
+                break
+            self._apply(cmd)
+        self.answerer.start_waiting(cutting_in=True)
+        plan = self.scheduler.cut_in([b for b in self.answerer.running if id(b) not in in_flight])
+        if plan:
+            self._cut_ins_left -= 1
+            self._execute(plan)  # its answers settle their futures; counters are published after the step
+        self._cut_in_s += time.perf_counter() - t0
 
     def _update(self, plan: Plan, logits: list, works: list[Work]) -> None:
         for item, lg, work in zip(plan.items, logits, works, strict=True):

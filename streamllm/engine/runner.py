@@ -6,6 +6,7 @@ Each `Work` names a block table whose slots for the new tokens are already assig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,11 +77,14 @@ class Runner:
         )
         return batch, logit_slices
 
-    def execute(self, works: list[Work], *, tap_only: bool = False) -> list[torch.Tensor | None]:
+    def execute(self, works: list[Work], *, tap_only: bool = False,
+                between_layers: Callable[[], None] | None = None) -> list[torch.Tensor | None]:
         """Logits per work: [vocab] for LAST, [n, vocab] for ALL, None for NONE.
 
         tap_only: every work wants its tap and nothing else, so the forward stops at the tap layer
-        (LlamaForward.forward's stop_at_tap: the layers above leave these rows' cells unwritten)."""
+        (LlamaForward.forward's stop_at_tap: the layers above leave these rows' cells unwritten).
+        between_layers: called between two layers of this forward; it may execute other works, whose
+        tables share no cell this batch writes (the engine's questions cut in there)."""
         if not works:
             return []
         want_tap = any(w.want_tap for w in works)
@@ -92,7 +96,7 @@ class Runner:
         want_hidden = any(w.want_hidden for w in works)
         tap_layer = self.tap_layer if want_tap else None
         result = self.model.forward(batch, self.store.pool.k, self.store.pool.v, return_hidden=want_hidden,
-                                  tap_layer=tap_layer, stop_at_tap=tap_only)
+                                  tap_layer=tap_layer, stop_at_tap=tap_only, between_layers=between_layers)
         logits = result if isinstance(result, torch.Tensor) else result.logits
         if want_hidden or tap_layer is not None:
             for w, sl, seq in zip(works, logit_slices, batch.seqs, strict=True):

@@ -29,8 +29,9 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     questions (one token each at least), so questions asked back to back alternate with
     short floor steps and never ride beside 16 + 16 tokens of floors;
   - quiet steps (no question within `busy_window_s`) can be bounded too (`quiet_step_latency_ms`,
-    off by default: long quiet steps refresh standing answers faster); the first question after
-    a quiet spell waits for one quiet step;
+    off by default: long quiet steps refresh standing answers faster);
+  - a question arriving while a step without questions runs cuts in between two of its layers
+    (`cut_in`, run by EngineCore._cut_in): a step of its own, at most `cut_ins_per_step` per step;
   - with no questions, background gets at least `background_share` of the step (standing
     answers keep up with a feed that saturates ingest), ingest the rest, and background
     whatever ingest leaves.
@@ -110,8 +111,16 @@ class SchedulerConfig:
     # pushed to 4 sessions x 4 standing questions was answered everywhere in 1,039 ms p50 unbounded,
     # 1,272 ms with 150 and 1,786 ms with 60).
     quiet_step_latency_ms: float | None = None
+    # Questions that arrive while a step of ingest or background work runs cut in between two of its
+    # layers: their own step runs then, and the step in flight finishes after (EngineCore._cut_in). At
+    # most this many per step, so a storm of questions cannot hold ingest back for ever; 0: a question
+    # waits for the step in flight.
+    cut_ins_per_step: int = 4
 
     def __post_init__(self) -> None:
+        if isinstance(self.cut_ins_per_step, bool) or not isinstance(self.cut_ins_per_step, int) \
+                or self.cut_ins_per_step < 0:
+            raise ValueError(f"SchedulerConfig.cut_ins_per_step must be an int >= 0, got {self.cut_ins_per_step!r}")
         for name in ("step_latency_ms", "quiet_step_latency_ms"):
             ms = getattr(self, name)
             if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
@@ -125,6 +134,7 @@ class SchedulerStats:
     floor_steps: dict[SchedClass, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))  # steps served at floor
     blocked: int = 0  # sequences skipped for lack of cells
     latency_bound_steps: int = 0  # steps whose work was cut to the latency target
+    cut_in_steps: int = 0  # question steps run between two layers of another step (`cut_in`)
     budget_last: int = 0  # the last step's token budget
 
 
@@ -266,6 +276,24 @@ class Scheduler:
                 self.stats.tokens[c] += n
                 if by_class[c] and n and n <= {INTERACTIVE: 0, INGEST: floor_ingest, BACKGROUND: floor_bg}[c]:
                     self.stats.floor_steps[c] += 1
+        return plan
+
+    def cut_in(self, questions: list[Sequence]) -> Plan:
+        """A step of `questions` alone, planned while another step runs: the core runs it between two of
+        that step's layers, so none of them may be in that step. Questions are never cut (up to
+        `chunk_tokens` each, `step_tokens` in all); the step in flight keeps its plan and its floors."""
+        plan = Plan()
+        questions = [q for q in questions if q.pending_ids]
+        if not questions:
+            return plan
+        self._last_question = self._clock()
+        self._fill(plan, INTERACTIVE, questions, self.config.step_tokens, self._turn)
+        if plan:
+            if self.cost.ready:
+                plan.predicted_ms = self.cost.predict(plan.shape)
+            self.stats.steps += 1
+            self.stats.cut_in_steps += 1
+            self.stats.tokens[INTERACTIVE] += plan.num_tokens
         return plan
 
     def _tokens_within(self, target_ms: float, by_class: dict[SchedClass, list[Sequence]]) -> int:

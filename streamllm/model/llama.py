@@ -17,6 +17,7 @@ steps with few rows (decode) read 4-bit copies of them instead (int4.py, `int4_r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -273,7 +274,7 @@ class LlamaForward:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 return_hidden: bool = False, tap_layer: int | None = None,
-                stop_at_tap: bool = False) -> torch.Tensor | ForwardOut:
+                stop_at_tap: bool = False, between_layers: Callable[[], None] | None = None) -> torch.Tensor | ForwardOut:
         """Run the batch, writing its K/V into the caches; returns fp32 logits [R, vocab] for logit_rows.
 
         k_cache, v_cache: [layers, Hkv, slots, D] (the KVPool tensors, in self.kv_dtype). With
@@ -287,6 +288,9 @@ class LlamaForward:
         tap is exactly the full forward's (the same ops on the same rows); the batch's K/V cells of the
         layers above are left unwritten, so nothing may attend to these rows' cells there afterwards
         (a tuning window whose lines alone are wanted: engine sessions never stop early).
+
+        between_layers: called before every layer but the first. It may run other forwards on other
+        slots (the engine's questions cut in there); this batch's own cells and rows are not touched.
         """
         if tap_layer is not None and not 0 <= tap_layer <= self.num_layers:
             raise ValueError(f"tap_layer {tap_layer} is outside 0..{self.num_layers}")
@@ -316,6 +320,8 @@ class LlamaForward:
         one = len(batch.seqs) == 1
         depth = tap_layer if stop_at_tap else self.num_layers
         for li, layer in enumerate(self.layers[:depth]):
+            if between_layers is not None and li:
+                between_layers()
             x = self._rmsnorm(h, layer.input_norm)
             qkv = self._linear(x, "qkv", li, layer.qkv_bias)
             # q and k rotate together: [T, Hq + Hkv, D]
