@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     sizes = parse_ints(args.sessions)
     top = max(sizes)
     budget = budget_for(args.context)
-    scheduler = SchedulerConfig(chunk_tokens=args.chunk, step_tokens=args.chunk * 2, cut_ins_per_step=args.cut_ins)
+    scheduler = SchedulerConfig(chunk_tokens=args.chunk, step_tokens=args.chunk * 2, cut_in_share=args.cut_in_share)
     engine = Engine(loaded, EngineConfig(max_cells=top * budget + 8192, max_context=budget, scheduler=scheduler))
     metrics: dict[str, float] = {}
     rows = []
@@ -203,8 +203,9 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--asks", type=int, default=12)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--chunk", type=int, default=128)
-    p.add_argument("--cut-ins", type=int, default=SchedulerConfig().cut_ins_per_step,
-                   help="questions that may cut into a running step of ingest (0: they wait for it)")
+    p.add_argument("--cut-in-share", type=float, default=SchedulerConfig().cut_in_share,
+                   help="how long questions may cut into a running step of ingest, as a share of its own time "
+                        "(0: they wait for it)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small contexts, short phases, 1 rep")
     p.add_argument("--json")
     args = p.parse_args(argv)

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from streamllm.engine import AdmissionError, Engine, EngineConfig, SchedulerConfig, SessionError
+from streamllm.engine.commands import CloseSession
 from streamllm.model import load_model
 
 LINES = [f"12:00:{i:02d} BTCUSDT O 640{i:02d}.5 H 640{i:02d}.9 L 639{i:02d}.1 C 640{i:02d}.2 V {i}.5" for i in range(40)]
@@ -296,11 +297,11 @@ def test_concurrent_pushes_to_one_session_get_distinct_versions_in_order(engine)
     assert engine.stats()["core_alive"] == 1
 
 
-def _cut_in_engine(tiny, cut_ins: int = 4):
+def _cut_in_engine(tiny, share: float = 2.0):
     # One big chunk per step, so the ingest of session b is one step a question can arrive during.
     return Engine(tiny, EngineConfig(max_cells=16384, block_size=8, max_context=4096,
                                      scheduler=SchedulerConfig(chunk_tokens=1024, step_tokens=1024,
-                                                               cut_ins_per_step=cut_ins)))
+                                                               cut_in_share=share)))
 
 
 def _ask_during_ingest(eng, before=()):
@@ -351,22 +352,29 @@ def test_a_question_cuts_into_a_running_step_and_answers_as_it_would_have_before
         eng.shutdown()
 
 
-@pytest.mark.parametrize("cut_ins, push_first", [(4, True), (0, False)])
-def test_a_question_never_cuts_in_ahead_of_a_command_sent_before_it_nor_when_cut_ins_are_off(tiny, cut_ins,
-                                                                                             push_first):
-    eng = _cut_in_engine(tiny, cut_ins)
+@pytest.mark.parametrize("share, before", [(2.0, "push"), (2.0, "close"), (0.0, "")])
+def test_a_question_overtakes_only_pushes_sent_before_it_and_never_when_cut_ins_are_off(tiny, share, before):
+    """A push only queues data no cut-in computes, so an ask may be applied before one sent ahead of it
+    (the push keeps its place among the other commands); any other command keeps the asks behind it."""
+    eng = _cut_in_engine(tiny, share)
     try:
-        eng.open_session("a")
-        eng.open_session("b")
+        for name in "abc":
+            eng.open_session(name)
         eng.push("a", LINES[:20])
         eng.wait_idle()
         applied, apply = [], eng.core._apply
         eng.core._apply = lambda cmd: (applied.append((type(cmd).__name__, getattr(cmd, "name", None))), apply(cmd))
-        before = [functools.partial(eng.push, "a", [LINES[20]])] if push_first else []
-        answer, b_at_answer, b_before = _ask_during_ingest(eng, before)
-        assert eng.scheduler.stats.cut_in_steps == 0 and b_at_answer > b_before  # it waited for the step
-        sent = [("Push", "b"), *([("Push", "a")] if push_first else []), ("Ask", "a")]
-        assert [c for c in applied if c[0] != "WaitIdle"] == sent and answer.data_version == 1  # in the order sent
+        sends = {"push": [functools.partial(eng.push, "a", [LINES[20]]), functools.partial(eng.push, "c", LINES[:2])],
+                 "close": [functools.partial(eng.core.submit, CloseSession("c"))], "": []}[before]
+        answer, b_at_answer, b_before = _ask_during_ingest(eng, sends)
+        applied = [c for c in applied if c[0] != "WaitIdle"]
+        if before == "push":  # cut in ahead of both pushes, which then apply in the order they came
+            assert eng.scheduler.stats.cut_in_steps == 1 and b_at_answer == b_before
+            assert applied == [("Push", "b"), ("Ask", "a"), ("Push", "a"), ("Push", "c")]
+        else:  # behind the close (or with cut-ins off): it waited for the step, in the order sent
+            assert eng.scheduler.stats.cut_in_steps == 0 and b_at_answer > b_before
+            assert applied == [("Push", "b"), *([("CloseSession", "c")] if before else []), ("Ask", "a")]
+        assert answer.data_version == 1  # the push to a was queued, not computed, when a was read: either way
         eng.check_integrity()
     finally:
         eng.shutdown()

@@ -21,6 +21,7 @@ thread (mini-sglang's scheduler and its managers are the model):
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -121,9 +122,11 @@ class EngineCore:
                                    sessions=self.sessions, window_tokens=working_set_tokens,
                                    chunk_tokens=scheduler.config.chunk_tokens)
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._held: Command | None = None  # taken from the inbox past a drain's limit; first in the next one
+        # Taken from the inbox but not applied yet (past a drain's limit, or left by a cut-in): first in the
+        # next drain, in the order they came.
+        self._held: collections.deque[Command] = collections.deque()
         self._ask_waiting = False  # submit() saw an Ask: the running step lets it cut in (`_cut_in`)
-        self._cut_ins_left = 0  # cut-ins the running step still allows
+        self._step_t0 = 0.0  # when the running step started
         self._cut_in_s = 0.0  # wall time the running step lent to cut-ins (its own cost excludes it)
         self._stop = False
         self.stopped = False
@@ -218,26 +221,24 @@ class EngineCore:
         return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
     def _drain(self, block: bool, timeout: float | None = None) -> None:
-        cmd, self._held = self._held, None
-        try:
-            if cmd is None:
-                cmd = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        for _ in range(self.max_commands_per_drain):
-            self._apply(cmd)
+        if not self._held:
             try:
-                cmd = self._inbox.get_nowait()
+                self._held.append(self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait())
             except queue.Empty:
                 return
-        # The rest waits for the next drain (the model keeps stepping). Held here, not put back at
-        # the tail: commands apply in submission order (pushes carry facade-assigned versions).
-        self._held = cmd
+        for _ in range(self.max_commands_per_drain):
+            if not self._held:
+                try:
+                    self._held.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    return
+            self._apply(self._held.popleft())
+        # The rest waits for the next drain (the model keeps stepping), the held ones first: commands apply
+        # in submission order (pushes carry facade-assigned versions).
 
     def _fail_inbox(self) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            settle(held.future, error=self.stopped_error())
+        while self._held:
+            settle(self._held.popleft().future, error=self.stopped_error())
         while True:
             try:
                 cmd = self._inbox.get_nowait()
@@ -420,11 +421,10 @@ class EngineCore:
         # Questions cut into steps of ingest and background work only: a step holding questions is short
         # already, and one arriving during it joins the next step, batched with the others.
         questions = plan.tokens_of(SchedClass.INTERACTIVE)
-        self._cut_ins_left = 0 if questions else self.scheduler.config.cut_ins_per_step
-        self._cut_in_s = 0.0
+        cut_ins = not questions and self.scheduler.config.cut_in_share > 0
+        self._cut_in_s, self._step_t0 = 0.0, time.perf_counter()
         in_flight = {id(item.seq) for item in plan.items}
-        ran = self._execute(plan, (lambda: self._cut_in(in_flight)) if self._cut_ins_left else None)
-        self._cut_ins_left = 0
+        ran = self._execute(plan, (lambda: self._cut_in(in_flight)) if cut_ins else None)
         if not ran:
             return
         self.compactor.swap_caught_up()
@@ -461,12 +461,21 @@ class EngineCore:
         """Between two layers of the running step: asks that came meanwhile are applied, and the questions
         they start run a step of their own now, instead of waiting for the rest of this one.
 
-        Only the asks at the head of the inbox, in order: the first other command (a push, an open...) and
+        The asks are applied in order; pushes among them are held for the next drain (an ask may so be applied
+        before a push sent ahead of it, and reads the same either way: a push only queues data, which no
+        cut-in computes). The first other command (an open, a close, a registration...) stops it: it and
         everything after it wait for the step, as ever. The cut-in step holds questions alone, none of them
         in the running step; their forks take free cells only (nothing is evicted or compacted, nothing the
         running step reads or writes changes). A session's data in flight is not in yet: a question cutting
         in reads its session as of its last completed line, as it would have before the step."""
-        if not self._ask_waiting or self._cut_ins_left <= 0 or self._held is not None or self._stop:
+        if not self._ask_waiting or self._stop or any(not isinstance(cmd, Push) for cmd in self._held):
+            return
+        # Fair to the step in flight: the cut-ins so far took at most `cut_in_share` of its own time, plus one
+        # latency target's worth (so the first question never waits). Under a storm of questions the two
+        # alternate: a question waits for about one question's step of ingest, and ingest keeps its share.
+        cfg = self.scheduler.config
+        own_s = time.perf_counter() - self._step_t0 - self._cut_in_s
+        if self._cut_in_s > cfg.cut_in_share * (own_s + (cfg.step_latency_ms or 40.0) / 1000):
             return
         self._ask_waiting = False
         t0 = time.perf_counter()
@@ -475,14 +484,15 @@ class EngineCore:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if not isinstance(cmd, Ask):
-                self._held = cmd  # it, and whatever came after it, waits for the next drain
-                break
-            self._apply(cmd)
+            if isinstance(cmd, Ask):
+                self._apply(cmd)
+                continue
+            self._held.append(cmd)  # applied by the next drain, in the order it came
+            if not isinstance(cmd, Push):
+                break  # and whatever came after it waits for that drain too
         self.answerer.start_waiting(cutting_in=True)
         plan = self.scheduler.cut_in([b for b in self.answerer.running if id(b) not in in_flight])
         if plan:
-            self._cut_ins_left -= 1
             self._execute(plan)  # its answers settle their futures; counters are published after the step
         self._cut_in_s += time.perf_counter() - t0
 

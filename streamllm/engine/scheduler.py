@@ -31,7 +31,9 @@ Guarantees (proven by tests/test_scheduler.py without a model):
   - quiet steps (no question within `busy_window_s`) can be bounded too (`quiet_step_latency_ms`,
     off by default: long quiet steps refresh standing answers faster);
   - a question arriving while a step without questions runs cuts in between two of its layers
-    (`cut_in`, run by EngineCore._cut_in): a step of its own, at most `cut_ins_per_step` per step;
+    (`cut_in`, run by EngineCore._cut_in): a step of its own, while the cut-ins of that step have taken
+    at most `cut_in_share` of its own time so far, plus one latency target (under a storm of questions
+    the two alternate, and ingest keeps its share of the core);
   - with no questions, background gets at least `background_share` of the step (standing
     answers keep up with a feed that saturates ingest), ingest the rest, and background
     whatever ingest leaves.
@@ -112,15 +114,16 @@ class SchedulerConfig:
     # 1,272 ms with 150 and 1,786 ms with 60).
     quiet_step_latency_ms: float | None = None
     # Questions that arrive while a step of ingest or background work runs cut in between two of its
-    # layers: their own step runs then, and the step in flight finishes after (EngineCore._cut_in). At
-    # most this many per step, so a storm of questions cannot hold ingest back for ever; 0: a question
-    # waits for the step in flight.
-    cut_ins_per_step: int = 4
+    # layers: their own step runs then, and the step in flight finishes after (EngineCore._cut_in). They
+    # cut in while those of this step took at most this share of its own time so far, plus one
+    # `step_latency_ms`: 2.0, under a storm of questions each waits for about half a question's step of
+    # ingest and ingest keeps a third of the core. 0: a question waits for the step in flight.
+    cut_in_share: float = 2.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.cut_ins_per_step, bool) or not isinstance(self.cut_ins_per_step, int) \
-                or self.cut_ins_per_step < 0:
-            raise ValueError(f"SchedulerConfig.cut_ins_per_step must be an int >= 0, got {self.cut_ins_per_step!r}")
+        share = self.cut_in_share
+        if isinstance(share, bool) or not isinstance(share, int | float) or not share >= 0:
+            raise ValueError(f"SchedulerConfig.cut_in_share must be a number >= 0, got {share!r}")
         for name in ("step_latency_ms", "quiet_step_latency_ms"):
             ms = getattr(self, name)
             if ms is not None and (isinstance(ms, bool) or not isinstance(ms, int | float) or not ms > 0):
