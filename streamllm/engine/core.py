@@ -7,7 +7,9 @@
 Nothing else touches a block table: the facade (`api.Engine`), the server and the feed
 attachments only submit commands and read what the core publishes. The core drains
 its inbox between steps (at most `max_commands_per_drain` at a time, so a storm of
-commands cannot starve the model), so a command never races a forward pass.
+commands cannot starve the model), so a command never races a forward pass. The one
+exception is `_cut_in`: between two layers of a step of ingest, asks are applied and run
+a step of their own on cells the running step does not touch (docs/engine.md).
 
 This file is the thread, the commands, the session registry and the step loop. The rest
 is done by components the core builds and owns, each told its dependencies, all on its
