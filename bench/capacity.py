@@ -71,7 +71,7 @@ from bench.common import median, parse_ints, percentile, print_table, write_json
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
-from streamllm.engine import Engine, EngineConfig
+from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.outputs import AdmissionError
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
@@ -385,7 +385,8 @@ def bars_per_session(args: argparse.Namespace) -> int:
 
 def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace) -> tuple[dict[str, float], list]:
     cells = args.max_cells or pool_cells(s, args.context, kv_bytes_per_token(loaded), args.kv_gb)
-    config = EngineConfig(max_context=args.context, max_cells=cells)
+    config = EngineConfig(max_context=args.context, max_cells=cells,
+                          scheduler=SchedulerConfig(cut_in_share=args.cut_in_share))
     engine = Engine(loaded, config, adapter=adapter)
     print(f"  S={s}: a pool of {cells} cells ({cells * kv_bytes_per_token(loaded) / 2**30:.1f} GB of KV at most)",
           flush=True)
@@ -552,6 +553,9 @@ def cli_main(argv: list[str]) -> int:
                    help="with --spill: how long an open or restore waits for busy sessions to go idle and make room")
     p.add_argument("--restore-room", type=int, default=2,
                    help="with --spill: sessions on disk the pool keeps room for, spilling others ahead of their bars")
+    p.add_argument("--cut-in-share", type=float, default=SchedulerConfig().cut_in_share,
+                   help="how long questions may cut into a running step of ingest, as a share of its own time "
+                        "(0: they wait for it)")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--config", default=str(CONFIG), help="the session (render, prompt, questions, adapter) copied")
     p.add_argument("--data", default=str(BTC), help="a table of 1-minute bars")

@@ -321,8 +321,10 @@ def _derive(op: str, kind: str, args: tuple[Node, ...]) -> Node:
 
 
 def reach(node: Node) -> int:
-    """Bars before a row that its value mostly rests on: `past`, except that an ema counts its n bars
-    (the span of its weights), not the 4n it reads to warm up. What a learned head reads (its lines)."""
+    """Bars before a row that its value mostly rests on: `past`, except that an ema counts the 2n bars
+    that hold 98% of its weights ((1 - 2/(n+1))^2n ~ e^-4; its n bars alone hold 87%, and a head that
+    reads only those is wrong near every crossing), not the 4n it reads to warm up. What a learned head
+    reads (its lines)."""
     if node.op == "shift":
         return max(reach(node.args[0]) - int(node.value), 0)
     if node.op == "col":
@@ -331,7 +333,7 @@ def reach(node: Node) -> int:
         return node.past
     inner = max((reach(a) for a in node.args), default=0)
     if node.op in WINDOW_OPS and isinstance(node.value, int) and node.value < 0:  # a window back over n bars
-        return inner + (-node.value) - 1
+        return inner + (-node.value) * (2 if node.op == "ema" else 1) - 1
     return inner
 
 

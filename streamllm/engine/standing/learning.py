@@ -62,7 +62,7 @@ class LearnConfig:
 
     enabled: bool = True  # a labelled choice question without a head learns one live
     lines: int = 16  # K: lines a learned head reads (at least)
-    max_lines: int = 64  # ... and at most, for a label that looks back further (`lines_for`)
+    max_lines: int = 128  # ... and at most, for a label that looks back further (`lines_for`)
     layer: int | None = None  # the residual layer it reads; None: the adapter's, else 2/5 of the model's depth
     words: tuple[Word, ...] = (2,)  # words whose last token a line adds (without an adapter's series heads)
     every: int = 32  # scored samples between refits
