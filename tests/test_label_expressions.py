@@ -249,10 +249,11 @@ def test_bars_needed_and_horizon_are_fixed_at_parse_time():
 
 
 def test_reach_counts_the_bars_a_value_rests_on():
-    # bars_needed - 1, except that an ema counts its n bars, not its 4n warm-up; the future never counts
-    cases = {"close > ema(close, 50)": 49, "ret(5) > 0": 5, "change > 0": 1, "max(high, +10) > close": 0,
+    # bars_needed - 1, except that an ema counts the 2n bars of 98% of its weights, not its 4n warm-up; the
+    # future never counts
+    cases = {"close > ema(close, 50)": 99, "ret(5) > 0": 5, "change > 0": 1, "max(high, +10) > close": 0,
              "(close - sma(close, 20))[-3] > 0": 22, "close[-3] > close[+4]": 3, "close[+5] > close": 0,
-             "ema(close[-2], 10) > close": 11, "bucket(ret(10), [-0.001, 0.001])": 10}
+             "ema(close[-2], 10) > close": 21, "bucket(ret(10), [-0.001, 0.001])": 10}
     assert {text: parse_label(text).reach for text in cases} == cases
 
 
