@@ -162,14 +162,15 @@ def test_a_fit_keeps_to_its_time_budget() -> None:
 
 
 def test_a_head_reads_as_many_lines_as_its_label_looks_back(tiny_model) -> None:
-    # close > ema(close, 12) rests on 12 bars: 4 lines cannot show it, so its head reads 12 (up to max_lines);
+    # close > ema(close, 12) rests on 24 bars (98% of its weights): 4 lines cannot show it, so its head reads 24
+    # (up to max_lines);
     # trend_up(n=1) (one bar back) keeps the configured 4.
     config = EngineConfig(max_cells=8192, max_context=4096,
                           learning=LearnConfig(lines=4, max_lines=10, min_samples=32, every=1000, steps=60))
     assert config.learning.lines_for(parse_question(QUESTION).label) == 4
     slow = {**QUESTION, "id": "above", "label": "close > ema(close, 12)"}
     assert config.learning.lines_for(parse_question(slow).label) == 10  # capped at max_lines
-    assert LearnConfig(lines=4).lines_for(parse_question(slow).label) == 12
+    assert LearnConfig(lines=4).lines_for(parse_question(slow).label) == 24
     with pytest.raises(ValueError, match="max_lines"):
         LearnConfig(lines=20, max_lines=10)
     truth = [bool((i * 7919) % 11 % 2) for i in range(60)]
