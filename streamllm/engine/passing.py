@@ -74,16 +74,17 @@ class PassingWorker:
         futures = [self.submit(fn, item) for item in items]
         return [f.result() for f in futures]
 
-    def shutdown(self, wait: bool = False, cancel_futures: bool = True) -> None:
+    def shutdown(self, wait: bool = False, cancel_futures: bool = True, timeout: float | None = None) -> bool:
         """No new jobs; waiting ones are cancelled (or, without cancel_futures, still run); with `wait`,
-        returns once every job has finished."""
+        returns once every job has finished, or after `timeout` seconds. True when none runs."""
         with self._lock:
             self._closed = True
             if cancel_futures:
                 while self._queue:
                     self._queue.popleft()[0].cancel()
         if wait:
-            self._idle.wait()
+            return self._idle.wait(timeout)
+        return self._idle.is_set()
 
     def _start_next(self) -> None:  # under the lock, with a job queued
         future, job = self._queue.popleft()

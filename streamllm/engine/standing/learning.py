@@ -482,5 +482,8 @@ class Learning:
         self._running.pop(id(st), None)
 
     def shutdown(self) -> None:
+        """Fits not started are dropped; a running one is waited for (its wall budget bounds it): a fit's
+        torch ops still running on a daemon thread when the process exits abort it (libgomp's
+        "terminate called without an active exception", exit status 134)."""
         if self._worker is not None:
-            self._worker.shutdown(cancel_futures=True)
+            self._worker.shutdown(wait=True, cancel_futures=True, timeout=self.config.budget_s + 5.0)
