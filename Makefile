@@ -30,12 +30,12 @@ demo: model
 	$(BIN)/streamllm demo
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
-# queries/adapters/, so `make demo` needs no tuning. About 140 min on a 2-core CPU (bars ~80,
-# demo ~27, crypto ~35), most of it extracting states, kept in the state cache ($STREAMLLM_HOME/states,
-# docs/tuning.md): an interrupted run goes on where it stopped; after a change of questions or labels only
-# a new question's decision points on judged windows are extracted, and only changed heads are fitted. The fits are deterministic: the
-# same states give the committed heads to the bit (states extracted on another CPU differ by bf16
-# roundings, which can flip a near-tied choice; docs/tuning.md).
+# queries/adapters/, so `make demo` needs no tuning. About 52 min on a 2-core CPU from an empty cache
+# (bars ~29, demo ~10, crypto ~13): 36 extracting states, kept in the state cache ($STREAMLLM_HOME/states,
+# docs/tuning.md), and 17 fitting. An interrupted run goes on where it stopped; after a change of questions or
+# labels only a new question's decision points on judged windows are extracted, and only changed heads are
+# fitted. The fits are deterministic: the same states give the same heads to the bit. The committed heads
+# came from an earlier version of the fit: a run now matches their accuracy, not their bits (docs/tuning.md).
 TUNE_ARGS ?=
 SHARED ?= ../shared/data
 CAPTURES := $(wildcard $(SHARED)/binance-spot/*.gz)
