@@ -20,8 +20,7 @@ features stay one layout. The candidates of one order (every feature set and wei
 minibatches, so they are fitted in lockstep as one batch, and a step projects only the lines its
 minibatch reads. With `reduce` (tune --reduce D), a feature set wider than d is fitted through its
 d leading principal directions on the standardized training lines (coordinates, not whitened), and the
-projection found is folded
-back onto the raw features like the standardization: the served head is the same [R, F] projection, and
+projection found is folded back onto the raw features like the standardization: the served head is the same [R, F] projection, and
 a step costs d, not F, per line.
 """
 
@@ -179,9 +178,9 @@ def _deterministic() -> Iterator[None]:
         torch.use_deterministic_algorithms(was)
 
 
-def _basis(gram: torch.Tensor, d: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The leading d principal directions of standardized lines, from their Gram matrix [F, F]: ([F, d]
-    orthonormal columns, [d] their lines' root mean square), largest first. None when d is None or the set
+def _basis(gram: torch.Tensor, d: int | None, seed: int) -> torch.Tensor | None:
+    """The leading d principal directions of standardized lines, from their Gram matrix [F, F]: [F, d]
+    orthonormal columns, largest first. None when d is None or the set
     is no wider than d. By subspace iteration from a seeded start (a full eigh of F = 2304 costs seconds
     a set; d of F directions need a few products), then the d x d problem; each column's sign fixed by
     its largest entry, so the same Gram matrix gives the same basis."""
@@ -191,10 +190,10 @@ def _basis(gram: torch.Tensor, d: int | None, seed: int) -> tuple[torch.Tensor, 
     q = torch.linalg.qr(gram @ torch.randn(gram.shape[0], min(gram.shape[0], d + 32), generator=gen)).Q
     for _ in range(4):
         q = torch.linalg.qr(gram @ q).Q
-    values, vectors = torch.linalg.eigh((q.T @ gram @ q).double())
+    _, vectors = torch.linalg.eigh((q.T @ gram @ q).double())
     vectors = (q.double() @ vectors.flip(1)[:, :d])
     signs = vectors.gather(0, vectors.abs().argmax(0, keepdim=True)).sign()
-    return (vectors * signs).float(), values.flip(0)[:d].clamp_min(1e-12).sqrt().float()
+    return (vectors * signs).float()
 
 
 def _mean_se(losses: list[float]) -> tuple[float, float]:
@@ -399,7 +398,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     for name, cols in sets.items():
         lines, dev_lines, basis = all_lines[:, cols], all_dev[:, cols], bases[name]
         if basis is not None:
-            lines, dev_lines = lines @ basis[0], dev_lines @ basis[0]
+            lines, dev_lines = lines @ basis, dev_lines @ basis
         inputs.append((lines, dev_lines))
     fits: dict[tuple[str, float], list[tuple[float, dict]]] = {(name, wd): [] for name in sets for wd in grid}
     total = 0
@@ -414,7 +413,7 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
     chosen = fits[best]
     state = _stack([s for _, s in chosen], rank)  # one fit: itself
     cols, basis = sets[name], bases[name]
-    weight = state["proj.weight"] if basis is None else state["proj.weight"] @ basis[0].T
+    weight = state["proj.weight"] if basis is None else state["proj.weight"] @ basis.T
     width_r = weight.shape[0]
     proj = torch.zeros(width_r, width)  # unread features: zero weights
     proj[:, cols] = weight / sd[cols]  # fold the standardization in: P (f - mu) / sd + p
