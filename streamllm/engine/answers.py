@@ -171,13 +171,11 @@ class Answerer:
                     continue
                 s = br.session
                 try:
-                    br.table = self.store.fork(s.table, s.version_length(s.data_version))
+                    table = self.store.fork(s.table, s.version_length(s.data_version))
                 except KVCapacityError:
                     head_waits = True
                     continue
-                br.base_len, br.data_version = s.version_length(s.data_version), s.data_version
-                self.waiting.remove(br)
-                self.running.append(br)
+                self._start(br, table, s.data_version)
                 continue
             if br.preempted and self.running and not self._fits_whole(br):
                 head_waits = True
@@ -189,16 +187,19 @@ class Answerer:
             # (a compaction may have cut it away meanwhile: then at the newest, which its answer reports).
             version = br.data_version if br.preempted and br.data_version >= s.version_base else s.data_version
             try:
-                br.table = self._fork_evicting(s, s.version_length(version))
+                table = self._fork_evicting(s, s.version_length(version))
             except KVCapacityError as exc:
                 if not self.running:  # nothing will free cells: fail instead of waiting forever
                     self.waiting.remove(br)
                     settle(br.future, error=exc)
                 continue
-            br.base_len = s.version_length(version)
-            br.data_version = version
-            self.waiting.remove(br)
-            self.running.append(br)
+            self._start(br, table, version)
+
+    def _start(self, br: AskBranch, table: BlockTable, version: int) -> None:
+        """A waiting ask runs from `table`, its session forked at `version`."""
+        br.table, br.base_len, br.data_version = table, br.session.version_length(version), version
+        self.waiting.remove(br)
+        self.running.append(br)
 
     def _fits_whole(self, br: AskBranch) -> bool:
         """Whether the free cells hold everything `br` still needs (its fork's tail, its tokens, its
