@@ -45,7 +45,7 @@ STEPS, BATCH, EVAL_EVERY, LR = 600, 256, 20, 3e-3
 # judged on markets it never saw scored 0.82 (0.80) mean accuracy against 0.85 over every column (make
 # tune's bars heads, docs/tuning.md): the small directions carry what transfers. Faster, for trying things.
 REDUCE: int | None = None
-FIT_VERSION = 2  # bump when a fit's result changes for the same samples and settings (tune's fit cache key)
+FIT_VERSION = 3  # bump when a fit's result changes for the same samples and settings (tune's fit cache key)
 GRAM_LINES = 4096  # lines the principal components are found on (neighbouring lines are much alike)
 
 
@@ -226,11 +226,27 @@ def lag_basis(k: int, free: int) -> torch.Tensor:
     return out / out.norm(dim=0, keepdim=True)
 
 
+class _Project(torch.autograd.Function):
+    """lines [M, D] @ weight [O, D]^T + bias [O], the lines taking no gradient. Autograd's own backward
+    computes the weight's gradient as lines^T @ grad, a product BLAS runs several times slower than its
+    transpose grad^T @ lines (O is a few dozen, M and D thousands): it was most of a fit's time."""
+
+    @staticmethod
+    def forward(ctx, lines: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(lines)
+        return torch.addmm(bias, lines, weight.T)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        (lines,) = ctx.saved_tensors
+        return None, grad.T @ lines, grad.sum(0)
+
+
 class _Candidates:
     """Every candidate (feature set x weight decay) of one order, fitted in lockstep as one batch of
-    _Model's: they draw the same minibatches, so one step serves them all. Set s's lines are [S, M, D]
-    (zero-padded to the widest set: a zero column's weights get no gradient and stay zero); candidate
-    (s, g)'s projection is rows g*R..(g+1)*R of proj[s]. With a lag basis [K, H] (lag_basis()) the lags
+    _Model's: they draw the same minibatches, so one step serves them all. Set s's lines are [M, D_s], one
+    tensor a set; proj is [S, G*R, D] (zero beyond a set's width: those columns get no gradient and stay
+    zero); candidate (s, g)'s projection is rows g*R..(g+1)*R of proj[s]. With a lag basis [K, H] (lag_basis()) the lags
     are fitted as H weights per choice and number, lags = lag_basis @ those (what weight decay pulls toward 0)."""
 
     def __init__(self, widths: list[int], classes: int, k: int, rank: int, grid: Sequence[float], seed: int,
@@ -255,21 +271,30 @@ class _Candidates:
         """[S, G, C, K, 2R]: every candidate's lag weights."""
         return self.coef if self.lag_basis is None else torch.einsum("kh,sgchr->sgckr", self.lag_basis, self.coef)
 
-    def logits(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[S, G, N, C] from lines [S, M, D], as _Model.forward for each candidate."""
+    def project(self, lines: Sequence[torch.Tensor], grad: bool = True) -> torch.Tensor:
+        """[S, M, G*R]: every set's lines [M, D_s] through its candidates' projections."""
+        out = []
+        for i, x in enumerate(lines):
+            w, b = self.proj[i, :, :x.shape[1]], self.proj_bias[i]
+            out.append(_Project.apply(x, w, b) if grad else torch.addmm(b, x, w.T))
+        return torch.stack(out)
+
+    def logits(self, lines: Sequence[torch.Tensor], index: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[S, G, N, C] from each set's lines [M, D_s], as _Model.forward for each candidate."""
         s, g = self.coef.shape[:2]
-        z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
+        z = self.project(lines).view(s, -1, g, self.rank)
         x = torch.cat([z, z.abs()], -1)[:, index] * mask[None, :, :, None, None]  # [S, N, K, G, 2R]
         return torch.einsum("snkgr,sgckr->sgnc", x, self.lags) + self.bias[:, :, None]
 
-    def losses(self, lines: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def losses(self, lines: Sequence[torch.Tensor], index: torch.Tensor, mask: torch.Tensor,
+               labels: torch.Tensor) -> torch.Tensor:
         """[S, G]: each candidate's mean cross-entropy, as `logits` gives it; for evaluation (no gradient).
         Every line is scored at every lag first ([S, M, K, G, C]), so the samples' gather moves C numbers
         a line and lag, not 2R."""
         lags = self.lags
         s, g = lags.shape[:2]
         k, c = lags.shape[2:4][::-1]
-        z = torch.baddbmm(self.proj_bias[:, None], lines, self.proj.transpose(1, 2)).view(s, -1, g, self.rank)
+        z = self.project(lines, grad=False).view(s, -1, g, self.rank)
         y = torch.einsum("smgr,sgckr->smkgc", torch.cat([z, z.abs()], -1), lags).reshape(s, -1, g * c)
         at = index * k + torch.arange(k)  # row of line index[n, j] at lag j
         x = (y[:, at] * mask[None, :, :, None]).sum(2).view(s, -1, g, c).transpose(1, 2) + self.bias[:, :, None]
@@ -294,13 +319,6 @@ class _Candidates:
                 "lags": self.lags[i, j].detach().clone(), "bias": self.bias[i, j].detach().clone()}  # folded
 
 
-def _padded(lines: list[torch.Tensor]) -> torch.Tensor:
-    out = torch.zeros(len(lines), lines[0].shape[0], max(x.shape[1] for x in lines))
-    for i, x in enumerate(lines):
-        out[i, :, :x.shape[1]] = x
-    return out
-
-
 def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: list[str],
                inputs: list[tuple[torch.Tensor, torch.Tensor]],
                train: Samples, dev: Samples, classes: int, k: int, rank: int, grid: Sequence[float], steps: int,
@@ -308,7 +326,8 @@ def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: l
     """One order: every candidate (set names[i] read as inputs[i], weight decay grid[j]) from its initial
     weights (seed) over the same minibatches, each keeping its step of lowest development loss (appended
     to `fits`). Returns the optimizer steps taken, all candidates'."""
-    lines, dev_lines = _padded([x for x, _ in inputs]), _padded([x for _, x in inputs])
+    lines, dev_lines = [x for x, _ in inputs], [x for _, x in inputs]
+    m = len(lines[0])
     batch = _Candidates([x.shape[1] for x, _ in inputs], classes, k, rank, grid, seed, lag_basis)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(batch.params, lr=LR)
@@ -318,10 +337,17 @@ def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: l
     best = torch.full((s, g), torch.inf)
     states: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     taken = 0
+    gathered = [torch.empty(min(m, BATCH * k) * x.shape[1]) for x in lines]
     for step in range(1, steps + 1):
         pick = torch.randint(0, len(train), (min(BATCH, len(train)),), generator=gen)
-        rows, where = torch.unique(train.index[pick], return_inverse=True)  # only the lines it reads
-        logits = batch.logits(lines[:, rows], where, train_mask[pick])
+        if len(pick) * k >= m:  # the minibatch reads most lines (a live head's long reach): all of them
+            logits = batch.logits(lines, train.index[pick], train_mask[pick])
+        else:  # only the lines it reads, gathered into one buffer a set: a fresh copy each step is tens of
+            # MB, which the allocator maps and unmaps every time (its page faults were a third of a fit)
+            rows, where = torch.unique(train.index[pick], return_inverse=True)
+            read = [torch.index_select(x, 0, rows, out=buf[:len(rows) * x.shape[1]].view(len(rows), x.shape[1]))
+                    for x, buf in zip(lines, gathered, strict=True)]
+            logits = batch.logits(read, where, train_mask[pick])
         loss = ce(logits.reshape(-1, classes), train.labels[pick].repeat(s * g)) * (s * g)  # each one's mean, summed
         opt.zero_grad()
         loss.backward()
