@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from streamllm.engine.compaction import CompactionCopy
 from streamllm.engine.kv import BlockManager, BlockTable
 from streamllm.engine.scheduler import Plan, Scheduler, SchedulerConfig, fair_order
@@ -114,11 +116,13 @@ def test_without_questions_ingest_leads_and_background_keeps_its_share():
     assert plan.tokens_of(INGEST) == 96 and plan.tokens_of(BACKGROUND) == 32
 
 
-def test_busy_window_shrinks_steps_then_quiet_restores_them():
+@pytest.mark.parametrize("cut_in_share", [0.0, 2.0])
+def test_busy_window_shrinks_steps_then_quiet_restores_them(cut_in_share):
     m = BlockManager(1024, 16)
     now = [100.0]
     sched = Scheduler(m, SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=48,
-                                         busy_window_s=2.0, ingest_floor=16, background_floor=16),
+                                         busy_window_s=2.0, ingest_floor=16, background_floor=16,
+                                         cut_in_share=cut_in_share),
                       clock=lambda: now[0])
     s = session(m, "a", 5000)
 
@@ -131,7 +135,12 @@ def test_busy_window_shrinks_steps_then_quiet_restores_them():
     plan = step(branch(s, 4))
     assert plan.tokens_of(INTERACTIVE) == 4 and plan.tokens_of(INGEST) == 0  # a question's step of its own
     now[0] += 1.0
-    assert step().tokens_of(INGEST) == 48  # a question was just served: short steps
+    # A question was just served: without cut-ins, short steps (the next question waits for one); with them
+    # a whole chunk (the next question runs between two of its layers)
+    assert step().tokens_of(INGEST) == (128 if cut_in_share else 48)
+    if cut_in_share:
+        plan = step(branch(s, 4))  # a question pending when the step is planned still gets its own
+        assert plan.tokens_of(INTERACTIVE) == 4 and plan.tokens_of(INGEST) == 0
     now[0] += 1.5
     assert step().tokens_of(INGEST) == 128  # quiet again
 
@@ -295,7 +304,8 @@ def test_a_question_during_heavy_ingest_waits_at_most_one_step_within_the_target
     # 48 tokens (the old fixed busy step) cost 62 ms on this machine: over the 40 ms target.
     truth = machine(8.0, 2.0, 1.0, 0.02)
     cfg = SchedulerConfig(step_tokens=256, chunk_tokens=128, busy_step_tokens=48, step_latency_ms=40.0,
-                          busy_window_s=2.0, ingest_floor=16, background_floor=16, quiet_step_latency_ms=60.0)
+                          busy_window_s=2.0, ingest_floor=16, background_floor=16, quiet_step_latency_ms=60.0,
+                          cut_in_share=0)  # a question arriving waits for the step in flight
     m = BlockManager(8192, 16)
     sched, s, step, now = heavy_ingest(m, cfg, StepCost(), truth)
     step(branch(s, 22))  # a question opens the busy window
@@ -323,7 +333,7 @@ def test_a_question_during_heavy_ingest_waits_at_most_one_step_within_the_target
 
 
 def test_the_budget_follows_the_cost_model():
-    cfg = SchedulerConfig(step_tokens=256, chunk_tokens=256, step_latency_ms=40.0, busy_window_s=60.0)
+    cfg = SchedulerConfig(step_tokens=256, chunk_tokens=256, step_latency_ms=40.0, busy_window_s=60.0, cut_in_share=0)
     m = BlockManager(8192, 16)
     fast, slow = machine(4.0, 1.0, 0.2, 0.0), machine(4.0, 1.0, 0.6, 0.0)
     current = [fast]
@@ -343,7 +353,7 @@ def test_the_budget_follows_the_cost_model():
 def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_impossible():
     cost = StepCost(coef=(5.0, 1.0, 0.2, 0.1))  # a fixed model: attention reads cost here
     cfg = SchedulerConfig(step_tokens=256, chunk_tokens=256, step_latency_ms=40.0, ingest_floor=16,
-                          background_floor=16)
+                          background_floor=16, cut_in_share=0)
     m = BlockManager(1 << 14, 16)
     sched = Scheduler(m, cfg, cost=cost)
     short, long = session(m, "short", 5000, prefix=0), session(m, "long", 5000, prefix=8000)
@@ -354,7 +364,8 @@ def test_long_contexts_get_shorter_chunks_and_floors_hold_when_the_target_is_imp
     far = sched.schedule([long]).tokens_of(INGEST)
     assert far < near and cost.predict(StepShape.of([(8000, far)])) <= 40
 
-    impossible = Scheduler(m, SchedulerConfig(step_latency_ms=1.0, ingest_floor=16, background_floor=16), cost=cost)
+    impossible = Scheduler(m, SchedulerConfig(step_latency_ms=1.0, ingest_floor=16, background_floor=16, cut_in_share=0),
+                           cost=cost)
     s = session(m, "a", 5000)
     ask = None
     for i in range(6):  # a question pending at every step: question steps alternate with the floors' steps

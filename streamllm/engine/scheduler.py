@@ -17,7 +17,9 @@ Guarantees (proven by tests/test_scheduler.py without a model):
     question arriving while ingest runs gets a step of its own: on a CPU every token
     beside it lengthens the step it waits for), else beside the floors owed; while
     questions run, ingest and background get only their floors, and while questions keep coming
-    (one within `busy_window_s`) every step is latency-bound: its ingest and background work
+    (one within `busy_window_s`) every step a question would wait for is latency-bound (with cut-ins,
+    only steps holding questions and the floors' step after one: a question arriving during a step of
+    ingest alone cuts into it, below; without, every step): its ingest and background work
     is cut so that its predicted cost stays within `step_latency_ms` (or twice the step's
     fixed cost and one item's, where that is more: at most half a step is overhead, so ingest
     keeps moving on a slow machine), so a new question waits at most one short step. A question itself is never cut (up to `chunk_tokens`): each cut
@@ -200,7 +202,11 @@ class Scheduler:
         if questions:
             self._last_question = now
         busy = questions or now - self._last_question < cfg.busy_window_s
-        latency = cfg.step_latency_ms if busy else cfg.quiet_step_latency_ms
+        # A step without questions is metered only where a question arriving meanwhile would wait for it:
+        # with cut-ins one runs between two of its layers instead, so it is planned as a quiet step (long
+        # steps pay their fixed cost once: ingest and standing answers move faster).
+        metered = busy and (questions or not cfg.cut_in_share)
+        latency = cfg.step_latency_ms if metered else cfg.quiet_step_latency_ms
         target = latency if latency is not None and self.cost.ready else None
         if target is not None:  # a step whose overhead leaves no room: at most half a step is overhead,
             # its first item's included (a chunk's own attention kernels in every layer cost that much however
@@ -214,7 +220,7 @@ class Scheduler:
             by_class = {**by_class, INTERACTIVE: []}
             questions = False
         if target is None:
-            budget = cfg.busy_step_tokens if busy else cfg.step_tokens
+            budget = cfg.busy_step_tokens if metered else cfg.step_tokens
         else:
             budget = self._tokens_within(target, by_class)
         floor_ingest = cfg.ingest_floor if by_class[INGEST] else 0
