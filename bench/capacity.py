@@ -41,6 +41,9 @@ Per S (`{metric}@{S}`):
                                   that evicts idle sessions when an open or restore is refused, the pool is
                                   short or fewer than --restore-room sessions on disk could come back; else 0)
   sessions_on_disk                how many were on disk at the end of the phase
+
+With --peer-url, the peer answers the same workload after ours at each S (peer_{metric}@{S},
+peer_largest_fresh_s: bench/capacity_peer.py says how).
   max_cells, kv_gb                the pool (cells) and the KV cells in use at the end of the phase (GB)
   rss_peak_gb                     this process's peak resident memory (VmHWM) at the end of S's run
   compaction_tokens_per_ingest_token  tokens compaction copies computed (swapped in or preempted: the
@@ -67,12 +70,15 @@ from pathlib import Path
 
 import torch
 
+from bench.baselines import Peer
+from bench.capacity_peer import measure_peer, peer_sessions
 from bench.common import median, parse_ints, percentile, print_table, write_json
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.outputs import AdmissionError
+from streamllm.engine.prompt import PromptLayout
 from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
 from streamllm.model.adapter import pick_adapter
@@ -337,10 +343,7 @@ def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) ->
     --open-threads threads (the core drains every command waiting between two steps, so a busy core
     serves many opens per step); those the engine refused are counted, the first refusal returned."""
     free = parse_question(FREE)
-    need = args.warmup_bars + bars_per_session(args)
-    stride = (len(bars) - need) // s
-    if stride < 1:
-        raise SystemExit(f"bench capacity: {len(bars)} bars cannot give {s} sessions {need} bars each")
+    slices = session_bars(bars, s, args)
     t0 = time.perf_counter()
     done = [0]
     lock = threading.Lock()
@@ -360,7 +363,7 @@ def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) ->
             if done[0] % 64 == 0:
                 print(f"  S={s}: {done[0]} sessions open in {time.perf_counter() - t0:.0f} s, rss "
                       f"{rss_gb():.2f} GB, {engine.stats().get('sessions_evicted', 0)} on disk", flush=True)
-        return Feed(name, att, bars[i * stride: i * stride + need], len(questions))
+        return Feed(name, att, slices[i], len(questions))
 
     opened: dict[int, Feed | str] = {}
     todo = list(range(s))
@@ -374,6 +377,15 @@ def open_sessions(engine, spec, s: int, bars: list, args: argparse.Namespace) ->
     refusals = [o for _, o in sorted(opened.items()) if isinstance(o, str)]
     refused = f"{len(refusals)} of {s} refused; the first: {refusals[0]}" if refusals else ""
     return [o for _, o in sorted(opened.items()) if isinstance(o, Feed)], refused
+
+
+def session_bars(bars: list, s: int, args: argparse.Namespace) -> list[list]:
+    """Each of S sessions' bars: its own stretch of the table (warm-up and phase), offset by session."""
+    need = args.warmup_bars + bars_per_session(args)
+    stride = (len(bars) - need) // s
+    if stride < 1:
+        raise SystemExit(f"bench capacity: {len(bars)} bars cannot give {s} sessions {need} bars each")
+    return [bars[i * stride: i * stride + need] for i in range(s)]
 
 
 def bars_per_session(args: argparse.Namespace) -> int:
@@ -507,15 +519,34 @@ def run(args: argparse.Namespace) -> tuple[dict[str, float], dict]:
         print(f"note: {note}", flush=True)
     bars = TableSource(args.data, "bar", instrument=spec.instrument).events()
     metrics: dict[str, float] = {}
-    rows = []
-    for s in parse_ints(args.sessions):
-        m, row = measure(loaded, adapter, spec, bars, s, args)
-        metrics.update({f"{k}@{s}": v for k, v in m.items()})
-        rows.append(row)
-    print_table(f"bench capacity: {args.model}, {args.context}-token sessions, {args.speed:g}x real time, "
-                f"{args.seconds:g} s per S",
-                ["S", "opened", "bars/s", "fresh p99 ms", "lag p99 v", "standing p99 ms", "cold p99 ms",
-                 "idle cold p99 ms", "rss GB", "compact tok/ingest", "max speed x", "refused"], rows)
+    rows, peer_rows = [], []
+    ours_s = parse_ints(args.sessions) if args.sessions else []
+    peer_s = parse_ints(args.peer_sessions) if args.peer_sessions else ours_s
+    peer = layout = None
+    if args.peer_url:
+        peer, layout = Peer(args.peer_url, loaded.tokenizer), PromptLayout(loaded.tokenizer)
+    for s in sorted(set(ours_s) | set(peer_s if peer else [])):  # ours then the peer's at each S, one run
+        if s in ours_s:
+            m, row = measure(loaded, adapter, spec, bars, s, args)
+            metrics.update({f"{k}@{s}": v for k, v in m.items()})
+            rows.append(row)
+        if peer is not None and s in peer_s:
+            sessions = peer_sessions(layout, spec, session_bars(bars, s, args), parse_question(FREE), FREE_EVERY)
+            m, row = measure_peer(peer, layout, sessions, s, args)
+            metrics.update({f"peer_{k}@{s}": v for k, v in m.items()})
+            peer_rows.append(row)
+    if rows:
+        print_table(f"bench capacity: {args.model}, {args.context}-token sessions, {args.speed:g}x real time, "
+                    f"{args.seconds:g} s per S",
+                    ["S", "opened", "bars/s", "fresh p99 ms", "lag p99 v", "standing p99 ms", "cold p99 ms",
+                     "idle cold p99 ms", "rss GB", "compact tok/ingest", "max speed x", "refused"], rows)
+    if peer_rows:
+        held = [r[0] for r in peer_rows if r[-1] == "yes"]
+        metrics["peer_largest_fresh_s"] = max(held, default=0)
+        print_table(f"the peer at {args.peer_url} on the same workload ({args.speed:g}x real time): every bar's "
+                    "standing questions asked as prompts",
+                    ["S", "bars/s", "fresh p99 ms", "lag p99 bars", "standing p99 ms", "cold p50 ms", "cold p99 ms",
+                     "warm-up s", "fresh"], peer_rows)
     meta = {"adapter": adapter, "adapter_notes": notes, "config": str(args.config), "data": str(args.data),
             "session_context": args.context, "max_cells": args.max_cells, "kv_gb_budget": args.kv_gb,
             "context_note": f"each session opened with max_context={args.context} (a user's setting); the pool "
@@ -556,6 +587,14 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--cut-in-share", type=float, default=SchedulerConfig().cut_in_share,
                    help="how long questions may cut into a running step of ingest, as a share of its own time "
                         "(0: they wait for it)")
+    p.add_argument("--peer-url", help="an OpenAI-compatible server on the same model (make peer, make peer-vllm): "
+                                      "after ours at each S, the same workload answered by it (bench/capacity_peer.py)")
+    p.add_argument("--peer-sessions", default="",
+                   help="the S values the peer runs (default: --sessions'; '' for --sessions: the peer alone)")
+    p.add_argument("--peer-slots", type=int, default=0,
+                   help="pin session i to the peer's slot i %% N (llama-server's id_slot; start it with "
+                        "PEER_SLOTS=N); 0: the server places requests")
+    p.add_argument("--peer-workers", type=int, default=8, help="client threads asking the peer")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--config", default=str(CONFIG), help="the session (render, prompt, questions, adapter) copied")
     p.add_argument("--data", default=str(BTC), help="a table of 1-minute bars")
@@ -567,6 +606,8 @@ def cli_main(argv: list[str]) -> int:
         args.max_speed, args.step_seconds, args.ramp_s, args.ask_rate = 480.0, 0.5, 2.0, 10.0
     if not Path(args.data).exists():
         raise SystemExit(f"bench capacity: {args.data} is missing (the shared data folder, ../shared/data)")
+    if not args.sessions and not (args.peer_url and args.peer_sessions):
+        raise SystemExit("bench capacity: --sessions is empty (and no --peer-url with --peer-sessions)")
     metrics, meta = run(args)
     write_json(args.json, metrics, {"bench": "capacity", "model": args.model, "speed": args.speed,
                                     "seconds": args.seconds, "quick": args.quick, **meta})
