@@ -41,9 +41,6 @@ Per S (`{metric}@{S}`):
                                   that evicts idle sessions when an open or restore is refused, the pool is
                                   short or fewer than --restore-room sessions on disk could come back; else 0)
   sessions_on_disk                how many were on disk at the end of the phase
-
-With --peer-url, the peer answers the same workload after ours at each S (peer_{metric}@{S},
-peer_largest_fresh_s: bench/capacity_peer.py says how).
   max_cells, kv_gb                the pool (cells) and the KV cells in use at the end of the phase (GB)
   rss_peak_gb                     this process's peak resident memory (VmHWM) at the end of S's run
   compaction_tokens_per_ingest_token  tokens compaction copies computed (swapped in or preempted: the
@@ -54,6 +51,9 @@ peer_largest_fresh_s: bench/capacity_peer.py says how).
                                   still stale after the drain, and lag_p99_versions <= 1. The ramp stops at
                                   the first miss, --max-speed or after --ramp-s (--speed itself counts when
                                   the main phase held it; 0 when it did not)
+
+With --peer-url, the peer answers the same workload after ours at each S (peer_{metric}@{S},
+peer_largest_fresh_s: bench/capacity_peer.py says how).
 """
 
 from __future__ import annotations
