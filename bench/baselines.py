@@ -24,6 +24,7 @@ import math
 import time
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -229,9 +230,10 @@ class Peer:
             body.update(max_tokens=1, logprobs=self.top_n, n_probs=self.top_n)
         return body
 
-    def complete(self, prompt: str, max_tokens: int) -> tuple[float, dict]:
-        """One greedy completion of `prompt` (text, tokenized by the server): (wall ms, its reply)."""
-        body = self.request(prompt, max_tokens)
+    def complete(self, prompt: str, max_tokens: int, **extra: Any) -> tuple[float, dict]:
+        """One greedy completion of `prompt` (text, tokenized by the server): (wall ms, its reply). `extra`:
+        more fields of the request (llama-server's `id_slot`)."""
+        body = {**self.request(prompt, max_tokens), **extra}
         t0 = time.perf_counter()
         reply = self._post(self.url, body)
         return (time.perf_counter() - t0) * 1000, reply

@@ -73,12 +73,8 @@ class PeerPhase:
 
 def _complete(peer: Peer, ids: list[int], max_tokens: int, slot: int | None) -> float:
     """One completion of the prompt `ids` (decoded to the text the peer tokenizes): its wall ms."""
-    body = peer.request(peer.prompt(ids, []), max_tokens)
-    if slot is not None:
-        body["id_slot"] = slot  # llama-server: this session's slot, whose cache holds its context
-    t0 = time.perf_counter()
-    peer._post(peer.url, body)
-    return (time.perf_counter() - t0) * 1000
+    pinned = {} if slot is None else {"id_slot": slot}  # llama-server: the slot whose cache holds the session
+    return peer.complete(peer.prompt(ids, []), max_tokens, **pinned)[0]
 
 
 def peer_sessions(layout: PromptLayout, spec, slices: list[list], free, free_every: int) -> list[PeerSession]:
