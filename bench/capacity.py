@@ -74,6 +74,7 @@ from bench.baselines import Peer
 from bench.capacity_peer import measure_peer, peer_sessions
 from bench.common import median, parse_ints, percentile, print_table, write_json
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
+from bench.phase import Phase
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
 from streamllm.engine import Engine, EngineConfig, SchedulerConfig
@@ -130,32 +131,6 @@ class Feed:
 
     def bars_ingested(self, data_version: int) -> int:
         return max((n for v, n in self.versions if v <= data_version), default=0)
-
-
-@dataclass
-class Phase:
-    """What one paced phase measured."""
-
-    seconds: float = 0.0
-    offered: int = 0
-    ingested: int = 0
-    summaries: int = 0
-    lags_ms: list[float] = field(default_factory=list)
-    lag_versions: list[int] = field(default_factory=list)
-    stale_bars: int = 0
-    standing_ms: list[float] = field(default_factory=list)
-    cold_ms: list[float] = field(default_factory=list)
-    cold_asks: list[tuple[str, str]] = field(default_factory=list)
-    ask_errors: int = 0
-    ask_error: str = ""  # the first one, printed
-    unpushed: int = 0  # bars their push thread reached only after the phase's drain (counted stale)
-    idle_after: bool = True  # the engine went idle after the phase (within max(drain_s, 60) s)
-
-    def held(self, interval_s: float) -> bool:
-        """Kept up: a bar's answers fresh (p99) before its session's next bar arrives, no bar still stale
-        after the drain or coalesced into a summary, and answers within one version of their session."""
-        return (self.offered > 0 and self.stale_bars == 0 and self.summaries == 0
-                and percentile(self.lags_ms, 99) <= interval_s * 1000 and percentile(self.lag_versions, 99) <= 1)
 
 
 def paced(engine, feeds: list[Feed], speed: float, seconds: float, drain_s: float,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from bench.baselines import Peer
 from bench.common import median, percentile
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
+from bench.phase import Phase
 from streamllm.engine.prompt import PromptLayout
 from streamllm.feeding.attach import AttachSpec
 from streamllm.feeding.render import Renderer
@@ -57,18 +58,16 @@ class PeerSession:
 
 
 @dataclass
-class PeerPhase:
-    seconds: float = 0.0
-    offered: int = 0
-    answered: int = 0  # by the phase's end
-    done: int = 0  # by the drain's end
-    lags_ms: list[float] = field(default_factory=list)
-    lag_versions: list[int] = field(default_factory=list)
-    standing_ms: list[float] = field(default_factory=list)
-    cold_ms: list[float] = field(default_factory=list)
-    stale_bars: int = 0
+class PeerPhase(Phase):
+    """Ours' Phase, as the peer's client measured it (`ingested`: bars whose standing asks were all answered
+    by the phase's end), and the requests that failed, which ours cannot have."""
+
+    done: int = 0  # bars answered by the drain's end
     errors: int = 0
     error: str = ""
+
+    def held(self, interval_s: float) -> bool:
+        return self.errors == 0 and super().held(interval_s)
 
 
 def _complete(peer: Peer, ids: list[int], max_tokens: int, slot: int | None) -> float:
@@ -128,7 +127,7 @@ def measure_peer(peer: Peer, layout: PromptLayout, sessions: list[PeerSession], 
     phase = _paced(peer, layout, sessions, slot_of, s, args)
     m.update({
         "offered_bars_per_s": phase.offered / phase.seconds,
-        "sustained_bars_per_s": phase.answered / phase.seconds,
+        "sustained_bars_per_s": phase.ingested / phase.seconds,
         "freshness_lag_p50_ms": median(phase.lags_ms), "freshness_lag_p99_ms": percentile(phase.lags_ms, 99),
         "stale_bars": phase.stale_bars,
         "lag_p99_versions": percentile(phase.lag_versions, 99),
@@ -136,9 +135,7 @@ def measure_peer(peer: Peer, layout: PromptLayout, sessions: list[PeerSession], 
         "cold_ask_p50_ms": median(phase.cold_ms), "cold_ask_p99_ms": percentile(phase.cold_ms, 99),
         "errors": phase.errors, "bars_offered": phase.offered, "bars_answered": phase.done,
     })
-    interval_ms = 60_000 / args.speed
-    m["held"] = int(phase.offered > 0 and phase.stale_bars == 0 and phase.errors == 0
-                    and m["freshness_lag_p99_ms"] <= interval_ms and m["lag_p99_versions"] <= 1)
+    m["held"] = int(phase.held(60.0 / args.speed))
     if phase.errors:
         print(f"  peer S={s}: {phase.errors} requests failed; the first: {phase.error}", flush=True)
     row = [s, m["sustained_bars_per_s"], m["freshness_lag_p99_ms"], m["lag_p99_versions"], m["standing_ask_p99_ms"],
@@ -233,7 +230,7 @@ def _paced(peer: Peer, layout: PromptLayout, sessions: list[PeerSession], slot_o
         k += 1
     time.sleep(max(0.0, t0 + args.seconds - time.perf_counter()))
     out.seconds = time.perf_counter() - t0
-    out.answered = sum(x.answered for x in sessions)
+    out.ingested = sum(x.answered for x in sessions)
     sampling.clear()
     stop.set()
     asker.join()
