@@ -185,3 +185,49 @@ def test_grouped_prefill_of_entries_equals_each_alone():
     for out, q in zip(grouped, questions, strict=True):
         ref = hf_logits(model, base + q)[len(base):]
         assert (out - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("gather_keys", [0, 40, 1024])
+def test_gathered_attention_equals_reference(gather_keys):
+    """Short sequences attend gathered into padded buckets (one fused call each), the rest run by run:
+    every split gives transformers' logits. A mixed batch: branches over several runs, one-token
+    decodes and multi-token chunks, lengths in different buckets, a sequence over the gather limit."""
+    from streamllm.model.attention import gathered_members
+
+    model = build("llama")
+    runner = make_runner(model, num_blocks=128)
+    runner.model.gather_keys = gather_keys
+    gen = torch.Generator().manual_seed(8)
+    bases = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (21, 9, 60, 33)]
+    news = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (1, 6, 1, 13)]
+    works, refs = [], []
+    for base, new in zip(bases, news, strict=True):
+        table, _ = prefill(runner, base)
+        branch = runner.store.fork(table)  # the new tokens in blocks of their own: several runs
+        runner.store.manager.append(branch, len(new))
+        works.append(Work(branch, new, len(base), "all"))
+        refs.append(hf_logits(model, base + new)[len(base):])
+    batch, _ = runner.build_batch(works)
+    members = gathered_members(batch.seqs, batch.groups, gather_keys)
+    expected = {0: [], 40: [0, 1], 1024: [0, 1, 2, 3]}[gather_keys]  # keys: 22, 15, 61, 46
+    assert members == expected
+    for out, ref in zip(runner.execute(works), refs, strict=True):
+        assert (out - ref).abs().max().item() <= TOL
+
+
+def test_gathered_buckets_pad_keys_and_queries():
+    """Members needing 3/4 of a bucket's keys or more share it (110 and 96 keys: 128; 20: 32); padding queries and keys never reach
+    a real row (every real row's keys are its own positions, in order)."""
+    from streamllm.model.attention import SeqAttention, plan_gathered
+
+    seqs = [SeqAttention(0, 1, 109, [(0, 0, 110)]), SeqAttention(1, 4, 92, [(0, 200, 64), (64, 400, 32)]),
+            SeqAttention(5, 1, 19, [(0, 600, 20)])]
+    buckets = plan_gathered(seqs, [0, 1, 2], groups=2, dtype=torch.float32, device="cpu")
+    assert [(b.members, b.keys, b.queries) for b in buckets] == [([0, 1], 128, 4), ([2], 32, 1)]
+    first = buckets[0]
+    assert first.key_slots[128:128 + 96].tolist() == list(range(200, 264)) + list(range(400, 432))
+    assert first.key_slots[128 + 96:256].tolist() == [200] * 32  # padding: the member's first slot, masked
+    assert first.out_rows.tolist() == [0, 1, 2, 3, 4] and first.out_sel.tolist() == [0, 4, 5, 6, 7]
+    keep = first.mask == 0  # [B, 1, g * queries, keys], rows ordered (group, token)
+    assert keep[0, 0, 0].nonzero().flatten().tolist() == list(range(110))  # a decode sees its 110 keys
+    assert keep[1, 0, 4 + 1].nonzero().flatten().tolist() == list(range(94))  # group 1, token 1: up to 93

@@ -4,6 +4,12 @@ A run is read as a view of the pool (no gather). One run goes straight to SDPA; 
 runs (a branch: the session's blocks, then its own) are attended separately and merged
 by log-sum-exp, the same merge cascade attention uses for a shared prefix.
 
+Short sequences with few new tokens (a decode step, a question, a standing answer) are
+instead gathered: their keys copied, in position order, into one padded batch per length
+bucket, attended by one fused call under an additive mask (`plan_gathered`). Below
+`GATHER_KEYS` keys the copy costs less than the kernels it saves: one call per bucket and
+layer instead of one per run and sequence, and no merge.
+
 Queries are laid out per kv head: [Hkv, g * n, D] (g query heads per kv head, n tokens),
 so GQA needs no repeat of K/V: every matmul is batched over kv heads.
 
@@ -13,12 +19,19 @@ own partials and the merge compute scores, softmax and weights in fp32 as well.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 NEG_INF = float("-inf")
+# Gathered attention (`plan_gathered`): sequences with at most GATHER_QUERIES new tokens and at most
+# GATHER_KEYS keys. Above that many keys the copy costs more than per-sequence kernels save (measured
+# on a CPU: 16 one-token sequences of 300 keys, 3.5 -> 1.0 ms a layer; of 3,000 keys, no gain).
+GATHER_KEYS = 1024
+GATHER_QUERIES = 32
+GATHER_ALIGN = 32  # a bucket's keys, rounded up to this
 
 
 @dataclass(slots=True)
@@ -139,7 +152,7 @@ def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int,
 
 
 def grouped_partials(
-    qs: list[torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
+    qs: Mapping[int, torch.Tensor] | list[torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
     groups: list[tuple[tuple[int, int, int], list[int]]], scale: float,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Cascade attention's shared half: every member's queries against the shared run in one call."""
@@ -186,3 +199,92 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     for i in range(1, len(parts)):
         out = out + parts[i][0].float() * weights[i]
     return out
+
+
+@dataclass(slots=True)
+class GatheredAttention:
+    """Sequences attended together in one fused call: a bucket of B sequences padded to `queries` new
+    tokens and `keys` keys. Planned once per forward; every layer gathers the same slots."""
+
+    members: list[int]  # indices of the sequences in the batch
+    key_slots: torch.Tensor  # [B * keys]: each member's slots in position order, padded with its first
+    q_rows: torch.Tensor  # [B * queries]: the batch rows of each member's new tokens, padded with its last
+    out_rows: torch.Tensor  # [R]: the batch rows written (every member's new tokens)
+    out_sel: torch.Tensor  # [R]: where each sits in the padded [B * queries] output
+    mask: torch.Tensor | None  # [B, 1, g * queries, keys] additive, in the queries' dtype; None: no key masked
+    queries: int
+    keys: int
+
+
+def gathered_members(seqs: list[SeqAttention], groups: list[tuple[tuple[int, int, int], list[int]]],
+                     max_keys: int = GATHER_KEYS) -> list[int]:
+    """The sequences worth gathering: at most GATHER_QUERIES new tokens and `max_keys` keys, except a
+    member of a shared-prefix group whose shared run is half its keys or more (the cascade reads that
+    run once for all; gathered, each member would copy it), and except a lone sequence of one run
+    (a view of the pool already: one kernel, no copy)."""
+    cascade = {i for (_, _, n), members in groups for i in members if 2 * n >= seqs[i].q_pos0 + seqs[i].q_len}
+    out = [i for i, seq in enumerate(seqs)
+           if seq.q_len <= GATHER_QUERIES and seq.q_pos0 + seq.q_len <= max_keys and i not in cascade]
+    if len(out) == 1 and len(seqs[out[0]].runs) == 1:
+        return []
+    return out
+
+
+def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dtype: torch.dtype,
+                  device) -> list[GatheredAttention]:
+    """Buckets of `members` (from `gathered_members`): from the most keys down, a bucket holds the
+    members that need at least 3/4 of its keys (rounded up to GATHER_ALIGN), so at most a third more
+    keys than a member needs are read (the fused call's time grows with the keys); queries pad to the
+    bucket's longest. A member's keys are its runs in position order (positions 0 .. q_pos0 + q_len - 1)."""
+    buckets: list[tuple[int, list[int]]] = []
+    for i in sorted(members, key=lambda i: -(seqs[i].q_pos0 + seqs[i].q_len)):
+        need = seqs[i].q_pos0 + seqs[i].q_len
+        if not buckets or 4 * need < 3 * buckets[-1][0]:
+            buckets.append((-(-need // GATHER_ALIGN) * GATHER_ALIGN, []))
+        buckets[-1][1].append(i)
+    out = []
+    for keys, idx in buckets:
+        queries = max(seqs[i].q_len for i in idx)
+        key_slots, q_rows, out_rows, out_sel, limits = [], [], [], [], []
+        for b, i in enumerate(idx):
+            seq = seqs[i]
+            need = seq.q_pos0 + seq.q_len
+            slots = [torch.arange(slot0, slot0 + n) for _, slot0, n in seq.runs]
+            if sum(n for _, _, n in seq.runs) != need or any(
+                    pos0 != sum(n for _, _, n in seq.runs[:r]) for r, (pos0, _, _) in enumerate(seq.runs)):
+                raise ValueError(f"sequence {i}: runs {seq.runs} do not cover positions 0..{need - 1} in order")
+            slots.append(torch.full((keys - need,), seq.runs[0][1]))
+            key_slots.append(torch.cat(slots))
+            rows = torch.arange(seq.q_start, seq.q_start + seq.q_len)
+            q_rows += [rows, rows[-1:].expand(queries - seq.q_len)]
+            out_rows.append(rows)
+            out_sel.append(torch.arange(b * queries, b * queries + seq.q_len))
+            # query t sees positions up to q_pos0 + t; a padding query repeats the last real one (finite, unread)
+            limits.append(seq.q_pos0 + torch.arange(queries).clamp(max=seq.q_len - 1))
+        limit = torch.stack(limits)  # [B, queries]
+        keep = torch.arange(keys)[None, None, :] <= limit[:, :, None]  # [B, queries, keys]
+        mask = None
+        if not bool(keep.all()):
+            # rows ordered (group, token), as the queries are laid out
+            keep = keep[:, None, None].expand(-1, 1, groups, -1, -1).reshape(len(idx), 1, groups * queries, keys)
+            mask = torch.zeros(keep.shape, dtype=dtype).masked_fill_(~keep, NEG_INF).to(device)
+        out.append(GatheredAttention(idx, torch.cat(key_slots).to(device), torch.cat(q_rows).to(device),
+                                     torch.cat(out_rows).to(device), torch.cat(out_sel).to(device), mask,
+                                     queries, keys))
+    return out
+
+
+def attend_gathered(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, ga: GatheredAttention,
+                    groups: int, scale: float) -> torch.Tensor:
+    """Attention output [B * queries, Hkv * g, D] (padded rows included) of one bucket.
+
+    q: [T, Hkv * g, D], every row of the batch; k_layer, v_layer: [Hkv, slots, D]."""
+    hkv, _, d = k_layer.shape
+    b = len(ga.members)
+    # [B*queries, Hkv*g, D] -> [B, Hkv, g*queries, D]: rows ordered (group, token)
+    qb = (q.index_select(0, ga.q_rows).view(b, ga.queries, hkv, groups, d).permute(0, 2, 3, 1, 4)
+          .reshape(b, hkv, groups * ga.queries, d))
+    k = k_layer.index_select(1, ga.key_slots).view(hkv, b, ga.keys, d).transpose(0, 1)
+    v = v_layer.index_select(1, ga.key_slots).view(hkv, b, ga.keys, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=ga.mask, scale=scale)
+    return out.view(b, hkv, groups, ga.queries, d).permute(0, 3, 1, 2, 4).reshape(b * ga.queries, hkv * groups, d)

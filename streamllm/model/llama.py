@@ -3,7 +3,8 @@
 RMSNorm, RoPE (every scaling variant transformers knows, via its own rotary class),
 GQA, SwiGLU, tied embeddings, optional q/k/v biases (Qwen2). Weights are fused at
 load (q|k|v, gate|up) so each layer runs four matmuls over the whole ragged batch;
-only attention is per sequence. Parity with transformers' forward is the test (fp32).
+attention runs per bucket of short sequences or per sequence (attention.py). Parity with
+transformers' forward is the test (fp32).
 
 In bf16 (see dtype.py) the weights, the matmuls and the KV cells are bf16, while the
 residual stream, RMSNorm, RoPE, the attention's softmax/log-sum-exp merges and the
@@ -25,7 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from streamllm.model import int4
-from streamllm.model.attention import SeqAttention, attend, grouped_partials, plan_parts
+from streamllm.model.attention import (
+    GATHER_KEYS,
+    SeqAttention,
+    attend,
+    attend_gathered,
+    gathered_members,
+    grouped_partials,
+    plan_gathered,
+    plan_parts,
+)
 from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -143,6 +153,7 @@ class LlamaForward:
                 )
             )
         self.intermediate = self.layers[0].gate_up.shape[0] // 2 if self.layers else 0
+        self.gather_keys = GATHER_KEYS  # sequences up to this many keys may be gathered (attention.py); 0: never
         self._packed: dict[tuple[str, int], torch.Tensor] = {}
         if can_pack(self.device, self.dtype):
             # Packed bf16 beat fp32 copies at every row count measured (1 to 256), so with
@@ -315,9 +326,14 @@ class LlamaForward:
         slots = batch.slot_mapping
         tap = h if tap_layer == 0 else None
         # Which slots each sequence reads, and its causal masks, are the same in every layer: planned once.
-        grouped = {i for _, members in batch.groups for i in members}
-        parts = [plan_parts(seq, g, self.dtype, h.device, shared=i in grouped) for i, seq in enumerate(batch.seqs)]
-        one = len(batch.seqs) == 1
+        # Short sequences are gathered into fused calls; the rest attend run by run (shared runs once).
+        gathered_ids = gathered_members(batch.seqs, batch.groups, self.gather_keys)
+        gathered = plan_gathered(batch.seqs, gathered_ids, g, self.dtype, h.device) if gathered_ids else []
+        apart = set(range(len(batch.seqs))).difference(gathered_ids)
+        groups = [(run, kept) for run, members in batch.groups if len(kept := [i for i in members if i in apart]) > 1]
+        in_group = {i for _, members in groups for i in members}
+        parts = {i: plan_parts(batch.seqs[i], g, self.dtype, h.device, shared=i in in_group) for i in sorted(apart)}
+        one = len(batch.seqs) == 1 and not gathered
         depth = tap_layer if stop_at_tap else self.num_layers
         for li, layer in enumerate(self.layers[:depth]):
             if between_layers is not None and li:
@@ -332,18 +348,21 @@ class LlamaForward:
             k_layer[:, slots] = k.transpose(0, 1)
             v_layer[:, slots] = v.transpose(0, 1).to(self.dtype)
             # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
-            qs = [q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
-                  .reshape(nkv, g * seq.q_len, d) for seq in batch.seqs]
-            shared = grouped_partials(qs, k_layer, v_layer, batch.groups, self.scale) if batch.groups else {}
+            qs = {i: q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
+                  .reshape(nkv, g * seq.q_len, d) for i, seq in ((i, batch.seqs[i]) for i in parts)}
+            shared = grouped_partials(qs, k_layer, v_layer, groups, self.scale) if groups else {}
             if one:  # a lone sequence's output is the whole step's: no buffer to scatter into
                 n = num_rows
                 out = attend(qs[0], k_layer, v_layer, parts[0], self.scale, shared.get(0))
                 attn = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             else:
                 attn = torch.empty(num_rows, nh, d, device=h.device, dtype=self.dtype)
-                for i, seq in enumerate(batch.seqs):
-                    n = seq.q_len
-                    out = attend(qs[i], k_layer, v_layer, parts[i], self.scale, shared.get(i))
+                for ga in gathered:
+                    out = attend_gathered(q, k_layer, v_layer, ga, g, self.scale)
+                    attn.index_copy_(0, ga.out_rows, out.index_select(0, ga.out_sel).to(self.dtype))
+                for i, seq_parts in parts.items():
+                    seq, n = batch.seqs[i], batch.seqs[i].q_len
+                    out = attend(qs[i], k_layer, v_layer, seq_parts, self.scale, shared.get(i))
                     attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             h = h + self._linear(attn.reshape(num_rows, q_size), "o", li)
             x = self._rmsnorm(h, layer.post_norm)
