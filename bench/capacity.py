@@ -14,10 +14,10 @@ Sessions that cannot be opened (`AdmissionError`: the pool's cells) are reported
 fatal: `opened@S` says how many were, the table the refusal; the rest of S is measured on
 the sessions that opened, each at its context budget `--context` (a user's 2k setting).
 
-The pool is a memory budget, `--kv-gb` (8 GB) of KV cells (at most S x --context, at least
-EngineConfig's default; `--max-cells` sets it outright): the pool's cells are only touched as
-they fill, so KV takes what the sessions hold, never more than the budget, and the process
-stays well under 20 GB at any S. Sessions are admitted by their working sets; past what the
+The pool is a memory budget, `--kv-gb` of KV cells (14 GB, at most 60% of the machine's memory; at
+most S x --context, at least EngineConfig's default; `--max-cells` sets it outright): the pool's
+cells are only touched as they fill, so KV takes what the sessions hold, never more than the
+budget, and the process stays under 20 GB at any S. Sessions are admitted by their working sets; past what the
 budget holds, `--spill DIR` puts idle sessions on disk, each back on its next bar.
 
 Per S (`{metric}@{S}`):
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import queue
 import threading
 import time
@@ -305,6 +306,17 @@ def kv_bytes_per_token(loaded) -> int:
     return 2 * c.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def default_kv_gb(machine_bytes: int | None = None) -> float:
+    """--kv-gb's default: 14 GB (512 sessions of ~1,000 warm tokens take 11.5 GB of KV), but at most 60% of
+    the machine's memory, so a smaller machine refuses or spills sessions instead of running out."""
+    if machine_bytes is None:
+        try:
+            machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system: the budget alone
+            return 14.0
+    return round(min(14.0, 0.6 * machine_bytes / 2**30), 1)
+
+
 def pool_cells(s: int, context: int, bytes_per_token: int, kv_gb: float) -> int:
     """The KV pool for S sessions: the memory budget (--kv-gb of cells), but no more than every session
     at its whole context and no less than EngineConfig's default. Cells are only touched as they fill
@@ -540,9 +552,10 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=2048, help="each session's max_context")
     p.add_argument("--max-cells", type=int, default=0,
                    help="the KV pool in cells (default: --kv-gb of them, at most S x --context)")
-    p.add_argument("--kv-gb", type=float, default=8.0,
-                   help="the KV pool's memory budget when --max-cells is not given (default 8 GB: with the model "
-                        "and the rest of the process, rss stays well under 20 GB)")
+    p.add_argument("--kv-gb", type=float, default=default_kv_gb(),
+                   help="the KV pool's memory budget when --max-cells is not given (default: 14 GB, where 512 "
+                        "sessions' warm working sets fit and rss stays under 20 GB; at most 60%% of this machine's "
+                        "memory)")
     p.add_argument("--open-threads", type=int, default=8, help="threads opening and registering sessions")
     p.add_argument("--push-threads", type=int, default=8, help="threads pushing the bars, each for its sessions")
     p.add_argument("--open-retries", type=int, default=2,

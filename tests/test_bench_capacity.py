@@ -85,3 +85,15 @@ def test_with_spill_every_session_opens_in_a_pool_that_refuses_some_and_they_spi
     assert report["spills_per_min@6"] > 0 and report["restores_per_min@6"] > 0
     assert report["sustained_bars_per_s@6"] > 0 and report["ask_errors@6"] == 0
     assert report["failed_steps@6"] == 0 and report["idle_after_phase@6"] == 1
+
+
+def test_kv_budget_defaults_to_14_gb_but_never_past_60_percent_of_the_machine():
+    from bench.capacity import default_kv_gb, pool_cells
+
+    assert default_kv_gb(24 * 2**30) == 14.0  # this project's 24 GB machines: 512 warm sessions fit
+    assert default_kv_gb(8 * 2**30) == 4.8
+    assert default_kv_gb() <= 14.0
+    per_token = 23_040  # the default model's KV in bf16
+    cells = pool_cells(512, 2048, per_token, 14.0)
+    assert cells == int(14 * 2**30) // per_token and cells >= 512 * 1_000  # ~1,000 warm tokens each
+    assert pool_cells(4, 2048, per_token, 14.0) == max(EngineConfig().max_cells, 4 * 2048)
