@@ -216,14 +216,15 @@ def test_gathered_attention_equals_reference(gather_keys):
 
 
 def test_gathered_buckets_pad_keys_and_queries():
-    """Members needing 3/4 of a bucket's keys or more share it (110 and 96 keys: 128; 20: 32); padding queries and keys never reach
+    """Members needing 3/4 of a bucket's keys or more share it (110 and 96 keys: 128; 20 alone: its own 20); padding queries and keys never reach
     a real row (every real row's keys are its own positions, in order)."""
     from streamllm.model.attention import SeqAttention, plan_gathered
 
     seqs = [SeqAttention(0, 1, 109, [(0, 0, 110)]), SeqAttention(1, 4, 92, [(0, 200, 64), (64, 400, 32)]),
             SeqAttention(5, 1, 19, [(0, 600, 20)])]
     buckets = plan_gathered(seqs, [0, 1, 2], groups=2, dtype=torch.float32, device="cpu")
-    assert [(b.members, b.keys, b.queries) for b in buckets] == [([0, 1], 128, 4), ([2], 32, 1)]
+    assert [(b.members, b.keys, b.queries) for b in buckets] == [([0, 1], 128, 4), ([2], 20, 1)]
+    assert buckets[1].mask is None  # alone, a decode reads its own keys exactly: nothing to mask
     first = buckets[0]
     assert first.key_slots[128:128 + 96].tolist() == list(range(200, 264)) + list(range(400, 432))
     assert first.key_slots[128 + 96:256].tolist() == [200] * 32  # padding: the member's first slot, masked

@@ -234,8 +234,8 @@ def gathered_members(seqs: list[SeqAttention], groups: list[tuple[tuple[int, int
 def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dtype: torch.dtype,
                   device) -> list[GatheredAttention]:
     """Buckets of `members` (from `gathered_members`): from the most keys down, a bucket holds the
-    members that need at least 3/4 of its keys (rounded up to GATHER_ALIGN), so at most a third more
-    keys than a member needs are read (the fused call's time grows with the keys); queries pad to the
+    members that need at least 3/4 of its keys (rounded up to GATHER_ALIGN; a lone member's own keys),
+    so at most a third more keys than a member needs are read (the fused call's time grows with the keys); queries pad to the
     bucket's longest. A member's keys are its runs in position order (positions 0 .. q_pos0 + q_len - 1)."""
     buckets: list[tuple[int, list[int]]] = []
     for i in sorted(members, key=lambda i: -(seqs[i].q_pos0 + seqs[i].q_len)):
@@ -245,6 +245,8 @@ def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dty
         buckets[-1][1].append(i)
     out = []
     for keys, idx in buckets:
+        if len(idx) == 1:  # alone: its own keys exactly, so a decode step needs no mask at all
+            keys = seqs[idx[0]].q_pos0 + seqs[idx[0]].q_len
         queries = max(seqs[i].q_len for i in idx)
         key_slots, q_rows, out_rows, out_sel, limits = [], [], [], [], []
         for b, i in enumerate(idx):
