@@ -232,3 +232,6 @@ def test_gathered_buckets_pad_keys_and_queries():
     keep = first.mask == 0  # [B, 1, g * queries, keys], rows ordered (group, token)
     assert keep[0, 0, 0].nonzero().flatten().tolist() == list(range(110))  # a decode sees its 110 keys
     assert keep[1, 0, 4 + 1].nonzero().flatten().tolist() == list(range(94))  # group 1, token 1: up to 93
+    with pytest.raises(ValueError, match="do not cover positions"):  # a gap: position 10 is nowhere
+        plan_gathered([SeqAttention(0, 1, 14, [(0, 0, 10), (11, 40, 4)])], [0], groups=2, dtype=torch.float32,
+                      device="cpu")

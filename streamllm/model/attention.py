@@ -27,9 +27,8 @@ import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 # Gathered attention (`plan_gathered`): sequences with at most GATHER_QUERIES new tokens and at most
-# GATHER_KEYS keys. Around 3,000 keys the copy costs what the per-sequence calls save (measured on a
-# CPU, branches of three runs, 1 to 16 of them, 1 or 20 new tokens: faster gathered at every count up
-# to 2,000 keys, even at 3,000).
+# GATHER_KEYS keys. Past that the copy costs about what the per-sequence calls save (on a CPU, for
+# branches of three runs: gathered was faster up to 2,000 keys and level at 3,000).
 GATHER_KEYS = 2048
 GATHER_QUERIES = 32
 GATHER_ALIGN = 32  # a bucket's keys, rounded up to this
@@ -153,7 +152,7 @@ def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int,
 
 
 def grouped_partials(
-    qs: Mapping[int, torch.Tensor] | list[torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
+    qs: Mapping[int, torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
     groups: list[tuple[tuple[int, int, int], list[int]]], scale: float,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Cascade attention's shared half: every member's queries against the shared run in one call."""
@@ -235,8 +234,9 @@ def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dty
                   device) -> list[GatheredAttention]:
     """Buckets of `members` (from `gathered_members`): from the most keys down, a bucket holds the
     members that need at least 3/4 of its keys (rounded up to GATHER_ALIGN; a lone member's own keys),
-    so at most a third more keys than a member needs are read (the fused call's time grows with the keys); queries pad to the
-    bucket's longest. A member's keys are its runs in position order (positions 0 .. q_pos0 + q_len - 1)."""
+    so no member reads more than a third more keys than it needs (the fused call's time grows with
+    them); queries pad to the bucket's longest. A member's keys are its runs in position order
+    (positions 0 .. q_pos0 + q_len - 1)."""
     buckets: list[tuple[int, list[int]]] = []
     for i in sorted(members, key=lambda i: -(seqs[i].q_pos0 + seqs[i].q_len)):
         need = seqs[i].q_pos0 + seqs[i].q_len
@@ -252,10 +252,14 @@ def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dty
         for b, i in enumerate(idx):
             seq = seqs[i]
             need = seq.q_pos0 + seq.q_len
-            slots = [torch.arange(slot0, slot0 + n) for _, slot0, n in seq.runs]
-            if sum(n for _, _, n in seq.runs) != need or any(
-                    pos0 != sum(n for _, _, n in seq.runs[:r]) for r, (pos0, _, _) in enumerate(seq.runs)):
+            covered = 0
+            for pos0, _, n in seq.runs:
+                if pos0 != covered:
+                    break
+                covered += n
+            if covered != need:
                 raise ValueError(f"sequence {i}: runs {seq.runs} do not cover positions 0..{need - 1} in order")
+            slots = [torch.arange(slot0, slot0 + n) for _, slot0, n in seq.runs]
             slots.append(torch.full((keys - need,), seq.runs[0][1]))
             key_slots.append(torch.cat(slots))
             rows = torch.arange(seq.q_start, seq.q_start + seq.q_len)
