@@ -235,3 +235,15 @@ def test_gathered_buckets_pad_keys_and_queries():
     with pytest.raises(ValueError, match="do not cover positions"):  # a gap: position 10 is nowhere
         plan_gathered([SeqAttention(0, 1, 14, [(0, 0, 10), (11, 40, 4)])], [0], groups=2, dtype=torch.float32,
                       device="cpu")
+
+
+def test_gathered_buckets_copy_at_most_their_budget_of_keys(monkeypatch):
+    """Many long sequences in one step go to several buckets, none copying more than GATHER_BUCKET_KEYS."""
+    from streamllm.model import attention
+    from streamllm.model.attention import SeqAttention, plan_gathered
+
+    monkeypatch.setattr(attention, "GATHER_BUCKET_KEYS", 1000)
+    seqs = [SeqAttention(i, 1, 299, [(0, 300 * i, 300)]) for i in range(7)]  # 300 keys each: 320 a member
+    buckets = plan_gathered(seqs, list(range(7)), groups=2, dtype=torch.float32, device="cpu")
+    assert [b.members for b in buckets] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert all(len(b.members) * b.keys <= 1000 for b in buckets)

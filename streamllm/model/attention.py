@@ -32,6 +32,10 @@ NEG_INF = float("-inf")
 GATHER_KEYS = 2048
 GATHER_QUERIES = 32
 GATHER_ALIGN = 32  # a bucket's keys, rounded up to this
+# Keys one bucket copies at most (members x keys): the copy is a temporary of K and V, so a step of many
+# long sequences is cut into several buckets instead of one large allocation (about 50 MB per layer
+# for the default model in bf16).
+GATHER_BUCKET_KEYS = 65_536
 
 
 @dataclass(slots=True)
@@ -235,12 +239,13 @@ def plan_gathered(seqs: list[SeqAttention], members: list[int], groups: int, dty
     """Buckets of `members` (from `gathered_members`): from the most keys down, a bucket holds the
     members that need at least 3/4 of its keys (rounded up to GATHER_ALIGN; a lone member's own keys),
     so no member reads more than a third more keys than it needs (the fused call's time grows with
-    them); queries pad to the bucket's longest. A member's keys are its runs in position order
-    (positions 0 .. q_pos0 + q_len - 1)."""
+    them), and at most GATHER_BUCKET_KEYS keys in all; queries pad to the bucket's longest. A member's
+    keys are its runs in position order (positions 0 .. q_pos0 + q_len - 1)."""
     buckets: list[tuple[int, list[int]]] = []
     for i in sorted(members, key=lambda i: -(seqs[i].q_pos0 + seqs[i].q_len)):
         need = seqs[i].q_pos0 + seqs[i].q_len
-        if not buckets or 4 * need < 3 * buckets[-1][0]:
+        full = bool(buckets) and (len(buckets[-1][1]) + 1) * buckets[-1][0] > GATHER_BUCKET_KEYS
+        if not buckets or full or 4 * need < 3 * buckets[-1][0]:
             buckets.append((-(-need // GATHER_ALIGN) * GATHER_ALIGN, []))
         buckets[-1][1].append(i)
     out = []
