@@ -348,8 +348,11 @@ class LlamaForward:
             k_layer[:, slots] = k.transpose(0, 1)
             v_layer[:, slots] = v.transpose(0, 1).to(self.dtype)
             # [n, Hkv*g, D] -> [Hkv, g*n, D]: rows ordered (group, token)
-            qs = {i: q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
-                  .reshape(nkv, g * seq.q_len, d) for i, seq in ((i, batch.seqs[i]) for i in parts)}
+            qs = {}
+            for i in parts:
+                seq = batch.seqs[i]
+                qs[i] = (q[seq.q_start : seq.q_start + seq.q_len].reshape(seq.q_len, nkv, g, d).permute(1, 2, 0, 3)
+                         .reshape(nkv, g * seq.q_len, d))
             shared = grouped_partials(qs, k_layer, v_layer, groups, self.scale) if groups else {}
             if one:  # a lone sequence's output is the whole step's: no buffer to scatter into
                 n = num_rows
@@ -361,7 +364,8 @@ class LlamaForward:
                     out = attend_gathered(q, k_layer, v_layer, ga, g, self.scale)
                     attn.index_copy_(0, ga.out_rows, out.index_select(0, ga.out_sel).to(self.dtype))
                 for i, seq_parts in parts.items():
-                    seq, n = batch.seqs[i], batch.seqs[i].q_len
+                    seq = batch.seqs[i]
+                    n = seq.q_len
                     out = attend(qs[i], k_layer, v_layer, seq_parts, self.scale, shared.get(i))
                     attn[seq.q_start : seq.q_start + n] = out.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nh, d)
             h = h + self._linear(attn.reshape(num_rows, q_size), "o", li)
