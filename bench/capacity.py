@@ -17,8 +17,8 @@ the sessions that opened, each at its context budget `--context` (a user's 2k se
 The pool is a memory budget, `--kv-gb` of KV cells (14 GB, at most 60% of the machine's memory; at
 most S x --context, at least EngineConfig's default; `--max-cells` sets it outright): the pool's
 cells are only touched as they fill, so KV takes what the sessions hold, never more than the
-budget, and the process stays under 20 GB at any S. Sessions are admitted by their working sets; past what the
-budget holds, `--spill DIR` puts idle sessions on disk, each back on its next bar.
+budget, and the process stays under 20 GB at any S. Sessions are admitted by their working sets;
+past what the budget holds, `--spill DIR` puts idle sessions on disk, each back on its next bar.
 
 Per S (`{metric}@{S}`):
   opened                          sessions the engine admitted (of S)
