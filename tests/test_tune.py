@@ -628,6 +628,33 @@ def test_windows_over_the_context_are_caught_before_extraction(tiny_model, tmp_p
     assert _fitted(task, WindowPlan("train", "b", 0, 60, mixed=True), args) is None
 
 
+def test_the_base_models_column_reads_the_first_windows_of_each_judged_source():
+    """Only those windows branch their decision points (the whole model's pass); every other window of a
+    series run is read for its lines alone. --method head reads every window's decision points."""
+    import argparse
+    from types import SimpleNamespace
+
+    from streamllm.tuning.data import WindowPlan
+    from streamllm.tuning.tune import _pointed
+
+    a, b = SimpleNamespace(spec=SimpleNamespace(name="a")), SimpleNamespace(spec=SimpleNamespace(name="b"))
+    plans = [WindowPlan("later", "btc", 100 * i, 50) for i in range(3)] + [
+        WindowPlan("other", src, 10 * k, 50) for k, src in enumerate(("eurusd", "goog", "eurusd"))] + [
+        WindowPlan("synthetic", "synthetic:X", 0, 50), WindowPlan("train", "btc", 0, 50), WindowPlan("dev", "btc", 0, 50)]
+    work = [(t, p) for p in plans for t in (a, b)]
+
+    def picked(**kw):
+        args = argparse.Namespace(**{"method": "series", "base_model": True, "base_model_windows": 2, **kw})
+        return sorted((name, p.set, p.source, p.start) for name, p in _pointed(work, args))
+
+    per_session = [("later", "btc", 0), ("later", "btc", 100), ("other", "eurusd", 0), ("other", "eurusd", 20),
+                   ("other", "goog", 10), ("synthetic", "synthetic:X", 0)]
+    assert picked() == sorted([("a", *x) for x in per_session] + [("b", *x) for x in per_session])
+    assert len(picked(base_model_windows=1)) == 2 * 4  # later, eurusd, goog, synthetic: one each
+    assert picked(base_model=False) == [] and picked(base_model_windows=0) == []
+    assert len(picked(method="head")) == len(work)
+
+
 BP_RENDER = 'system_prompt = "You watch 1-minute bars for {instrument}."\n[sessions.render]\nchanges = "bp"\n'
 
 

@@ -43,7 +43,7 @@ def _states(model, spec, bars, root, *, method="series", base_model=False, dtype
     task = Task(spec, questions, {"bars": list(bars)}, [plan])
     task.extractor = extractor
     args = argparse.Namespace(method=method, stride=4, tap_layer=LAYER, words=WORDS, base_model=base_model)
-    states, computed, _ = _window_states(task, plan, args, cache, extract=True)
+    states, computed, _ = _window_states(task, plan, args, cache, extract=True, pointed=method == "head")
     return states, computed, cache
 
 

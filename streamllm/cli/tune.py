@@ -82,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-base-model", dest="base_model", action="store_false",
                    help="--method series: leave the base model's figures off the card, so judged windows need no "
                         "decision points: a new question over cached lines extracts nothing")
+    p.add_argument("--base-model-windows", type=int, default=2, metavar="N",
+                   help="--method series: the base model's figures from the first N windows of each judged source "
+                        "(each runs the whole model and branches every decision point; the others stop at the tap "
+                        "layer)")
     p.add_argument("--target-precision", type=float, default=0.9)
     add_read_args(p)  # --market, --columns, --time-format, --tz, --signed-prices: as every command reads files
     p.add_argument("--window", type=int, default=160, help="bars per window (one session each)")

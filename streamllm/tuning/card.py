@@ -65,12 +65,17 @@ def _intro(card: dict[str, Any]) -> list[str]:
                 f"lines, each line read as {_line_features(se)} of the residual stream after layer {se['tap_layer']}, "
                 f"projected to {se['rank']} numbers (plus their magnitudes) and weighed per line{_orders(se)}. Judged at "
                 f"every bar with {se['lines']} lines of history (base model: at the decision points of the sets never "
-                f"trained or tuned on). {run}, "
+                f"trained or tuned on{_base_windows(card)}). {run}, "
                 f"{card['fit_steps']} AdamW steps, {card['adapter_bytes']} bytes.", data, "", gate, ""]
     return [f"# Choice heads for {card['config']} (sessions {', '.join(card['sessions'])})", "",
             f"Method `{card['method']}` on `{card['model']}`: a readout over the final normed hidden state at each "
             f"question's decision point. {run}, {card['fit_steps']} LBFGS steps, {card['adapter_bytes']} bytes.",
             data, "", gate, ""]
+
+
+def _base_windows(card: dict[str, Any]) -> str:
+    n = card.get("base_model_windows")  # absent on cards from before the setting: every judged window
+    return f", in the first {n} windows of each source" if n else ""
 
 
 def _ece(judged: dict[str, Any]) -> str:
@@ -104,9 +109,12 @@ def card_markdown(card: dict[str, Any]) -> str:
             if not j.get("samples"):
                 continue
             base = q["base_model"].get(s)  # none: tuned with --no-base-model
+            base_acc = fmt_number(base and base["accuracy"])
+            if base and base.get("samples") != j["samples"]:  # from the set's first windows (--base-model-windows)
+                base_acc += f" (n={base.get('samples')})"
             lines.append(f"| {qid} | {s} | {j['samples']} | {_with_interval(j, 'accuracy')} | {j['base_rate']:.2f} "
                          f"({j['majority']}) | {fmt_number(j.get('balanced_accuracy'))} | {fmt_number(j.get('ranks'))} | "
-                         f"{fmt_number(base and base['accuracy'])} | {j['coverage']:.2f} | {fmt_number(j['precision'])} | "
+                         f"{base_acc} | {j['coverage']:.2f} | {fmt_number(j['precision'])} | "
                          f"{_with_interval(j, 'coverage_at_target')} | {_ece(j)} |")
     first = [(qid, s, j) for qid, q in card["questions"].items() for s, j in q.get("first_lines", {}).items()
              if j.get("samples")]

@@ -55,8 +55,10 @@ def taught(plan: WindowPlan, session: str, members: list[tuple[str, str]]) -> li
 
 
 def _gather(got: dict, set_name: str, members: list[tuple[str, str]], hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decision points' states and labels of a set's windows that hold them (with --method series, the
+    judged windows the base model's column reads: tune._pointed)."""
     parts = [(s.features[qid], s.labels[qid]) for (session, p), s in got.items() if in_set(p, set_name)
-             for qid in taught(p, session, members)]
+             for qid in taught(p, session, members) if qid in s.features]
     if not parts:
         return torch.empty(0, hidden), torch.empty(0, dtype=torch.long)
     return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
@@ -208,6 +210,7 @@ def fit_and_write(args, loaded, tasks, got, extract_s, tokens, t0, cache: StateC
         "adapter_bytes": path.stat().st_size, "questions": report,
     }
     if args.method == "series":
+        card["base_model_windows"] = args.base_model_windows if args.base_model else 0
         card["series"] = {"tap_layer": args.tap_layer, "lines": args.lines, "rank": args.series_rank,
                           "fit_orders": args.fit_orders, "choose": args.choose, "words": list(args.words),
                           "reduce": _reduce(args)}

@@ -190,9 +190,10 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
 
     if not 0 < args.target_precision <= 1:
         raise TuneError(f"--target-precision must be in (0, 1], got {args.target_precision}")
-    if args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1 or args.mix_dev_windows < 0:
-        raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0, --judge-windows >= 1 and "
-                        "--mix-dev-windows >= 0")
+    if (args.window < 2 or args.stride < 1 or args.minutes <= 0 or args.judge_windows < 1 or args.mix_dev_windows < 0
+            or args.base_model_windows < 0):
+        raise TuneError("need --window >= 2, --stride >= 1, --minutes > 0, --judge-windows >= 1, "
+                        "--mix-dev-windows >= 0 and --base-model-windows >= 0")
     if args.method == "series" and (args.lines < 1 or args.series_rank < 1 or args.fit_orders < 1
                                     or args.window <= args.lines or getattr(args, "reduce", 0) < 0):
         raise TuneError(f"--method series needs --lines >= 1, --series-rank >= 1, --fit-orders >= 1, --reduce >= 0 "
@@ -237,6 +238,7 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
                                      words=args.words if args.method == "series" else ())
     work = [(t, _fitted(t, p, args)) for t, p in work]  # checked before any extraction, not 20 minutes in
     work = [(t, p) for t, p in work if p is not None]
+    pointed = _pointed(work, args)
     cache = _open_cache(args, loaded, tasks[0].extractor)
     got: dict[tuple[str, WindowPlan], WindowStates] = {}
     budget_s = args.minutes * 60
@@ -245,7 +247,8 @@ def run(args: argparse.Namespace, loaded: Any = None) -> dict[str, Any]:
     for task, plan in bar:
         over = (plan.set == "train" and time.perf_counter() - t0 > budget_s and any(p.set == "train" for _, p in got))
         try:
-            states, computed, seconds = _window_states(task, plan, args, cache, extract=not over)
+            states, computed, seconds = _window_states(task, plan, args, cache, extract=not over,
+                                                       pointed=(task.spec.name, plan) in pointed)
         except ValueError as exc:  # a window longer than the session's context
             raise TuneError(f"{plan.set} window {plan.key}: {exc}; use a smaller --window") from None
         if states is None:
@@ -277,6 +280,26 @@ def _open_cache(args: argparse.Namespace, loaded: Any, extractor: StateExtractor
     return cache
 
 
+def _pointed(work: list[tuple[Task, WindowPlan]], args: argparse.Namespace) -> set[tuple[str, WindowPlan]]:
+    """The windows whose decision points are extracted: every window's with --method head (they are its
+    inputs); with series, for the base model's column on the card only, the first --base-model-windows
+    windows of each judged source. Those run the whole model and a branch per decision point, about four
+    times a window read for its lines alone, which stops at the tap layer."""
+    if args.method == "head":
+        return {(t.spec.name, p) for t, p in work}
+    if not args.base_model:
+        return set()
+    taken: dict[tuple[str, str, str], int] = {}
+    out = set()
+    for t, p in work:
+        if p.set in BASE_MODEL_SETS:
+            slot = (t.spec.name, p.set, p.source)
+            if taken.get(slot, 0) < args.base_model_windows:
+                taken[slot] = taken.get(slot, 0) + 1
+                out.add((t.spec.name, p))
+    return out
+
+
 def decision_bars(n_bars: int, stride: int, labels: list[int]) -> list[int]:
     """Every stride-th bar (bar stride-1, 2*stride-1, ...) whose label is known: the same bars whatever
     other questions a config holds, so one question's cached decision points serve every config."""
@@ -284,19 +307,16 @@ def decision_bars(n_bars: int, stride: int, labels: list[int]) -> list[int]:
 
 
 def _window_states(task: Task, plan: WindowPlan, args: argparse.Namespace, cache: StateCache, *,
-                   extract: bool) -> tuple[WindowStates | None, int, float]:
+                   extract: bool, pointed: bool) -> tuple[WindowStates | None, int, float]:
     """One window's states: from the cache where it has them, else extracted (and then cached); with the
-    tokens computed and the seconds it took. None when something is missing and `extract` is False."""
+    tokens computed and the seconds it took. None when something is missing and `extract` is False.
+    `pointed`: its decision points' states too (`_pointed`); otherwise it is read for its lines alone."""
     ex = task.extractor
     window = task.sources[plan.source][plan.start: plan.start + plan.bars]
     ids, ends = ex.session_ids(render_window(window, task.spec.render.changes))
     key = cache.key(ids, ends, len(ex.prefix))
     labels = window_labels(task.questions, window)
     at = {q.id: decision_bars(len(window), args.stride, labels[q.id]) for q in task.questions}
-    # Decision-point states: a head's inputs; for series only the base model's figures on the judged sets
-    # (never trained or tuned on). Every other window is read for its lines alone, which stops the forward
-    # at the tap layer (StateExtractor.extract_parts).
-    pointed = (args.method == "head" or (args.base_model and plan.set in BASE_MODEL_SETS))
     names = {q.id: points_name(ex.question_ids[q.id]) for q in task.questions}
     lines = lines_name(args.tap_layer, args.words) if args.method == "series" else None
     tensors, cost = cache.read(key)
