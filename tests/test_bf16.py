@@ -170,10 +170,13 @@ def test_smollm2_bf16_logits_match_fp32_within_tolerance(smollm2):
 
 @pytest.mark.integration
 def test_smollm2_bf16_flips_no_clear_gate_decision(smollm2):
-    """Every shipped question with choices, at two points of a synthetic bar context (6 and 12 lines: each
-    line is ~50 tokens, and bf16 runs emulated on CPUs without AVX512-BF16; `bench query` runs longer ones)."""
+    """Every shipped question text with choices, under the first system prompt that asks it, at three points
+    of a synthetic bar context (4, 8 and 12 lines: each line is ~50 tokens, every system prompt prefills its
+    own context in fp32, and bf16 runs emulated on CPUs without AVX512-BF16). `bench query` checks every
+    (system prompt, question) pair of the shipped configs, on longer contexts."""
     ref, bf16 = dt.make_rig(smollm2, "float32", 4096, DEVICE), dt.make_rig(smollm2, "bfloat16", 4096, DEVICE)
-    parity = dt.gate_parity(ref, bf16, smollm2.tokenizer, [dt.synthetic_lines(1, 12)], [6, 12])
+    cases = list({c.spec.text: c for c in reversed(dt.shipped_gate_cases())}.values())
+    parity = dt.gate_parity(ref, bf16, smollm2.tokenizer, [dt.synthetic_lines(1, 12)], [4, 8, 12], cases)
     assert parity.decisions >= 20
     assert parity.flips == 0, [d for d in parity.details if (d["fired"], d["answer"]) != (d["fired_ref"],
                                                                                           d["answer_ref"])]
