@@ -30,9 +30,9 @@ demo: model
 	$(BIN)/streamllm demo
 
 # Choice heads for the shipped configs (docs/tuning.md); the results are committed under
-# queries/adapters/, so `make demo` needs no tuning. About 45 min on a 2-core CPU from an empty cache
-# (bars ~25, demo ~9, crypto ~11): 36 extracting states, kept in the state cache ($STREAMLLM_HOME/states,
-# docs/tuning.md), and 9 fitting. An interrupted run goes on where it stopped; after a change of questions or
+# queries/adapters/, so `make demo` needs no tuning. About 24 min on a 2-core CPU with AMX-BF16 from an empty
+# cache (bars ~15, demo ~4, crypto ~5): 16 extracting states, kept in the state cache ($STREAMLLM_HOME/states,
+# docs/tuning.md), and 7 fitting. An interrupted run goes on where it stopped; after a change of questions or
 # labels only a new question's decision points on judged windows are extracted, and only changed heads are
 # fitted. The fits are deterministic: the same states give the same heads to the bit. The committed heads
 # came from an earlier version of the fit: a run now matches their accuracy, not their bits (docs/tuning.md).
