@@ -19,13 +19,16 @@ Per question and market (`{metric}.{question}@{market}`), over bars [--from, --t
                                newest scored answers both made at the end of the replay (at most 500)
 
 `--overhead BARS` instead measures what learning costs: a fast-path ask's p99 and push -> idle per
-bar, the same bars and asks with the questions learning and with `learn = false`, run alternately.
+bar, the same bars and asks with the questions learning and with `learn = false`, run alternately;
+then the next `--steady-s` seconds of bars pushed at `--rate` bars/s without waiting, and the
+standing answers' freshness lag (pushed minus answered data version, sampled every 50 ms) under it.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,7 +224,9 @@ def overhead(loaded, args: argparse.Namespace) -> dict[str, float]:
     """The same bars and asks with the questions learning and with `learn = false`, alternately: a fast-path
     ask's p99 (in process) and push -> idle per bar. Fits overlap the bars here, as they would live."""
     market = markets(["btc"])[0]
-    bars = TableSource(market.path, "bar").events()[market.start: market.start + args.overhead]
+    steady = int(args.rate * args.steady_s)
+    every = TableSource(market.path, "bar").events()[market.start: market.start + args.overhead + steady]
+    bars, later = every[: args.overhead], every[args.overhead:]
     out: dict[str, float] = {}
     for learn in (False, True, False, True):
         specs = [parse_question({"id": i, "text": t, "choices": c, "label": lab, "threshold": "auto:0.9",
@@ -243,17 +248,50 @@ def overhead(loaded, args: argparse.Namespace) -> dict[str, float]:
                     t0 = time.perf_counter()
                     engine.ask("m", "direction")
                     fast.append((time.perf_counter() - t0) * 1000)
+            lags = steady_lags(engine, att, later, args.rate)
             fits = engine.call(lambda core: core.prepos.learning.fits_done)
         finally:
             engine.shutdown()
         tag = "learning" if learn else "still"
         print(f"  overhead, questions {tag}: fast p99 {percentile(fast, 99):.3f} ms, update p50 "
-              f"{median(update):.0f} ms, {fits} fits", flush=True)
-        for key, value in ((f"fast_ms_p99.{tag}", percentile(fast, 99)), (f"update_ms_p50.{tag}", median(update))):
+              f"{median(update):.0f} ms, lag p50 / p99 {percentile(lags, 50):g} / {percentile(lags, 99):g} "
+              f"versions at {args.rate:g} bars/s, {fits} fits", flush=True)
+        for key, value in ((f"fast_ms_p99.{tag}", percentile(fast, 99)), (f"update_ms_p50.{tag}", median(update)),
+                           (f"lag_p99_versions.{tag}", percentile(lags, 99)),
+                           (f"lag_p50_versions.{tag}", percentile(lags, 50))):
             out[key] = min(out.get(key, math.inf), value)  # the better of two alternating runs each
     out["fast_p99_ratio"] = out["fast_ms_p99.learning"] / out["fast_ms_p99.still"]
     out["update_p50_ratio"] = out["update_ms_p50.learning"] / out["update_ms_p50.still"]
     return out
+
+
+def steady_lags(engine: Engine, att: Attachment, bars: list, rate: float) -> list[int]:
+    """Push `bars` at `rate` bars/s without waiting for the engine (a feed does not wait), sampling every
+    50 ms how many versions each standing answer is behind what was pushed."""
+    lags: list[int] = []
+    done = threading.Event()
+
+    def push() -> None:
+        t0 = time.perf_counter()
+        try:
+            for i, bar in enumerate(bars):
+                att.offer(bar)
+                att.flush()
+                delay = t0 + (i + 1) / rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+        finally:
+            done.set()
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    while not done.is_set():
+        pushed = engine.session_info("m").pushed_version
+        lags += [pushed - a.data_version for a in engine.standing("m")]
+        time.sleep(0.05)
+    pusher.join()
+    engine.wait_idle(timeout=300)
+    return lags
 
 
 def cli_main(argv: list[str]) -> int:
@@ -268,6 +306,8 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--context", type=int, default=8192, help="the session's context budget")
     p.add_argument("--overhead", type=int, default=0, metavar="BARS",
                    help="only measure what learning costs the engine: BARS bars with and without learning")
+    p.add_argument("--rate", type=float, default=4.0, help="--overhead: bars/s of the steady phase")
+    p.add_argument("--steady-s", type=float, default=10.0, help="--overhead: seconds of the steady phase")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.overhead:
