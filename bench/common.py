@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,3 +124,52 @@ def budget_for(tokens: int, slack: int = 512) -> int:
 
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+class SteadyPusher:
+    """Calls `push(i)` for i = 0, 1, ... at `rate` calls/s on a thread of its own (a feed does not wait for
+    the engine), until stopped or, with `count`, after that many; `done` is set when it ends either way."""
+
+    def __init__(self, push: Callable[[int], object], rate: float, count: int | None = None) -> None:
+        self.push, self.rate, self.count = push, rate, count
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.pushed = 0
+        self.elapsed = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SteadyPusher:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            while not self.stop.is_set() and (self.count is None or self.pushed < self.count):
+                self.push(self.pushed)
+                self.pushed += 1
+                self.elapsed = time.perf_counter() - t0
+                delay = t0 + self.pushed / self.rate - time.perf_counter()
+                if delay > 0:
+                    self.stop.wait(delay)
+        finally:
+            self.done.set()
+
+    @property
+    def updates_per_s(self) -> float:
+        return self.pushed / self.elapsed if self.elapsed else 0.0
+
+
+def standing_lags(engine, sessions: list[str], running: Callable[[], bool]) -> list[int]:
+    """While `running()`: every 50 ms, how many versions each standing answer of `sessions` is behind
+    what was pushed to its session."""
+    lags: list[int] = []
+    while running():
+        for name in sessions:
+            pushed = engine.session_info(name).pushed_version
+            lags += [pushed - a.data_version for a in engine.standing(name)]
+        time.sleep(0.05)
+    return lags

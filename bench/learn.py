@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from bench.common import median, percentile, print_table, write_json
+from bench.common import SteadyPusher, median, percentile, print_table, standing_lags, write_json
 from feeds.tables import TableSource
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
@@ -266,30 +265,13 @@ def overhead(loaded, args: argparse.Namespace) -> dict[str, float]:
 
 
 def steady_lags(engine: Engine, att: Attachment, bars: list, rate: float) -> list[int]:
-    """Push `bars` at `rate` bars/s without waiting for the engine (a feed does not wait), sampling every
-    50 ms how many versions each standing answer is behind what was pushed."""
-    lags: list[int] = []
-    done = threading.Event()
+    """Push `bars` at `rate` bars/s without waiting for the engine, sampling the standing answers' lag."""
+    def push(i: int) -> None:
+        att.offer(bars[i])
+        att.flush()
 
-    def push() -> None:
-        t0 = time.perf_counter()
-        try:
-            for i, bar in enumerate(bars):
-                att.offer(bar)
-                att.flush()
-                delay = t0 + (i + 1) / rate - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-        finally:
-            done.set()
-
-    pusher = threading.Thread(target=push, daemon=True)
-    pusher.start()
-    while not done.is_set():
-        pushed = engine.session_info("m").pushed_version
-        lags += [pushed - a.data_version for a in engine.standing("m")]
-        time.sleep(0.05)
-    pusher.join()
+    with SteadyPusher(push, rate, count=len(bars)) as pusher:
+        lags = standing_lags(engine, ["m"], lambda: not pusher.done.is_set())
     engine.wait_idle(timeout=300)
     return lags
 

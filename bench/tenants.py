@@ -19,11 +19,11 @@ the runner directly; each side of a comparison gets a warm-up first.
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from concurrent.futures import wait
 
 from bench.common import (
+    SteadyPusher,
     budget_for,
     fill_session,
     market_lines,
@@ -31,6 +31,7 @@ from bench.common import (
     parse_ints,
     percentile,
     print_table,
+    standing_lags,
     write_json,
 )
 from streamllm.config import QuestionSpec
@@ -79,51 +80,19 @@ def cold_latencies(engine: Engine, sessions: list[str], count: int) -> list[floa
     return [engine.ask(sessions[i % len(sessions)], COLD, max_tokens=1, timeout=600).latency_ms for i in range(count)]
 
 
-class SteadyPusher:
-    """Pushes one bar to each session in turn at `rate` updates/s in total until stopped."""
-
-    def __init__(self, engine: Engine, sessions: list[str], lines, rate: float) -> None:
-        self.engine, self.sessions, self.lines, self.rate = engine, sessions, lines, rate
-        self.stop = threading.Event()
-        self.pushed = 0
-        self.elapsed = 0.0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> SteadyPusher:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        while not self.stop.is_set():
-            self.engine.push(self.sessions[self.pushed % len(self.sessions)], [next(self.lines)])
-            self.pushed += 1
-            self.elapsed = time.perf_counter() - t0
-            delay = t0 + self.pushed / self.rate - time.perf_counter()
-            if delay > 0:
-                self.stop.wait(delay)
-
-    @property
-    def updates_per_s(self) -> float:
-        return self.pushed / self.elapsed if self.elapsed else 0.0
-
-
 def freshness(engine: Engine, sessions: list[str], lines, rate: float, seconds: float) -> tuple[list[int], float]:
-    """Lags in versions (pushed minus each standing answer's data_version), sampled every 50 ms."""
-    lags: list[int] = []
-    with SteadyPusher(engine, sessions, lines, rate) as pusher:
+    """Lags in versions (pushed minus each standing answer's data_version), sampled every 50 ms, while one
+    bar a push goes to each session in turn at `rate` updates/s in total."""
+    with SteadyPusher(steady_lines(engine, sessions, lines), rate) as pusher:
         end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            for name in sessions:
-                pushed = engine.session_info(name).pushed_version
-                lags += [pushed - a.data_version for a in engine.standing(name)]
-            time.sleep(0.05)
+        lags = standing_lags(engine, sessions, lambda: time.perf_counter() < end)
     engine.wait_idle()
     return lags, pusher.updates_per_s
+
+
+def steady_lines(engine: Engine, sessions: list[str], lines):
+    """A SteadyPusher's push: the next line to each session in turn."""
+    return lambda i: engine.push(sessions[i % len(sessions)], [next(lines)])
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
@@ -165,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             rows.append([s, metrics[f"batched_tok_s@{s}"], metrics[f"sequential_tok_s@{s}"],
                          metrics[f"batching_speedup@{s}"], sustained, percentile(lags, 50), percentile(lags, 99)])
         print("interactive latency while every session ingests and pre-positions ...", flush=True)
-        with SteadyPusher(engine, names, lines, args.rate):
+        with SteadyPusher(steady_lines(engine, names, lines), args.rate):
             time.sleep(1.0)
             loaded_lat = cold_latencies(engine, names, args.asks)
         engine.wait_idle()
