@@ -54,10 +54,11 @@ def test_sessions_the_pool_refuses_are_reported_not_fatal(tmp_path: Path, capsys
     assert f"{6 - int(report['opened@6'])} of 6 refused; the first: session " in printed
 
 
-def test_compaction_tokens_count_what_copies_computed(tiny_model):
+@pytest.mark.parametrize("method", ["recompute", "shift"])
+def test_compaction_tokens_count_what_copies_computed(tiny_model, method):
     engine = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640,
                                              scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64),
-                                             compaction=CompactionPolicy(compact_at=0.75, retain=0.5)))
+                                             compaction=CompactionPolicy(compact_at=0.75, retain=0.5, method=method)))
     try:
         engine.open_session("s")
         lines = [f"12:{i // 60:02d}:{i % 60:02d} BTCUSDT C 640{i % 97:02d}.5 v{i % 13}.5" for i in range(120)]
@@ -69,8 +70,13 @@ def test_compaction_tokens_count_what_copies_computed(tiny_model):
             engine.wait_idle()
         stats, info = engine.stats(), engine.session_info("s")
         assert info.compactions >= 1
-        # No standing questions: every background token is a copy's.
-        assert stats["compaction_tokens"] == stats["tokens_background"] > 0
+        # No standing questions: every background token is a copy's; a shifted copy computes none.
+        if method == "recompute":
+            assert stats["compaction_tokens"] == stats["tokens_background"] > 0
+            assert stats["compaction_tokens_shifted"] == 0
+        else:
+            assert stats["compaction_tokens"] == stats["tokens_background"] == 0
+            assert stats["compaction_tokens_shifted"] > 0
     finally:
         engine.shutdown()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from streamllm.config import QuestionSpec
 from streamllm.engine import CompactionPolicy, Engine, EngineConfig, SchedulerConfig
@@ -12,7 +13,7 @@ LINES = [f"12:{i // 60:02d}:{i % 60:02d} BTCUSDT C 640{i % 97:02d}.5 v{i % 13}.5
 
 @pytest.fixture()
 def engine(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640, scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64), compaction=CompactionPolicy(compact_at=0.75, retain=0.5)))
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640, scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64), compaction=CompactionPolicy(compact_at=0.75, retain=0.5, method="recompute")))
     yield eng
     eng.shutdown()
 
@@ -52,6 +53,58 @@ def test_a_long_stream_is_compacted_and_answers_match_a_fresh_session(engine):
     assert (compacted.logits - fresh.logits).abs().max().item() <= 1e-4
     assert engine.ask("s", "q").data_version == 40  # standing questions re-positioned on the new blocks
     engine.check_integrity()
+
+
+def test_a_shifted_copy_answers_as_transformers_on_its_cache_with_the_cut_dropped_and_keys_turned(tiny_model):
+    """`method="shift"`: the retained lines keep the cells the session computed, keys turned to their new
+    positions, no forward pass. The reference is transformers' own cache of the same history with the cut
+    lines dropped and the rest's keys turned by transformers' rotary at position -shift; the line pushed
+    with the compaction and the question then run on it from their new positions."""
+    from transformers import DynamicCache, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640,
+                                          scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64),
+                                          compaction=CompactionPolicy(compact_at=0.75, retain=0.5, method="shift")))
+    try:
+        eng.open_session("s")
+        s = eng.sessions["s"]
+        pushed = 0
+        while not s.compactions:
+            before = list(s.token_ids)  # all computed: each push is waited for
+            eng.push("s", LINES[pushed : pushed + 3])
+            pushed += 3
+            eng.wait_idle()
+        stats = eng.stats()
+        assert s.compactions == 1 and stats["compaction_tokens"] == 0 and stats["compaction_tokens_shifted"] > 0
+        got = eng.ask("s", "Trend?", max_tokens=1, return_logits=True).logits
+        prefix, shift = s.prefix_len, s.tokens_dropped
+        kept = len(before) - prefix - shift  # tokens of `before` the copy moved
+        assert shift > 0 and s.token_ids[: prefix + kept] == before[:prefix] + before[prefix + shift :]
+        later = s.token_ids[prefix + kept :]  # the line pushed with the compaction
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+
+    hf = LlamaForCausalLM(tiny_model.config)
+    hf.load_state_dict(tiny_model.state_dict, strict=False)
+    hf.tie_weights()
+    hf.eval()
+    with torch.no_grad():
+        full = hf(torch.tensor([before]), use_cache=True).past_key_values
+        cache = DynamicCache()
+        for layer in range(tiny_model.config.num_hidden_layers):
+            k, v = full.layers[layer].keys, full.layers[layer].values  # [1, H, T, D], keys turned at 0..T-1
+            kept_k = k[:, :, prefix + shift :]
+            cos, sin = hf.model.rotary_emb(kept_k, torch.full((1, kept_k.shape[2]), -shift))
+            kept_k, _ = apply_rotary_pos_emb(kept_k, kept_k, cos, sin)
+            cache.update(torch.cat([k[:, :, :prefix], kept_k], 2),
+                         torch.cat([v[:, :, :prefix], v[:, :, prefix + shift :]], 2), layer)
+        rest = later + eng.layout.question_ids("Trend?")
+        start = len(before) - shift
+        want = hf(torch.tensor([rest]), cache=cache,
+                  position_ids=torch.arange(start, start + len(rest))[None]).logits[0, -1]
+    assert (got - want).abs().max().item() <= 1e-4
 
 
 def test_questions_are_answered_while_a_compaction_runs(engine):
@@ -167,7 +220,7 @@ def test_a_fast_feed_starts_no_copy_that_would_free_almost_nothing():
     from streamllm.engine.kv import BlockTable
     from streamllm.engine.sequence import Session
 
-    policy = CompactionPolicy(compact_at=0.75, retain=0.5)
+    policy = CompactionPolicy(compact_at=0.75, retain=0.5, method="recompute")
     session = Session("s", "sys", [1] * 20, 1000, BlockTable())
 
     def push_lines(count: int, start_s: float) -> None:
@@ -179,6 +232,8 @@ def test_a_fast_feed_starts_no_copy_that_would_free_almost_nothing():
     assert not policy.should_start(session, copy_tokens_per_s=50.0)
     push_lines(11, 2.5)  # 630: past halfway from retain to compact_at, the early start may go
     assert policy.should_start(session, copy_tokens_per_s=50.0)
+    # a shifted copy is made between two steps: it never needs to start before compact_at
+    assert not CompactionPolicy(compact_at=0.75, retain=0.5).should_start(session, copy_tokens_per_s=50.0)
     cut = session.compaction_cut(policy.keep_tokens(session))
     freed = cut - session.prefix_len
     assert freed >= (policy.compact_at - policy.retain) / 2 * session.max_context

@@ -17,7 +17,7 @@ import pytest
 
 from bench.common import market_lines
 from streamllm.config import QuestionSpec
-from streamllm.engine import Engine, EngineConfig, SchedulerConfig
+from streamllm.engine import CompactionPolicy, Engine, EngineConfig, SchedulerConfig
 from streamllm.engine.commands import Call
 from streamllm.engine.kv import BlockTable
 from streamllm.engine.outputs import AdmissionError
@@ -51,7 +51,10 @@ def dump(core) -> str:
 
 def test_a_burst_on_a_big_session_beside_two_small_ones_is_all_applied(tiny_model):
     lines = market_lines()
-    with Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=8192, check_integrity_every_step=True, scheduler=SchedulerConfig(chunk_tokens=64))) as eng:
+    # copies that recompute: the reference below is a fresh prefill of the lines kept
+    config = EngineConfig(max_cells=16384, block_size=8, max_context=8192, check_integrity_every_step=True,
+                          scheduler=SchedulerConfig(chunk_tokens=64), compaction=CompactionPolicy(method="recompute"))
+    with Engine(tiny_model, config) as eng:
         eng.open_session("big", max_context=8192)
         eng.open_session("a", max_context=2048)
         eng.open_session("b", max_context=2048)
@@ -161,7 +164,9 @@ def test_a_copy_started_early_that_runs_out_of_cells_gives_way_instead_of_holdin
     rescue never runs) and the copy waited for cells forever: wait_idle() never returned (seen once
     in CI, 240 s with 48 cells free). A blocked copy that nothing will unblock is preempted."""
     lines = market_lines(seed=5)
-    with Engine(tiny_model, EngineConfig(max_cells=2048, block_size=8, max_context=1024, branch_cells=128, scheduler=SchedulerConfig(chunk_tokens=64))) as eng:
+    config = EngineConfig(max_cells=2048, block_size=8, max_context=1024, branch_cells=128,
+                          scheduler=SchedulerConfig(chunk_tokens=64), compaction=CompactionPolicy(method="recompute"))
+    with Engine(tiny_model, config) as eng:  # a shifted copy is whole when it starts: it never waits for cells
         eng.open_session("s")
         while eng.session_info("s").num_tokens < 600:  # below compact_at: no copy yet
             eng.push("s", list(itertools.islice(lines, 4)))

@@ -12,6 +12,9 @@ and reserves block tables and swaps a session's table, and the core is their one
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+
+import torch
 
 from streamllm.engine.answers import Answerer
 from streamllm.engine.compaction import CompactionCopy, CompactionPolicy, copy_size
@@ -24,13 +27,16 @@ from streamllm.engine.stats import StepTimes
 
 log = logging.getLogger("streamllm.engine")
 
+SHIFT_CHUNK = 1024  # tokens a shift moves at once
+
 
 class Compactor:
     """Compaction copies in flight, and the cells admission keeps free so that one can always start."""
 
     def __init__(self, *, store: KVStore, policy: CompactionPolicy, branch_cells: int, sessions: dict[str, Session],
                  prepos: Prepositioner, answerer: Answerer, publisher: Publisher,
-                 scheduler_config: SchedulerConfig, step_times: StepTimes) -> None:
+                 scheduler_config: SchedulerConfig, step_times: StepTimes,
+                 shift_keys: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> None:
         self.store = store
         self.policy = policy
         self.branch_cells = branch_cells  # cells kept free for questions and entries
@@ -45,6 +51,9 @@ class Compactor:
         self.deferred = 0  # copies not started for want of cells (retried each turn)
         self.preempted = 0
         self.tokens_computed = 0  # tokens copies computed (swapped in or preempted): what compaction cost
+        self.tokens_shifted = 0  # tokens copies moved without a forward pass (`CompactionPolicy.method` "shift")
+        # "shift": the model's key turn (LlamaForward.shift_keys); None: copies recompute their lines
+        self.shift_keys = shift_keys if policy.method == "shift" else None
 
     def keep_free(self, max_context: int) -> int:
         """Cells an admission leaves free beside every session's reservation: the cells kept for
@@ -90,9 +99,31 @@ class Compactor:
             return False
         # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
         table = self.store.fork(session.table, session.prefix_len)
-        self.copies[session.name] = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
+        copy = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
+        if self.shift_keys is not None:
+            self._shift(copy)
+        self.copies[session.name] = copy
         self.stuck.discard(session.name)
         return True
+
+    def _shift(self, copy: CompactionCopy) -> None:
+        """Fill `copy` with the cells its session computed past the cut, moved to their new positions (keys
+        turned by the distance, values as they are): it is caught up, and swaps in before the next step."""
+        session, manager, pool = copy.session, self.store.manager, self.store.pool
+        n = session.num_computed - copy.cut
+        if n <= 0:
+            return
+        manager.append(copy.table, n)  # `start` checked the pool holds the whole copy
+        delta = session.prefix_len - copy.cut
+        for lo in range(0, n, SHIFT_CHUNK):  # chunks bound the fp32 temporaries of the turn
+            hi = min(n, lo + SHIFT_CHUNK)
+            src = manager.slots(session.table, copy.cut + lo, copy.cut + hi).to(pool.k.device)
+            dst = manager.slots(copy.table, session.prefix_len + lo, session.prefix_len + hi).to(pool.k.device)
+            pool.v[:, :, dst] = pool.v[:, :, src]
+            pool.k[:, :, dst] = self.shift_keys(pool.k[:, :, src], delta)
+        copy.num_computed = session.prefix_len + n
+        copy.shifted = n
+        self.tokens_shifted += n
 
     def forget(self, name: str) -> None:
         """A session closed: its copy (if any) goes, unpreempted."""
@@ -173,7 +204,7 @@ class Compactor:
     def drop(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
         job = self.copies.pop(name)
-        self.tokens_computed += job.num_computed - job.session.prefix_len
+        self.tokens_computed += job.num_computed - job.session.prefix_len - job.shifted
         self.store.manager.free(job.table)
         self.preempted += preempted
 
@@ -183,7 +214,7 @@ class Compactor:
                 continue
             session = job.session
             del self.copies[name]
-            self.tokens_computed += job.num_computed - session.prefix_len
+            self.tokens_computed += job.num_computed - session.prefix_len - job.shifted
             old, version = session.table, session.data_version
             session.apply_compaction(job.cut, job.table, job.num_computed)
             if session.data_version != version:

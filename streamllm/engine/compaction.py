@@ -1,22 +1,34 @@
 """Compaction: keep a session inside its context budget without ever stopping it.
 
-A second copy is built in fresh blocks as background work: the frozen prefix, then
-the most recent data lines (up to `retain` of max_context), then every line pushed
-meanwhile. When the copy has caught up with what the session has computed, the core
-swaps it in between two steps. Until then the session keeps ingesting and answering
-on its old blocks; branches already forked keep their own references.
+A second copy is built in fresh blocks: the frozen prefix, then the most recent data
+lines (up to `retain` of max_context), then every line pushed meanwhile. When the copy
+has caught up with what the session has computed, the core swaps it in between two
+steps. Until then the session keeps ingesting and answering on its old blocks;
+branches already forked keep their own references.
 
     old:   [prefix | oldest ... | cut | recent lines | new lines ...]
     copy:  [prefix |                  recent lines | new lines ...]   -> swapped in
+
+How the recent lines get their cells (`CompactionPolicy.method`):
+- "shift" (the default): the cells the session computed are moved, keys turned by RoPE to
+  their new positions (LlamaForward.shift_keys), values as they are, between two steps:
+  no forward pass. The moved lines keep what they read when computed, the cut lines
+  included, as StreamingLLM keeps a window after its attention sinks (here the frozen
+  prefix). `streamllm bench compaction` measures it against "recompute" on recorded bars:
+  the series heads' answers are as accurate, and compaction costs no forward pass.
+- "recompute": the copy runs the recent lines through the model again after the prefix,
+  as background work: exactly a fresh session of those lines, at the price of their prefill
+  (about twice the tokens ingested, started early under a fast feed).
 
 The copy starts on the session's own prefix blocks (shared, not recomputed) and copies
 only what the session has computed: started when the session is at its budget, it needs
 at most `retain` x max_context cells (`CompactionPolicy.copy_cells`), which admission
 keeps free beside every session's reservation (`Compactor.keep_free`, compacting.py).
 
-When to start: early enough, at the session's measured push rate, to finish before
-the session reaches max_context, but never so early that the copy frees too little for
-what it recomputes (`CompactionPolicy.should_start`). A session that
+When to start: a shifted copy at `compact_at`; one that recomputes early enough, at the
+session's measured push rate, to finish before the session reaches max_context, but never
+so early that it frees too little for what it recomputes (`CompactionPolicy.should_start`).
+A session that
 reaches its budget anyway keeps accepting pushes; its pending data waits (and its
 copy is promoted to the ingest class) until the swap makes room. If its copy finds no
 cells, copies are recomputable work: the core preempts them as vLLM preempts requests
@@ -37,6 +49,7 @@ class CompactionCopy(Sequence):
     cut: int  # token index in the session (a line boundary) where retained data starts
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
+    shifted: int = 0  # of those, tokens moved from the session's cells rather than computed (method "shift")
     want_logits = Logits.NONE  # type: ignore[misc]  # a copy of data: nothing to answer at its end
 
     @property
@@ -84,16 +97,24 @@ def copy_size(session: Session, cut: int) -> int:
     return session.prefix_len + max(0, min(session.num_tokens, session.max_context) - cut)
 
 
+METHODS = ("shift", "recompute")
+
+
 @dataclass(frozen=True, slots=True)
 class CompactionPolicy:
     compact_at: float = 0.75  # start at the latest when the session holds this share of max_context
     retain: float = 0.5  # share of max_context the copy keeps (prefix included)
     safety: float = 2.0  # start when the budget left lasts less than safety x the copy's estimated time
+    # How a copy gets the retained lines' cells: "shift" moves the cells the session computed (keys turned
+    # to their new positions), "recompute" runs them through the model again after the prefix.
+    method: str = "shift"
 
     def __post_init__(self) -> None:
         if not 0 < self.retain < self.compact_at <= 1:
             raise ValueError(f"need 0 < retain < compact_at <= 1, got retain={self.retain}, "
                              f"compact_at={self.compact_at}")
+        if self.method not in METHODS:
+            raise ValueError(f"CompactionPolicy.method must be one of {', '.join(METHODS)}, got {self.method!r}")
 
     @property
     def earliest(self) -> float:
@@ -117,7 +138,8 @@ class CompactionPolicy:
         return max(branch_cells, self.copy_cells(largest_max_context))
 
     def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
-        """At compact_at of the budget, or earlier when pushes would fill it before a copy finishes.
+        """At compact_at of the budget, or (copies that recompute) earlier when pushes would fill it before a
+        copy finishes; a shifted copy is made between two steps.
 
         Never before halfway from retain to compact_at: a copy recomputes up to retain x max_context
         tokens to free what the session holds beyond that, so one started just past retain frees a
@@ -127,7 +149,7 @@ class CompactionPolicy:
         """
         if session.num_tokens >= self.compact_at * session.max_context:
             return True
-        if session.num_tokens < self.earliest * session.max_context:
+        if self.method == "shift" or session.num_tokens < self.earliest * session.max_context:
             return False  # too little to cut for what the copy recomputes
         rate = session.push_rate()
         if rate <= 0 or copy_tokens_per_s <= 0:

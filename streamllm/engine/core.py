@@ -119,7 +119,8 @@ class EngineCore:
                                  stale_policy=StalePolicy(stale_policy))
         self.compactor = Compactor(store=store, policy=policy, branch_cells=branch_cells, sessions=self.sessions,
                                    prepos=prepos, answerer=self.answerer, publisher=self.publisher,
-                                   scheduler_config=scheduler.config, step_times=self.step_times)
+                                   scheduler_config=scheduler.config, step_times=self.step_times,
+                                   shift_keys=runner.model.shift_keys)
         self.admission = Admission(store=store, compactor=self.compactor, prepos=prepos, publisher=self.publisher,
                                    sessions=self.sessions, window_tokens=working_set_tokens,
                                    chunk_tokens=scheduler.config.chunk_tokens)

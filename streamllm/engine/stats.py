@@ -69,6 +69,7 @@ def core_counters(core: EngineCore) -> dict[str, float]:
         "compactions_deferred": compactor.deferred,
         "compactions_preempted": compactor.preempted,
         "compaction_tokens": compactor.tokens_computed,  # background tokens spent on copies, swapped or preempted
+        "compaction_tokens_shifted": compactor.tokens_shifted,  # cells copies moved without a forward pass
         "sessions_stuck": len(compactor.stuck),  # at budget with no room for a copy (logged): see compacting.py
         "prefix_cache_hits": core.prefixes.hits,
         "cells_total": m.num_blocks * m.block_size,

@@ -277,6 +277,16 @@ class LlamaForward:
         x = x.float()
         return (x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed).to(self.dtype)
 
+    def shift_keys(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Cached keys [..., D] of positions p as they would be cached at p + delta.
+
+        RoPE turns each pair of a key's dimensions by (position x inv_freq): moving a cached key is one
+        more turn, by delta x inv_freq, exact up to rounding (the attention factor some rope types fold
+        into cos and sin is already in the key and is kept). Values carry no position and never move."""
+        angle = (delta * self.inv_freq.double()).float()
+        cos, sin = angle.cos(), angle.sin()
+        return self._rope(keys, torch.cat([cos, cos]), torch.cat([-sin, sin])).to(keys.dtype)
+
     # -- forward ------------------------------------------------------------
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
