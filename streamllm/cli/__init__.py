@@ -37,6 +37,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scale": ("bench.scale", "serve --ray: updates/s at 1..N replicas, routing overhead, a replica killed mid-push"),
     "learn": ("bench.learn", "questions learned live from recorded bars: prequential accuracy, gate, raw-number control"),
     "abuse": ("bench.abuse", "hostile clients and a failing disk while a well-behaved client works: nothing dies, hangs or leaks"),
+    "compaction": ("bench.compaction", "shifted vs recomputed compaction on recorded bars: cost per bar, answers beside their labels"),
     "replay": ("bench.replay", "every system answers the same asks live under the same recorded feed; accuracy, report"),
 }
 
