@@ -16,6 +16,8 @@ def test_overhead_reports_both_modes_and_the_lag_under_a_steady_feed(tmp_path):
     metrics = json.loads(out.read_text())
     for tag in ("learning", "still"):
         assert metrics[f"fast_ms_p99.{tag}"] > 0 and metrics[f"update_ms_p50.{tag}"] > 0
+        assert metrics[f"fast_first_ms_p99.{tag}"] > 0 and metrics[f"fast_rest_ms_p99.{tag}"] > 0
         # sampled while 10 bars were pushed: a lag is a count of versions, never negative
         assert 0 <= metrics[f"lag_p50_versions.{tag}"] <= metrics[f"lag_p99_versions.{tag}"] <= 10
     assert metrics["fast_p99_ratio"] > 0 and metrics["update_p50_ratio"] > 0
+    assert metrics["fast_first_p99_ratio"] > 0 and metrics["fast_rest_p99_ratio"] > 0
