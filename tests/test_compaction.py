@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -55,17 +57,42 @@ def test_a_long_stream_is_compacted_and_answers_match_a_fresh_session(engine):
     engine.check_integrity()
 
 
+SHIFTING = EngineConfig(max_cells=16384, block_size=8, max_context=640,
+                        scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64),
+                        compaction=CompactionPolicy(compact_at=0.75, retain=0.5, method="shift"))
+
+
+def shifted_reference(loaded, before: list[int], prefix: int, shift: int, rest: list[int]) -> torch.Tensor:
+    """transformers' logits after `rest`, on its own cache of `before` with the `shift` tokens after the prefix
+    dropped and the rest's keys turned by its rotary at position -shift (what a shifted copy holds)."""
+    from transformers import DynamicCache, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hf = LlamaForCausalLM(loaded.config)
+    hf.load_state_dict(loaded.state_dict, strict=False)
+    hf.tie_weights()
+    hf.eval()
+    with torch.no_grad():
+        full = hf(torch.tensor([before]), use_cache=True).past_key_values
+        cache = DynamicCache()
+        for layer in range(loaded.config.num_hidden_layers):
+            k, v = full.layers[layer].keys, full.layers[layer].values  # [1, H, T, D], keys turned at 0..T-1
+            kept_k = k[:, :, prefix + shift :]
+            cos, sin = hf.model.rotary_emb(kept_k, torch.full((1, kept_k.shape[2]), -shift))
+            kept_k, _ = apply_rotary_pos_emb(kept_k, kept_k, cos, sin)
+            cache.update(torch.cat([k[:, :, :prefix], kept_k], 2),
+                         torch.cat([v[:, :, :prefix], v[:, :, prefix + shift :]], 2), layer)
+        start = len(before) - shift
+        return hf(torch.tensor([rest]), cache=cache,
+                  position_ids=torch.arange(start, start + len(rest))[None]).logits[0, -1]
+
+
 def test_a_shifted_copy_answers_as_transformers_on_its_cache_with_the_cut_dropped_and_keys_turned(tiny_model):
     """`method="shift"`: the retained lines keep the cells the session computed, keys turned to their new
     positions, no forward pass. The reference is transformers' own cache of the same history with the cut
     lines dropped and the rest's keys turned by transformers' rotary at position -shift; the line pushed
     with the compaction and the question then run on it from their new positions."""
-    from transformers import DynamicCache, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    eng = Engine(tiny_model, EngineConfig(max_cells=16384, block_size=8, max_context=640,
-                                          scheduler=SchedulerConfig(chunk_tokens=32, step_tokens=64),
-                                          compaction=CompactionPolicy(compact_at=0.75, retain=0.5, method="shift")))
+    eng = Engine(tiny_model, SHIFTING)
     try:
         eng.open_session("s")
         s = eng.sessions["s"]
@@ -85,25 +112,45 @@ def test_a_shifted_copy_answers_as_transformers_on_its_cache_with_the_cut_droppe
         eng.check_integrity()
     finally:
         eng.shutdown()
+    want = shifted_reference(tiny_model, before, prefix, shift, later + eng.layout.question_ids("Trend?"))
+    assert (got - want).abs().max().item() <= 1e-4
 
-    hf = LlamaForCausalLM(tiny_model.config)
-    hf.load_state_dict(tiny_model.state_dict, strict=False)
-    hf.tie_weights()
-    hf.eval()
-    with torch.no_grad():
-        full = hf(torch.tensor([before]), use_cache=True).past_key_values
-        cache = DynamicCache()
-        for layer in range(tiny_model.config.num_hidden_layers):
-            k, v = full.layers[layer].keys, full.layers[layer].values  # [1, H, T, D], keys turned at 0..T-1
-            kept_k = k[:, :, prefix + shift :]
-            cos, sin = hf.model.rotary_emb(kept_k, torch.full((1, kept_k.shape[2]), -shift))
-            kept_k, _ = apply_rotary_pos_emb(kept_k, kept_k, cos, sin)
-            cache.update(torch.cat([k[:, :, :prefix], kept_k], 2),
-                         torch.cat([v[:, :, :prefix], v[:, :, prefix + shift :]], 2), layer)
-        rest = later + eng.layout.question_ids("Trend?")
-        start = len(before) - shift
-        want = hf(torch.tensor([rest]), cache=cache,
-                  position_ids=torch.arange(start, start + len(rest))[None]).logits[0, -1]
+
+def test_a_long_shift_moves_a_chunk_a_turn_and_answers_the_same(tiny_model, monkeypatch):
+    """A shifting copy moves SHIFT_CHUNK cells a turn between steps (a long one never holds the core), and
+    the session it swaps in is the same as one moved at once."""
+    from streamllm.engine import compacting
+
+    monkeypatch.setattr(compacting, "SHIFT_CHUNK", 16)
+    late = CompactionPolicy(compact_at=0.99, retain=0.5)  # no copy of its own: the test starts one
+    eng = Engine(tiny_model, dataclasses.replace(SHIFTING, compaction=late))
+    try:
+        eng.open_session("s")
+        pushed = 0
+        while eng.session_info("s").num_tokens < 0.7 * 640:
+            eng.push("s", LINES[pushed : pushed + 3])
+            pushed += 3
+            eng.wait_idle()
+        s = eng.sessions["s"]
+        before = list(s.token_ids)
+
+        def start(core):
+            session = core.sessions["s"]
+            started = core.compactor.start(session, core.compactor.policy.keep_tokens(session))
+            return started, core.compactor.copies["s"].shifted
+
+        assert eng.call(start) == (True, 16)  # one chunk at once, the rest a chunk a turn
+        assert eng.wait_idle(timeout=30)
+        stats = eng.stats()
+        prefix, shift = s.prefix_len, s.tokens_dropped
+        assert s.compactions == 1 and stats["compaction_tokens"] == 0
+        assert stats["compaction_tokens_shifted"] == len(before) - prefix - shift > 16
+        assert s.token_ids == before[:prefix] + before[prefix + shift :]
+        got = eng.ask("s", "Trend?", max_tokens=1, return_logits=True).logits
+        eng.check_integrity()
+    finally:
+        eng.shutdown()
+    want = shifted_reference(tiny_model, before, prefix, shift, eng.layout.question_ids("Trend?"))
     assert (got - want).abs().max().item() <= 1e-4
 
 

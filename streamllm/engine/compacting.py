@@ -1,6 +1,7 @@
 """The core's `Compactor`: keeps sessions inside their budgets by starting, preempting and swapping copies.
 
     push / swap ──▶ maybe_start: policy says start, the pool holds it ──▶ copies[name]
+    each turn ───▶ shift_some: a shifting copy moves its next chunk of cells (no forward pass)
     each turn ───▶ keep_moving: a session at budget must move (preempt, recut, or log once)
     each step ───▶ swap_caught_up: a copy caught up ──▶ becomes the session's table, old one freed
 
@@ -27,7 +28,7 @@ from streamllm.engine.stats import StepTimes
 
 log = logging.getLogger("streamllm.engine")
 
-SHIFT_CHUNK = 1024  # tokens a shift moves at once
+SHIFT_CHUNK = 512  # tokens a shifting copy moves in one turn between steps
 
 
 class Compactor:
@@ -99,31 +100,33 @@ class Compactor:
             return False
         # The copy starts on the session's own prefix blocks: shared, not recomputed, not duplicated.
         table = self.store.fork(session.table, session.prefix_len)
-        copy = CompactionCopy(session, cut, table, num_computed=session.prefix_len)
-        if self.shift_keys is not None:
-            self._shift(copy)
+        copy = CompactionCopy(session, cut, table, num_computed=session.prefix_len, shifts=self.shift_keys is not None)
         self.copies[session.name] = copy
         self.stuck.discard(session.name)
+        self._shift(copy)  # a short copy is whole at once, and swaps in before the next step
         return True
 
-    def _shift(self, copy: CompactionCopy) -> None:
-        """Fill `copy` with the cells its session computed past the cut, moved to their new positions (keys
-        turned by the distance, values as they are): it is caught up, and swaps in before the next step."""
+    def shift_some(self) -> bool:
+        """Between two steps: move the next chunk of every shifting copy; whether any moved."""
+        return any([self._shift(copy) for copy in self.copies.values()])
+
+    def _shift(self, copy: CompactionCopy) -> bool:
+        """Move up to SHIFT_CHUNK of the cells `copy`'s session computed past the cut, keys turned to their
+        new positions, values as they are (nothing when the pool has no room: `keep_moving` sees it blocked)."""
+        n = min(copy.to_shift(), SHIFT_CHUNK)
+        if n <= 0 or self.shift_keys is None or not self.store.manager.can_append(copy.table, n):
+            return False
         session, manager, pool = copy.session, self.store.manager, self.store.pool
-        n = session.num_computed - copy.cut
-        if n <= 0:
-            return
-        manager.append(copy.table, n)  # `start` checked the pool holds the whole copy
-        delta = session.prefix_len - copy.cut
-        for lo in range(0, n, SHIFT_CHUNK):  # chunks bound the fp32 temporaries of the turn
-            hi = min(n, lo + SHIFT_CHUNK)
-            src = manager.slots(session.table, copy.cut + lo, copy.cut + hi).to(pool.k.device)
-            dst = manager.slots(copy.table, session.prefix_len + lo, session.prefix_len + hi).to(pool.k.device)
-            pool.v[:, :, dst] = pool.v[:, :, src]
-            pool.k[:, :, dst] = self.shift_keys(pool.k[:, :, src], delta)
-        copy.num_computed = session.prefix_len + n
-        copy.shifted = n
+        done = copy.num_computed - session.prefix_len  # tokens moved so far
+        manager.append(copy.table, n)
+        src = manager.slots(session.table, copy.cut + done, copy.cut + done + n).to(pool.k.device)
+        dst = manager.slots(copy.table, copy.num_computed, copy.num_computed + n).to(pool.k.device)
+        pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
+        pool.k.index_copy_(2, dst, self.shift_keys(pool.k.index_select(2, src), session.prefix_len - copy.cut))
+        copy.num_computed += n
+        copy.shifted += n
         self.tokens_shifted += n
+        return True
 
     def forget(self, name: str) -> None:
         """A session closed: its copy (if any) goes, unpreempted."""
@@ -132,7 +135,10 @@ class Compactor:
             self.drop(name, preempted=False)
 
     def _copy_blocked(self, copy: CompactionCopy) -> bool:
-        need = min(len(copy.pending_ids), self.scheduler_config.chunk_tokens)
+        if copy.shifts:
+            need = min(copy.to_shift(), SHIFT_CHUNK)
+        else:
+            need = min(len(copy.pending_ids), self.scheduler_config.chunk_tokens)
         return bool(need) and not self.store.manager.can_append(copy.table, need)
 
     def _stalled_at_budget(self) -> list[Session]:

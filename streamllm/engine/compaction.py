@@ -11,8 +11,8 @@ branches already forked keep their own references.
 
 How the recent lines get their cells (`CompactionPolicy.method`):
 - "shift" (the default): the cells the session computed are moved, keys turned by RoPE to
-  their new positions (LlamaForward.shift_keys), values as they are, between two steps:
-  no forward pass. The moved lines keep what they read when computed, the cut lines
+  their new positions (LlamaForward.shift_keys), values as they are, a chunk between two
+  steps (so a long copy never holds a waiting question for long): no forward pass. The moved lines keep what they read when computed, the cut lines
   included, as StreamingLLM keeps a window after its attention sinks (here the frozen
   prefix). `streamllm bench compaction` measures it against "recompute" on recorded bars:
   the series heads' answers are as accurate, and compaction costs no forward pass.
@@ -50,6 +50,7 @@ class CompactionCopy(Sequence):
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
     shifted: int = 0  # of those, tokens moved from the session's cells rather than computed (method "shift")
+    shifts: bool = False  # its cells are moved, a chunk a turn (Compactor.shift_some), never computed
     want_logits = Logits.NONE  # type: ignore[misc]  # a copy of data: nothing to answer at its end
 
     @property
@@ -60,6 +61,8 @@ class CompactionCopy(Sequence):
     def pending_ids(self) -> list[int]:  # type: ignore[override]
         # Never past what the session has computed: the session ingests the rest after the swap,
         # so a copy's size is bounded by its cut, not by how much is pushed meanwhile.
+        if self.shifts:
+            return []  # nothing for the scheduler: its cells are moved between steps
         return self.target_ids[self.num_computed : self.session_computed_mapped()]
 
     @property
@@ -87,6 +90,10 @@ class CompactionCopy(Sequence):
     def cells_to_go(self) -> int:
         """Cells this copy still needs, as far as its session can compute what is pushed now."""
         return max(0, copy_size(self.session, self.cut) - self.table.num_tokens)
+
+    def to_shift(self) -> int:
+        """Tokens the session has computed that a shifting copy has not moved yet."""
+        return max(0, self.session_computed_mapped() - self.num_computed) if self.shifts else 0
 
     def caught_up(self) -> bool:
         return self.num_computed >= self.session_computed_mapped()
@@ -139,7 +146,7 @@ class CompactionPolicy:
 
     def should_start(self, session: Session, copy_tokens_per_s: float) -> bool:
         """At compact_at of the budget, or (copies that recompute) earlier when pushes would fill it before a
-        copy finishes; a shifted copy is made between two steps.
+        copy finishes; a shifted copy is made in a few turns between steps.
 
         Never before halfway from retain to compact_at: a copy recomputes up to retain x max_context
         tokens to free what the session holds beyond that, so one started just past retain frees a

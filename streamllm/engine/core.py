@@ -132,6 +132,7 @@ class EngineCore:
         self._step_t0 = 0.0  # when the running step started
         self._cut_in_s = 0.0  # wall time the running step lent to cut-ins (its own cost excludes it)
         self._stop = False
+        self._shifted = False  # this turn moved cells of a shifting compaction copy: the next turn moves more
         self.stopped = False
         self.failure: BaseException | None = None
         self.commands = self.failed_steps = 0
@@ -215,7 +216,7 @@ class EngineCore:
             if plan:
                 self._step(plan)
             self._publish()
-            if not plan and self.has_work():  # blocked on cells: wait for a command or a retry
+            if not plan and not self._shifted and self.has_work():  # blocked on cells: wait for a command or a retry
                 self._drain(block=True, timeout=min(0.05, self._until_deadline() or 0.05))
 
     def _until_deadline(self) -> float | None:
@@ -408,6 +409,7 @@ class EngineCore:
 
     def _prepare(self) -> None:
         self.answerer.expire(time.perf_counter())
+        self._shifted = self.compactor.shift_some()
         self.compactor.swap_caught_up()  # a copy may have nothing to compute (its cut is past the session's data)
         self.compactor.keep_moving()
         self.answerer.start_waiting()

@@ -283,9 +283,15 @@ class LlamaForward:
         RoPE turns each pair of a key's dimensions by (position x inv_freq): moving a cached key is one
         more turn, by delta x inv_freq, exact up to rounding (the attention factor some rope types fold
         into cos and sin is already in the key and is kept). Values carry no position and never move."""
-        angle = (delta * self.inv_freq.double()).float()
+        angle = (delta * self.inv_freq.double()).float().to(keys.device)
         cos, sin = angle.cos(), angle.sin()
-        return self._rope(keys, torch.cat([cos, cos]), torch.cat([-sin, sin])).to(keys.dtype)
+        half = keys.shape[-1] // 2
+        x = keys.float()  # in fp32, as `_rope` turns them
+        a, b = x[..., :half], x[..., half:]
+        out = torch.empty_like(keys)  # written half by half: no cat, no roll (a third of their time)
+        out[..., :half] = a * cos - b * sin
+        out[..., half:] = b * cos + a * sin
+        return out
 
     # -- forward ------------------------------------------------------------
     def _rmsnorm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
