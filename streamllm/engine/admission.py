@@ -191,8 +191,8 @@ class Admission:
                      if st.computing is None and st.session.ready and not st.fresh()]
         if not needs or min(needs) <= free or self.compactor.answerer.running or any(
                 st.decoding is not None for st in prepos.all()) or any(
-                m.can_append(c.table, min(len(c.pending_ids), self.chunk_tokens))
-                for c in self.compactor.copies.values()):  # a copy moving frees its session's old cells
+                not self.compactor.copy_blocked(c) for c in self.compactor.copies.values()):
+            # a copy moving frees its session's old cells
             return 0
         return min(needs) - free
 

@@ -134,7 +134,8 @@ class Compactor:
         if name in self.copies:
             self.drop(name, preempted=False)
 
-    def _copy_blocked(self, copy: CompactionCopy) -> bool:
+    def copy_blocked(self, copy: CompactionCopy) -> bool:
+        """Whether `copy` has cells to compute or move and the pool cannot take its next chunk."""
         if copy.shifts:
             need = min(copy.to_shift(), SHIFT_CHUNK)
         else:
@@ -151,7 +152,7 @@ class Compactor:
             if session.name not in self.copies:
                 self.maybe_start(session)
             copy = self.copies.get(session.name)
-            if copy is None or self._copy_blocked(copy):
+            if copy is None or self.copy_blocked(copy):
                 stalled.append(session)
         return stalled
 
@@ -175,13 +176,13 @@ class Compactor:
         if not stalled or self.answerer.will_free_cells():
             return  # questions (and entries they wait for) give their cells back when they finish
         at_budget = [c for c in self.copies.values() if c.session.at_budget]
-        if any(not self._copy_blocked(c) for c in at_budget):
+        if any(not self.copy_blocked(c) for c in at_budget):
             return  # one is moving: its swap gives cells back
         keep = at_budget[0] if at_budget else None
         for name, copy in list(self.copies.items()):
             if copy is not keep:
                 self.drop(name)
-        if keep is not None and self._copy_blocked(keep):
+        if keep is not None and self.copy_blocked(keep):
             session = keep.session
             if session.compaction_cut(self.policy.keep_tokens(session)) != keep.cut:
                 self.drop(session.name)
@@ -201,7 +202,7 @@ class Compactor:
         When nothing will give cells back (no question, no other copy moving), such copies are
         preempted: cheap to redo, and `maybe_start` starts one afresh, with a fresh cut, once
         the pool holds it (or the session reaches its budget, where entries give way to it)."""
-        blocked = [c for c in self.copies.values() if self._copy_blocked(c)]
+        blocked = [c for c in self.copies.values() if self.copy_blocked(c)]
         if not blocked or len(blocked) < len(self.copies) or self.answerer.will_free_cells():
             return  # a copy moving (its swap frees cells) or a question running will give cells back
         for copy in blocked:
