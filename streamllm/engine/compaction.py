@@ -12,10 +12,10 @@ branches already forked keep their own references.
 How the recent lines get their cells (`CompactionPolicy.method`):
 - "shift" (the default): the cells the session computed are moved, keys turned by RoPE to
   their new positions (LlamaForward.shift_keys), values as they are, a chunk between two
-  steps (so a long copy never holds a waiting question for long): no forward pass. The moved lines keep what they read when computed, the cut lines
-  included, as StreamingLLM keeps a window after its attention sinks (here the frozen
-  prefix). `streamllm bench compaction` measures it against "recompute" on recorded bars:
-  the series heads' answers are as accurate, and compaction costs no forward pass.
+  steps (a long copy never holds a waiting question for long): no forward pass. The moved
+  lines keep what they read when computed, the cut lines included, as StreamingLLM keeps a
+  window after its attention sinks (here the frozen prefix). `streamllm bench compaction`
+  measures it against "recompute" on recorded bars (docs/engine.md says why it is the default).
 - "recompute": the copy runs the recent lines through the model again after the prefix,
   as background work: exactly a fresh session of those lines, at the price of their prefill
   (about twice the tokens ingested, started early under a fast feed).
@@ -28,11 +28,10 @@ keeps free beside every session's reservation (`Compactor.keep_free`, compacting
 When to start: a shifted copy at `compact_at`; one that recomputes early enough, at the
 session's measured push rate, to finish before the session reaches max_context, but never
 so early that it frees too little for what it recomputes (`CompactionPolicy.should_start`).
-A session that
-reaches its budget anyway keeps accepting pushes; its pending data waits (and its
-copy is promoted to the ingest class) until the swap makes room. If its copy finds no
-cells, copies are recomputable work: the core preempts them as vLLM preempts requests
-(`Compactor.keep_moving`, compacting.py).
+A session that reaches its budget anyway keeps accepting pushes; its pending data waits
+(a recomputing copy is promoted to the ingest class) until the swap makes room. If its
+copy finds no cells, copies are redoable work: the core preempts them as vLLM preempts
+requests (`Compactor.keep_moving`, compacting.py).
 """
 
 from __future__ import annotations
@@ -157,7 +156,7 @@ class CompactionPolicy:
         if session.num_tokens >= self.compact_at * session.max_context:
             return True
         if self.method == "shift" or session.num_tokens < self.earliest * session.max_context:
-            return False  # too little to cut for what the copy recomputes
+            return False  # no copy to race, or too little to cut for what the copy recomputes
         rate = session.push_rate()
         if rate <= 0 or copy_tokens_per_s <= 0:
             return False
