@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from bench.capacity import BTC, CONFIG
 from bench.common import percentile, print_table, write_json
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
@@ -33,9 +33,6 @@ from streamllm.feeding.attach import Attachment, AttachSpec
 from streamllm.model import load_model
 from streamllm.model.adapter import pick_adapter
 
-ROOT = Path(__file__).resolve().parent.parent
-BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
-CONFIG = ROOT / "queries" / "bars.toml"
 METHODS = ("shift", "recompute")
 # Decided by the model itself: texts no shipped head answers, labels the expressions of two shipped ones.
 LM_QUESTIONS = [

@@ -124,7 +124,6 @@ class Compactor:
         pool.v.index_copy_(2, dst, pool.v.index_select(2, src))
         pool.k.index_copy_(2, dst, self.shift_keys(pool.k.index_select(2, src), session.prefix_len - copy.cut))
         copy.num_computed += n
-        copy.shifted += n
         self.tokens_shifted += n
         return True
 
@@ -211,7 +210,7 @@ class Compactor:
     def drop(self, name: str, preempted: bool = True) -> None:
         """Preempt a compaction copy: its cells go back to the pool; it is started again when it fits."""
         job = self.copies.pop(name)
-        self.tokens_computed += job.num_computed - job.session.prefix_len - job.shifted
+        self.tokens_computed += job.tokens_computed()
         self.store.manager.free(job.table)
         self.preempted += preempted
 
@@ -221,7 +220,7 @@ class Compactor:
                 continue
             session = job.session
             del self.copies[name]
-            self.tokens_computed += job.num_computed - session.prefix_len - job.shifted
+            self.tokens_computed += job.tokens_computed()
             old, version = session.table, session.data_version
             session.apply_compaction(job.cut, job.table, job.num_computed)
             if session.data_version != version:

@@ -48,7 +48,6 @@ class CompactionCopy(Sequence):
     cut: int  # token index in the session (a line boundary) where retained data starts
     table: BlockTable = field(default_factory=BlockTable)
     num_computed: int = 0
-    shifted: int = 0  # of those, tokens moved from the session's cells rather than computed (method "shift")
     shifts: bool = False  # its cells are moved, a chunk a turn (Compactor.shift_some), never computed
     want_logits = Logits.NONE  # type: ignore[misc]  # a copy of data: nothing to answer at its end
 
@@ -93,6 +92,10 @@ class CompactionCopy(Sequence):
     def to_shift(self) -> int:
         """Tokens the session has computed that a shifting copy has not moved yet."""
         return max(0, self.session_computed_mapped() - self.num_computed) if self.shifts else 0
+
+    def tokens_computed(self) -> int:
+        """Tokens this copy ran through the model (none when it shifts: it moved them)."""
+        return 0 if self.shifts else self.num_computed - self.session.prefix_len
 
     def caught_up(self) -> bool:
         return self.num_computed >= self.session_computed_mapped()
