@@ -157,6 +157,9 @@ def test_a_fit_keeps_to_its_time_budget() -> None:
     train, dev = whole.subset(torch.arange(160)), whole.subset(torch.arange(160, 200))
     assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200).steps == 200
     assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200, budget_s=1e-9).steps == EVAL_EVERY
+    # The budget counts the given clock: a fit that waited (its clock, CPU time, still) takes every step.
+    assert fit_series(train, dev, 2, k=4, rank=2, grid=(1e-2,), steps=200, budget_s=1e-9,
+                      clock=lambda: 0.0).steps == 200
     with pytest.raises(ValueError, match="budget_s must be > 0"):
         LearnConfig(budget_s=0)
 

@@ -9,7 +9,7 @@ a model built on the caller's thread made every decode step of the core's one th
 slower than the same step with the model built on a thread that had ended.
 
 So the engine builds its model and cells on a passing thread (`run_passing`), and work
-that runs beside the core (live fits, spills and restores) goes to a `PassingWorker`:
+that runs beside the core (spills and restores) goes to a `PassingWorker`:
 jobs in order, each on a fresh thread that ends with it. Whoever else runs big torch ops in the
 engine's process while it serves costs the core the same (tiny ops never go parallel).
 """

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,7 +322,8 @@ class _Candidates:
 def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: list[str],
                inputs: list[tuple[torch.Tensor, torch.Tensor]],
                train: Samples, dev: Samples, classes: int, k: int, rank: int, grid: Sequence[float], steps: int,
-               seed: int, deadline: float | None, lag_basis: torch.Tensor | None = None) -> int:
+               seed: int, deadline: float | None, lag_basis: torch.Tensor | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> int:
     """One order: every candidate (set names[i] read as inputs[i], weight decay grid[j]) from its initial
     weights (seed) over the same minibatches, each keeping its step of lowest development loss (appended
     to `fits`). Returns the optimizer steps taken, all candidates'."""
@@ -360,7 +361,7 @@ def _fit_order(fits: dict[tuple[str, float], list[tuple[float, dict]]], names: l
             for i, j in ((got < best) | best.isinf()).nonzero().tolist():  # the first evaluation, whatever it is
                 best[i, j] = got[i, j]
                 states[i, j] = batch.state(i, j)
-            if deadline is not None and time.perf_counter() > deadline:
+            if deadline is not None and clock() > deadline:
                 break
     for (i, name), (j, wd) in itertools.product(enumerate(names), enumerate(grid)):
         fits[name, wd].append((float(best[i, j]), states[i, j]))
@@ -371,15 +372,16 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
                grid: Sequence[float] = WEIGHT_DECAY, steps: int = STEPS, seed: int = 0,
                sets: dict[str, torch.Tensor] | None = None, orders: int = 1, choose: str = "best",
                budget_s: float | None = None, reduce: int | None = None,
-               lag_basis: torch.Tensor | None = None) -> SeriesFit:
+               lag_basis: torch.Tensor | None = None, clock: Callable[[], float] = time.perf_counter) -> SeriesFit:
     """sets: candidate feature sets (column masks, feature_sets()); default all columns.
 
     lag_basis: a [K, H] basis the lag weights are fitted in (`lag_basis()`: the live learner's, whose labels may
     read 64 bars back from a few hundred samples); the served head's lags are folded back to [C, K, 2R].
     None: every lag its own weight.
 
-    budget_s: wall seconds for all the fits together (live learning): once spent, a fit ends at its
-    next evaluation with the best step so far (the fit is then no longer reproducible to the bit).
+    budget_s: seconds of `clock` (wall seconds by default) for all the fits together (live learning): once
+    spent, a fit ends at its next evaluation with the best step so far (the fit is then no longer
+    reproducible to the bit).
 
     reduce: fit a set wider than this through its `reduce` leading principal components on the training
     lines (standardized, then scaled to unit variance), folded back into the [R, F] projection served;
@@ -428,11 +430,11 @@ def fit_series(train: Samples, dev: Samples, classes: int, *, k: int = LINES, ra
         inputs.append((lines, dev_lines))
     fits: dict[tuple[str, float], list[tuple[float, dict]]] = {(name, wd): [] for name in sets for wd in grid}
     total = 0
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    deadline = None if budget_s is None else clock() + budget_s
     with torch.enable_grad(), _deterministic():
         for order in range(orders):
             total += _fit_order(fits, list(sets), inputs, train, dev, classes, k, rank, grid, steps, seed * 1009 + order,
-                                deadline, lag_basis)
+                                deadline, lag_basis, clock)
     spread = {c: _mean_se([loss for loss, _ in got]) for c, got in fits.items()}
     best = choose_candidate(spread, {n: int(cols.sum()) for n, cols in sets.items()}, choose)
     name, wd = best

@@ -7,12 +7,12 @@ The order of events is the promise (prequential evaluation):
 2. v's truth arrives (with v's push, or later: a forecast's) and the answer is scored
    (engine/standing/calibration.py): the live accuracy and the `auto:P` gate rest on that score;
 3. only then does (v's lines, v's truth) join the training set.
-A head is fitted on a copy of scored samples, off the core thread (one worker), and swapped in
-by the core between steps. So no scored answer came from a head trained on its own sample:
+A head is fitted on a copy of scored samples in the fit process (engine/standing/fit_process.py),
+and swapped in by the core between steps. So no scored answer came from a head trained on its own sample:
 `trained_upto` (the newest version a head was trained on) is always older than the answers it
 makes, which `tests/test_live_learning.py` checks.
 
-Only the core thread calls `Learner` and `Learning`; the worker sees copies and returns a head.
+Only the core thread calls `Learner` and `Learning`; the fit process sees copies and returns a head.
 Memory: a learner keeps at most `max_samples` samples and only the lines they read.
 
 **The control.** Beside the head on the model's states, every fit also fits the same head on the
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamllm.engine.passing import PassingWorker
+from streamllm.engine.standing.fit_process import submit_fit
 from streamllm.engine.taps import NUMBER_WIDTH
 from streamllm.model.adapter import SeriesHead, series_logits
 from streamllm.model.seriesfit import Samples, SeriesFit, fit_series, lag_basis
@@ -69,7 +69,7 @@ class LearnConfig:
     min_samples: int = 64  # scored samples before the first fit
     max_samples: int = 2000  # newest samples kept for fitting
     steps: int = 240  # optimizer steps per fit
-    budget_s: float = 10.0  # wall seconds a fit may take (it keeps its best step so far)
+    budget_s: float = 10.0  # CPU seconds a fit may take (it keeps its best step so far)
     rank: int = 4  # numbers a head takes from each line
     numbers: bool = True  # the head reads each line's own numbers beside its states (False: states alone)
 
@@ -332,31 +332,34 @@ def head_window(taps: LineTaps, head: SeriesHead, upto: int) -> torch.Tensor | N
     return torch.cat([window.float(), numbers.to(window.device)], 1)  # fp32: prices lose digits in bf16
 
 
-def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int) -> SeriesFit:
+def fit_training_set(data: TrainingSet, config: LearnConfig, classes: int, *,
+                     clock: Callable[[], float] = time.perf_counter) -> SeriesFit:
     """The live fit: `config`'s series head on `data` (reading the K lines its index gives each sample), its
     newest fifth the development range that picks the step (also what `bench learn`'s raw-number control
-    fits, on other line features)."""
+    fits, on other line features). `config.budget_s` counts seconds of `clock`."""
     n = len(data.labels)
     split = max(1, n // 5)
     whole = Samples(data.lines, data.index, data.labels, data.reads, torch.zeros(n, dtype=torch.long))
     k = data.index.shape[1]
     return fit_series(whole.subset(torch.arange(n - split)), whole.subset(torch.arange(n - split, n)), classes,
                       k=k, rank=config.rank, grid=(1e-2,), steps=config.steps, budget_s=config.budget_s,
-                      lag_basis=lag_basis(k, min(k, config.lines)))
+                      lag_basis=lag_basis(k, min(k, config.lines)), clock=clock)
 
 
 def fit_head(data: TrainingSet, config: LearnConfig, *, question_id: str, text: str, choices: tuple[str, ...],
              layer: int, words: tuple[Word, ...], threshold: float) -> tuple[SeriesHead, Control | None, float]:
-    """The worker's job: a series head fitted on `data` (`fit_training_set`), its control on the same
-    samples' numbers (a few features: a small share of the fit), and the wall time of both."""
+    """The fit process's job: a series head fitted on `data` (`fit_training_set`), its control on the same
+    samples' numbers (a few features: a small share of the fit), and the wall time of both. The budget
+    counts the fit's own CPU time: the fit process runs torch on its one thread, and only when the engine
+    leaves a CPU free, so the wall time it waits says nothing about how far it got."""
     t0 = time.perf_counter()
-    fit = fit_training_set(data, config, len(choices))
+    fit = fit_training_set(data, config, len(choices), clock=time.thread_time)
     head = SeriesHead(question_id, text, choices, layer, fit.proj, fit.proj_bias, fit.lags, fit.bias,
                       threshold, words, min_lines=1)
     control = None
     if data.numbers is not None:
         raw = fit_training_set(TrainingSet(data.numbers, data.index, data.reads, data.labels, data.newest_version),
-                               config, len(choices))
+                               config, len(choices), clock=time.thread_time)
         control = Control(raw.proj, raw.proj_bias, raw.lags, raw.bias)
         if config.numbers:
             head = stacked(head, control, data)
@@ -411,13 +414,12 @@ def stacked(states: SeriesHead, control: Control, data: TrainingSet) -> SeriesHe
 
 
 class Learning:
-    """The core's learning component: starts fits on one worker thread, swaps finished heads in."""
+    """The core's learning component: starts fits in the fit process, swaps finished heads in."""
 
     def __init__(self, config: LearnConfig, *, layer: int, words: tuple[Word, ...],
                  device: torch.device | str = "cpu") -> None:
         self.config = config
         self.layer, self.words, self.device = layer, words, device
-        self._worker: PassingWorker | None = None
         # id(standing) -> (it, its fit, the newest version the fit trains on); a question dropped meanwhile
         # leaves (`drop`), so whatever is here when its fit finishes is still registered
         self._running: dict[int, tuple[Standing, Future, int]] = {}
@@ -446,10 +448,8 @@ class Learning:
             return
         learner.fitting, learner.since_fit = True, 0
         data = learner.training_set()
-        if self._worker is None:
-            self._worker = PassingWorker("streamllm-learn")  # a thread per fit: engine/passing.py says why
         spec = st.spec
-        future = self._worker.submit(fit_head, data, self.config, question_id=spec.id, text=spec.text,
+        future = submit_fit(fit_head, data, self.config, question_id=spec.id, text=spec.text,
                                      choices=tuple(spec.choices), layer=self.layer, words=self.words,
                                      threshold=float(spec.threshold))
         self._running[id(st)] = (st, future, data.newest_version)
@@ -482,8 +482,5 @@ class Learning:
         self._running.pop(id(st), None)
 
     def shutdown(self) -> None:
-        """Fits not started are dropped; a running one is waited for (its wall budget bounds it): a fit's
-        torch ops still running on a daemon thread when the process exits abort it (libgomp's
-        "terminate called without an active exception", exit status 134)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True, cancel_futures=True, timeout=self.config.budget_s + 5.0)
+        """This engine's fits are forgotten: the fit process finishes those it holds, and nobody reads them."""
+        self._running.clear()
