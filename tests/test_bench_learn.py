@@ -21,3 +21,4 @@ def test_overhead_reports_both_modes_and_the_lag_under_a_steady_feed(tmp_path):
         assert 0 <= metrics[f"lag_p50_versions.{tag}"] <= metrics[f"lag_p99_versions.{tag}"] <= 10
     assert metrics["fast_p99_ratio"] > 0 and metrics["update_p50_ratio"] > 0
     assert metrics["fast_first_p99_ratio"] > 0 and metrics["fast_rest_p99_ratio"] > 0
+    assert metrics["fast_p99_still_spread"] >= 1.0  # worse still run over better
