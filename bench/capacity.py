@@ -73,7 +73,7 @@ import torch
 
 from bench.baselines import Peer
 from bench.capacity_peer import measure_peer, peer_sessions
-from bench.common import median, parse_ints, percentile, print_table, write_json
+from bench.common import BTC_BARS, median, parse_ints, percentile, print_table, write_json
 from bench.loadgen import AD_HOC_QUESTIONS, poisson_schedule, run_schedule
 from bench.phase import Phase
 from feeds.tables import TableSource
@@ -87,7 +87,6 @@ from streamllm.model.adapter import pick_adapter
 from streamllm.model.dtype import resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
-BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 CONFIG = ROOT / "queries" / "bars.toml"
 FREE = {"id": "last_close", "text": "What is the last close price? Answer with the number only.",
         "threshold": 4.0, "max_tokens": 8}
@@ -585,7 +584,7 @@ def cli_main(argv: list[str]) -> int:
     p.add_argument("--peer-workers", type=int, default=8, help="client threads asking the peer")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--config", default=str(CONFIG), help="the session (render, prompt, questions, adapter) copied")
-    p.add_argument("--data", default=str(BTC), help="a table of 1-minute bars")
+    p.add_argument("--data", default=str(BTC_BARS), help="a table of 1-minute bars")
     p.add_argument("--quick", action="store_true", help="a smoke run: short phases, a fast pace")
     p.add_argument("--json")
     args = p.parse_args(argv)

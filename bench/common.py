@@ -17,6 +17,10 @@ from pathlib import Path
 
 import torch
 
+# The project's shared recorded data (beside the checkout; a fresh clone has none): its README says what each
+# file is. BTC_BARS: the 1-minute BTC bars most benches replay.
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+BTC_BARS = SHARED_DATA / "bars" / "btc-perp-20211231-20220201_1m.csv"
 
 def percentile(values: list[float], q: float) -> float:
     if not values:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.capacity import BTC, CONFIG
-from bench.common import percentile, print_table, write_json
+from bench.capacity import CONFIG
+from bench.common import BTC_BARS, percentile, print_table, write_json
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
 from streamllm.engine import CompactionPolicy, Engine, EngineConfig
@@ -158,7 +158,7 @@ def cli_main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--config", default=str(CONFIG), help="the bars config whose session and questions are used")
-    p.add_argument("--data", default=str(BTC), help="recorded 1-minute bars (csv)")
+    p.add_argument("--data", default=str(BTC_BARS), help="recorded 1-minute bars (csv)")
     p.add_argument("--start", type=int, default=30_000, help="first bar replayed")
     p.add_argument("--bars", type=int, default=400, help="bars replayed")
     p.add_argument("--context", type=int, default=2048, help="the session's context budget (small: it compacts)")

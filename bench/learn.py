@@ -40,7 +40,15 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from bench.common import SteadyPusher, median, percentile, print_table, standing_lags, write_json
+from bench.common import (
+    BTC_BARS,
+    SteadyPusher,
+    median,
+    percentile,
+    print_table,
+    standing_lags,
+    write_json,
+)
 from feeds.tables import TableSource
 from streamllm.config import parse_question
 from streamllm.engine import Engine, EngineConfig
@@ -50,7 +58,6 @@ from streamllm.model import load_model
 from streamllm.model.adapter import series_logits
 
 ROOT = Path(__file__).resolve().parent.parent
-BTC = ROOT.parent / "shared" / "data" / "bars" / "btc-perp-20211231-20220201_1m.csv"
 MARKETS = ROOT / ".data" / "markets"
 YES_NO = ["yes", "no"]
 
@@ -78,7 +85,7 @@ class Market:
 
 
 def markets(names: list[str]) -> list[Market]:
-    known = {"btc": Market("btc", BTC, 40_000), "eurusd": Market("eurusd", MARKETS / "EURUSD.csv", 0),
+    known = {"btc": Market("btc", BTC_BARS, 40_000), "eurusd": Market("eurusd", MARKETS / "EURUSD.csv", 0),
              "goog": Market("goog", MARKETS / "GOOG.csv", 0)}
     out = []
     for name in names:

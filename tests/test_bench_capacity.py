@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import BTC, cli_main
+from bench.capacity import cli_main
+from bench.common import BTC_BARS as BTC
 from streamllm.engine import CompactionPolicy, Engine, EngineConfig, SchedulerConfig
 
 PER_S = ("opened", "offered_bars_per_s", "sustained_bars_per_s", "freshness_lag_p50_ms", "freshness_lag_p99_ms",

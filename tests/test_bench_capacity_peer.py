@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.capacity import BTC, CONFIG, FREE, FREE_EVERY, cli_main, session_bars
+from bench.capacity import CONFIG, FREE, FREE_EVERY, cli_main, session_bars
 from bench.capacity_peer import _append_bar, peer_sessions
+from bench.common import BTC_BARS as BTC
 from feeds.tables import TableSource
 from streamllm.config import load_config, parse_question
 from streamllm.engine import Engine, EngineConfig

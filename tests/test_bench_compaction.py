@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.compaction import BTC, LM_QUESTIONS, cli_main
+from bench.common import BTC_BARS as BTC
+from bench.compaction import LM_QUESTIONS, cli_main
 
 
 @pytest.mark.skipif(not BTC.exists(), reason=f"{BTC} (the shared recorded bars) is not here")

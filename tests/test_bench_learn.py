@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from bench.learn import BTC, cli_main
+from bench.common import BTC_BARS as BTC
+from bench.learn import cli_main
 
 
 @pytest.mark.skipif(not BTC.is_file(), reason="../shared/data/bars not present (a fresh clone has none)")
