@@ -141,3 +141,77 @@ def test_a_shutdown_fails_the_asks_still_waiting_for_their_restore(tiny_model, t
     stopper.join(30)
     for future in futures:
         assert isinstance(future.exception(10), EngineStopped)
+
+
+def test_a_choice_question_on_a_session_on_disk_is_answered_as_before_without_a_restore(tiny_model, tmp_path):
+    """What the engine's fast path answered before the eviction, field for field; asks the record cannot
+    answer (free text, logits wanted) restore the session as before."""
+    from streamllm.config import parse_question
+
+    eng = resident(tiny_model, tmp_path / "spill")
+    try:
+        eng.open_session("s")
+        for spec in ({"id": "fires", "text": "Up or down? Answer up or down.", "choices": ["up", "down"],
+                      "threshold": 0.0},
+                     {"id": "closed", "text": "Calm or busy? Answer calm or busy.", "choices": ["calm", "busy"],
+                      "threshold": 1e9},
+                     {"id": "free", "text": "What is the last close?", "threshold": 0.0, "max_tokens": 4}):
+            eng.register("s", parse_question(spec))
+        eng.push("s", lines(0))
+        assert eng.wait_idle(30)
+        before = {q: eng.ask("s", q) for q in ("fires", "closed", "Calm or busy?  answer calm or BUSY.")}
+        assert before["fires"].path == "fast" and before["closed"].path == "entry"
+        computed = eng.stats()["entries_computed"]
+        eng.evict_session("s")
+        assert eng.wait_idle(30)  # the core has published its figures since
+        assert eng.stats()["entries_computed"] == computed  # an engine-wide count: the session's leave with it
+        after = {q: eng.ask("s", q) for q in before}
+        fields = ("session", "question", "text", "tokens", "data_version", "path", "confidence", "stale",
+                  "finish_reason", "choices", "warming_up", "warming_up_reason")
+        for q in before:
+            assert [getattr(after[q], f) for f in fields] == [getattr(before[q], f) for f in fields], q
+        stats = eng.stats()
+        assert stats["answered_on_disk"] == 3 and stats["sessions_evicted"] == 1 and stats["auto_restores"] == 0
+        assert eng.ask("s", "fires", return_logits=True).logits is not None  # logits: not kept on disk
+        assert eng.stats()["auto_restores"] == 1
+        eng.evict_session("s")
+        assert eng.ask("s", "free").text  # free text: restored and asked
+        assert eng.stats()["auto_restores"] == 2 and eng.stats()["answered_on_disk"] == 3
+    finally:
+        eng.shutdown()
+
+
+def test_a_session_still_answering_its_newest_data_is_spilled_last(tiny_model, tmp_path):
+    """The session just fed is the first to spill (its next bar is furthest away), unless its standing
+    answers for that bar are still being made: evicting it would drop them until its next push."""
+    from dataclasses import replace
+
+    from streamllm.config import parse_question
+
+    eng = resident(tiny_model, tmp_path / "spill")
+    try:
+        for name in ("a", "b", "c"):
+            eng.open_session(name)
+            eng.register(name, parse_question({"id": "q", "text": "Up or down? Answer up or down.",
+                                               "choices": ["up", "down"], "threshold": 0.0}))
+        for v in range(3):
+            for name in ("a", "b", "c"):
+                eng.push(name, lines(0, v))
+        assert eng.wait_idle(30)
+        order = ["c", "a", "b"]  # as if c were fed last: its next bar the furthest away
+        eng._victims = lambda names: sorted(names, key=order.index)
+        published = eng.engine.standing
+
+        def c_still_answering(name):  # as the engine shows it while c's entries for its last bar run
+            got = published(name)
+            return [replace(a, data_version=a.data_version - 1) for a in got] if name == "c" else got
+
+        eng.engine.standing = c_still_answering
+        eng._spill(1, set())
+        on_disk = {n for n in ("a", "b", "c") if eng._evicted_entry(n) is not None}
+        assert on_disk and "c" not in on_disk
+        eng.engine.standing = published
+        eng._spill(1, set())
+        assert eng._evicted_entry("c") is not None  # answered: first again
+    finally:
+        eng.shutdown()

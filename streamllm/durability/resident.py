@@ -23,7 +23,13 @@ push (due now when late, until two gaps have passed); any other, or one that sto
 to stay idle about as long as it has been (so the least recently used goes first, as LRU).
 Under bars arriving round robin LRU is the worst order (the least recently used session is the
 one whose bar comes next: every bar would restore a session); this order evicts the session
-that was just fed, so only the sessions beyond the pool's share come back from disk.
+that was just fed, so only the sessions beyond the pool's share come back from disk. Sessions
+whose standing answers are still being made for their newest data go after all others: evicting
+one drops that work, and its subscribers would hear of that bar only after its next push.
+
+An ask of a choice question on a session on disk is answered from the standing answers it left
+with (the engine's fast path would answer the same: nothing arrived since, or it would be back);
+other asks restore it.
 
 Built only on the engine's public methods. Every call that touches one session runs under
 that session's lock, so an eviction never slips between the residency check and the call:
@@ -64,10 +70,14 @@ from streamllm.durability.snapshot import (
 from streamllm.engine.api import Engine
 from streamllm.engine.client import EngineClient, EngineHealth
 from streamllm.engine.commands import settle
+from streamllm.engine.fastpath import find_standing
 from streamllm.engine.outputs import (
     AdmissionError,
+    Answer,
+    AnswerPath,
     EngineIdentity,
     EngineStopped,
+    FinishReason,
     PushAck,
     SessionError,
     SessionInfo,
@@ -90,6 +100,25 @@ class _Evicted:
     info: SessionInfo
     standing: list[StandingAnswer] = field(default_factory=list)
     questions: list[QuestionSpec] = field(default_factory=list)
+
+
+def _answer_on_disk(ev: _Evicted, question: str, min_version: int, t0: float) -> Answer | None:
+    """What the engine's fast path would answer, from an evicted session's standing answers, or None.
+
+    Only a choice question's: its answer is the choice the gate's view picked, fired or not (the fast
+    path answers it alone at any max_tokens and stop strings), and what the session showed when it
+    left is current: a push restores it first, so nothing arrived since. A free-text answer's tokens are
+    not kept, nor the logits: those asks restore the session."""
+    spec = find_standing(ev.questions, question)
+    if spec is None or not spec.choices:
+        return None
+    got = next((a for a in ev.standing if a.question_id == spec.id), None)
+    if (got is None or got.path not in (AnswerPath.FAST, AnswerPath.ENTRY) or got.data_version < min_version
+            or got.data_version != ev.info.pushed_version):
+        return None
+    return Answer(got.session, spec.text, got.text, [], got.data_version, 0, (time.perf_counter() - t0) * 1000,
+                  path=got.path, confidence=got.confidence, finish_reason=FinishReason.STOP, choices=got.choices,
+                  warming_up=got.warming_up, warming_up_reason=got.warming_up_reason)
 
 
 class ResidentEngine(EngineClient):
@@ -133,6 +162,7 @@ class ResidentEngine(EngineClient):
         self._stopped = False
         self.auto_evictions = self.auto_restores = self.auto_evict_refusals = self.pressure_spills = 0
         self.evictions_dropped_work = 0  # evictions that dropped background work nobody waited on
+        self.answered_on_disk = 0  # asks answered from an evicted session's standing answers (no restore)
         self._watcher = None
         if auto_evict:
             self._watcher = threading.Thread(target=self._watch_pressure, name="streamllm-spill", daemon=True)
@@ -253,7 +283,15 @@ class ResidentEngine(EngineClient):
         and is restored and asked in a worker thread."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "min_version": min_version,
                               "return_logits": return_logits, "on_text": on_text, "deadline_s": deadline_s}
-        if self._evicted_entry(name) is None:
+        ev = self._evicted_entry(name)
+        if ev is not None and not return_logits and on_text is None:
+            answer = _answer_on_disk(ev, question, min_version or 0, time.perf_counter())
+            if answer is not None:
+                self.answered_on_disk += 1
+                future: Future = Future()
+                future.set_result(answer)
+                return future
+        if ev is None:
             try:
                 future = self.engine.submit_ask(name, question, **kw)
             except SessionError:
@@ -324,7 +362,8 @@ class ResidentEngine(EngineClient):
             out["sessions_evicted"] = len(self._evicted)
         out.update({"auto_evictions": self.auto_evictions, "auto_restores": self.auto_restores,
                     "auto_evict_refusals": self.auto_evict_refusals, "pressure_spills": self.pressure_spills,
-                    "evictions_dropped_work": self.evictions_dropped_work})
+                    "evictions_dropped_work": self.evictions_dropped_work,
+                    "answered_on_disk": self.answered_on_disk})
         return out
 
     def health(self) -> EngineHealth:
@@ -502,9 +541,13 @@ class ResidentEngine(EngineClient):
         """Under `_room`: evict idle sessions, furthest next use first, until they held `cells`, up to
         `spill_threads` at a time (the core serves every eviction waiting in one turn); returns (cells
         freed, sessions evicted)."""
-        held = {i.name: max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed)
-                for i in self.engine.list_sessions() if i.name not in exclude}
-        victims = iter(self._victims(held))
+        infos = [i for i in self.engine.list_sessions() if i.name not in exclude]
+        held = {i.name: max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed) for i in infos}
+        # A session whose standing answers are still being made for its newest data goes last: evicting it
+        # drops that work, and its subscribers would hear nothing of that bar until its next push restores it.
+        answering = {i.name for i in infos if self._answering(i)}
+        order = self._victims(held)
+        victims = iter([n for n in order if n not in answering] + [n for n in order if n in answering])
         freed = evicted = 0
         while freed < cells and not self._stopped:
             batch, want = [], cells - freed
@@ -522,6 +565,13 @@ class ResidentEngine(EngineClient):
         if evicted:
             self._room_turn += 1  # under `_room`: make_rooms queued meanwhile retry their calls first
         return freed, evicted
+
+    def _answering(self, info: SessionInfo) -> bool:
+        """Whether some standing answer of the session is older than the data it has ingested."""
+        try:
+            return any(a.data_version < info.data_version for a in self.engine.standing(info.name))
+        except SessionError:  # closed meanwhile
+            return False
 
     def _evict_idle(self, name: str) -> bool:
         """Evict `name` if nobody is using it right now (its locks free, no work in flight)."""
