@@ -40,6 +40,9 @@ Per S (`{metric}@{S}`):
   spills_per_min, restores_per_min   sessions evicted to disk / restored (`--spill DIR`: a ResidentEngine
                                   that evicts idle sessions when an open or restore is refused, the pool is
                                   short or fewer than --restore-room sessions on disk could come back; else 0)
+  spills_dropping_work            of those, how many dropped standing answers still being made (redone on
+                                  restore, at the session's next bar or ask)
+  asks_answered_on_disk           standing asks answered from a session on disk, without restoring it
   sessions_on_disk                how many were on disk at the end of the phase
   max_cells, kv_gb                the pool (cells) and the KV cells in use at the end of the phase (GB)
   rss_peak_gb                     this process's peak resident memory (VmHWM) at the end of S's run
@@ -459,6 +462,8 @@ def measure(loaded, adapter, spec, bars: list, s: int, args: argparse.Namespace)
             "spills_per_min": sum(delta(before, after, k) for k in ("auto_evictions", "pressure_spills")) / minutes
             if args.spill else 0.0,
             "restores_per_min": delta(before, after, "auto_restores") / minutes if args.spill else 0.0,
+            "spills_dropping_work": delta(before, after, "evictions_dropped_work") if args.spill else 0.0,
+            "asks_answered_on_disk": delta(before, after, "answered_on_disk") if args.spill else 0.0,
             "compaction_tokens_per_ingest_token": copies / ingest if ingest else math.nan,
             "compactions": after["compactions"] - before["compactions"],
             "head_entry_share": delta(before, after, "head_only_entries") / max(delta(before, after, "entries_computed"), 1),

@@ -59,7 +59,7 @@ def core_counters(core: EngineCore) -> dict[str, float]:
         "questions_answered": answerer.questions_answered,
         "questions_preempted": answerer.preemptions,  # cells taken back when every running question was blocked
         "questions_timed_out": answerer.timed_out,  # dropped past their deadline (AskTimeout)
-        "entries_computed": sum(st.entries_computed for st in standing),
+        "entries_computed": prepos.entries_computed,
         "entries_evicted": prepos.entries_evicted,
         "entry_tokens": prepos.entry_tokens,
         "head_only_entries": prepos.head_only_entries,

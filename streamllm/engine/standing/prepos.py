@@ -107,6 +107,9 @@ class Prepositioner:
         # forward pass: its entry is made from them alone, with no prefill (and no LM logits).
         self.head_entries = head_entries
         self.head_only_entries = 0
+        # Entries that became a question's ready entry, every question's ever (a question's own count,
+        # `Standing.entries_computed`, leaves with it when its session is closed or evicted).
+        self.entries_computed = 0
         self.by_session: dict[str, dict[str, Standing]] = {}
         self.entry_tokens = 0  # background compute spent on entries (tokens)
         self.entries_evicted = 0
@@ -251,10 +254,11 @@ class Prepositioner:
                        hidden: torch.Tensor | None = None) -> Standing | None:
         st: Standing = entry.standing
         self.entry_tokens += entry.num_computed
-        self.head_only_entries += entry.table is None
         if st.computing is not entry:  # unregistered (or its session closed) meanwhile
             self.release(entry)
             return None
+        self.head_only_entries += entry.table is None
+        self.entries_computed += 1
         entry.first_logits = logits
         self.release(st.ready)
         st.ready, st.computing = entry, None
