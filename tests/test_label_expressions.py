@@ -355,3 +355,43 @@ def test_vectorised_sums_replay_pythons_compensated_sum(monkeypatch):
     assert vectorised.tolist() == [scalar(values[i:i + 25].tolist()) for i in range(len(values) - 24)]
     if sum([1e100, 1.0, -1e100]) == 1.0:  # this Python sums so: the very same bits
         assert vectorised.tolist() == [sum(values[i:i + 25].tolist()) for i in range(len(values) - 24)]
+
+
+def test_label_parses_run_one_at_a_time_and_survive_cpythons_ast_depth_race(monkeypatch):
+    """CPython 3.11's AST constructor keeps its recursion depth interpreter-wide (python/cpython#106905):
+    sessions restored on several threads parsed labels at once and one failed with a SystemError."""
+    import threading
+    import time
+
+    from streamllm.config import expressions
+
+    real, inside, most = expressions._parse, [0], [0]
+
+    def watched(text, mode="exec"):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.01)  # lets the other threads in, were they not held off
+        inside[0] -= 1
+        return real(text, mode=mode)
+
+    monkeypatch.setattr(expressions, "_parse", watched)
+    threads = [threading.Thread(target=parse_label, args=("close > ema(close, 50)",)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+
+    failures = iter([SystemError("AST constructor recursion depth mismatch (before=51, after=40)")])
+
+    def racing(text, mode="exec"):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real(text, mode=mode)
+
+    monkeypatch.setattr(expressions, "_parse", racing)
+    assert parse_label("ret(5) > 0").text == parse_label("ret(5) > 0").text  # tried again, then parsed
+    monkeypatch.setattr(expressions, "_parse", lambda text, mode="exec": (_ for _ in ()).throw(SystemError("other")))
+    with pytest.raises(SystemError, match="other"):
+        expressions.parse_eval("ret(5) > 0")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ast
 import difflib
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -337,13 +338,33 @@ def reach(node: Node) -> int:
     return inner
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state: a parse that
+# another thread's parse interleaves with (through a collection running finalizers) can fail with
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Sessions restored
+# from disk on several threads parse their labels at once: ours parse one at a time, and a parse
+# that still meets it (some other code parsing meanwhile) is tried again; the parse is pure.
+_PARSING = threading.Lock()
+_parse = ast.parse  # (a name of this module's, for the test that stands in for the race)
+
+
+def parse_eval(text: str) -> ast.expr:
+    """`ast.parse(text, mode="eval").body`, one thread at a time (SyntaxError as ast.parse raises it)."""
+    with _PARSING:
+        try:
+            return _parse(text, mode="eval").body
+        except SystemError as exc:
+            if "recursion depth mismatch" not in str(exc):
+                raise
+            return _parse(text, mode="eval").body
+
+
 def compile_expression(text: str, tree: ast.AST | None = None, named: Sequence[str] = ()) -> Node:
     """Compile a label expression (already size-checked; `tree`: its parse when at hand); raises
     LabelError pointing at the bad token. `named`: the named labels, refused inside an expression."""
     compiler = _Compiler.of(text, tuple(named))
     if tree is None:
         try:
-            tree = ast.parse(text, mode="eval").body
+            tree = parse_eval(text)
         except SyntaxError as exc:
             if exc.offset:
                 offset = compiler.line_starts[(exc.lineno or 1) - 1] + exc.offset - 1

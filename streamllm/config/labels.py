@@ -32,6 +32,7 @@ from streamllm.config.expressions import (
     did_you_mean,
     evaluate_rows,
     located,
+    parse_eval,
     reach,
 )
 
@@ -374,7 +375,7 @@ def parse_label(text: str) -> LabelSpec:
     _check_size(text)
     source = text.strip()
     try:
-        node = ast.parse(source, mode="eval").body
+        node = parse_eval(source)
     except (RecursionError, MemoryError):  # the bounds above keep these away
         raise LabelError(f"label {text!r} does not parse; write it like 'trend_up(n=10)'") from None
     except SyntaxError:
@@ -427,7 +428,7 @@ def _named(source: str, name: str, keywords: list[ast.keyword]) -> LabelSpec:
 
 
 def _expression(source: str, node: Node) -> LabelSpec:
-    text = ast.unparse(ast.parse(source, mode="eval").body)
+    text = ast.unparse(parse_eval(source))
     choices = len(node.value) + 1 if node.kind == "choice" else 2
     return LabelSpec(text, "expr", (), node.past + 1, node.future, choices,
                      bool(node.reads & VOLUME_COLUMNS), text, node)
