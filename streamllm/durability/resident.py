@@ -541,13 +541,23 @@ class ResidentEngine(EngineClient):
         """Under `_room`: evict idle sessions, furthest next use first, until they held `cells`, up to
         `spill_threads` at a time (the core serves every eviction waiting in one turn); returns (cells
         freed, sessions evicted)."""
-        infos = [i for i in self.engine.list_sessions() if i.name not in exclude]
-        held = {i.name: max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed) for i in infos}
-        # A session whose standing answers are still being made for its newest data goes last: evicting it
-        # drops that work, and its subscribers would hear nothing of that bar until its next push restores it.
-        answering = {i.name for i in infos if self._answering(i)}
-        order = self._victims(held)
-        victims = iter([n for n in order if n not in answering] + [n for n in order if n in answering])
+        infos = {i.name: i for i in self.engine.list_sessions() if i.name not in exclude}
+        held = {n: max(self.engine.working_set(i.max_context, i.prefix_tokens), i.num_computed)
+                for n, i in infos.items()}
+
+        def in_order():
+            """Furthest next use first; but a session whose standing answers are still being made for its
+            newest data goes last: evicting it drops that work, and its subscribers would hear nothing of
+            that bar until its next push restores it. Looked at only as far as victims are taken."""
+            answering = []
+            for name in self._victims(held):
+                if self._answering(infos[name]):
+                    answering.append(name)
+                else:
+                    yield name
+            yield from answering
+
+        victims = in_order()
         freed = evicted = 0
         while freed < cells and not self._stopped:
             batch, want = [], cells - freed
