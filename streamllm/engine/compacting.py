@@ -114,7 +114,7 @@ class Compactor:
         """Move up to SHIFT_CHUNK of the cells `copy`'s session computed past the cut, keys turned to their
         new positions, values as they are (nothing when the pool has no room: `keep_moving` sees it blocked)."""
         n = min(copy.to_shift(), SHIFT_CHUNK)  # 0 for a copy that recomputes
-        if n <= 0 or not self.store.manager.can_append(copy.table, n):
+        if n <= 0 or self.copy_blocked(copy):
             return False
         session, manager, pool = copy.session, self.store.manager, self.store.pool
         done = copy.num_computed - session.prefix_len  # tokens moved so far
