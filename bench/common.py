@@ -22,6 +22,7 @@ import torch
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 BTC_BARS = SHARED_DATA / "bars" / "btc-perp-20211231-20220201_1m.csv"
 
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")

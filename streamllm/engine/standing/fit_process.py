@@ -162,5 +162,3 @@ def serve(jobs: BinaryIO, results: BinaryIO) -> None:
             data = pickle.dumps((job, False, RuntimeError(f"fit result not picklable: {exc!r}")))
         results.write(data)
         results.flush()
-
-
