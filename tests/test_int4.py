@@ -70,7 +70,8 @@ def decode_logits(model: LlamaForward, ids: list[int]) -> torch.Tensor:
 
 def test_decode_from_4_bit_copies_matches_the_bf16_weights(tiny_model):
     weights = q4_model(tiny_model)
-    four = LlamaForward(tiny_model.config, weights, dtype="bfloat16", fp32_rows=0, int4_rows=4)
+    four = LlamaForward(tiny_model.config, weights, dtype="bfloat16", fp32_rows=0, int4_rows=4,
+                        native_decode=False)  # the Python forward's 4-bit products (native: test_native.py)
     plain = LlamaForward(tiny_model.config, weights, dtype="bfloat16", fp32_rows=0, int4_rows=0)
     reference = LlamaForward(tiny_model.config, weights, dtype="float32")
     assert four.int4_rows == {"qkv": 4, "o": 4, "gate_up": 4, "down": 4, "lm_head": 0}

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from streamllm.model import int4
+from streamllm.model import int4, native
 from streamllm.model.attention import (
     GATHER_KEYS,
     SeqAttention,
@@ -97,10 +97,12 @@ class LlamaForward:
     measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
     int4_rows: the same for 4-bit copies of weights that lie on a Q4 grid (int4.py); None
     measures, 0 never. Weights off the grid never get one.
+    native_decode: a step of one sequence and one new token runs every layer in one C++ call
+    (native.py) where every layer weight has a 4-bit copy for one row and the module builds here.
     """
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype="float32",
-                 fp32_rows: int | None = None, int4_rows: int | None = None):
+                 fp32_rows: int | None = None, int4_rows: int | None = None, native_decode: bool = True):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
@@ -164,6 +166,7 @@ class LlamaForward:
         self._init_fp32_copies(fp32_rows)
         self._init_int4_copies(state_dict, int4_rows)
         self._init_rope()
+        self._decode_step = self._init_native_decode(native_decode)
 
     # -- few-row steps in fp32 ----------------------------------------------
     def _init_fp32_copies(self, fp32_rows: int | None) -> None:
@@ -216,6 +219,30 @@ class LlamaForward:
             if rows:
                 self.int4_rows[kind] = rows
                 self._w4.update(((kind, li), w) for li, w in enumerate(copies[kind]))
+
+    def _init_native_decode(self, wanted: bool):
+        """native.py's DecodeStep over this model's weights, or None (the Python forward decodes)."""
+        if not wanted or any(self.int4_rows[kind] < 1 for kind in FUSED):
+            return None
+        module = native.load()
+        if module is None:
+            return None
+        layers = self.layers
+
+        def copies(kind: str) -> list[list[torch.Tensor]]:
+            found = [self._w4[kind, li] for li in range(self.num_layers)]
+            return [[w.packed for w in found], [w.scales_zeros for w in found]]
+
+        biases = [layer.qkv_bias for layer in layers] if layers[0].qkv_bias is not None else []
+        return module.DecodeStep(
+            [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], *copies("qkv"), biases,
+            *copies("o"), *copies("gate_up"), *copies("down"),
+            self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, int4.GROUP, self.eps, self.scale)
+
+    @property
+    def native_decode(self) -> bool:
+        """Whether one-row steps of one sequence run in one native call."""
+        return self._decode_step is not None
 
     def _weight(self, kind: str, li: int) -> torch.Tensor:
         return self.lm_head if kind == "lm_head" else getattr(self.layers[li], kind)
@@ -333,6 +360,9 @@ class LlamaForward:
                 "set the session's max_context at or below it"
             )
         self._ensure_rope(max_pos)
+        runs = self._native_runs(batch)
+        if runs is not None:
+            return self._native_forward(batch, runs, k_cache, v_cache, return_hidden, tap_layer, stop_at_tap)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin_signed[positions].unsqueeze(1)
         num_rows = batch.input_ids.shape[0]
@@ -390,6 +420,11 @@ class LlamaForward:
             h = h + self._linear(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :], "down", li)
             if li + 1 == tap_layer:
                 tap = h  # a new tensor each layer: keeping the reference is the copy
+        return self._finish(h, batch, return_hidden, tap_layer, tap, stop_at_tap)
+
+    def _finish(self, h: torch.Tensor, batch: ForwardBatch, return_hidden: bool, tap_layer: int | None,
+                tap: torch.Tensor | None, stop_at_tap: bool) -> torch.Tensor | ForwardOut:
+        """The final norm and the logits of the rows asked for, after the last layer."""
         if stop_at_tap:
             return ForwardOut(None, None, tap)
         normed = self._rmsnorm(h[batch.logit_rows], self.final_norm)
@@ -397,3 +432,36 @@ class LlamaForward:
         if not return_hidden and tap_layer is None:
             return logits
         return ForwardOut(logits, normed.float() if return_hidden else None, tap)
+
+    def _native_runs(self, batch: ForwardBatch) -> list[int] | None:
+        """(first slot, count) pairs of a batch the native step takes: one sequence, one new token, its
+        runs covering its positions in order; else None.
+
+        A native step never calls `between_layers`: it is one row, as short as a step gets."""
+        if self._decode_step is None or len(batch.seqs) != 1 or batch.input_ids.shape[0] != 1 or batch.groups:
+            return None
+        seq = batch.seqs[0]
+        flat, covered = [], 0
+        for pos0, slot0, n in seq.runs:
+            if pos0 != covered:
+                return None
+            flat += (slot0, n)
+            covered += n
+        return flat if covered == seq.q_pos0 + 1 else None
+
+    def _native_forward(self, batch: ForwardBatch, runs: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        return_hidden: bool, tap_layer: int | None, stop_at_tap: bool) -> torch.Tensor | ForwardOut:
+        """The same step as the layers' loop in `forward`, every layer in native code."""
+        pos, slot = batch.seqs[0].q_pos0, int(batch.slot_mapping[0])
+        h = self.embed[batch.input_ids].float()  # [1, H], advanced in place
+        row = h.view(-1)
+        cos, sin = self._cos[pos], self._sin_signed[pos]
+        depth = tap_layer if stop_at_tap else self.num_layers
+        split = tap_layer if tap_layer is not None else depth
+        tap = None
+        for first, last in ((0, split), (split, depth)):
+            if first < last:
+                self._decode_step.run(row, cos, sin, k_cache, v_cache, slot, runs, first, last)
+            if last == tap_layer and tap is None:
+                tap = h.clone()
+        return self._finish(h, batch, return_hidden, tap_layer, tap, stop_at_tap)

@@ -1,0 +1,90 @@
+"""The native decode step: one sequence, one new token, every layer in one C++ call.
+
+A decode step from 4-bit weights is a row of a few hundred floats between products; in
+Python each layer pays ~40 tensor ops and a gathered attention for it. `csrc/decode_step.cpp`
+runs the layers with the same products (ATen's 4-bit kernel), loops for the small ops and
+an attention that reads the sequence's runs of cells in place.
+
+It is built once per machine with torch's C++ extension builder (a C++ compiler is needed;
+ninja speeds it up) into the model home (`$STREAMLLM_HOME/native/`), for the vector
+instructions this CPU has, and loaded on later runs. Where it cannot be built or
+`STREAMLLM_NATIVE=0`, `load()` returns None and the Python forward runs every step: both
+compute the same step (tests/test_native.py compares them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from streamllm.model.checkpoint import streamllm_home
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_step.cpp"
+# Vector instructions per torch's CPU capability: the build runs only on a CPU that has them.
+ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+              "AVX2": ["-mavx2", "-mfma"]}
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """False when STREAMLLM_NATIVE=0 (the Python forward runs every step)."""
+    return os.environ.get("STREAMLLM_NATIVE", "1") != "0"
+
+
+def build_name() -> str:
+    """The module's name: the source's hash, torch's version and the CPU's vector capability,
+    so a changed source, another torch or another CPU never loads an old build."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cap.encode()).hexdigest()[:12]
+    return f"streamllm_decode_{cap.lower()}_{digest}"
+
+
+def load() -> ModuleType | None:
+    """The compiled module (built on first use), or None where it cannot be had (logged once)."""
+    if not enabled():
+        return None
+    name = build_name()
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build(name)
+        return _loaded[name]
+
+
+def _build(name: str) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH; the ninja wheel has one
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+    directory = streamllm_home() / "native" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    fresh = not any(directory.glob("*.so"))
+    if fresh:
+        print(f"building the native decode step once ({directory}) ...", file=sys.stderr, flush=True)
+    started = time.perf_counter()
+    flags = ["-O3", "-fopenmp-simd", *ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+                                    build_directory=str(directory), verbose=False)
+    except Exception as exc:  # no compiler, no headers: the Python forward serves every step
+        log.warning("native decode step unavailable, decoding in Python: %s", str(exc).strip().splitlines()[-1:])
+        return None
+    if fresh:
+        print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return module

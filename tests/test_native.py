@@ -1,0 +1,148 @@
+"""The native decode step (streamllm/model/native.py) against the Python forward it replaces and
+an fp32 reference: as close to the reference as the Python bf16 forward, the same cells written,
+the same taps, over sequences whose cells lie in several runs; and the Python forward wherever the
+native step cannot be had.
+
+Both bf16 forwards round the same values, in other orders (sums, the attention's softmax), so
+they differ by a few bf16 roundings: each is held to its distance from the fp32 reference."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from streamllm.engine.kv import BlockManager, BlockTable, KVPool, KVStore
+from streamllm.engine.runner import Runner, Work
+from streamllm.model import int4, native
+from streamllm.model.attention import SeqAttention
+from streamllm.model.llama import ForwardBatch, LlamaForward
+from tests.test_int4 import q4_model
+
+pytestmark = pytest.mark.skipif(not int4.available(torch.device("cpu"), torch.bfloat16) or native.load() is None,
+                                reason="no CPU 4-bit kernels or no C++ compiler here")
+
+
+def models(config, weights) -> tuple[LlamaForward, LlamaForward, LlamaForward]:
+    """(native, Python bf16, fp32 reference) over the same 4-bit weights."""
+    kw = dict(dtype="bfloat16", fp32_rows=0, int4_rows=4)
+    return (LlamaForward(config, weights, native_decode=True, **kw),
+            LlamaForward(config, weights, native_decode=False, **kw), LlamaForward(config, weights, dtype="float32"))
+
+
+def assert_close(native_out: torch.Tensor, python_out: torch.Tensor, reference: torch.Tensor) -> None:
+    """The native step is as near the fp32 reference as the Python bf16 forward (a wrong cell, run or
+    rotation is off by the logits' own size)."""
+    python_error = (python_out - reference).abs().max()
+    assert (native_out - reference).abs().max() <= 1.5 * python_error + 0.01 * reference.abs().max()
+
+
+def run_all(trio: tuple[LlamaForward, ...], ids: list[int], runs_of, steps: int = 4, **kw):
+    """Prefill ids (the Python forward), then `steps` one-token steps, on each model with a pool of its
+    own, the sequence's cells laid out by runs_of(keys) -> [(pos0, slot0, n)]: (per-step outputs, pool)
+    for each model."""
+    got = []
+    for model in trio:
+        pool = KVPool(model.num_layers, 512, model.num_kv_heads, model.head_dim, dtype=model.kv_dtype)
+        pool.k.zero_()
+        pool.v.zero_()
+
+        def batch(tokens: list[int], pos0: int) -> ForwardBatch:
+            runs = runs_of(pos0 + len(tokens))
+            slots = [slot0 + i for p0, slot0, n in runs for i in range(n) if p0 + i >= pos0]
+            return ForwardBatch(torch.tensor(tokens), torch.arange(pos0, pos0 + len(tokens)), torch.tensor(slots),
+                                [SeqAttention(0, len(tokens), pos0, runs)], torch.tensor([len(tokens) - 1]))
+
+        trio[-1 if model.dtype == torch.float32 else 1].forward(batch(ids, 0), pool.k, pool.v)
+        outs = [model.forward(batch([7 + i], len(ids) + i), pool.k, pool.v, **kw) for i in range(steps)]
+        got.append((outs, pool))
+    return got
+
+
+def scattered(keys: int) -> list[tuple[int, int, int]]:
+    """A branch's layout: runs of 16 cells in a scattered order, the last one partly used."""
+    order = [5, 0, 9, 3, 12, 7, 1, 14, 2, 10, 6, 11, 4, 13, 8, 15]
+    return [(16 * i, 16 * order[i], min(16, keys - 16 * i)) for i in range(-(-keys // 16))]
+
+
+@pytest.mark.parametrize("runs_of", [lambda keys: [(0, 40, keys)], scattered], ids=["one run", "scattered runs"])
+def test_native_step_matches_the_python_forward(tiny_model, runs_of):
+    trio = models(tiny_model.config, q4_model(tiny_model))
+    assert trio[0].native_decode and not trio[1].native_decode
+    (fast_out, fast_pool), (slow_out, slow_pool), (ref_out, _) = run_all(trio, list(range(5, 70)), runs_of)
+    for a, b, r in zip(fast_out, slow_out, ref_out, strict=True):
+        assert_close(a, b, r)
+    # the cells the steps wrote: the same keys and values, within a few bf16 roundings
+    for a, b in ((fast_pool.k, slow_pool.k), (fast_pool.v, slow_pool.v)):
+        assert (a.float() - b.float()).abs().max() <= 0.05 * b.float().abs().max()
+
+
+def test_native_step_returns_the_taps_and_hidden_states_of_the_python_forward(tiny_model):
+    trio = models(tiny_model.config, q4_model(tiny_model))
+    for tap, stop in ((0, False), (1, False), (1, True), (2, False)):
+        kw = dict(tap_layer=tap, stop_at_tap=stop, return_hidden=not stop)
+        (fast_out, _), (slow_out, _), (ref_out, _) = run_all(trio, list(range(5, 40)), scattered, steps=2, **kw)
+        for a, b, r in zip(fast_out, slow_out, ref_out, strict=True):
+            assert_close(a.tap, b.tap, r.tap)
+            if stop:
+                assert a.logits is None and a.hidden is None
+            else:
+                assert_close(a.hidden, b.hidden, r.hidden)
+                assert_close(a.logits, b.logits, r.logits)
+
+
+def test_a_head_size_without_a_vector_kernel_runs_the_portable_loop(tiny_model):
+    """head_dim 24: the vector kernels cover 16, 32, 64 and 128; the portable loop must agree too."""
+    config = copy.deepcopy(tiny_model.config)
+    config.head_dim = 24
+    gen = torch.Generator().manual_seed(1)
+    weights = dict(tiny_model.state_dict)
+    h, nh, nkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        for name, shape in (("q_proj", (nh * 24, h)), ("k_proj", (nkv * 24, h)), ("v_proj", (nkv * 24, h)),
+                            ("o_proj", (h, nh * 24))):
+            weights[p + name + ".weight"] = torch.randn(shape, generator=gen) * 0.05
+    trio = models(config, q4_model(type("M", (), {"state_dict": weights})()))
+    assert trio[0].native_decode
+    (fast_out, _), (slow_out, _), (ref_out, _) = run_all(trio, list(range(5, 50)), scattered)
+    for a, b, r in zip(fast_out, slow_out, ref_out, strict=True):
+        assert_close(a, b, r)
+
+
+def test_batches_the_native_step_does_not_take_run_in_python(tiny_model, monkeypatch):
+    fast = models(tiny_model.config, q4_model(tiny_model))[0]
+    calls = []
+    step = fast._decode_step
+    monkeypatch.setattr(fast, "_decode_step", type("Spy", (), {"run": lambda self, *a: calls.append(a) or step.run(*a)})())
+    pool = KVPool(fast.num_layers, 256, fast.num_kv_heads, fast.head_dim, dtype=fast.kv_dtype)
+    runner = Runner(fast, KVStore(BlockManager(16, 16), pool))
+    a, b = BlockTable(), BlockTable()
+    runner.store.manager.append(a, 40)
+    runner.store.manager.append(b, 40)
+    runner.execute([Work(a, list(range(5, 35)), 0, "last"), Work(b, list(range(5, 35)), 0, "last")])
+    assert not calls  # many rows
+    runner.execute([Work(a, [7], 30, "last"), Work(b, [8], 30, "last")])
+    assert not calls  # two sequences
+    runner.execute([Work(a, [9], 31, "last")])
+    assert len(calls) == 1  # one sequence, one token
+
+
+def test_without_the_native_step_the_python_forward_decodes(tiny_model, monkeypatch):
+    monkeypatch.setenv("STREAMLLM_NATIVE", "0")
+    assert native.load() is None
+    model = LlamaForward(tiny_model.config, q4_model(tiny_model), dtype="bfloat16", fp32_rows=0, int4_rows=4)
+    assert not model.native_decode
+
+
+def test_a_failed_build_leaves_the_python_forward(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def fail(**kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    with caplog.at_level("WARNING"):
+        assert native._build("streamllm_decode_test_failure") is None
+    assert "no compiler here" in caplog.text
