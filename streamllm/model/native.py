@@ -55,6 +55,9 @@ def load() -> ModuleType | None:
     """The compiled module (built on first use), or None where it cannot be had (logged once)."""
     if not enabled():
         return None
+    if not SOURCE.is_file():
+        log.warning("native decode step unavailable, decoding in Python: %s is missing", SOURCE)
+        return None
     name = build_name()
     with _lock:
         if name not in _loaded:
