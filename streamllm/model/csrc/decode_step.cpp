@@ -24,6 +24,9 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
+// A slice of a kv head's keys is worth a task of its own from this many keys on.
+constexpr int64_t kMinPartKeys = 128;
+
 struct Weight4 {
   at::Tensor packed, scales_zeros;
 };
@@ -126,19 +129,23 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-// Attention of the G query heads that share one kv head, D = 16 * C: each key and value is
-// read once for all G. q [G, D] fp32 (scaled), s [G, keys] scratch, out [G, D] bf16.
+// Attention of the G query heads that share one kv head over some of its keys (`segs`: first
+// slot, count pairs), D = 16 * C: each key and value is read once for all G. q [G, D] fp32
+// (scaled); s: scratch of G rows `stride` apart. Out, per head: the scores' max, the sum of
+// exp(score - max) and the values weighted by those exps (unnormalised), to merge with the
+// other parts of the same keys (flash-decoding's split).
 template <int G, int C>
 void attend_group(const float* q, const bf16* k, int64_t ks, const bf16* v, int64_t vs,
-                  const std::vector<int64_t>& runs, int64_t keys, float* s, bf16* out) {
+                  const std::vector<int64_t>& segs, float* s, int64_t stride, float* best, float* total,
+                  float* acc_out) {
   constexpr int64_t D = 16 * C;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
   int64_t t = 0;
-  for (size_t r = 0; r < runs.size(); r += 2) {
-    const bf16* kr = k + runs[r] * ks;
-    const int64_t n = runs[r + 1];
+  for (size_t r = 0; r < segs.size(); r += 2) {
+    const bf16* kr = k + segs[r] * ks;
+    const int64_t n = segs[r + 1];
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
       __m512 acc[G][4];
@@ -150,55 +157,53 @@ void attend_group(const float* q, const bf16* k, int64_t ks, const bf16* v, int6
             acc[g][j] = c == 0 ? _mm512_mul_ps(qv[g][c], kv) : _mm512_fmadd_ps(qv[g][c], kv, acc[g][j]);
         }
       }
-      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * keys + t + i, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t + i, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
     }
     for (; i < n; ++i) {
       const bf16* key = kr + i * ks;
       for (int g = 0; g < G; ++g) {
         __m512 acc = _mm512_mul_ps(qv[g][0], load16(key));
         for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], load16(key + 16 * c), acc);
-        s[g * keys + t + i] = _mm512_reduce_add_ps(acc);
+        s[g * stride + t + i] = _mm512_reduce_add_ps(acc);
       }
     }
     t += n;
   }
-  float inv[G];
+  const int64_t keys = t;
   for (int g = 0; g < G; ++g) {
-    float* sg = s + g * keys;
-    float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-    for (int64_t i = 0; i < keys; ++i) best = std::max(best, sg[i]);
-    for (int64_t i = 0; i < keys; ++i) sg[i] = fast_exp(sg[i] - best);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < keys; ++i) total += sg[i];
-    inv[g] = 1.0f / total;
+    float* sg = s + g * stride;
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < keys; ++i) m = std::max(m, sg[i]);
+    for (int64_t i = 0; i < keys; ++i) sg[i] = fast_exp(sg[i] - m);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < keys; ++i) sum += sg[i];
+    best[g] = m;
+    total[g] = sum;
   }
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   t = 0;
-  for (size_t r = 0; r < runs.size(); r += 2) {
-    const bf16* vr = v + runs[r] * vs;
-    for (int64_t i = 0; i < runs[r + 1]; ++i, ++t) {
+  for (size_t r = 0; r < segs.size(); r += 2) {
+    const bf16* vr = v + segs[r] * vs;
+    for (int64_t i = 0; i < segs[r + 1]; ++i, ++t) {
       const bf16* val = vr + i * vs;
       __m512 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(s[g * keys + t]);
+      for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(s[g * stride + t]);
       for (int c = 0; c < C; ++c) {
         const __m512 vv = load16(val + 16 * c);
         for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], vv, acc[g][c]);
       }
     }
   }
-  for (int g = 0; g < G; ++g) {
-    alignas(64) float row[D];
-    for (int c = 0; c < C; ++c) _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
-    for (int64_t j = 0; j < D; ++j) out[g * D + j] = bf16(row[j]);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * c, acc[g][c]);
 }
 
 using GroupKernel = void (*)(const float*, const bf16*, int64_t, const bf16*, int64_t, const std::vector<int64_t>&,
-                             int64_t, float*, bf16*);
+                             float*, int64_t, float*, float*, float*);
 
 template <int C>
 GroupKernel group_kernel_c(int64_t g) {
@@ -333,14 +338,47 @@ class DecodeStep {
     const float scale = static_cast<float>(scale_);
 #ifdef __AVX512F__
     if (const GroupKernel kernel = group_kernel(g, d)) {
-      at::parallel_for(0, nkv_, 1, [&](int64_t begin, int64_t end) {
+      // Each kv head's keys in `parts` slices, so that both threads work when there are fewer kv heads
+      // than twice the threads; the slices' partials merge by their maxima, exactly as one softmax.
+      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + nkv_ - 1) / nkv_,
+                                                                   keys / kMinPartKeys));
+      std::vector<std::vector<int64_t>> segs(parts);
+      for (int64_t p = 0, r = 0, used = 0; p < parts; ++p) {  // the key range [keys*p/parts, keys*(p+1)/parts)
+        int64_t want = keys * (p + 1) / parts - keys * p / parts;
+        while (want > 0) {
+          const int64_t take = std::min(want, runs[r + 1] - used);
+          segs[p].push_back(runs[r] + used);
+          segs[p].push_back(take);
+          want -= take;
+          used += take;
+          if (used == runs[r + 1]) r += 2, used = 0;
+        }
+      }
+      std::vector<float> best(nkv_ * parts * g), total(nkv_ * parts * g), acc(nkv_ * parts * g * d);
+      at::parallel_for(0, nkv_ * parts, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> q(g * d);
-        for (int64_t hk = begin; hk < end; ++hk) {
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t hk = task / parts, p = task % parts;
           for (int64_t j = 0; j < g * d; ++j) q[j] = to_f(q_all[hk * g * d + j]) * scale;
-          kernel(q.data(), kp + hk * hs, ss, vp + hk * vhs, vss, runs, keys, scores + hk * g * keys,
-                 out + hk * g * d);
+          kernel(q.data(), kp + hk * hs, ss, vp + hk * vhs, vss, segs[p], scores + hk * g * keys + keys * p / parts,
+                 keys, best.data() + task * g, total.data() + task * g, acc.data() + task * g * d);
         }
       });
+      for (int64_t hk = 0; hk < nkv_; ++hk) {
+        for (int64_t j = 0; j < g; ++j) {
+          float m = -INFINITY, sum = 0.f;
+          for (int64_t p = 0; p < parts; ++p) m = std::max(m, best[(hk * parts + p) * g + j]);
+          std::vector<float> row(d, 0.f);
+          for (int64_t p = 0; p < parts; ++p) {
+            const int64_t at = (hk * parts + p) * g + j;
+            const float w = parts == 1 ? 1.f : fast_exp(best[at] - m);
+            sum += w * total[at];
+            for (int64_t c = 0; c < d; ++c) row[c] += w * acc[at * d + c];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t c = 0; c < d; ++c) out[(hk * g + j) * d + c] = bf16(row[c] * inv);
+        }
+      }
       return;
     }
 #endif
