@@ -44,10 +44,11 @@ def enabled() -> bool:
 
 
 def build_name() -> str:
-    """The module's name: the source's hash, torch's version and the CPU's vector capability,
-    so a changed source, another torch or another CPU never loads an old build."""
+    """The module's name: a hash of the sources (this file holds the flags), torch's version and the
+    CPU's vector capability, so a changed source, another torch or another CPU never loads an old build."""
     cap = torch.backends.cpu.get_cpu_capability()
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + cap.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes() + torch.__version__.encode()
+                            + cap.encode()).hexdigest()[:12]
     return f"streamllm_decode_{cap.lower()}_{digest}"
 
 
@@ -81,9 +82,12 @@ def _build(name: str) -> ModuleType | None:
     if fresh:
         print(f"building the native decode step once ({directory}) ...", file=sys.stderr, flush=True)
     started = time.perf_counter()
-    flags = ["-O3", "-fopenmp-simd", *ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers, so without it the step runs on one
+    # thread. The module then needs libgomp.so.1, which resolves to the copy torch has loaded already
+    # (the same soname): one OpenMP pool in the process, as torch's ops use.
+    flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
     try:
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags,
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                     build_directory=str(directory), verbose=False)
     except Exception as exc:  # no compiler, no headers: the Python forward serves every step
         log.warning("native decode step unavailable, decoding in Python: %s", str(exc).strip().splitlines()[-1:])
