@@ -93,26 +93,28 @@ def test_native_step_returns_the_taps_and_hidden_states_of_the_python_forward(ti
                 assert_close(a.logits, b.logits, r.logits)
 
 
-def test_a_head_size_without_a_vector_kernel_runs_the_portable_loop(tiny_model):
-    """head_dim 24: the vector kernels cover 16, 32, 64 and 128; the portable loop must agree too."""
+@pytest.mark.parametrize("head_dim", [24, 32, 64], ids=["portable loop", "32", "64"])
+def test_every_head_size_agrees(tiny_model, head_dim):
+    """The vector kernels cover head sizes 16 to 128 (from 32 on, with AVX512-BF16, in bf16 pairs), a
+    portable loop the others (24); tiny's own is 16."""
     config = copy.deepcopy(tiny_model.config)
-    config.head_dim = 24
+    config.head_dim = head_dim
     gen = torch.Generator().manual_seed(1)
     weights = dict(tiny_model.state_dict)
-    h, nh, nkv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    h, nh, nkv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
-        for name, shape in (("q_proj", (nh * 24, h)), ("k_proj", (nkv * 24, h)), ("v_proj", (nkv * 24, h)),
-                            ("o_proj", (h, nh * 24))):
+        for name, shape in (("q_proj", (nh * d, h)), ("k_proj", (nkv * d, h)), ("v_proj", (nkv * d, h)),
+                            ("o_proj", (h, nh * d))):
             weights[p + name + ".weight"] = torch.randn(shape, generator=gen) * 0.05
     trio = models(config, q4_model(type("M", (), {"state_dict": weights})()))
     assert trio[0].native_decode
-    (fast_out, _), (slow_out, _), (ref_out, _) = run_all(trio, list(range(5, 50)), scattered)
+    (fast_out, _), (slow_out, _), (ref_out, _) = run_all(trio, list(range(5, 300)), scattered)  # odd runs, slices
     for a, b, r in zip(fast_out, slow_out, ref_out, strict=True):
         assert_close(a, b, r)
 
 
-def test_batches_the_native_step_does_not_take_run_in_python(tiny_model, monkeypatch):
+def test_steps_of_one_token_a_sequence_run_natively_and_others_in_python(tiny_model, monkeypatch):
     fast = models(tiny_model.config, q4_model(tiny_model))[0]
     calls = []
     step = fast._decode_step
@@ -123,11 +125,35 @@ def test_batches_the_native_step_does_not_take_run_in_python(tiny_model, monkeyp
     runner.store.manager.append(a, 40)
     runner.store.manager.append(b, 40)
     runner.execute([Work(a, list(range(5, 35)), 0, "last"), Work(b, list(range(5, 35)), 0, "last")])
-    assert not calls  # many rows
-    runner.execute([Work(a, [7], 30, "last"), Work(b, [8], 30, "last")])
-    assert not calls  # two sequences
+    assert not calls  # many rows a sequence
+    runner.execute([Work(a, [7], 30, "last"), Work(b, [8, 9], 30, "last")])
+    assert not calls  # one sequence of two tokens
     runner.execute([Work(a, [9], 31, "last")])
-    assert len(calls) == 1  # one sequence, one token
+    runner.execute([Work(a, [9], 32, "last"), Work(b, [9], 32, "last")])
+    assert [len(call[5]) for call in calls] == [1, 2]  # slots: one sequence, then two
+
+
+@pytest.mark.parametrize("sequences", [3, 6], ids=["4-bit products", "packed bf16 products"])  # int4_rows = 4
+def test_a_batch_of_sequences_decodes_natively_as_in_python(tiny_model, sequences):
+    """Sequences of different lengths in one step, each in runs of its own, against the Python batched
+    step and the fp32 reference."""
+    trio = models(tiny_model.config, q4_model(tiny_model))
+    lengths = [20 + 37 * i for i in range(sequences)]
+    got = []
+    for model in trio:
+        pool = KVPool(model.num_layers, 2048, model.num_kv_heads, model.head_dim, dtype=model.kv_dtype)
+        runner = Runner(model, KVStore(BlockManager(128, 16), pool))
+        tables = [BlockTable() for _ in lengths]
+        for table, n in zip(tables, lengths, strict=True):
+            runner.store.manager.append(table, n + 3)
+            runner.execute([Work(table, list(range(5, 5 + n)), 0, "last")])
+        outs = []
+        for step in range(3):
+            outs.append(runner.execute([Work(t, [9 + i + step], n + step, "last")
+                                        for i, (t, n) in enumerate(zip(tables, lengths, strict=True))]))
+        got.append(outs)
+    for fast_step, slow_step, ref_step in zip(*got, strict=True):  # each step's rows together: the max of six
+        assert_close(torch.stack(fast_step), torch.stack(slow_step), torch.stack(ref_step))
 
 
 def test_without_the_native_step_the_python_forward_decodes(tiny_model, monkeypatch):
@@ -147,3 +173,17 @@ def test_a_failed_build_leaves_the_python_forward(monkeypatch, caplog):
     with caplog.at_level("WARNING"):
         assert native._build("streamllm_decode_test_failure") is None
     assert "no compiler here" in caplog.text
+
+
+def test_sequences_sharing_most_of_their_keys_keep_the_python_cascade(tiny_model):
+    """Entries forked off one session share a first run of most of their keys: Python's cascade reads it
+    once for all. A short shared run (a system prompt) does not hold a step back from the native one."""
+    fast = models(tiny_model.config, q4_model(tiny_model))[0]
+
+    def batch(shared: int) -> ForwardBatch:
+        seqs = [SeqAttention(b, 1, 99, [(0, 0, shared), (shared, 200 + 100 * b, 100 - shared)]) for b in range(2)]
+        return ForwardBatch(torch.tensor([7, 8]), torch.tensor([99, 99]), torch.tensor([299, 399]), seqs,
+                            torch.tensor([0, 1]), groups=[((0, 0, shared), [0, 1])])
+
+    assert fast._native_runs(batch(32)) is not None
+    assert fast._native_runs(batch(60)) is None

@@ -97,7 +97,7 @@ class LlamaForward:
     measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
     int4_rows: the same for 4-bit copies of weights that lie on a Q4 grid (int4.py); None
     measures, 0 never. Weights off the grid never get one.
-    native_decode: a step of one sequence and one new token runs every layer in one C++ call
+    native_decode: a step of sequences of one new token each runs every layer in one C++ call
     (native.py) where every layer weight has a 4-bit copy for one row and the module builds here.
     """
 
@@ -229,19 +229,22 @@ class LlamaForward:
             return None
         layers = self.layers
 
-        def copies(kind: str) -> list[list[torch.Tensor]]:
-            found = [self._w4[kind, li] for li in range(self.num_layers)]
-            return [[w.packed for w in found], [w.scales_zeros for w in found]]
+        def kind(name: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
+            copies = [self._w4[name, li] for li in range(self.num_layers)]
+            packed = [self._packed[name, li] for li in range(self.num_layers)] if self._packed else []
+            return [w.packed for w in copies], [w.scales_zeros for w in copies], packed, self.int4_rows[name]
 
         biases = [layer.qkv_bias for layer in layers] if layers[0].qkv_bias is not None else []
-        return module.DecodeStep(
-            [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], *copies("qkv"), biases,
-            *copies("o"), *copies("gate_up"), *copies("down"),
-            self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate, int4.GROUP, self.eps, self.scale)
+        step = module.DecodeStep(
+            [layer.input_norm for layer in layers], [layer.post_norm for layer in layers], biases,
+            *(kind(name) for name in FUSED), self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+            int4.GROUP, self.eps, self.scale)
+        self._native_rows = step.max_rows()
+        return step
 
     @property
     def native_decode(self) -> bool:
-        """Whether one-row steps of one sequence run in one native call."""
+        """Whether decode steps (one new token a sequence) run in one native call."""
         return self._decode_step is not None
 
     def _weight(self, kind: str, li: int) -> torch.Tensor:
@@ -360,9 +363,9 @@ class LlamaForward:
                 "set the session's max_context at or below it"
             )
         self._ensure_rope(max_pos)
-        runs = self._native_runs(batch)
-        if runs is not None:
-            return self._native_forward(batch, runs, k_cache, v_cache, return_hidden, tap_layer, stop_at_tap)
+        native_plan = self._native_runs(batch)
+        if native_plan is not None:
+            return self._native_forward(batch, native_plan, k_cache, v_cache, return_hidden, tap_layer, stop_at_tap)
         cos = self._cos[positions].unsqueeze(1)  # [T, 1, D]
         sin = self._sin_signed[positions].unsqueeze(1)
         num_rows = batch.input_ids.shape[0]
@@ -433,35 +436,47 @@ class LlamaForward:
             return logits
         return ForwardOut(logits, normed.float() if return_hidden else None, tap)
 
-    def _native_runs(self, batch: ForwardBatch) -> list[int] | None:
-        """(first slot, count) pairs of a batch the native step takes: one sequence, one new token, its
-        runs covering its positions in order; else None.
+    def _native_runs(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int]] | None:
+        """(slots, runs, bounds) of a batch the native step takes, else None: sequences of one new token
+        each, in row order, each one's runs covering its positions in order: sequence b's (first slot,
+        count) pairs are runs[2 * bounds[b] : 2 * bounds[b + 1]].
 
-        A native step never calls `between_layers`: it is one row, as short as a step gets."""
-        if self._decode_step is None or len(batch.seqs) != 1 or batch.input_ids.shape[0] != 1 or batch.groups:
+        Sequences that share a first run holding half their keys or more (entries forked off one session)
+        stay in Python, whose cascade reads that run once for all; a short shared run (a system prompt)
+        is read by each. A native step never calls `between_layers`: it is as short as a step gets."""
+        seqs = batch.seqs
+        if self._decode_step is None or batch.input_ids.shape[0] != len(seqs) or len(seqs) > self._native_rows:
             return None
-        seq = batch.seqs[0]
-        flat, covered = [], 0
-        for pos0, slot0, n in seq.runs:
-            if pos0 != covered:
+        if any(2 * n >= seqs[i].q_pos0 + 1 for (_, _, n), members in batch.groups for i in members):
+            return None
+        runs, bounds = [], [0]
+        for b, seq in enumerate(seqs):
+            if seq.q_len != 1 or seq.q_start != b:
                 return None
-            flat += (slot0, n)
-            covered += n
-        return flat if covered == seq.q_pos0 + 1 else None
+            covered = 0
+            for pos0, slot0, n in seq.runs:
+                if pos0 != covered:
+                    return None
+                runs += (slot0, n)
+                covered += n
+            if covered != seq.q_pos0 + 1:
+                return None
+            bounds.append(len(runs) // 2)
+        return batch.slot_mapping.tolist(), runs, bounds
 
-    def _native_forward(self, batch: ForwardBatch, runs: list[int], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        return_hidden: bool, tap_layer: int | None, stop_at_tap: bool) -> torch.Tensor | ForwardOut:
+    def _native_forward(self, batch: ForwardBatch, plan: tuple[list[int], list[int], list[int]], k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, return_hidden: bool, tap_layer: int | None,
+                        stop_at_tap: bool) -> torch.Tensor | ForwardOut:
         """The same step as the layers' loop in `forward`, every layer in native code."""
-        pos, slot = batch.seqs[0].q_pos0, int(batch.slot_mapping[0])
-        h = self.embed[batch.input_ids].float()  # [1, H], advanced in place
-        row = h.view(-1)
-        cos, sin = self._cos[pos], self._sin_signed[pos]
+        slots, runs, bounds = plan
+        h = self.embed[batch.input_ids].float()  # [B, H], advanced in place
+        cos, sin = self._cos[batch.positions], self._sin_signed[batch.positions]
         depth = tap_layer if stop_at_tap else self.num_layers
         split = tap_layer if tap_layer is not None else depth
         tap = None
         for first, last in ((0, split), (split, depth)):
             if first < last:
-                self._decode_step.run(row, cos, sin, k_cache, v_cache, slot, runs, first, last)
+                self._decode_step.run(h, cos, sin, k_cache, v_cache, slots, runs, bounds, first, last)
             if last == tap_layer and tap is None:
                 tap = h.clone()
         return self._finish(h, batch, return_hidden, tap_layer, tap, stop_at_tap)

@@ -30,8 +30,8 @@ from streamllm.model.checkpoint import streamllm_home
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_step.cpp"
 # Vector instructions per torch's CPU capability: the build runs only on a CPU that has them.
-ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-              "AVX2": ["-mavx2", "-mfma"]}
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
+ARCH_FLAGS = {"AVX512BF16": [*_AVX512, "-mavx512bf16"], "AVX512": _AVX512, "AVX2": ["-mavx2", "-mfma"]}
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -43,10 +43,19 @@ def enabled() -> bool:
     return os.environ.get("STREAMLLM_NATIVE", "1") != "0"
 
 
+def capability() -> str:
+    """The vector instructions the build may use here: torch's CPU capability, and "BF16" where
+    AVX-512 has its bf16 dot product (attention's scores then stay bf16, as the Python path's kernel)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap == "AVX512" and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX512BF16"
+    return cap
+
+
 def build_name() -> str:
     """The module's name: a hash of the sources (this file holds the flags), torch's version and the
-    CPU's vector capability, so a changed source, another torch or another CPU never loads an old build."""
-    cap = torch.backends.cpu.get_cpu_capability()
+    CPU's capability, so a changed source, another torch or another CPU never loads an old build."""
+    cap = capability()
     digest = hashlib.sha256(SOURCE.read_bytes() + Path(__file__).read_bytes() + torch.__version__.encode()
                             + cap.encode()).hexdigest()[:12]
     return f"streamllm_decode_{cap.lower()}_{digest}"
@@ -85,7 +94,7 @@ def _build(name: str) -> ModuleType | None:
     # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers, so without it the step runs on one
     # thread. The module then needs libgomp.so.1, which resolves to the copy torch has loaded already
     # (the same soname): one OpenMP pool in the process, as torch's ops use.
-    flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(capability(), [])]
     try:
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                     build_directory=str(directory), verbose=False)

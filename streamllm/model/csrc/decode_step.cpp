@@ -1,9 +1,11 @@
-// One decode step of one sequence through every layer, in one call (streamllm/model/native.py).
+// A decode step through every layer in one call: B sequences, one new token each
+// (streamllm/model/native.py).
 //
-// A decode step is one row: its products read 4-bit weights (ATen's CPU kernel, as the
-// Python path calls it) and everything between them is a few hundred floats. In Python
-// each layer is ~40 small tensor ops and a gathered attention; here the small ops are
-// loops over the row and attention reads the sequence's runs of KV cells in place.
+// A decode step is a few rows: its products are the Python path's (ATen's 4-bit kernel for
+// few rows, oneDNN's packed bf16 above) and everything between them is a few hundred floats
+// a row. In Python each layer is ~40 small tensor ops and a gathered attention; here the
+// small ops are loops over the rows and attention reads each sequence's runs of KV cells in
+// place.
 //
 // The roundings are the Python path's (llama.py): the residual stream, RMSNorm, RoPE and
 // softmax in fp32; a product's input, its output, the cells and the attention output in
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX512F__
@@ -31,7 +34,22 @@ struct Weight4 {
   at::Tensor packed, scales_zeros;
 };
 
-inline float to_f(bf16 x) { return static_cast<float>(x); }
+// bf16 <-> float by their bits, branch-free so that loops over them vectorize (c10's own conversion
+// rounds the same way, to nearest even, but branches on NaN per element).
+inline float to_f(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline bf16 from_f(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return bf16(static_cast<uint16_t>(nan ? 0x7fc0u : rounded), bf16::from_bits());
+}
 
 // exp(x) by Cephes' expf (2^n times a degree-6 polynomial, within 2 ulp): no call, so loops
 // over it vectorize, where std::exp is one libm call per element.
@@ -59,6 +77,69 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 #endif
+
+#ifdef __AVX512F__
+// fast_exp on 16 lanes (the same polynomial; fused multiply-adds may round the last bit otherwise).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                    _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_add_ps(_mm512_mul_ps(y, x), _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(y, x), x), x), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// s[i] = exp(s[i] - m) for n values.
+inline void exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 mv = _mm512_set1_ps(m);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv)));
+#endif
+  for (; i < n; ++i) s[i] = fast_exp(s[i] - m);
+}
+
+#ifdef __AVX512F__
+// 16 floats rounded to bf16 (to nearest even, as from_f) and widened back.
+inline __m512 round16(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u))));
+}
+
+inline void store16(bf16* p, __m512 rounded) {  // a value round16 made: its top 16 bits
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+#endif
+
+// out = bf16(bf16(silu(gate)) * up), rounded as torch rounds the two bf16 ops (finite inputs).
+inline void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = load16(gate + i);
+    const __m512 silu = round16(_mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+    store16(out + i, round16(_mm512_mul_ps(silu, load16(up + i))));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float a = to_f(gate[i]);
+    out[i] = from_f(to_f(from_f(a / (1.0f + fast_exp(-a)))) * to_f(up[i]));
+  }
+}
 
 // s[i] = q . k_i for `n` keys (stride `ks` elements apart) of width d; q in fp32.
 void dots(const float* q, const bf16* k, int64_t ks, int64_t n, int64_t d, float* s) {
@@ -102,19 +183,17 @@ void weighted_sum(const float* p, const bf16* v, int64_t vs, int64_t n, int64_t 
 // weight * (x * rsqrt(mean(x^2) + eps)), the product of x and its rsqrt first (as llama.py).
 void rmsnorm(const float* x, const float* weight, int64_t n, double eps, bf16* out) {
   double sum = 0.0;  // in double: a sum of 576 squares in any order rounds to the same float
+#pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
   const float r = 1.0f / std::sqrt(static_cast<float>(sum / n) + static_cast<float>(eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = bf16(weight[i] * (x[i] * r));
+  for (int64_t i = 0; i < n; ++i) out[i] = from_f(weight[i] * (x[i] * r));
 }
 
 // x * cos + roll(x, D/2) * sin_signed, in fp32, rounded to bf16 (llama.py _rope).
 void rope(const bf16* x, const float* cos, const float* sin, int64_t d, bf16* out) {
   const int64_t half = d / 2;
-  for (int64_t j = 0; j < d; ++j) {
-    const float a = to_f(x[j]) * cos[j];
-    const float b = to_f(x[(j + half) % d]) * sin[j];
-    out[j] = bf16(a + b);
-  }
+  for (int64_t j = 0; j < half; ++j) out[j] = from_f(to_f(x[j]) * cos[j] + to_f(x[j + half]) * sin[j]);
+  for (int64_t j = half; j < d; ++j) out[j] = from_f(to_f(x[j]) * cos[j] + to_f(x[j - half]) * sin[j]);
 }
 
 #ifdef __AVX512F__
@@ -134,10 +213,114 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 // (scaled); s: scratch of G rows `stride` apart. Out, per head: the scores' max, the sum of
 // exp(score - max) and the values weighted by those exps (unnormalised), to merge with the
 // other parts of the same keys (flash-decoding's split).
+#ifdef __AVX512BF16__
+// Scores of G query heads against every key of `segs` with AVX512-BF16's pair dot product: q and the
+// keys stay bf16, products are exact in fp32 and summed in fp32 (as the Python path's kernel does).
 template <int G, int C>
-void attend_group(const float* q, const bf16* k, int64_t ks, const bf16* v, int64_t vs,
-                  const std::vector<int64_t>& segs, float* s, int64_t stride, float* best, float* total,
-                  float* acc_out) {
+int64_t scores_bf16(const bf16* qb, float scale, const bf16* k, int64_t ks, const std::vector<int64_t>& segs,
+                    float* s, int64_t stride) {
+  constexpr int64_t D = 16 * C;
+  const __m512 sc = _mm512_set1_ps(scale);
+  __m512bh qh[G][C / 2];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C / 2; ++c) qh[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
+  int64_t t = 0;
+  for (size_t r = 0; r < segs.size(); r += 2) {
+    const bf16* kr = k + segs[r] * ks;
+    const int64_t n = segs[r + 1];
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      __m512 acc[G][4];
+      for (int j = 0; j < 4; ++j) {
+        const bf16* key = kr + (i + j) * ks;
+        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_setzero_ps();
+        for (int c = 0; c < C / 2; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+          for (int g = 0; g < G; ++g) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qh[g][c], kv);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm_storeu_ps(s + g * stride + t + i,
+                      _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm512_castps512_ps128(sc)));
+    }
+    for (; i < n; ++i) {
+      const bf16* key = kr + i * ks;
+      for (int g = 0; g < G; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int c = 0; c < C / 2; ++c)
+          acc = _mm512_dpbf16_ps(acc, qh[g][c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+        s[g * stride + t + i] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+    t += n;
+  }
+  return t;
+}
+#endif
+
+#ifdef __AVX512BF16__
+// acc_out [G, D] = sum over keys of p * value, with AVX512-BF16's pair dot product over two keys at
+// once: the weights p = s rounded to bf16 (as the Python path's kernel multiplies them), the values
+// as stored. Two keys' values interleave 16 bits at a time, so each fp32 lane holds one dimension of
+// the pair; unpack's order (four dimensions per 128-bit lane from each half) is undone at the end.
+template <int G, int C>
+void values_bf16(const float* s, int64_t stride, const bf16* v, int64_t vs, const std::vector<int64_t>& segs,
+                 int64_t keys, float* acc_out) {
+  constexpr int64_t D = 16 * C;
+  std::vector<uint16_t> pb(static_cast<size_t>(G * (keys + 1)), 0);
+  for (int g = 0; g < G; ++g) {
+    int64_t i = 0;
+    for (; i + 16 <= keys; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.data() + g * (keys + 1) + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + g * stride + i)));
+    for (; i < keys; ++i) pb[g * (keys + 1) + i] = from_f(s[g * stride + i]).x;
+  }
+  __m512 lo[G][C / 2], hi[G][C / 2];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C / 2; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (size_t r = 0; r < segs.size(); r += 2) {
+    const bf16* vr = v + segs[r] * vs;
+    const int64_t n = segs[r + 1];
+    for (int64_t i = 0; i < n; i += 2, t += 2) {
+      const bool pair = i + 1 < n;  // a lone last key pairs with itself at weight 0
+      const bf16* a = vr + i * vs;
+      const bf16* b = pair ? a + vs : a;
+      __m512i pp[G];
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* w = pb.data() + g * (keys + 1) + t;
+        pp[g] = _mm512_set1_epi32(static_cast<int32_t>(w[0] | (pair ? static_cast<uint32_t>(w[1]) << 16 : 0u)));
+      }
+      for (int c = 0; c < C / 2; ++c) {
+        const __m512i va = _mm512_loadu_si512(a + 32 * c), vb = _mm512_loadu_si512(b + 32 * c);
+        const __m512bh il = (__m512bh)_mm512_unpacklo_epi16(va, vb), ih = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+        for (int g = 0; g < G; ++g) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], il, (__m512bh)pp[g]);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], ih, (__m512bh)pp[g]);
+        }
+      }
+      if (!pair) t -= 1;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C / 2; ++c) {
+      alignas(64) float l[16], h[16];
+      _mm512_store_ps(l, lo[g][c]);
+      _mm512_store_ps(h, hi[g][c]);
+      float* out = acc_out + g * D + 32 * c;
+      for (int lane = 0; lane < 4; ++lane)
+        for (int k = 0; k < 4; ++k) {
+          out[8 * lane + k] = l[4 * lane + k];
+          out[8 * lane + 4 + k] = h[4 * lane + k];
+        }
+    }
+}
+#endif
+
+// Scores of G query heads (q fp32, scaled) against every key of `segs`, the keys widened to fp32.
+template <int G, int C>
+int64_t scores_f32(const float* q, const bf16* k, int64_t ks, const std::vector<int64_t>& segs, float* s,
+                   int64_t stride) {
   constexpr int64_t D = 16 * C;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
@@ -169,19 +352,48 @@ void attend_group(const float* q, const bf16* k, int64_t ks, const bf16* v, int6
     }
     t += n;
   }
+  return t;
+}
+
+// Attention of the G query heads that share one kv head over some of its keys (`segs`: first
+// slot, count pairs), D = 16 * C: each key and value is read once for all G. qb [G, D] the
+// queries as the layer made them, q the same in fp32 times `scale`; s: scratch of G rows
+// `stride` apart. Out, per head: the scores' max, the sum of exp(score - max) and the values
+// weighted by those exps (unnormalised), to merge with the other parts of the same keys
+// (flash-decoding's split).
+template <int G, int C>
+void attend_group(const bf16* qb, const float* q, float scale, const bf16* k, int64_t ks, const bf16* v,
+                  int64_t vs, const std::vector<int64_t>& segs, float* s, int64_t stride, float* best, float* total,
+                  float* acc_out) {
+  constexpr int64_t D = 16 * C;
+  int64_t t;
+#ifdef __AVX512BF16__
+  if constexpr (C % 2 == 0)
+    t = scores_bf16<G, C>(qb, scale, k, ks, segs, s, stride);
+  else
+    t = scores_f32<G, C>(q, k, ks, segs, s, stride);
+#else
+  t = scores_f32<G, C>(q, k, ks, segs, s, stride);
+#endif
   const int64_t keys = t;
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * stride;
     float m = -INFINITY;
 #pragma omp simd reduction(max : m)
     for (int64_t i = 0; i < keys; ++i) m = std::max(m, sg[i]);
-    for (int64_t i = 0; i < keys; ++i) sg[i] = fast_exp(sg[i] - m);
+    exp_shifted(sg, keys, m);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < keys; ++i) sum += sg[i];
     best[g] = m;
     total[g] = sum;
   }
+#ifdef __AVX512BF16__
+  if constexpr (C % 2 == 0) {
+    values_bf16<G, C>(s, stride, v, vs, segs, keys, acc_out);
+    return;
+  }
+#endif
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -202,8 +414,8 @@ void attend_group(const float* q, const bf16* k, int64_t ks, const bf16* v, int6
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc_out + g * D + 16 * c, acc[g][c]);
 }
 
-using GroupKernel = void (*)(const float*, const bf16*, int64_t, const bf16*, int64_t, const std::vector<int64_t>&,
-                             float*, int64_t, float*, float*, float*);
+using GroupKernel = void (*)(const bf16*, const float*, float, const bf16*, int64_t, const bf16*, int64_t,
+                             const std::vector<int64_t>&, float*, int64_t, float*, float*, float*);
 
 template <int C>
 GroupKernel group_kernel_c(int64_t g) {
@@ -231,185 +443,257 @@ GroupKernel group_kernel(int64_t g, int64_t d) {
   }
 }
 #else
-using GroupKernel = void*;
+using GroupKernel = void (*)(const bf16*, const float*, float, const bf16*, int64_t, const bf16*, int64_t,
+                             const std::vector<int64_t>&, float*, int64_t, float*, float*, float*);
 GroupKernel group_kernel(int64_t, int64_t) { return nullptr; }
 #endif
 
+// The same partials as attend_group for any head count and size, one head at a time.
+void attend_group_portable(int64_t G, int64_t D, const float* q, const bf16* k, int64_t ks, const bf16* v,
+                           int64_t vs, const std::vector<int64_t>& segs, float* s, int64_t stride, float* best,
+                           float* total, float* acc_out) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * stride;
+    int64_t t = 0;
+    for (size_t r = 0; r < segs.size(); t += segs[r + 1], r += 2) dots(q + g * D, k + segs[r] * ks, ks, segs[r + 1], D, sg + t);
+    float m = -INFINITY;
+    for (int64_t i = 0; i < t; ++i) m = std::max(m, sg[i]);
+    exp_shifted(sg, t, m);
+    float sum = 0.f;
+    for (int64_t i = 0; i < t; ++i) sum += sg[i];
+    best[g] = m;
+    total[g] = sum;
+    std::fill(acc_out + g * D, acc_out + (g + 1) * D, 0.f);
+    t = 0;
+    for (size_t r = 0; r < segs.size(); t += segs[r + 1], r += 2)
+      weighted_sum(sg + t, v + segs[r] * vs, vs, segs[r + 1], D, acc_out + g * D);
+  }
+}
+
+// oneDNN's product on a weight packed once (torch.ops.mkldnn._linear_pointwise, as llama.py calls it).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(c10::IValue());  // no bias
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// One weight kind of every layer: 4-bit copies for up to `int4_rows` rows, oneDNN-packed bf16 above.
+struct Kind {
+  std::vector<at::Tensor> packed4, scales_zeros, packed_bf16;
+  int64_t int4_rows;
+};
+
+using KindArgs = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t>;
+
+// One sequence's share of a layer's attention: its kv head `hk`, keys `segs` of its runs.
+struct Task {
+  int64_t seq, hk, offset;  // offset: the slice's first key among the sequence's keys
+  std::vector<int64_t> segs;
+};
+
 class DecodeStep {
  public:
-  DecodeStep(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> post_norm,
-             std::vector<at::Tensor> qkv, std::vector<at::Tensor> qkv_sz, std::vector<at::Tensor> qkv_bias,
-             std::vector<at::Tensor> o, std::vector<at::Tensor> o_sz,
-             std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_sz,
-             std::vector<at::Tensor> down, std::vector<at::Tensor> down_sz,
-             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
-             int64_t group, double eps, double scale)
+  DecodeStep(std::vector<at::Tensor> input_norm, std::vector<at::Tensor> post_norm, std::vector<at::Tensor> qkv_bias,
+             KindArgs qkv, KindArgs o, KindArgs gate_up, KindArgs down, int64_t num_heads, int64_t num_kv_heads,
+             int64_t head_dim, int64_t intermediate, int64_t group, double eps, double scale)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), qkv_bias_(std::move(qkv_bias)),
-        nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), inter_(intermediate), group_(group), eps_(eps),
-        scale_(scale) {
+        qkv_(kind(std::move(qkv))), o_(kind(std::move(o))), gate_up_(kind(std::move(gate_up))),
+        down_(kind(std::move(down))), nh_(num_heads), nkv_(num_kv_heads), d_(head_dim), inter_(intermediate),
+        group_(group), eps_(eps), scale_(scale) {
     const size_t layers = input_norm_.size();
-    TORCH_CHECK(post_norm_.size() == layers && qkv.size() == layers && o.size() == layers &&
-                    gate_up.size() == layers && down.size() == layers,
-                "every weight list needs one entry per layer");
+    TORCH_CHECK(layers > 0 && post_norm_.size() == layers, "norm weights: one per layer");
+    for (const Kind* k : {&qkv_, &o_, &gate_up_, &down_}) {
+      TORCH_CHECK(k->packed4.size() == layers && k->scales_zeros.size() == layers, "4-bit copies: one per layer");
+      TORCH_CHECK(k->packed_bf16.empty() || k->packed_bf16.size() == layers, "packed weights: none or one per layer");
+    }
     TORCH_CHECK(qkv_bias_.empty() || qkv_bias_.size() == layers, "qkv biases: none or one per layer");
     TORCH_CHECK(nh_ % nkv_ == 0, "query heads must be a multiple of kv heads");
-    for (size_t i = 0; i < layers; ++i) {
-      qkv_.push_back({qkv[i], qkv_sz[i]});
-      o_.push_back({o[i], o_sz[i]});
-      gate_up_.push_back({gate_up[i], gate_up_sz[i]});
-      down_.push_back({down[i], down_sz[i]});
+    for (size_t i = 0; i < layers; ++i)
       TORCH_CHECK(input_norm_[i].scalar_type() == at::kFloat && post_norm_[i].scalar_type() == at::kFloat,
                   "norm weights are fp32");
-    }
-    hidden_ = input_norm_.empty() ? 0 : input_norm_[0].numel();
+    hidden_ = input_norm_[0].numel();
   }
 
-  // h [H] fp32, the new token's residual stream, advanced in place through layers [first, last).
-  // cos, sin_signed [D] fp32 at its position; k_cache, v_cache [L, Hkv, slots, D] bf16; its K/V go
-  // to `slot`; runs: (first slot, count) pairs covering its positions 0..pos in order (its own
+  // The most sequences a step may hold: any number where every kind has packed weights for
+  // many rows, else what the 4-bit copies take.
+  int64_t max_rows() const {
+    int64_t rows = INT64_MAX;
+    for (const Kind* k : {&qkv_, &o_, &gate_up_, &down_})
+      if (k->packed_bf16.empty()) rows = std::min(rows, k->int4_rows);
+    return rows;
+  }
+
+  // B sequences, one new token each. h [B, H] fp32, their residual streams, advanced in place through
+  // layers [first, last); cos, sin_signed [B, D] fp32 at their positions; k_cache, v_cache
+  // [L, Hkv, slots, D] bf16; sequence b's K/V go to slots[b]; its runs are the (first slot, count)
+  // pairs runs[2 * bounds[b] .. 2 * bounds[b + 1]) covering its positions 0..pos in order (its own
   // slot included).
   void run(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin_signed, at::Tensor k_cache,
-           at::Tensor v_cache, int64_t slot, const std::vector<int64_t>& runs, int64_t first, int64_t last) {
-    TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.numel() == hidden_, "h: [H] fp32");
+           at::Tensor v_cache, const std::vector<int64_t>& slots, const std::vector<int64_t>& runs,
+           const std::vector<int64_t>& bounds, int64_t first, int64_t last) {
+    const int64_t rows = static_cast<int64_t>(slots.size());
+    TORCH_CHECK(rows > 0 && rows <= max_rows(), "rows: 1 to ", max_rows());
+    TORCH_CHECK(h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 2 && h.size(0) == rows &&
+                    h.size(1) == hidden_, "h: [B, H] fp32");
+    TORCH_CHECK(cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == rows * d_ &&
+                    sin_signed.numel() == rows * d_, "cos, sin: [B, D] fp32");
     TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
                 "KV cells are bf16");
     TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "KV cells: head_dim contiguous");
-    TORCH_CHECK(runs.size() % 2 == 0 && !runs.empty(), "runs: (first slot, count) pairs");
-    TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(qkv_.size()), "layer range");
+    TORCH_CHECK(static_cast<int64_t>(bounds.size()) == rows + 1 && bounds[0] == 0 &&
+                    2 * bounds[rows] == static_cast<int64_t>(runs.size()), "bounds: B + 1 offsets into runs");
+    TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(input_norm_.size()), "layer range");
     const int64_t g = nh_ / nkv_, q_size = nh_ * d_, kv_size = nkv_ * d_;
-    int64_t keys = 0;
-    for (size_t r = 1; r < runs.size(); r += 2) keys += runs[r];
+    const std::vector<Task> tasks = plan(runs, bounds);
     const auto bf = at::TensorOptions().dtype(at::kBFloat16);
-    at::Tensor x = at::empty({1, hidden_}, bf);
-    at::Tensor attn = at::empty({1, q_size}, bf);
-    at::Tensor act = at::empty({1, inter_}, bf);
-    std::vector<bf16> qk(static_cast<size_t>((nh_ + nkv_) * d_));
+    at::Tensor x = at::empty({rows, hidden_}, bf);
+    at::Tensor attn = at::empty({rows, q_size}, bf);
+    at::Tensor act = at::empty({rows, inter_}, bf);
+    std::vector<bf16> qk(static_cast<size_t>(rows * (nh_ + nkv_) * d_));
+    std::vector<float> best(tasks.size() * g), total(tasks.size() * g), acc(tasks.size() * g * d_);
     float* hp = h.data_ptr<float>();
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin_signed.data_ptr<float>();
-    std::vector<float> scores(static_cast<size_t>(nh_ * keys));
 
     for (int64_t li = first; li < last; ++li) {
-      rmsnorm(hp, input_norm_[li].data_ptr<float>(), hidden_, eps_, x.data_ptr<bf16>());
-      at::Tensor qkv = mm(x, qkv_[li]);
+      for (int64_t b = 0; b < rows; ++b)
+        rmsnorm(hp + b * hidden_, input_norm_[li].data_ptr<float>(), hidden_, eps_, x.data_ptr<bf16>() + b * hidden_);
+      at::Tensor qkv = product(x, qkv_, li);
       if (!qkv_bias_.empty()) qkv = qkv + qkv_bias_[li];
-      const bf16* qkvp = qkv.data_ptr<bf16>();
-      for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) rope(qkvp + hd * d_, cp, sp, d_, qk.data() + hd * d_);
-      // this token's key and value into its cells
+      const int64_t width = q_size + 2 * kv_size;
       at::Tensor kl = k_cache[li], vl = v_cache[li];
       bf16* kp = kl.data_ptr<bf16>();
       bf16* vp = vl.data_ptr<bf16>();
       const int64_t hs = kl.stride(0), ss = kl.stride(1), vhs = vl.stride(0), vss = vl.stride(1);
-      for (int64_t hk = 0; hk < nkv_; ++hk) {
-        std::copy_n(qk.data() + (nh_ + hk) * d_, d_, kp + hk * hs + slot * ss);
-        std::copy_n(qkvp + q_size + kv_size + hk * d_, d_, vp + hk * vhs + slot * vss);
+      for (int64_t b = 0; b < rows; ++b) {
+        const bf16* row = qkv.data_ptr<bf16>() + b * width;
+        bf16* out = qk.data() + b * (nh_ + nkv_) * d_;
+        for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) rope(row + hd * d_, cp + b * d_, sp + b * d_, d_, out + hd * d_);
+        for (int64_t hk = 0; hk < nkv_; ++hk) {  // this token's key and value into its cells
+          std::copy_n(out + (nh_ + hk) * d_, d_, kp + hk * hs + slots[b] * ss);
+          std::copy_n(row + q_size + kv_size + hk * d_, d_, vp + hk * vhs + slots[b] * vss);
+        }
       }
-      attend(qk.data(), kp, vp, hs, ss, vhs, vss, runs, keys, g, scores.data(), attn.data_ptr<bf16>());
-      at::Tensor o = mm(attn, o_[li]);
-      add_into(hp, o.data_ptr<bf16>());
-      rmsnorm(hp, post_norm_[li].data_ptr<float>(), hidden_, eps_, x.data_ptr<bf16>());
-      at::Tensor gu = mm(x, gate_up_[li]);
-      const bf16* gp = gu.data_ptr<bf16>();
-      bf16* ap = act.data_ptr<bf16>();
-      for (int64_t i = 0; i < inter_; ++i) {
-        const float a = to_f(gp[i]);
-        const bf16 silu = bf16(a / (1.0f + fast_exp(-a)));
-        ap[i] = bf16(to_f(silu) * to_f(gp[inter_ + i]));
+      attend(qk.data(), kp, vp, hs, ss, vhs, vss, tasks, best.data(), total.data(), acc.data(),
+             attn.data_ptr<bf16>());
+      add_into(hp, product(attn, o_, li), rows);
+      for (int64_t b = 0; b < rows; ++b)
+        rmsnorm(hp + b * hidden_, post_norm_[li].data_ptr<float>(), hidden_, eps_, x.data_ptr<bf16>() + b * hidden_);
+      at::Tensor gu = product(x, gate_up_, li);
+      for (int64_t b = 0; b < rows; ++b) {
+        const bf16* gp = gu.data_ptr<bf16>() + b * 2 * inter_;
+        bf16* ap = act.data_ptr<bf16>() + b * inter_;
+        silu_mul(gp, gp + inter_, ap, inter_);
       }
-      at::Tensor down = mm(act, down_[li]);
-      add_into(hp, down.data_ptr<bf16>());
+      add_into(hp, product(act, down_, li), rows);
     }
   }
 
  private:
-  at::Tensor mm(const at::Tensor& x, const Weight4& w) const {
-    return at::_weight_int4pack_mm_for_cpu(x, w.packed, group_, w.scales_zeros);
+  static Kind kind(KindArgs args) {
+    return Kind{std::move(std::get<0>(args)), std::move(std::get<1>(args)), std::move(std::get<2>(args)),
+                std::get<3>(args)};
   }
 
-  void add_into(float* h, const bf16* y) const {
-    for (int64_t i = 0; i < hidden_; ++i) h[i] += to_f(y[i]);
+  at::Tensor product(const at::Tensor& x, const Kind& w, int64_t li) const {
+    if (x.size(0) <= w.int4_rows) return at::_weight_int4pack_mm_for_cpu(x, w.packed4[li], group_, w.scales_zeros[li]);
+    return packed_linear(x, w.packed_bf16[li]);
   }
 
-  // One query head per task: scores over every key of the runs, softmax in fp32, weighted values.
-  void attend(const bf16* q_all, const bf16* kp, const bf16* vp, int64_t hs, int64_t ss, int64_t vhs,
-              int64_t vss, const std::vector<int64_t>& runs, int64_t keys, int64_t g, float* scores,
-              bf16* out) const {
-    const int64_t d = d_;
-    const float scale = static_cast<float>(scale_);
-#ifdef __AVX512F__
-    if (const GroupKernel kernel = group_kernel(g, d)) {
-      // Each kv head's keys in `parts` slices, so that both threads work when there are fewer kv heads
-      // than twice the threads; the slices' partials merge by their maxima, exactly as one softmax.
-      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((2 * at::get_num_threads() + nkv_ - 1) / nkv_,
-                                                                   keys / kMinPartKeys));
-      std::vector<std::vector<int64_t>> segs(parts);
-      for (int64_t p = 0, r = 0, used = 0; p < parts; ++p) {  // the key range [keys*p/parts, keys*(p+1)/parts)
-        int64_t want = keys * (p + 1) / parts - keys * p / parts;
-        while (want > 0) {
-          const int64_t take = std::min(want, runs[r + 1] - used);
-          segs[p].push_back(runs[r] + used);
-          segs[p].push_back(take);
-          want -= take;
-          used += take;
-          if (used == runs[r + 1]) r += 2, used = 0;
-        }
-      }
-      std::vector<float> best(nkv_ * parts * g), total(nkv_ * parts * g), acc(nkv_ * parts * g * d);
-      at::parallel_for(0, nkv_ * parts, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> q(g * d);
-        for (int64_t task = begin; task < end; ++task) {
-          const int64_t hk = task / parts, p = task % parts;
-          for (int64_t j = 0; j < g * d; ++j) q[j] = to_f(q_all[hk * g * d + j]) * scale;
-          kernel(q.data(), kp + hk * hs, ss, vp + hk * vhs, vss, segs[p], scores + hk * g * keys + keys * p / parts,
-                 keys, best.data() + task * g, total.data() + task * g, acc.data() + task * g * d);
-        }
-      });
+  void add_into(float* h, const at::Tensor& y, int64_t rows) const {
+    const bf16* yp = y.data_ptr<bf16>();
+    for (int64_t i = 0; i < rows * hidden_; ++i) h[i] += to_f(yp[i]);
+  }
+
+  // The layer's attention tasks, the same in every layer: per sequence and kv head, its keys in
+  // slices when there are fewer tasks than twice the threads (flash-decoding's split), so both
+  // threads work on a lone sequence; the slices' partials merge by their maxima in `attend`.
+  std::vector<Task> plan(const std::vector<int64_t>& runs, const std::vector<int64_t>& bounds) const {
+    const int64_t rows = static_cast<int64_t>(bounds.size()) - 1;
+    const int64_t want = (2 * at::get_num_threads() + rows * nkv_ - 1) / (rows * nkv_);
+    std::vector<Task> tasks;
+    for (int64_t b = 0; b < rows; ++b) {
+      int64_t keys = 0;
+      for (int64_t r = bounds[b]; r < bounds[b + 1]; ++r) keys += runs[2 * r + 1];
+      const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(want, keys / kMinPartKeys));
       for (int64_t hk = 0; hk < nkv_; ++hk) {
-        for (int64_t j = 0; j < g; ++j) {
-          float m = -INFINITY, sum = 0.f;
-          for (int64_t p = 0; p < parts; ++p) m = std::max(m, best[(hk * parts + p) * g + j]);
-          std::vector<float> row(d, 0.f);
-          for (int64_t p = 0; p < parts; ++p) {
-            const int64_t at = (hk * parts + p) * g + j;
-            const float w = parts == 1 ? 1.f : fast_exp(best[at] - m);
-            sum += w * total[at];
-            for (int64_t c = 0; c < d; ++c) row[c] += w * acc[at * d + c];
+        int64_t r = bounds[b], used = 0;
+        for (int64_t p = 0; p < parts; ++p) {  // keys [keys * p / parts, keys * (p + 1) / parts)
+          Task task{b, hk, keys * p / parts, {}};
+          for (int64_t left = keys * (p + 1) / parts - task.offset; left > 0;) {
+            const int64_t take = std::min(left, runs[2 * r + 1] - used);
+            task.segs.push_back(runs[2 * r] + used);
+            task.segs.push_back(take);
+            left -= take;
+            used += take;
+            if (used == runs[2 * r + 1]) ++r, used = 0;
           }
-          const float inv = 1.0f / sum;
-          for (int64_t c = 0; c < d; ++c) out[(hk * g + j) * d + c] = bf16(row[c] * inv);
+          tasks.push_back(std::move(task));
         }
       }
-      return;
     }
+    return tasks;
+  }
+
+  void attend(const bf16* qk, const bf16* kp, const bf16* vp, int64_t hs, int64_t ss, int64_t vhs, int64_t vss,
+              const std::vector<Task>& tasks, float* best, float* total, float* acc, bf16* out) const {
+    const int64_t g = nh_ / nkv_, d = d_, stride = (nh_ + nkv_) * d_;
+    const float scale = static_cast<float>(scale_);
+    const GroupKernel kernel = group_kernel(g, d);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> q(g * d), scratch;
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& task = tasks[i];
+        int64_t keys = 0;
+        for (size_t r = 1; r < task.segs.size(); r += 2) keys += task.segs[r];
+        scratch.resize(static_cast<size_t>(g * keys));
+        const bf16* qs = qk + task.seq * stride + task.hk * g * d;
+        for (int64_t j = 0; j < g * d; ++j) q[j] = to_f(qs[j]) * scale;
+        const bf16* k = kp + task.hk * hs;
+        const bf16* v = vp + task.hk * vhs;
+#ifdef __AVX512F__
+        if (kernel != nullptr) {
+          kernel(qs, q.data(), scale, k, ss, v, vss, task.segs, scratch.data(), keys, best + i * g, total + i * g,
+                 acc + i * g * d);
+          continue;
+        }
 #endif
-    at::parallel_for(0, nh_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> q(d), acc(d);
-      for (int64_t hq = begin; hq < end; ++hq) {
-        const int64_t hk = hq / g;
-        for (int64_t j = 0; j < d; ++j) q[j] = to_f(q_all[hq * d + j]);
-        float* s = scores + hq * keys;
-        int64_t t = 0;
-        for (size_t r = 0; r < runs.size(); t += runs[r + 1], r += 2)
-          dots(q.data(), kp + hk * hs + runs[r] * ss, ss, runs[r + 1], d, s + t);
-        float best = -INFINITY;
-#pragma omp simd reduction(max : best)
-        for (int64_t i = 0; i < keys; ++i) best = std::max(best, s[i] *= scale);
-        for (int64_t i = 0; i < keys; ++i) s[i] = fast_exp(s[i] - best);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < keys; ++i) total += s[i];
-        std::fill(acc.begin(), acc.end(), 0.f);
-        t = 0;
-        for (size_t r = 0; r < runs.size(); t += runs[r + 1], r += 2)
-          weighted_sum(s + t, vp + hk * vhs + runs[r] * vss, vss, runs[r + 1], d, acc.data());
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < d; ++j) out[hq * d + j] = bf16(acc[j] * inv);
+        attend_group_portable(g, d, q.data(), k, ss, v, vss, task.segs, scratch.data(), keys, best + i * g,
+                              total + i * g, acc + i * g * d);
       }
     });
+    // merge each sequence's slices per query head: weights exp(max_slice - max_all)
+    std::vector<float> row(d);
+    for (size_t i = 0; i < tasks.size();) {
+      size_t end = i;
+      while (end < tasks.size() && tasks[end].seq == tasks[i].seq && tasks[end].hk == tasks[i].hk) ++end;
+      for (int64_t j = 0; j < g; ++j) {
+        float m = -INFINITY, sum = 0.f;
+        for (size_t t = i; t < end; ++t) m = std::max(m, best[t * g + j]);
+        std::fill(row.begin(), row.end(), 0.f);
+        for (size_t t = i; t < end; ++t) {
+          const float w = end - i == 1 ? 1.f : fast_exp(best[t * g + j] - m);
+          sum += w * total[t * g + j];
+          for (int64_t c = 0; c < d; ++c) row[c] += w * acc[(t * g + j) * d + c];
+        }
+        const float inv = 1.0f / sum;
+        bf16* o = out + tasks[i].seq * nh_ * d + (tasks[i].hk * g + j) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = from_f(row[c] * inv);
+      }
+      i = end;
+    }
   }
 
   std::vector<at::Tensor> input_norm_, post_norm_, qkv_bias_;
-  std::vector<Weight4> qkv_, o_, gate_up_, down_;
+  Kind qkv_, o_, gate_up_, down_;
   int64_t nh_, nkv_, d_, inter_, group_, hidden_ = 0;
   double eps_, scale_;
 };
@@ -418,10 +702,8 @@ class DecodeStep {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStep>(m, "DecodeStep")
-      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, double, double>())
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>, KindArgs,
+                          KindArgs, KindArgs, KindArgs, int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("max_rows", &DecodeStep::max_rows)
       .def("run", &DecodeStep::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
