@@ -13,7 +13,9 @@ layout (`_packed`), so a product does not re-pack its weight on every call (same
 results, bit for bit). Without packing, steps with few rows may use fp32 copies of some
 weights, where the start-up probe found fp32 faster at that row count (`fp32_rows`).
 When the checkpoint's layer weights are 4-bit already (the default model's Q4_1 GGUF),
-steps with few rows (decode) read 4-bit copies of them instead (int4.py, `int4_rows`).
+steps with few rows (decode) read 4-bit copies of them instead (int4.py, `int4_rows`), and
+a step of one new token per sequence runs its layers in one native call (native.py) with
+the same products; the layers' loop in `forward` is the reference it is tested against.
 """
 
 from __future__ import annotations
