@@ -187,3 +187,14 @@ def test_sequences_sharing_most_of_their_keys_keep_the_python_cascade(tiny_model
 
     assert fast._native_runs(batch(32)) is not None
     assert fast._native_runs(batch(60)) is None
+
+
+def test_a_run_outside_the_pool_is_refused_not_read(tiny_model):
+    fast = models(tiny_model.config, q4_model(tiny_model))[0]
+    pool = KVPool(fast.num_layers, 64, fast.num_kv_heads, fast.head_dim, dtype=fast.kv_dtype)
+    h = torch.zeros(1, tiny_model.config.hidden_size)
+    cos, sin = fast._cos[:1], fast._sin_signed[:1]
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fast._decode_step.run(h, cos, sin, pool.k, pool.v, [10], [0, 60, 60, 8], [0, 2], 0, fast.num_layers)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fast._decode_step.run(h, cos, sin, pool.k, pool.v, [64], [0, 11], [0, 1], 0, fast.num_layers)

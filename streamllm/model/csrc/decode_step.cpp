@@ -551,6 +551,15 @@ class DecodeStep {
     TORCH_CHECK(static_cast<int64_t>(bounds.size()) == rows + 1 && bounds[0] == 0 &&
                     2 * bounds[rows] == static_cast<int64_t>(runs.size()), "bounds: B + 1 offsets into runs");
     TORCH_CHECK(0 <= first && first <= last && last <= static_cast<int64_t>(input_norm_.size()), "layer range");
+    const int64_t cells = k_cache.size(2);
+    TORCH_CHECK(v_cache.size(2) == cells, "K and V pools differ in size");
+    for (int64_t b = 0; b < rows; ++b) {  // nothing is read or written outside the pool
+      TORCH_CHECK(0 <= slots[b] && slots[b] < cells, "sequence ", b, ": slot ", slots[b], " outside the pool");
+      TORCH_CHECK(bounds[b] < bounds[b + 1], "sequence ", b, " has no runs");
+      for (int64_t r = bounds[b]; r < bounds[b + 1]; ++r)
+        TORCH_CHECK(runs[2 * r] >= 0 && runs[2 * r + 1] > 0 && runs[2 * r] + runs[2 * r + 1] <= cells,
+                    "sequence ", b, ": run (", runs[2 * r], ", ", runs[2 * r + 1], ") outside the pool");
+    }
     const int64_t g = nh_ / nkv_, q_size = nh_ * d_, kv_size = nkv_ * d_;
     const std::vector<Task> tasks = plan(runs, bounds);
     const auto bf = at::TensorOptions().dtype(at::kBFloat16);
