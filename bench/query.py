@@ -20,7 +20,7 @@ the peer answers the same ids as text, asked in turn with ours, rep by rep:
 The questions run in --dtype (default auto); then fp32 and bf16 side by side (bench/dtype.py):
   prefill_tok_s_fp32/_bf16          512 tokens into fresh cells
   decode_ms_fp32/_bf16              one token on a session of --update-context tokens
-  decode_ms_bf16_only               the same with bf16 weights only (no fp32 or 4-bit copies for few rows)
+  decode_ms_bf16_only               the same with bf16 weights only (no fp32 or 4-bit copies, no native step)
   prepos_update_ms_fp32/_bf16       one bar pushed + 4 standing questions re-positioned, one session
   updates_per_s_fp32/_bf16          1000 / prepos_update_ms
   max_abs_logit_diff_bf16, max_gap_diff_bf16, gate_decisions, gate_changes_bf16, gate_flips_bf16
@@ -262,11 +262,12 @@ def compare_dtypes(loaded, args: argparse.Namespace) -> dict[str, float]:
         for name, rig in rigs.items():
             got = {"prefill": dt.prefill_ms(rig, prompt), "decode": dt.decode_ms(rig, tables[name], prompt[rep]),
                    "update": dt.update_ms(rig, tables[name], lines[i + rep], questions)}
-            if name == "bf16":  # the bf16 weights alone: no fp32 or 4-bit copies
+            if name == "bf16":  # the bf16 weights alone: no fp32 or 4-bit copies, no native step (it reads them)
                 rows, rig.model.fp32_rows = rig.model.fp32_rows, only
                 rows4, rig.model.int4_rows = rig.model.int4_rows, only
+                step, rig.model._decode_step = rig.model._decode_step, None
                 got["decode_only"] = dt.decode_ms(rig, tables[name], prompt[rep])
-                rig.model.fp32_rows, rig.model.int4_rows = rows, rows4
+                rig.model.fp32_rows, rig.model.int4_rows, rig.model._decode_step = rows, rows4, step
             for key, value in got.items():
                 if rep:
                     times.setdefault(f"{key}_{name}", []).append(value)
