@@ -198,3 +198,33 @@ def test_a_run_outside_the_pool_is_refused_not_read(tiny_model):
         fast._decode_step.run(h, cos, sin, pool.k, pool.v, [10], [0, 60, 60, 8], [0, 2], 0, fast.num_layers)
     with pytest.raises(RuntimeError, match="outside the pool"):
         fast._decode_step.run(h, cos, sin, pool.k, pool.v, [64], [0, 11], [0, 1], 0, fast.num_layers)
+
+
+def test_the_engine_decodes_answers_natively(tiny_model):
+    """Through the engine: an ad-hoc answer's decode steps (one token a step) are native steps, and the
+    answer is the one the Python forward decodes from the same first token on."""
+    from streamllm.engine import Engine, EngineConfig
+    from streamllm.model.checkpoint import LoadedModel
+
+    q4 = LoadedModel(tiny_model.name, tiny_model.config, q4_model(tiny_model), tiny_model.tokenizer, tiny_model.source)
+    answers, steps = [], []
+    for native_on in (True, False):
+        engine = Engine(q4, EngineConfig(max_cells=2048, max_context=512), dtype="bfloat16")
+        try:
+            assert engine.model.native_decode
+            if not native_on:
+                engine.call(lambda core: setattr(core.runner.model, "_decode_step", None))
+            real = engine.model._decode_step
+            calls = []
+            if native_on:
+                spy = type("Spy", (), {"run": lambda self, *a, calls=calls, real=real: calls.append(a) or real.run(*a)})()
+                engine.call(lambda core, spy=spy: setattr(core.runner.model, "_decode_step", spy))
+            engine.open_session("s")
+            engine.push("s", [f"00:{i:02d} 100{i} +{i} v1.{i}M" for i in range(12)])
+            engine.wait_idle()  # the ask's steps alone (a step with a line to ingest runs in Python)
+            answers.append(engine.ask("s", "What happened?", max_tokens=6).tokens)
+            steps.append(len(calls))
+        finally:
+            engine.shutdown()
+    assert len(answers[0]) == 6 and answers[0][0] == answers[1][0]  # the first comes from the question's prefill
+    assert steps == [5, 0]  # every token after the first is a native step
