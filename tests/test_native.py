@@ -211,7 +211,7 @@ def test_the_engine_decodes_answers_natively(tiny_model):
     for native_on in (True, False):
         engine = Engine(q4, EngineConfig(max_cells=2048, max_context=512), dtype="bfloat16")
         try:
-            assert engine.model.native_decode
+            assert engine.model.native_decode and engine.stats()["native_decode"] == 1  # /health and /metrics say so
             if not native_on:
                 engine.call(lambda core: setattr(core.runner.model, "_decode_step", None))
             real = engine.model._decode_step

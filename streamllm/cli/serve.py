@@ -87,7 +87,7 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
     http = server.url.replace("ws://", "http://", 1)
     stats = server.engine.stats()
     lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
-             f"  dtype: {stats['dtype']}"]
+             f"  dtype: {stats['dtype']}" + (", decode steps in native code" if stats.get("native_decode") else "")]
     page = f"{http}/"
     if local_token is not None:
         page += f"?token={local_token}"  # printed this once; the page then keeps it per tab

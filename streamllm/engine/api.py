@@ -443,6 +443,7 @@ class Engine(Intake, Subscribable, EngineClient):
         out["fast_answers"] = self.fast_answers
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
         out["core_alive"] = int(not self.core.stopped)
+        out["native_decode"] = int(self.model.native_decode)  # decode steps run in native code (model/native.py)
         return out
 
     # -- internals --------------------------------------------------------

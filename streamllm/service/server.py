@@ -208,6 +208,7 @@ class StreamServer:
         backlog = {s.name: s.backlog_lines for s in sessions}
         out: dict[str, Any] = {
             "status": "ok", "model": stats["model"], "device": stats["device"], "dtype": stats.get("dtype"),
+            "native_decode": bool(stats.get("native_decode")),
             "uptime_s": round(time.time() - self.started_at, 1), "auth": self.tenants.auth,
             "sessions": len(sessions), "connections": len(self.conns),
             "questions_waiting": stats["questions_waiting"], "questions_running": stats["questions_running"],
