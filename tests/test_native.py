@@ -200,11 +200,14 @@ def test_a_run_outside_the_pool_is_refused_not_read(tiny_model):
         fast._decode_step.run(h, cos, sin, pool.k, pool.v, [64], [0, 11], [0, 1], 0, fast.num_layers)
 
 
-def test_the_engine_decodes_answers_natively(tiny_model):
+def test_the_engine_decodes_answers_natively(tiny_model, monkeypatch):
     """Through the engine: an ad-hoc answer's decode steps (one token a step) are native steps, and the
     answer is the one the Python forward decodes from the same first token on."""
     from streamllm.engine import Engine, EngineConfig
     from streamllm.model.checkpoint import LoadedModel
+
+    # the engine times its 4-bit crossover at load; on a busy machine a kind may lose it: fixed here
+    monkeypatch.setattr(int4, "int4_crossover", lambda copies, linear: dict.fromkeys(copies, 4))
 
     q4 = LoadedModel(tiny_model.name, tiny_model.config, q4_model(tiny_model), tiny_model.tokenizer, tiny_model.source)
     answers, steps = [], []
