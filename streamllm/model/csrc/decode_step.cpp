@@ -141,20 +141,9 @@ inline void silu_mul(const bf16* gate, const bf16* up, bf16* out, int64_t n) {
   }
 }
 
+// The portable loop's two halves (head sizes and groupings without a vector kernel).
 // s[i] = q . k_i for `n` keys (stride `ks` elements apart) of width d; q in fp32.
 void dots(const float* q, const bf16* k, int64_t ks, int64_t n, int64_t d, float* s) {
-#ifdef __AVX512F__
-  if (d % 16 == 0 && d <= 256) {
-    __m512 qv[16];
-    for (int64_t c = 0; c < d / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int64_t i = 0; i < n; ++i, k += ks) {
-      __m512 acc = _mm512_mul_ps(qv[0], load16(k));
-      for (int64_t c = 1; c < d / 16; ++c) acc = _mm512_fmadd_ps(qv[c], load16(k + 16 * c), acc);
-      s[i] = _mm512_reduce_add_ps(acc);
-    }
-    return;
-  }
-#endif
   for (int64_t i = 0; i < n; ++i, k += ks) {
     float dot = 0.f;
     for (int64_t j = 0; j < d; ++j) dot += q[j] * to_f(k[j]);
@@ -164,18 +153,6 @@ void dots(const float* q, const bf16* k, int64_t ks, int64_t n, int64_t d, float
 
 // acc += sum_i p[i] * v_i for `n` values (stride `vs` elements apart) of width d.
 void weighted_sum(const float* p, const bf16* v, int64_t vs, int64_t n, int64_t d, float* acc) {
-#ifdef __AVX512F__
-  if (d % 16 == 0 && d <= 256) {
-    __m512 av[16];
-    for (int64_t c = 0; c < d / 16; ++c) av[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int64_t i = 0; i < n; ++i, v += vs) {
-      const __m512 w = _mm512_set1_ps(p[i]);
-      for (int64_t c = 0; c < d / 16; ++c) av[c] = _mm512_fmadd_ps(w, load16(v + 16 * c), av[c]);
-    }
-    for (int64_t c = 0; c < d / 16; ++c) _mm512_storeu_ps(acc + 16 * c, av[c]);
-    return;
-  }
-#endif
   for (int64_t i = 0; i < n; ++i, v += vs)
     for (int64_t j = 0; j < d; ++j) acc[j] += p[i] * to_f(v[j]);
 }
@@ -208,53 +185,51 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-// Attention of the G query heads that share one kv head over some of its keys (`segs`: first
-// slot, count pairs), D = 16 * C: each key and value is read once for all G. q [G, D] fp32
-// (scaled); s: scratch of G rows `stride` apart. Out, per head: the scores' max, the sum of
-// exp(score - max) and the values weighted by those exps (unnormalised), to merge with the
-// other parts of the same keys (flash-decoding's split).
-#ifdef __AVX512BF16__
-// Scores of G query heads against every key of `segs` with AVX512-BF16's pair dot product: q and the
-// keys stay bf16, products are exact in fp32 and summed in fp32 (as the Python path's kernel does).
-template <int G, int C>
-int64_t scores_bf16(const bf16* qb, float scale, const bf16* k, int64_t ks, const std::vector<int64_t>& segs,
-                    float* s, int64_t stride) {
-  constexpr int64_t D = 16 * C;
-  const __m512 sc = _mm512_set1_ps(scale);
-  __m512bh qh[G][C / 2];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C / 2; ++c) qh[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
+// Scores of G query heads against every key of `segs` (first slot, count pairs; keys `ks` elements
+// apart): dot(key, acc) leaves in acc[g] sixteen partial sums of head g's product with the key, and
+// four keys' sums reduce together. s[g * stride + t] = scale * the sum; returns how many keys.
+template <int G, typename Dot>
+int64_t scores(const bf16* k, int64_t ks, const std::vector<int64_t>& segs, float* s, int64_t stride, float scale,
+               Dot dot) {
+  const __m128 sc = _mm_set1_ps(scale);
   int64_t t = 0;
   for (size_t r = 0; r < segs.size(); r += 2) {
     const bf16* kr = k + segs[r] * ks;
     const int64_t n = segs[r + 1];
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) {
-      __m512 acc[G][4];
-      for (int j = 0; j < 4; ++j) {
-        const bf16* key = kr + (i + j) * ks;
-        for (int g = 0; g < G; ++g) acc[g][j] = _mm512_setzero_ps();
-        for (int c = 0; c < C / 2; ++c) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
-          for (int g = 0; g < G; ++g) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qh[g][c], kv);
-        }
-      }
+      __m512 acc[4][G];
+      for (int j = 0; j < 4; ++j) dot(kr + (i + j) * ks, acc[j]);
       for (int g = 0; g < G; ++g)
-        _mm_storeu_ps(s + g * stride + t + i,
-                      _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm512_castps512_ps128(sc)));
+        _mm_storeu_ps(s + g * stride + t + i, _mm_mul_ps(sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]), sc));
     }
     for (; i < n; ++i) {
-      const bf16* key = kr + i * ks;
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int c = 0; c < C / 2; ++c)
-          acc = _mm512_dpbf16_ps(acc, qh[g][c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-        s[g * stride + t + i] = _mm512_reduce_add_ps(acc) * scale;
-      }
+      __m512 acc[G];
+      dot(kr + i * ks, acc);
+      for (int g = 0; g < G; ++g) s[g * stride + t + i] = _mm512_reduce_add_ps(acc[g]) * scale;
     }
     t += n;
   }
   return t;
+}
+
+#ifdef __AVX512BF16__
+// Scores with AVX512-BF16's pair dot product: q and the keys stay bf16, products are exact in fp32
+// and summed in fp32 (as the Python path's kernel does); scaled after.
+template <int G, int C>
+int64_t scores_bf16(const bf16* qb, float scale, const bf16* k, int64_t ks, const std::vector<int64_t>& segs,
+                    float* s, int64_t stride) {
+  constexpr int64_t D = 16 * C;
+  __m512bh qh[G][C / 2];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C / 2; ++c) qh[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + 32 * c);
+  return scores<G>(k, ks, segs, s, stride, scale, [&](const bf16* key, __m512* acc) {
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int c = 0; c < C / 2; ++c) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+      for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qh[g][c], kv);
+    }
+  });
 }
 #endif
 
@@ -317,7 +292,7 @@ void values_bf16(const float* s, int64_t stride, const bf16* v, int64_t vs, cons
 }
 #endif
 
-// Scores of G query heads (q fp32, scaled) against every key of `segs`, the keys widened to fp32.
+// Scores with the keys widened to fp32 (q fp32, scaled already).
 template <int G, int C>
 int64_t scores_f32(const float* q, const bf16* k, int64_t ks, const std::vector<int64_t>& segs, float* s,
                    int64_t stride) {
@@ -325,34 +300,12 @@ int64_t scores_f32(const float* q, const bf16* k, int64_t ks, const std::vector<
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * D + 16 * c);
-  int64_t t = 0;
-  for (size_t r = 0; r < segs.size(); r += 2) {
-    const bf16* kr = k + segs[r] * ks;
-    const int64_t n = segs[r + 1];
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      __m512 acc[G][4];
-      for (int j = 0; j < 4; ++j) {
-        const bf16* key = kr + (i + j) * ks;
-        for (int c = 0; c < C; ++c) {
-          const __m512 kv = load16(key + 16 * c);
-          for (int g = 0; g < G; ++g)
-            acc[g][j] = c == 0 ? _mm512_mul_ps(qv[g][c], kv) : _mm512_fmadd_ps(qv[g][c], kv, acc[g][j]);
-        }
-      }
-      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * stride + t + i, sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
+  return scores<G>(k, ks, segs, s, stride, 1.0f, [&](const bf16* key, __m512* acc) {
+    for (int c = 0; c < C; ++c) {
+      const __m512 kv = load16(key + 16 * c);
+      for (int g = 0; g < G; ++g) acc[g] = c == 0 ? _mm512_mul_ps(qv[g][c], kv) : _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
     }
-    for (; i < n; ++i) {
-      const bf16* key = kr + i * ks;
-      for (int g = 0; g < G; ++g) {
-        __m512 acc = _mm512_mul_ps(qv[g][0], load16(key));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], load16(key + 16 * c), acc);
-        s[g * stride + t + i] = _mm512_reduce_add_ps(acc);
-      }
-    }
-    t += n;
-  }
-  return t;
+  });
 }
 
 // Attention of the G query heads that share one kv head over some of its keys (`segs`: first
