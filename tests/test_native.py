@@ -231,3 +231,12 @@ def test_the_engine_decodes_answers_natively(tiny_model, monkeypatch):
             engine.shutdown()
     assert len(answers[0]) == 6 and answers[0][0] == answers[1][0]  # the first comes from the question's prefill
     assert steps == [5, 0]  # every token after the first is a native step
+
+
+def test_a_model_home_it_cannot_write_leaves_the_python_forward(tmp_path, monkeypatch, caplog):
+    home = tmp_path / "home"
+    home.write_text("a file where the model home's folder would be")
+    monkeypatch.setenv("STREAMLLM_HOME", str(home))
+    with caplog.at_level("WARNING"):
+        assert native._build("streamllm_decode_test_home") is None
+    assert "decoding in Python" in caplog.text

@@ -86,20 +86,21 @@ def _build(name: str) -> ModuleType | None:
         except ImportError:
             pass
     directory = streamllm_home() / "native" / name
-    directory.mkdir(parents=True, exist_ok=True)
-    fresh = not any(directory.glob("*.so"))
-    if fresh:
-        print(f"building the native decode step once ({directory}) ...", file=sys.stderr, flush=True)
-    started = time.perf_counter()
     # -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers, so without it the step runs on one
     # thread. The module then needs libgomp.so.1, which resolves to the copy torch has loaded already
     # (the same soname): one OpenMP pool in the process, as torch's ops use.
     flags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(capability(), [])]
+    started = time.perf_counter()
     try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fresh = not any(directory.glob("*.so"))
+        if fresh:
+            print(f"building the native decode step once ({directory}) ...", file=sys.stderr, flush=True)
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                     build_directory=str(directory), verbose=False)
-    except Exception as exc:  # no compiler, no headers: the Python forward serves every step
-        log.warning("native decode step unavailable, decoding in Python: %s", str(exc).strip().splitlines()[-1:])
+    except Exception as exc:  # no compiler or headers, a model home we cannot write: Python serves every step
+        last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        log.warning("native decode step unavailable, decoding in Python: %s", last)
         return None
     if fresh:
         print(f"built in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
