@@ -187,6 +187,33 @@ def test_grouped_prefill_of_entries_equals_each_alone():
         assert (out - ref).abs().max().item() <= TOL
 
 
+def test_entries_of_sessions_sharing_a_system_prompt_block_group_per_session():
+    """Sessions that share their first block (the prefix cache's system prompt) are not one cascade: each
+    session's entries group on all the runs before their fork, and every logit is transformers'."""
+    model = build("llama")
+    runner = make_runner(model, num_blocks=256)
+    gen = torch.Generator().manual_seed(9)
+    system = torch.randint(0, 300, (32,), generator=gen).tolist()  # two whole blocks, shared by both sessions
+    prefix, _ = prefill(runner, system)
+    works, refs = [], []
+    for _ in range(2):
+        lines = torch.randint(0, 300, (40,), generator=gen).tolist()
+        session = runner.store.fork(prefix)
+        runner.store.manager.append(session, len(lines))
+        runner.execute([Work(session, lines, len(system), "last")])
+        for n in (7, 3, 12):
+            question = torch.randint(0, 300, (n,), generator=gen).tolist()
+            entry = runner.store.fork(session)
+            runner.store.manager.append(entry, n)
+            works.append(Work(entry, question, len(system) + len(lines), "all"))
+            refs.append(hf_logits(model, system + lines + question)[len(system) + len(lines):])
+    batch, _ = runner.build_batch(works)
+    assert sorted(members for _, members in batch.groups) == [[0, 1, 2], [3, 4, 5]]
+    assert all(len(runs) > 1 for runs, _ in batch.groups)  # the shared block and the session's own
+    for out, ref in zip(runner.execute(works), refs, strict=True):
+        assert (out - ref).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("gather_keys", [0, 40, 1024])
 def test_gathered_attention_equals_reference(gather_keys):
     """Short sequences attend gathered into padded buckets (one fused call each), the rest run by run:

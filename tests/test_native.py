@@ -183,7 +183,7 @@ def test_sequences_sharing_most_of_their_keys_keep_the_python_cascade(tiny_model
     def batch(shared: int) -> ForwardBatch:
         seqs = [SeqAttention(b, 1, 99, [(0, 0, shared), (shared, 200 + 100 * b, 100 - shared)]) for b in range(2)]
         return ForwardBatch(torch.tensor([7, 8]), torch.tensor([99, 99]), torch.tensor([299, 399]), seqs,
-                            torch.tensor([0, 1]), groups=[((0, 0, shared), [0, 1])])
+                            torch.tensor([0, 1]), groups=[(((0, 0, shared),), [0, 1])])
 
     assert fast._native_runs(batch(32)) is not None
     assert fast._native_runs(batch(60)) is None

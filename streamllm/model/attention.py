@@ -81,8 +81,8 @@ def _unmasked_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return partial_attention(q, k, v, None, scale)
 
 
-def plan_parts(seq: SeqAttention, groups: int, dtype: torch.dtype, device, shared: bool = False) -> AttentionParts:
-    """Split a sequence's runs into parts (the first run left out when `shared` covers it).
+def plan_parts(seq: SeqAttention, groups: int, dtype: torch.dtype, device, skip: int = 0) -> AttentionParts:
+    """Split a sequence's runs into parts (its first `skip` runs left out: a cascade group reads them).
 
     Keys before the first new token need no mask (every query comes after them): they go
     to the fast kernel whole. Keys of the new tokens themselves need the causal mask; they
@@ -93,7 +93,7 @@ def plan_parts(seq: SeqAttention, groups: int, dtype: torch.dtype, device, share
     masked: list[tuple[int, int, torch.Tensor | None]] = []
     finite = True
     split = seq.q_pos0 if seq.q_len > 1 else seq.q_pos0 + 1
-    for pos0, slot0, n in seq.runs[1:] if shared else seq.runs:
+    for pos0, slot0, n in seq.runs[skip:]:
         if pos0 + n <= split:
             unmasked.append((slot0, n))
             continue
@@ -120,8 +120,8 @@ def attend(
     """Attention output [Hkv, g*n, D] for one sequence, over its planned parts.
 
     With one part there is nothing to merge. `shared` is this sequence's (output, lse) over
-    its first run, already computed together with other sequences that share that run
-    (grouped prefill)."""
+    its leading runs, already computed together with other sequences that share them
+    (`grouped_partials`)."""
     if shared is None and len(parts.unmasked) + len(parts.masked) == 1:
         # 4-D inputs: SDPA's CPU flash kernel only takes batched input (3-D falls back to math).
         slot0, n, mask = (*parts.unmasked[0], None) if parts.unmasked else parts.masked[0]
@@ -141,29 +141,44 @@ def attend(
     return merge_partials(out).to(q.dtype)
 
 
-def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[int, int, int], list[int]]]:
-    """Sequences whose first run is the same, wholly before their new tokens: they can read it once.
+Run = tuple[int, int, int]  # (first position, first slot, count)
 
-    That is the case of a session's entries (and branches) forked at the same point.
+
+def shared_prefix_groups(seqs: list[SeqAttention]) -> list[tuple[tuple[Run, ...], list[int]]]:
+    """Sequences whose leading runs (every run wholly before their new tokens) are the same: they can
+    read them once, as (the shared runs, member indices).
+
+    That is the case of a session's entries (and branches) forked at the same point. The key is all of a
+    fork's leading runs, not its first: the first is the system prompt's block that every session shares
+    (the prefix cache), which would put every session's entries in one group sharing a few tokens.
     """
-    groups: dict[tuple[int, int, int], list[int]] = {}
+    groups: dict[tuple[Run, ...], list[int]] = {}
     for i, seq in enumerate(seqs):
-        if seq.runs:
-            pos0, slot0, n = seq.runs[0]
-            if pos0 + n <= seq.q_pos0:
-                groups.setdefault(seq.runs[0], []).append(i)
-    return [(run, members) for run, members in groups.items() if len(members) > 1]
+        lead = []
+        for run in seq.runs:
+            if run[0] + run[2] > seq.q_pos0:
+                break
+            lead.append(run)
+        if lead:
+            groups.setdefault(tuple(lead), []).append(i)
+    return [(runs, members) for runs, members in groups.items() if len(members) > 1]
+
+
+def shared_keys(runs: tuple[Run, ...]) -> int:
+    """How many keys a group's shared runs hold."""
+    return sum(n for _, _, n in runs)
 
 
 def grouped_partials(
     qs: Mapping[int, torch.Tensor], k_layer: torch.Tensor, v_layer: torch.Tensor,
-    groups: list[tuple[tuple[int, int, int], list[int]]], scale: float,
+    groups: list[tuple[tuple[Run, ...], list[int]]], scale: float,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Cascade attention's shared half: every member's queries against the shared run in one call."""
+    """Cascade attention's shared half: every member's queries against the shared runs, one call a run."""
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for (_, slot0, n), members in groups:
+    for runs, members in groups:
         q = torch.cat([qs[i] for i in members], dim=1)
-        o, lse = _unmasked_partial(q, k_layer[:, slot0 : slot0 + n], v_layer[:, slot0 : slot0 + n], scale)
+        parts = [_unmasked_partial(q, k_layer[:, s0 : s0 + n], v_layer[:, s0 : s0 + n], scale) for _, s0, n in runs]
+        o, lse = parts[0] if len(parts) == 1 else _merge(parts)
         row = 0
         for i in members:
             rows = qs[i].shape[1]
@@ -195,6 +210,11 @@ def merge_two(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch
 
 def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Combine per-part (output, lse) into the attention over the union of the parts' keys (fp32)."""
+    return _merge(parts)[0]
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_partials`, and the log-sum-exp over all the parts' keys (to merge again)."""
     lses = torch.stack([lse.float() for _, lse in parts])  # [P, Hkv, rows, 1]
     total = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - total)
@@ -202,7 +222,7 @@ def merge_partials(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tens
     out = parts[0][0].float() * weights[0]
     for i in range(1, len(parts)):
         out = out + parts[i][0].float() * weights[i]
-    return out
+    return out, total
 
 
 @dataclass(slots=True)
@@ -220,13 +240,14 @@ class GatheredAttention:
     keys: int
 
 
-def gathered_members(seqs: list[SeqAttention], groups: list[tuple[tuple[int, int, int], list[int]]],
+def gathered_members(seqs: list[SeqAttention], groups: list[tuple[tuple[Run, ...], list[int]]],
                      max_keys: int = GATHER_KEYS) -> list[int]:
     """The sequences worth gathering: at most GATHER_QUERIES new tokens and `max_keys` keys, except a
-    member of a shared-prefix group whose shared run is half its keys or more (the cascade reads that
-    run once for all; gathered, each member would copy it), and except a lone sequence of one run
+    member of a shared-prefix group whose shared runs are half its keys or more (the cascade reads them
+    once for all; gathered, each member would copy it), and except a lone sequence of one run
     (a view of the pool already: one kernel, no copy)."""
-    cascade = {i for (_, _, n), members in groups for i in members if 2 * n >= seqs[i].q_pos0 + seqs[i].q_len}
+    cascade = {i for runs, members in groups for i in members
+               if 2 * shared_keys(runs) >= seqs[i].q_pos0 + seqs[i].q_len}
     out = [i for i, seq in enumerate(seqs)
            if seq.q_len <= GATHER_QUERIES and seq.q_pos0 + seq.q_len <= max_keys and i not in cascade]
     if len(out) == 1 and len(seqs[out[0]].runs) == 1:

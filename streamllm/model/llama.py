@@ -37,6 +37,7 @@ from streamllm.model.attention import (
     grouped_partials,
     plan_gathered,
     plan_parts,
+    shared_keys,
 )
 from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
 
@@ -69,7 +70,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] long: where each row's K/V goes in the pool
     seqs: list[SeqAttention]
     logit_rows: torch.Tensor  # [R] long: rows whose logits are wanted
-    # (shared first run, member seq indices): read once for all members (cascade attention)
+    # (shared leading runs, member seq indices): read once for all members (cascade attention)
     groups: list = field(default_factory=list)
 
 
@@ -381,9 +382,9 @@ class LlamaForward:
         gathered_ids = gathered_members(batch.seqs, batch.groups, self.gather_keys)
         gathered = plan_gathered(batch.seqs, gathered_ids, g, self.dtype, h.device) if gathered_ids else []
         apart = set(range(len(batch.seqs))).difference(gathered_ids)
-        groups = [(run, kept) for run, members in batch.groups if len(kept := [i for i in members if i in apart]) > 1]
-        in_group = {i for _, members in groups for i in members}
-        parts = {i: plan_parts(batch.seqs[i], g, self.dtype, h.device, shared=i in in_group) for i in sorted(apart)}
+        groups = [(runs, kept) for runs, members in batch.groups if len(kept := [i for i in members if i in apart]) > 1]
+        cascade = {i: len(runs) for runs, members in groups for i in members}  # leading runs a group reads
+        parts = {i: plan_parts(batch.seqs[i], g, self.dtype, h.device, skip=cascade.get(i, 0)) for i in sorted(apart)}
         one = len(batch.seqs) == 1 and not gathered
         depth = tap_layer if stop_at_tap else self.num_layers
         for li, layer in enumerate(self.layers[:depth]):
@@ -449,7 +450,7 @@ class LlamaForward:
         seqs = batch.seqs
         if self._decode_step is None or batch.input_ids.shape[0] != len(seqs) or len(seqs) > self._native_rows:
             return None
-        if any(2 * n >= seqs[i].q_pos0 + 1 for (_, _, n), members in batch.groups for i in members):
+        if any(2 * shared_keys(runs) >= seqs[i].q_pos0 + 1 for runs, members in batch.groups for i in members):
             return None
         runs, bounds = [], [0]
         for b, seq in enumerate(seqs):
