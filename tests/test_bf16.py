@@ -66,6 +66,7 @@ def test_dtype_names_are_checked(monkeypatch):
     assert resolve_dtype("float32", "cpu").reason == "float32 (requested)"
     monkeypatch.setenv("STREAMLLM_DTYPE", "bf16")
     assert resolve_dtype("auto", "cpu").dtype == torch.bfloat16
+    assert resolve_dtype("auto", "cpu").requested == "bfloat16"  # asked for by name: no copies of another dtype
     assert resolve_dtype("float32", "cpu").dtype == torch.float32  # an explicit choice wins
     monkeypatch.setenv("STREAMLLM_DTYPE", "half")
     with pytest.raises(ValueError, match=r"\$STREAMLLM_DTYPE: unknown dtype 'half'"):

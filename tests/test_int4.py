@@ -86,3 +86,36 @@ def test_decode_from_4_bit_copies_matches_the_bf16_weights(tiny_model):
 def test_a_checkpoint_off_the_grid_keeps_its_bf16_path(tiny_model):
     model = LlamaForward(tiny_model.config, tiny_model.state_dict, dtype="bfloat16", fp32_rows=0)
     assert set(model.int4_rows.values()) == {0} and not model._w4
+
+
+def test_an_fp32_model_chosen_by_auto_decodes_from_low_precision_copies(tiny_model, monkeypatch):
+    """On a CPU without fast bf16, "auto" runs fp32: its few-row steps read the 4-bit copies (inputs rounded to
+    bf16) and a bf16 lm_head, within bf16's distance of fp32; longer steps stay fp32 to the bit. Asked for
+    fp32 by name, the model keeps no copies at all."""
+    import streamllm.model.llama as llama
+    from streamllm.model.dtype import DtypeChoice
+
+    weights = q4_model(tiny_model)
+    reference = LlamaForward(tiny_model.config, weights, dtype="float32", int4_rows=4, bf16_rows=4)  # asked for
+    assert not reference._w4 and not reference._w16
+    assert set(reference.int4_rows.values()) == set(reference.bf16_rows.values()) == {0}
+    plain_bf16 = LlamaForward(tiny_model.config, weights, dtype="bfloat16", fp32_rows=0, int4_rows=0)
+    monkeypatch.setattr(llama, "resolve_dtype",
+                        lambda spec, device: DtypeChoice(torch.float32, "auto", "float32 (auto: no fast bf16)"))
+    auto = LlamaForward(tiny_model.config, weights, dtype="auto", int4_rows=4, bf16_rows=4)
+    assert auto.dtype == torch.float32 and not auto.native_decode  # the native step is bf16 only
+    assert auto.int4_rows == {"qkv": 4, "o": 4, "gate_up": 4, "down": 4, "lm_head": 0}
+    assert auto.bf16_rows == {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "lm_head": 4}  # no 4-bit copy of its own
+    assert auto.weight_bytes > reference.weight_bytes
+    ids = list(range(5, 45))
+    ref, got, bf16 = decode_logits(reference, ids), decode_logits(auto, ids), decode_logits(plain_bf16, ids)
+    assert got.dtype == torch.float32
+    assert 0 < (got - ref).abs().max() <= max(0.15, 3 * (bf16 - ref).abs().max())
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    prefill = []
+    for model in (reference, auto):  # 37 rows: past every copy's row count
+        pool = KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim, dtype=model.kv_dtype)
+        runner, table = Runner(model, KVStore(BlockManager(16, 16), pool)), BlockTable()
+        runner.store.manager.append(table, 37)
+        prefill.append(runner.execute([Work(table, ids[:37], 0, "all")])[0])
+    assert torch.equal(*prefill)

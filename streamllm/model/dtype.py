@@ -42,7 +42,7 @@ CROSSOVER_ROWS = (1, 2, 4, 8)
 @dataclass(slots=True, frozen=True)
 class DtypeChoice:
     dtype: torch.dtype
-    requested: str  # what the caller asked for: auto | float32 | bfloat16
+    requested: str  # what the caller asked for: auto | float32 | bfloat16 ($STREAMLLM_DTYPE's, when it set auto)
     reason: str  # one line for start-up logs and /health
 
     @property
@@ -85,7 +85,8 @@ def resolve_dtype(spec: str | torch.dtype | None, device: torch.device | str) ->
             dtype = parse_dtype(forced)
         except ValueError as exc:
             raise ValueError(f"${ENV_VAR}: {exc}") from None
-        return DtypeChoice(resolve_dtype(dtype, device).dtype, "auto", f"{forced} (auto, set by ${ENV_VAR})")
+        chosen = resolve_dtype(dtype, device).dtype  # asked for by name, through the environment
+        return DtypeChoice(chosen, dtype_name(chosen), f"{forced} (auto, set by ${ENV_VAR})")
     if isinstance(parsed, torch.dtype):
         if parsed == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"dtype bfloat16 requested but {torch.cuda.get_device_name(device)} has no bf16 support")
@@ -186,6 +187,21 @@ def fp32_crossover(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
     is not slower: products only get more compute-bound (and bf16-friendly) with rows.
     """
     return {kind: _crossover(pairs, rows) for kind, pairs in weights.items()}
+
+
+def bf16_crossover(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...] = CROSSOVER_ROWS) -> int:
+    """(fp32, bf16) copies of one weight kind's layers, in an fp32 model: the largest row count at which
+    one pass over the bf16 copies (inputs rounded to bf16, outputs back to fp32) is 10% faster (0: never).
+    On a CPU without fast bf16 a few-row product is bound by reading the weight, half the bytes in bf16."""
+    gen = torch.Generator().manual_seed(0)
+
+    def timings(n: int) -> tuple[float, float]:
+        x = torch.randn(n, pairs[0][0].shape[1], generator=gen)
+        fp32, bf16 = time_pair(lambda: [F.linear(x, w) for w, _ in pairs],
+                               lambda: [F.linear(x.bfloat16(), w).float() for _, w in pairs], reps=5)
+        return bf16, fp32
+
+    return crossover_rows(timings, rows)
 
 
 def _crossover(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...]) -> int:

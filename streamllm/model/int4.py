@@ -38,8 +38,9 @@ class Int4Weight(NamedTuple):
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch has the CPU 4-bit kernels and the model runs bf16 on a CPU."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and None not in (_TO_PACK, _MM)
+    """Whether this torch has the CPU 4-bit kernels and the model runs on a CPU (bf16, or fp32 whose few-row
+    steps may round their inputs to bf16: the kernel's fp32 path is slower than an fp32 product)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and None not in (_TO_PACK, _MM)
 
 
 def q4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

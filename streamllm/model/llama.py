@@ -39,7 +39,7 @@ from streamllm.model.attention import (
     plan_parts,
     shared_keys,
 )
-from streamllm.model.dtype import DtypeChoice, fp32_crossover, resolve_dtype
+from streamllm.model.dtype import DtypeChoice, bf16_crossover, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 WEIGHT_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -99,13 +99,18 @@ class LlamaForward:
     fp32_rows: steps with at most this many rows use fp32 copies of the weights; None
     measures the crossover per weight shape at start-up (bf16 on a CPU only), 0 never.
     int4_rows: the same for 4-bit copies of weights that lie on a Q4 grid (int4.py); None
-    measures, 0 never. Weights off the grid never get one.
+    measures, 0 never. Weights off the grid never get one. An fp32 model gets them only when its
+    dtype was chosen by "auto" (a CPU without fast bf16): few-row steps are bound by reading the
+    weights, and a 4-bit copy reads an eighth of the fp32 bytes; asked for fp32, it stays fp32.
+    bf16_rows: the same for bf16 copies of the weights without a 4-bit copy (the lm_head), in an
+    fp32 model chosen by "auto" only; None measures, 0 never.
     native_decode: a step of sequences of one new token each runs every layer in one C++ call
     (native.py) where every layer weight has a 4-bit copy for one row and the module builds here.
     """
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], device="cpu", dtype="float32",
-                 fp32_rows: int | None = None, int4_rows: int | None = None, native_decode: bool = True):
+                 fp32_rows: int | None = None, int4_rows: int | None = None, bf16_rows: int | None = None,
+                 native_decode: bool = True):
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
@@ -166,8 +171,11 @@ class LlamaForward:
             fp32_rows = 0 if fp32_rows is None else fp32_rows
             self._packed = {(kind, li): _PACK(self._weight(kind, li), PACK_ROWS)
                             for kind in WEIGHT_KINDS for li in range(1 if kind == "lm_head" else self.num_layers)}
+        self.bf16_rows = dict.fromkeys(WEIGHT_KINDS, 0)  # set by _init_bf16_copies, after the 4-bit copies
+        self._w16: dict[tuple[str, int], torch.Tensor] = {}
         self._init_fp32_copies(fp32_rows)
         self._init_int4_copies(state_dict, int4_rows)
+        self._init_bf16_copies(bf16_rows)
         self._init_rope()
         self._decode_step = self._init_native_decode(native_decode)
 
@@ -199,7 +207,7 @@ class LlamaForward:
         A kind gets copies only when every layer's weight lies on a Q4 grid in the checkpoint."""
         self.int4_rows = dict.fromkeys(WEIGHT_KINDS, 0)
         self._w4: dict[tuple[str, int], int4.Int4Weight] = {}
-        if int4_rows == 0 or not int4.available(self.device, self.dtype) or not self.layers:
+        if int4_rows == 0 or not int4.available(self.device, self.dtype) or not self.layers or not self._low_copies:
             return
         copies: dict[str, list[int4.Int4Weight]] = {}
         for kind, names in FUSED.items():
@@ -223,10 +231,35 @@ class LlamaForward:
                 self.int4_rows[kind] = rows
                 self._w4.update(((kind, li), w) for li, w in enumerate(copies[kind]))
 
+    @property
+    def _low_copies(self) -> bool:
+        """Whether few-row steps may read lower-precision copies: always in bf16; in fp32 only when "auto"
+        chose it for speed (a CPU without fast bf16), never when fp32 was asked for."""
+        return self.dtype != torch.float32 or self.dtype_choice.requested == "auto"
+
+    # -- few-row steps of an fp32 model from bf16 copies ----------------------
+    def _init_bf16_copies(self, bf16_rows: int | None) -> None:
+        """bf16_rows[kind]: up to this many rows, that product of an fp32 model reads a bf16 copy (half the
+        bytes) of a weight that has no 4-bit copy."""
+        if self.dtype != torch.float32 or bf16_rows == 0 or not self._low_copies or self.device.type != "cpu":
+            return
+        kinds = [kind for kind in WEIGHT_KINDS if not self.int4_rows[kind] and (kind == "lm_head" or self.layers)]
+        copies = {kind: [self._weight(kind, li).bfloat16() for li in range(1 if kind == "lm_head" else self.num_layers)]
+                  for kind in kinds}
+        if bf16_rows is None:  # against the model's own fp32 products, every layer in turn (cold caches)
+            found = {kind: bf16_crossover([(self._weight(kind, li), w) for li, w in enumerate(ws)])
+                     for kind, ws in copies.items()}
+        else:
+            found = dict.fromkeys(copies, max(0, bf16_rows))
+        for kind, rows in found.items():
+            if rows:
+                self.bf16_rows[kind] = rows
+                self._w16.update(((kind, li), w) for li, w in enumerate(copies[kind]))
+
     def _init_native_decode(self, wanted: bool):
         """native.py's DecodeStep over this model's weights, or None (the Python forward decodes)."""
-        if not wanted or any(self.int4_rows[kind] < 1 for kind in FUSED):
-            return None
+        if not wanted or self.dtype != torch.bfloat16 or any(self.int4_rows[kind] < 1 for kind in FUSED):
+            return None  # the native step computes on bf16 cells and hidden states
         module = native.load()
         if module is None:
             return None
@@ -257,10 +290,13 @@ class LlamaForward:
         """x @ W.T in the weight's dtype; output in that dtype (fp32 on the few-row path)."""
         rows = x.shape[0]
         if 0 < rows <= self.int4_rows[kind]:
-            out = int4.linear(x, self._w4[kind, li])
+            out = int4.linear(x, self._w4[kind, li]).to(self.dtype)
             return out if bias is None else out + bias
         if 0 < rows <= self.fp32_rows[kind]:
             return F.linear(x.float(), self._w32[kind, li], None if bias is None else bias.float())
+        if 0 < rows <= self.bf16_rows[kind]:
+            out = F.linear(x.bfloat16(), self._w16[kind, li]).float()
+            return out if bias is None else out + bias
         packed = self._packed.get((kind, li)) if rows else None
         if packed is not None:
             return _PACKED_LINEAR(x.to(self.dtype), packed, bias, "none", [], "")
@@ -268,13 +304,13 @@ class LlamaForward:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights held, fp32 copies and packed copies included (tied embeddings counted once)."""
+        """Bytes of weights held, fp32, bf16, 4-bit and packed copies included (tied embeddings counted once)."""
         seen = {id(self.embed): self.embed, id(self.lm_head): self.lm_head, id(self.final_norm): self.final_norm}
         for layer in self.layers:
             for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o, layer.post_norm, layer.gate_up, layer.down):
                 if t is not None:
                     seen[id(t)] = t
-        seen.update((id(t), t) for t in [*self._w32.values(), *self._packed.values()])
+        seen.update((id(t), t) for t in [*self._w32.values(), *self._w16.values(), *self._packed.values()])
         seen.update((id(t), t) for w in self._w4.values() for t in (w.packed, w.scales_zeros))
         return sum(t.numel() * t.element_size() for t in seen.values())
 
