@@ -276,8 +276,9 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(loaded, EngineConfig(max_cells=65536), dtype=args.dtype, progress=True, adapter=adapter)
     if adapter is not None:
         print(f"adapter {adapter.path}: choice heads for " + ", ".join(h.question_id for h in adapter.heads))
-    native = ", decode steps in native code" if engine.model.native_decode else ""
-    print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}{native}; sessions: "
+    decode = (", decode steps in native code" if engine.model.native_decode
+              else ", decode steps read 4-bit weight copies" if engine.model.int4_decode else "")
+    print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}{decode}; sessions: "
           + ", ".join(f"{s.name} ({s.instrument}, {len(s.questions)} standing questions)" for s in config.sessions))
     try:
         open_from_config(engine, config)

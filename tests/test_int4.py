@@ -104,6 +104,7 @@ def test_an_fp32_model_chosen_by_auto_decodes_from_low_precision_copies(tiny_mod
                         lambda spec, device: DtypeChoice(torch.float32, "auto", "float32 (auto: no fast bf16)"))
     auto = LlamaForward(tiny_model.config, weights, dtype="auto", int4_rows=4, bf16_rows=4)
     assert auto.dtype == torch.float32 and not auto.native_decode  # the native step is bf16 only
+    assert auto.int4_decode and not reference.int4_decode
     assert auto.int4_rows == {"qkv": 4, "o": 4, "gate_up": 4, "down": 4, "lm_head": 0}
     assert auto.bf16_rows == {"qkv": 0, "o": 0, "gate_up": 0, "down": 0, "lm_head": 4}  # no 4-bit copy of its own
     assert auto.weight_bytes > reference.weight_bytes

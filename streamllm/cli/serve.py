@@ -87,7 +87,9 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
     http = server.url.replace("ws://", "http://", 1)
     stats = server.engine.stats()
     lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
-             f"  dtype: {stats['dtype']}" + (", decode steps in native code" if stats.get("native_decode") else "")]
+             f"  dtype: {stats['dtype']}" + (", decode steps in native code" if stats.get("native_decode")
+                                             else ", decode steps read 4-bit weight copies" if stats.get("int4_decode")
+                                             else "")]
     page = f"{http}/"
     if local_token is not None:
         page += f"?token={local_token}"  # printed this once; the page then keeps it per tab

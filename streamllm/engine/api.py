@@ -444,6 +444,7 @@ class Engine(Intake, Subscribable, EngineClient):
         out["entry_answers"] = self._entry_answers + self.core.entry_answers
         out["core_alive"] = int(not self.core.stopped)
         out["native_decode"] = int(self.model.native_decode)  # decode steps run in native code (model/native.py)
+        out["int4_decode"] = int(self.model.int4_decode)  # one-row steps read 4-bit weight copies (model/int4.py)
         return out
 
     # -- internals --------------------------------------------------------

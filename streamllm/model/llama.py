@@ -283,6 +283,11 @@ class LlamaForward:
         """Whether decode steps (one new token a sequence) run in one native call."""
         return self._decode_step is not None
 
+    @property
+    def int4_decode(self) -> bool:
+        """Whether one-row steps read 4-bit copies of the layer weights (int4.py)."""
+        return any(self.int4_rows[kind] for kind in FUSED)
+
     def _weight(self, kind: str, li: int) -> torch.Tensor:
         return self.lm_head if kind == "lm_head" else getattr(self.layers[li], kind)
 
