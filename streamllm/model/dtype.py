@@ -189,16 +189,18 @@ def fp32_crossover(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
     return {kind: _crossover(pairs, rows) for kind, pairs in weights.items()}
 
 
-def bf16_crossover(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...] = CROSSOVER_ROWS) -> int:
-    """(fp32, bf16) copies of one weight kind's layers, in an fp32 model: the largest row count at which
-    one pass over the bf16 copies (inputs rounded to bf16, outputs back to fp32) is 10% faster (0: never).
-    On a CPU without fast bf16 a few-row product is bound by reading the weight, half the bytes in bf16."""
+def bf16_crossover(copies: list[torch.Tensor], fp32_linear: Callable[[torch.Tensor, int], object],
+                   rows: tuple[int, ...] = CROSSOVER_ROWS) -> int:
+    """bf16 copies of one weight kind's layers, in an fp32 model: the largest row count at which one pass
+    over them (inputs rounded to bf16, outputs back to fp32) is 10% faster than `fp32_linear(x, layer)`, the
+    model's own product, every layer in turn (0: never). On a CPU without fast bf16 a few-row product is
+    bound by reading the weight, half the bytes in bf16."""
     gen = torch.Generator().manual_seed(0)
 
     def timings(n: int) -> tuple[float, float]:
-        x = torch.randn(n, pairs[0][0].shape[1], generator=gen)
-        fp32, bf16 = time_pair(lambda: [F.linear(x, w) for w, _ in pairs],
-                               lambda: [F.linear(x.bfloat16(), w).float() for _, w in pairs], reps=5)
+        x = torch.randn(n, copies[0].shape[1], generator=gen)
+        fp32, bf16 = time_pair(lambda: [fp32_linear(x, li) for li in range(len(copies))],
+                               lambda: [F.linear(x.bfloat16(), w).float() for w in copies], reps=5)
         return bf16, fp32
 
     return crossover_rows(timings, rows)
