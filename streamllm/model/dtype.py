@@ -189,19 +189,19 @@ def fp32_crossover(weights: dict[str, list[tuple[torch.Tensor, torch.Tensor]]],
     return {kind: _crossover(pairs, rows) for kind, pairs in weights.items()}
 
 
-def bf16_crossover(copies: list[torch.Tensor], fp32_linear: Callable[[torch.Tensor, int], object],
+def copy_crossover(in_features: int, layers: int, own: Callable[[torch.Tensor, int], object],
+                   copy: Callable[[torch.Tensor, int], object], x_dtype: torch.dtype = torch.float32,
                    rows: tuple[int, ...] = CROSSOVER_ROWS) -> int:
-    """bf16 copies of one weight kind's layers, in an fp32 model: the largest row count at which one pass
-    over them (inputs rounded to bf16, outputs back to fp32) is 10% faster than `fp32_linear(x, layer)`, the
-    model's own product, every layer in turn (0: never). On a CPU without fast bf16 a few-row product is
-    bound by reading the weight, half the bytes in bf16."""
+    """The largest row count at which one pass of `copy(x, layer)` over every layer is 10% faster than the
+    model's own product `own(x, layer)` (0: never): when a few-row step should read a copy of a weight kind
+    (4-bit, or bf16 in an fp32 model), each layer in turn so that caches are as cold as in a real step."""
     gen = torch.Generator().manual_seed(0)
 
     def timings(n: int) -> tuple[float, float]:
-        x = torch.randn(n, copies[0].shape[1], generator=gen)
-        fp32, bf16 = time_pair(lambda: [fp32_linear(x, li) for li in range(len(copies))],
-                               lambda: [F.linear(x.bfloat16(), w).float() for w in copies], reps=5)
-        return bf16, fp32
+        x = torch.randn(n, in_features, generator=gen).to(x_dtype)
+        mine, theirs = time_pair(lambda: [own(x, li) for li in range(layers)],
+                                 lambda: [copy(x, li) for li in range(layers)], reps=5)
+        return theirs, mine
 
     return crossover_rows(timings, rows)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from streamllm.model.dtype import CROSSOVER_ROWS, crossover_rows, time_pair
+from streamllm.model.dtype import CROSSOVER_ROWS, copy_crossover
 
 GROUP = 32  # inputs per block: Q4_0 and Q4_1's block size, one of the kernel's group sizes
 
@@ -77,14 +77,7 @@ def int4_crossover(weights: dict[str, list[Int4Weight]], bf16_linear: Callable[[
                    rows: tuple[int, ...] = CROSSOVER_ROWS) -> dict[str, int]:
     """Per weight kind, the 4-bit copy of each layer's weight: the largest row count at which one pass
     over all of them is 10% faster than `bf16_linear(x, kind, layer)` (the model's own product; 0: never)."""
-    gen = torch.Generator().manual_seed(0)
-    found = {}
-    for kind, copies in weights.items():
-        def timings(n: int, kind: str = kind, copies: list[Int4Weight] = copies) -> tuple[float, float]:
-            x = torch.randn(n, copies[0].scales_zeros.shape[0] * GROUP, generator=gen).bfloat16()
-            bf16, four = time_pair(lambda: [bf16_linear(x, kind, li) for li in range(len(copies))],
-                                   lambda: [linear(x, w) for w in copies], reps=5)
-            return four, bf16
-
-        found[kind] = crossover_rows(timings, rows)
-    return found
+    return {kind: copy_crossover(copies[0].scales_zeros.shape[0] * GROUP, len(copies),
+                                 lambda x, li, kind=kind: bf16_linear(x, kind, li),
+                                 lambda x, li, copies=copies: linear(x, copies[li]), torch.bfloat16, rows)
+            for kind, copies in weights.items()}

@@ -39,7 +39,7 @@ from streamllm.model.attention import (
     plan_parts,
     shared_keys,
 )
-from streamllm.model.dtype import DtypeChoice, bf16_crossover, fp32_crossover, resolve_dtype
+from streamllm.model.dtype import DtypeChoice, copy_crossover, fp32_crossover, resolve_dtype
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 WEIGHT_KINDS = ("qkv", "o", "gate_up", "down", "lm_head")
@@ -231,15 +231,18 @@ class LlamaForward:
                 copies[kind] = packed
         if not copies:
             return
-        if int4_rows is None:  # against the products the model runs without them (int4_rows is all 0 so far)
-            found = int4.int4_crossover(copies, self._linear)
-        else:
-            found = dict.fromkeys(copies, max(0, int4_rows))
+        # against the products the model runs without them (int4_rows is all 0 so far)
+        self._keep_copies(copies, int4_rows, lambda: int4.int4_crossover(copies, self._linear), self.int4_rows, self._w4)
+
+    @staticmethod
+    def _keep_copies(copies: dict[str, list], asked: int | None, measure: Callable[[], dict[str, int]],
+                     rows_by_kind: dict[str, int], kept: dict[tuple[str, int], object]) -> None:
+        """Keep the copies of each kind whose row count, `asked` or else measured, is above 0."""
+        found = measure() if asked is None else dict.fromkeys(copies, max(0, asked))
         for kind, rows in found.items():
             if rows:
-                self.int4_rows[kind] = rows
-                self._w4.update(((kind, li), w) for li, w in enumerate(copies[kind]))
-
+                rows_by_kind[kind] = rows
+                kept.update(((kind, li), w) for li, w in enumerate(copies[kind]))
 
     # -- few-row steps of an fp32 model from bf16 copies ----------------------
     def _init_bf16_copies(self, bf16_rows: int | None) -> None:
@@ -250,15 +253,12 @@ class LlamaForward:
         kinds = [kind for kind in WEIGHT_KINDS if not self.int4_rows[kind] and (kind == "lm_head" or self.layers)]
         copies = {kind: [self._weight(kind, li).bfloat16() for li in range(1 if kind == "lm_head" else self.num_layers)]
                   for kind in kinds}
-        if bf16_rows is None:  # against the model's own fp32 products (bf16_rows is all 0 so far)
-            found = {kind: bf16_crossover(ws, lambda x, li, kind=kind: self._linear(x, kind, li))
-                     for kind, ws in copies.items()}
-        else:
-            found = dict.fromkeys(copies, max(0, bf16_rows))
-        for kind, rows in found.items():
-            if rows:
-                self.bf16_rows[kind] = rows
-                self._w16.update(((kind, li), w) for li, w in enumerate(copies[kind]))
+        def measure() -> dict[str, int]:  # against the model's own fp32 products (bf16_rows is all 0 so far)
+            return {kind: copy_crossover(ws[0].shape[1], len(ws), lambda x, li, kind=kind: self._linear(x, kind, li),
+                                         lambda x, li, ws=ws: F.linear(x.bfloat16(), ws[li]).float())
+                    for kind, ws in copies.items()}
+
+        self._keep_copies(copies, bf16_rows, measure, self.bf16_rows, self._w16)
 
     def _init_native_decode(self, wanted: bool):
         """native.py's DecodeStep over this model's weights, or None (the Python forward decodes)."""
