@@ -29,7 +29,7 @@ from feeds.events import Bar
 from feeds.synthetic import SyntheticFeed
 from streamllm.client.cells import calibration_cells, percent
 from streamllm.config import LIVE_VENUES, QueryConfig, load_config
-from streamllm.engine import Engine, EngineConfig
+from streamllm.engine import Engine, EngineConfig, decode_note
 from streamllm.feeding.attach import Attachment, AttachSpec, attach
 from streamllm.feeding.render import fixed
 from streamllm.feeding.wiring import FeedGroup, attach_mode, feed_events, group_feeds
@@ -276,8 +276,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(loaded, EngineConfig(max_cells=65536), dtype=args.dtype, progress=True, adapter=adapter)
     if adapter is not None:
         print(f"adapter {adapter.path}: choice heads for " + ", ".join(h.question_id for h in adapter.heads))
-    decode = (", decode steps in native code" if engine.model.native_decode
-              else ", decode steps read 4-bit weight copies" if engine.model.int4_decode else "")
+    decode = f", {note}" if (note := decode_note(engine.stats())) else ""
     print(f"model ready in {time.monotonic() - t0:.1f} s on {engine.device}, {engine.model.dtype_choice.reason}{decode}; sessions: "
           + ", ".join(f"{s.name} ({s.instrument}, {len(s.questions)} standing questions)" for s in config.sessions))
     try:

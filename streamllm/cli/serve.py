@@ -43,7 +43,7 @@ from streamllm.config.choices import check_choices
 from streamllm.durability.ingest_log import IngestLog
 from streamllm.durability.recovery import recover
 from streamllm.durability.resident import ResidentEngine
-from streamllm.engine import Engine, EngineConfig
+from streamllm.engine import Engine, EngineConfig, decode_note
 from streamllm.feeding.owners import feed_owners
 from streamllm.feeding.supervise import FeedRunner
 from streamllm.feeding.wiring import (
@@ -87,9 +87,7 @@ def summary(server: StreamServer, tenants: Tenants, owner: Tenant, config: Query
     http = server.url.replace("ws://", "http://", 1)
     stats = server.engine.stats()
     lines = [f"streamllm serving {server.engine.model_name} on {stats['device']} at {server.url}",
-             f"  dtype: {stats['dtype']}" + (", decode steps in native code" if stats.get("native_decode")
-                                             else ", decode steps read 4-bit weight copies" if stats.get("int4_decode")
-                                             else "")]
+             f"  dtype: {stats['dtype']}" + (f", {note}" if (note := decode_note(stats)) else "")]
     page = f"{http}/"
     if local_token is not None:
         page += f"?token={local_token}"  # printed this once; the page then keeps it per tab

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-from streamllm.engine.api import AdmissionError, Engine, PushAck, SessionError, SessionInfo
+from streamllm.engine.api import (
+           AdmissionError,
+           Engine,
+           PushAck,
+           SessionError,
+           SessionInfo,
+           decode_note,
+)
 from streamllm.engine.config import CompactionPolicy, EngineConfig, SchedulerConfig
 
 __all__ = ["AdmissionError", "CompactionPolicy", "Engine", "EngineConfig", "PushAck", "SchedulerConfig", "SessionError",
-           "SessionInfo"]
+           "SessionInfo", "decode_note"]

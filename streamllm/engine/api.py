@@ -23,6 +23,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -77,8 +78,17 @@ from streamllm.model.llama import LlamaForward
 from streamllm.model.loader import LoadedModel, load_model
 from streamllm.model.lora import merged_state_dict
 
-__all__ = ["AdmissionError", "Answer", "AskTimeout", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo"]
+__all__ = ["AdmissionError", "Answer", "AskTimeout", "Engine", "EngineStopped", "PushAck", "SessionError", "SessionInfo",
+           "decode_note"]
 log = logging.getLogger("streamllm.engine")
+
+
+def decode_note(stats: Mapping[str, Any]) -> str:
+    """How this engine's decode steps run, in words for start-up banners, from `stats()` ("" for the plain
+    Python forward on the model's own weights)."""
+    if stats.get("native_decode"):
+        return "decode steps in native code"
+    return "decode steps read 4-bit weight copies" if stats.get("int4_decode") else ""
 
 
 class Engine(Intake, Subscribable, EngineClient):
